@@ -1,0 +1,24 @@
+"""Configuration of the weight sync (`actor_rollout_ref.rollout.checkpoint_engine.*`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megarl.config.typed import require
+
+
+@dataclass
+class CheckpointEngineConfig:
+    # colocated: the engine shares the training ranks (all-gather + broadcast in buckets);
+    # distributed: the engine has ranks of its own, buckets cross a group spanning both;
+    # disk: HF safetensors written to `disk_dir` for an engine in another job.
+    backend: Literal["auto", "colocated", "distributed", "disk"] = "auto"  # auto: from rollout.placement
+    bucket_size_mb: int = 512
+    overlap: bool = True                   # move the next bucket while the engine loads this one
+    disk_dir: str | None = None
+    update_weights_bucket_megabytes: int | None = None  # verl's name for bucket_size_mb
+
+    def __post_init__(self):
+        if self.update_weights_bucket_megabytes is not None:
+            self.bucket_size_mb = self.update_weights_bucket_megabytes
+        require(self.bucket_size_mb >= 1, "bucket_size_mb", "must be >= 1 (MiB)")

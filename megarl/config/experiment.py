@@ -1,0 +1,243 @@
+"""The whole experiment: one typed tree composed of the components' own configs.
+
+    data                    megarl/data/config.py
+    actor_rollout_ref       model, actor, ref (megarl/workers/config.py) and rollout (megarl/rollout/config.py)
+    critic                  megarl/workers/config.py
+    reward_model            megarl/reward/config.py
+    custom_reward_function  megarl/reward/config.py
+    algorithm               megarl/algos/config.py
+    trainer                 megarl/trainer/config.py (layout, checkpoints, logging)
+
+Each component validates its own fields; this module checks the rules that span components.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from megarl.algos.config import AlgorithmConfig
+from megarl.config.errors import ConfigError
+from megarl.config.interpolate import resolve
+from megarl.config.loader import apply_overrides, deep_merge, read_yaml
+from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
+from megarl.data.config import DataConfig
+from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
+from megarl.rollout.config import RolloutConfig
+from megarl.trainer.config import TrainerConfig
+from megarl.workers.config import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, RefConfig
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True             # accepted for verl compatibility; see rollout.placement
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class ExperimentConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self):
+        self._fill_defaults_across_sections()
+        self._check_cross_section_rules()
+
+    # -- shortcuts used everywhere -------------------------------------------------------------
+    @property
+    def actor(self) -> ActorConfig:
+        return self.actor_rollout_ref.actor
+
+    @property
+    def rollout(self) -> RolloutConfig:
+        return self.actor_rollout_ref.rollout
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.actor_rollout_ref.model
+
+    @property
+    def train_world_size(self) -> int:
+        """Ranks that train (all of them unless the rollout engine has ranks of its own)."""
+        extra = self.rollout.disaggregated_ranks if self.rollout.placement == "disaggregated" else 0
+        return self.trainer.world_size - extra
+
+    def data_parallel_size(self, layout: MegatronConfig | None = None) -> int:
+        layout = layout or self.actor.megatron
+        return self.train_world_size // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size)
+
+    # -- rules ---------------------------------------------------------------------------------
+    def _fill_defaults_across_sections(self) -> None:
+        ro, data = self.rollout, self.data
+        if ro.prompt_length is None:
+            ro.prompt_length = data.max_prompt_length
+        if ro.response_length is None:
+            ro.response_length = data.max_response_length
+        if self.critic.enable is None:
+            self.critic.enable = self.algorithm.needs_critic
+        crit = self.critic
+        if crit.megatron is None:
+            crit.megatron = self.actor.megatron
+        if crit.ppo_mini_batch_size is None:
+            crit.ppo_mini_batch_size = self.actor.ppo_mini_batch_size
+        if crit.ppo_micro_batch_size_per_gpu is None:
+            crit.ppo_micro_batch_size_per_gpu = self.actor.ppo_micro_batch_size_per_gpu
+        if crit.ppo_epochs is None:
+            crit.ppo_epochs = self.actor.ppo_epochs
+        if crit.model.path is None and crit.model.init_from == "actor":
+            crit.model.path = self.model.path
+        ref = self.actor_rollout_ref.ref
+        if ref.megatron is None:
+            ref.megatron = self.actor.megatron
+        if ref.log_prob_micro_batch_size_per_gpu is None:
+            ref.log_prob_micro_batch_size_per_gpu = (self.actor.log_prob_micro_batch_size_per_gpu
+                                                     or self.actor.ppo_micro_batch_size_per_gpu)
+        if self.actor.log_prob_micro_batch_size_per_gpu is None:
+            self.actor.log_prob_micro_batch_size_per_gpu = self.actor.ppo_micro_batch_size_per_gpu
+        if self.model.tokenizer_path is None:
+            self.model.tokenizer_path = self.model.path
+        total = self.trainer.total_training_steps
+        for optim in (self.actor.optim, self.critic.optim):
+            if optim.total_training_steps < 0 and total is not None:
+                optim.total_training_steps = total
+
+    def _check_cross_section_rules(self) -> None:
+        algo, actor, ro, data, tr = self.algorithm, self.actor, self.rollout, self.data, self.trainer
+        if algo.is_group_relative and ro.n < 2:
+            raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of one "
+                              f"prompt, so it needs actor_rollout_ref.rollout.n >= 2 (got {ro.n})",
+                              "actor_rollout_ref.rollout.n")
+        if algo.needs_critic and not self.critic.enable:
+            raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or pick "
+                              "a critic-free estimator such as grpo", "critic.enable")
+        if ro.placement == "disaggregated" and ro.disaggregated_ranks >= tr.world_size:
+            raise ConfigError(f"gives all {tr.world_size} ranks to the engine; leave some for training or "
+                              "raise trainer.n_gpus_per_node", "actor_rollout_ref.rollout.disaggregated_ranks")
+        for role, layout in (("actor_rollout_ref.actor", actor.megatron),
+                             ("critic", self.critic.megatron), ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)):
+            if role == "critic" and not self.critic.enable:
+                continue
+            tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+            if self.train_world_size % (tp * pp):
+                raise ConfigError(
+                    f"TP {tp} x PP {pp} = {tp * pp} does not divide the {self.train_world_size} training ranks "
+                    f"(trainer.nnodes x trainer.n_gpus_per_node{' minus rollout.disaggregated_ranks' if ro.placement == 'disaggregated' else ''}); "
+                    f"so TP x PP x DP cannot equal the world size: change the layout or the rank count",
+                    f"{role}.megatron.tensor_model_parallel_size")
+        dp = self.data_parallel_size()
+        rollout_ranks = ro.disaggregated_ranks if ro.placement == "disaggregated" else tr.world_size
+        if rollout_ranks % ro.tensor_model_parallel_size:
+            raise ConfigError(f"rollout TP {ro.tensor_model_parallel_size} does not divide the {rollout_ranks} "
+                              "rollout ranks; pick a divisor", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+        if data.train_batch_size % actor.ppo_mini_batch_size:
+            raise ConfigError(f"data.train_batch_size={data.train_batch_size} is not a multiple of "
+                              f"ppo_mini_batch_size={actor.ppo_mini_batch_size}; make the mini batch a divisor",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size")
+        for role, mini, micro in (("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu),
+                                  ("critic", self.critic.ppo_mini_batch_size, self.critic.ppo_micro_batch_size_per_gpu)):
+            if role == "critic" and not self.critic.enable:
+                continue
+            seqs = mini * ro.n
+            if seqs % (micro * dp):
+                raise ConfigError(
+                    f"a mini batch holds ppo_mini_batch_size x rollout.n = {mini} x {ro.n} = {seqs} sequences, "
+                    f"not divisible by ppo_micro_batch_size_per_gpu x DP = {micro} x {dp}; change one of them",
+                    f"{role}.ppo_micro_batch_size_per_gpu")
+        if ro.prompt_length > data.max_prompt_length or ro.response_length > data.max_response_length:
+            pass  # the rollout may allow more than the data keeps; the data side filters first
+
+    # -- model-dependent rules (need the HF config.json) ----------------------------------------
+    def check_model(self, hf_config: dict) -> None:
+        """Refuse layouts that cannot shard this model, before any rank allocates memory."""
+        heads = hf_config.get("num_attention_heads")
+        kv = hf_config.get("num_key_value_heads") or heads
+        layers = hf_config.get("num_hidden_layers")
+        layouts = [("actor_rollout_ref.actor", self.actor.megatron),
+                   ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)]
+        if self.critic.enable:
+            layouts.append(("critic", self.critic.megatron))
+        for role, layout in layouts:
+            tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+            if heads % tp or kv % tp:
+                raise ConfigError(f"TP {tp} must divide the model's {heads} attention heads and {kv} KV groups; "
+                                  f"use a TP that divides {kv}", f"{role}.megatron.tensor_model_parallel_size")
+            if layers % pp:
+                raise ConfigError(f"PP {pp} must divide the model's {layers} layers; use a divisor of {layers}",
+                                  f"{role}.megatron.pipeline_model_parallel_size")
+        rtp = self.rollout.tensor_model_parallel_size
+        if heads % rtp or kv % rtp:
+            raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
+                              "groups", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def _leaf_paths(node: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in node.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        out.append(path)
+        if isinstance(value, dict):
+            out.extend(_leaf_paths(value, path))
+    return out
+
+
+def check_known_keys(raw: dict) -> None:
+    """Name the first unknown key with the closest valid one, searching the whole tree so that
+    `rollout.n=5` points to `actor_rollout_ref.rollout.n`."""
+    known = set(all_keys(ExperimentConfig))
+    free = open_keys(ExperimentConfig)
+    paths = _leaf_paths(raw)
+
+    def accepted(path: str) -> bool:
+        return path in known or any(path.startswith(f + ".") for f in free)
+
+    for path in paths:
+        if accepted(path):
+            continue
+        below = sorted((p for p in paths if p == path or p.startswith(path + ".")), key=lambda p: -p.count("."))
+        for deeper in below:  # `rollout.n` -> `actor_rollout_ref.rollout.n`
+            suffix = sorted(k for k in known if k.endswith("." + deeper))
+            if suffix:
+                raise ConfigError(f"unknown key; did you mean '{suffix[0]}'?", deeper)
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
+        leaf = path.split(".")[-1]
+        hint = (closest(path, siblings) or next((k for k in sorted(known) if k.split(".")[-1] == leaf), None)
+                or closest(path, sorted(known)))
+        raise ConfigError(f"unknown key; did you mean '{hint}'?" if hint else "unknown key", path)
+
+
+def build_config(raw: dict) -> ExperimentConfig:
+    check_known_keys(raw)
+    merged = deep_merge(defaults_of(ExperimentConfig), raw)
+    return build(ExperimentConfig, resolve(merged))
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read `path` (with its bases), apply `a.b=c` overrides, and return the validated tree."""
+    raw = read_yaml(path) if path else {}
+    raw = apply_overrides(raw, list(overrides))
+    return build_config(raw)
+
+
+def read_hf_config(model_dir: str) -> dict | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,56 @@
+"""`${section.key}` and `${env:NAME,default}` references inside string values.
+
+Resolved once on the merged plain dict, before typing, so every component sees final values
+(e.g. `default_local_dir: runs/${trainer.experiment_name}` or `${env:SLURM_JOB_ID,local}`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from megarl.config.errors import ConfigError
+
+_REF = re.compile(r"\$\{([^}]+)\}")
+
+
+def _lookup(root: dict, dotted: str, where: str) -> Any:
+    node: Any = root
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"refers to ${{{dotted}}}, which is not set; set it or remove the reference", where)
+        node = node[part]
+    return node
+
+
+def resolve(root: dict) -> dict:
+    def value_of(text: str, where: str, stack: tuple[str, ...]) -> Any:
+        def one(ref: str) -> Any:
+            ref = ref.strip()
+            if ref.startswith(("env:", "oc.env:")):
+                name, _, default = ref.split(":", 1)[1].partition(",")
+                got = os.environ.get(name.strip())
+                if got is None and not default:
+                    raise ConfigError(f"environment variable {name.strip()} is not set; export it or give "
+                                      f"a default as ${{env:{name.strip()},value}}", where)
+                return got if got is not None else default.strip()
+            if ref in stack:
+                raise ConfigError(f"references form a cycle: {' -> '.join((*stack, ref))}", where)
+            target = _lookup(root, ref, where)
+            return walk(target, ref, (*stack, ref)) if isinstance(target, str) else target
+
+        whole = _REF.fullmatch(text)
+        if whole:  # a lone reference keeps the referenced value's type
+            return one(whole.group(1))
+        return _REF.sub(lambda m: str(one(m.group(1))), text)
+
+    def walk(node: Any, where: str, stack: tuple[str, ...] = ()) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, f"{where}.{k}" if where else str(k), stack) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{where}[{i}]", stack) for i, v in enumerate(node)]
+        if isinstance(node, str) and "${" in node:
+            return value_of(node, where, stack)
+        return node
+
+    return walk(root, "")

@@ -1,0 +1,90 @@
+"""YAML experiment files with bases, plus dotted command-line overrides.
+
+    base: ppo_base.yaml          # or a list; paths relative to this file
+    actor_rollout_ref:
+      rollout: {n: 5}
+
+Bases merge first (left to right), then the file itself, then `a.b.c=value` overrides.
+Mappings merge key by key; lists and scalars replace. A value of `null` clears a key.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import yaml
+
+from megarl.config.errors import ConfigError
+
+BASE_KEY = "base"
+
+
+def deep_merge(into: dict, new: dict) -> dict:
+    out = copy.deepcopy(into)
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
+    """One config file with its bases resolved, as a plain dict."""
+    path = os.path.abspath(path)
+    if path in _seen:
+        chain = " -> ".join(os.path.basename(p) for p in (*_seen, path))
+        raise ConfigError(f"config bases form a cycle ({chain}); remove one '{BASE_KEY}:' entry")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}; check the --config path")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    bases = data.pop(BASE_KEY, None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    merged: dict = {}
+    for base in bases:
+        base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        merged = deep_merge(merged, read_yaml(base_path, (*_seen, path)))
+    return deep_merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML: 5 -> int, true -> bool, [1,2] -> list)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value; write e.g. "
+                          "actor_rollout_ref.rollout.n=5")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key part; write e.g. trainer.save_freq=10")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    out = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"cannot set '{'.'.join(path)}': '{'.'.join(path[:i + 1])}' is "
+                                  f"{nxt!r}, not a section", ".".join(path))
+            node = nxt
+        node[path[-1]] = value
+    return out

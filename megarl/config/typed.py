@@ -1,0 +1,198 @@
+"""Plain dicts (from YAML and overrides) to typed dataclasses and back.
+
+Each component owns a dataclass; `build(cls, raw)` checks every key and value against its
+annotations and then runs the dataclass's own `__post_init__` checks. Errors name the full
+dotted key, the bad value, the expected type and the closest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+from megarl.config.errors import ConfigError
+
+_MISSING = dataclasses.MISSING
+
+
+def closest(name: str, options: list[str]) -> str | None:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"list[{_type_name(args[0])}]" if args else "list"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError naming key, value and expected type."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise _type_error(key, value, tp)
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        allowed = ", ".join(repr(a) for a in get_args(tp))
+        hint = closest(str(value), [str(a) for a in get_args(tp)])
+        fix = f"; did you mean {hint!r}?" if hint else ""
+        raise ConfigError(f"got {value!r}, expected one of {allowed}{fix}", key)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise _type_error(key, value, tp)
+        return build(tp, value, prefix=key)
+    if origin in (list, tuple):
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise _type_error(key, value, tp)
+        (item_tp, *_) = get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, value, tp)
+        args = get_args(tp)
+        if args:
+            return {k: _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, value, tp)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _type_error(key, value, tp)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(key, value, tp)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        # YAML turns `name: 1e-3` or `tag: 7` into numbers; a str field takes their text.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _type_error(key, value, tp)
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise _type_error(key, value, tp)
+
+
+def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return ConfigError(f"got {shown} ({type(value).__name__}), expected {_type_name(tp)}", key)
+
+
+def build(cls: type, raw: dict | None, prefix: str = "") -> Any:
+    """Construct dataclass `cls` from a mapping, checking keys, types and the class's own rules."""
+    raw = dict(raw or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            hint = closest(str(name), list(fields))
+            fix = f"; did you mean '{prefix + '.' if prefix else ''}{hint}'?" if hint else (
+                f"; valid keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown key{fix}", key)
+        kwargs[name] = _coerce(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) from None
+    except TypeError as err:  # a required field without a default was not given
+        raise ConfigError(str(err), prefix or cls.__name__) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists (for YAML output and the run directory)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key a dataclass tree accepts (for 'did you mean' across sections)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        out.append(key)
+        tp = hints[f.name]
+        for cand in (tp, *get_args(tp)):
+            if dataclasses.is_dataclass(cand):
+                out.extend(all_keys(cand, key))
+                break
+    return out
+
+
+def defaults_of(cls: type) -> dict:
+    """The defaults of a dataclass tree as plain dicts, without running the top class's checks."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not _MISSING:
+            out[f.name] = to_dict(f.default)
+        elif f.default_factory is not _MISSING:  # type: ignore[misc]
+            out[f.name] = to_dict(f.default_factory())  # type: ignore[misc]
+    return out
+
+
+def open_keys(cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys whose values are free-form mappings (anything below them is accepted)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        cands = (tp, *get_args(tp))
+        if any(c is dict or get_origin(c) is dict for c in cands):
+            out.append(key)
+        for cand in cands:
+            if dataclasses.is_dataclass(cand):
+                out.extend(open_keys(cand, key))
+                break
+    return out
+
+
+def require(cond: bool, key: str, message: str) -> None:
+    """Raise a ConfigError for `key` unless `cond` holds (for __post_init__ checks)."""
+    if not cond:
+        raise ConfigError(message, key)

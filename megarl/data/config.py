@@ -1,0 +1,44 @@
+"""Configuration of the prompt data (`data.*`), verl's keys and meanings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.config.typed import require
+
+
+@dataclass
+class DataConfig:
+    train_files: str | list[str] = field(default_factory=list)  # .jsonl / .json / .parquet files
+    val_files: str | list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"             # a string, or a list of chat messages
+    reward_fn_key: str = "data_source"     # which field selects the rule reward
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 64             # prompts per step (before n samples each)
+    val_batch_size: int | None = None      # None: the whole validation set in one pass
+    chat_template: str | None = None       # None: the tokenizer's own; or chatml, llama3, plain, or a Jinja string
+    apply_chat_template: bool = True       # False: string prompts are tokenized as they are
+    # What to do with prompts longer than max_prompt_length: drop them (counted) when
+    # filter_overlong_prompts, else truncate from the left/right or stop with an error.
+    truncation: Literal["error", "left", "right"] = "error"
+    filter_overlong_prompts: bool = True
+    shuffle: bool = True
+    seed: int = 1
+    # Malformed rows are skipped and reported with their line numbers; above this fraction
+    # of a file the load stops with an error instead.
+    max_bad_row_fraction: float = 0.05
+    dataloader_num_workers: int = 0
+    return_raw_chat: bool = False
+    custom_cls: dict[str, Any] = field(default_factory=dict)  # {path, name}: a user's dataset class
+
+    def __post_init__(self):
+        if isinstance(self.train_files, str):
+            self.train_files = [self.train_files]
+        if isinstance(self.val_files, str):
+            self.val_files = [self.val_files]
+        require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+        require(self.max_response_length >= 1, "max_response_length", "must be >= 1")
+        require(self.train_batch_size >= 1, "train_batch_size", "must be >= 1")
+        require(self.val_batch_size is None or self.val_batch_size >= 1, "val_batch_size", "must be >= 1 or null")
+        require(0.0 <= self.max_bad_row_fraction <= 1.0, "max_bad_row_fraction", "must be within [0, 1]")

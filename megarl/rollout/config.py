@@ -1,0 +1,141 @@
+"""Configuration of rollout (`actor_rollout_ref.rollout.*`).
+
+Every field of verl's RolloutConfig is accepted with verl's meaning. Fields that only one
+engine understands are handed to it (see each engine's module); `engine_kwargs.<name>` passes
+arguments to an engine verbatim, so new engine options need no code change here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.checkpoint_engine.config import CheckpointEngineConfig
+from megarl.config.typed import require
+
+
+def check_sampling(obj, prefix: str = "") -> None:
+    """The sampling rules shared by training and validation sampling."""
+    p = prefix
+    require(obj.temperature >= 0, f"{p}temperature", f"got {obj.temperature}, must be >= 0 (0 = greedy)")
+    require(0 < obj.top_p <= 1, f"{p}top_p", f"got {obj.top_p}, must be in (0, 1]")
+    require(obj.top_k == -1 or obj.top_k >= 1, f"{p}top_k", f"got {obj.top_k}, must be -1 (off) or >= 1")
+    require(obj.n >= 1, f"{p}n", f"got {obj.n}, must be >= 1")
+
+
+@dataclass
+class SamplingConfig:
+    """Validation sampling (`rollout.val_kwargs`)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    do_sample: bool = False
+
+    def __post_init__(self):
+        check_sampling(self)
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    tool_config_path: str | None = None    # same as rollout.tools
+    interaction_config_path: str | None = None
+    max_parallel_calls: int = 1
+    format: str = "hermes"                 # how tool calls appear in text: <tool_call>{json}</tool_call>
+    tool_timeout_s: float = 30.0
+
+
+@dataclass
+class ServerConfig:
+    timeout: float = 60.0
+    max_attempts: int = 3
+    max_connections: int = 1000
+
+
+@dataclass
+class RolloutConfig:
+    # Engine: native (built in, runs anywhere), trtllm (TensorRT-LLM), hf (transformers' generate),
+    # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name).
+    # vllm and sglang are recognised and refused with a message saying they are not integrated.
+    name: str = "native"
+    mode: Literal["async", "sync"] = "sync"
+    custom_cls_path: str | None = None
+    custom_cls_name: str | None = None
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    n: int = 1
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    over_sample_rate: float = 0.0
+
+    prompt_length: int | None = None       # None: data.max_prompt_length
+    response_length: int | None = None     # None: data.max_response_length
+    max_response_length: int | None = None  # seed docs' spelling of response_length
+
+    dtype: str = "auto"                    # auto: bf16 on GPU, fp32 on CPU (exact log-probs)
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    free_cache_engine: bool = True
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    max_num_seqs: int = 1024
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+
+    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    tools: str | None = None               # a tools.yaml (seed 000); turns multi_turn on
+    interactions: list[str] = field(default_factory=list)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = True
+    load_format: str = "dummy"
+    quantization: str | None = None
+
+    # Where the engine runs: on the training ranks (colocated, sleeping while the trainer works)
+    # or on ranks of its own (disaggregated: the last `disaggregated_ranks` of the world).
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    disaggregated_ranks: int = 0
+    engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # {engine name: kwargs}
+    # Over-long prompts: refuse ("error") or keep the last prompt_length tokens ("left").
+    prompt_truncation: Literal["error", "left"] = "error"
+
+    def __post_init__(self):
+        check_sampling(self)
+        require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 = off)")
+        require(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
+        require(self.pipeline_model_parallel_size == 1, "pipeline_model_parallel_size",
+                "rollout engines here shard by TP only; set it to 1 and raise tensor_model_parallel_size")
+        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        if self.max_response_length is not None:
+            require(self.response_length in (None, self.max_response_length), "max_response_length",
+                    f"conflicts with response_length={self.response_length}; set only one")
+            self.response_length = self.max_response_length
+        if self.tools is not None:
+            self.multi_turn.enable = True
+            if self.multi_turn.tool_config_path is None:
+                self.multi_turn.tool_config_path = self.tools
+        if self.name == "custom":
+            require(bool(self.custom_cls_path and self.custom_cls_name), "custom_cls_path",
+                    "name=custom needs custom_cls_path=<file.py or module> and custom_cls_name=<class>")
+        require(self.placement == "colocated" or self.disaggregated_ranks >= 1, "disaggregated_ranks",
+                "placement=disaggregated needs disaggregated_ranks >= 1 (ranks given to the engine)")

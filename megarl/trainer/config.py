@@ -1,0 +1,65 @@
+"""Configuration of the run itself (`trainer.*`): length, layout, checkpoints, logging.
+
+Checkpoint and logging keys live here, as in verl, so users' command lines carry over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.config.typed import require
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megarl"
+    experiment_name: str = "run"
+    total_epochs: int = 1
+    total_training_steps: int | None = None  # None: epochs x batches per epoch
+    seed: int = 1
+
+    # Layout of the job: processes are nnodes x n_gpus_per_node (CPU slots on CPU).
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    collective_timeout_s: float = 600.0    # a rank that waits this long on a collective fails the job
+
+    # Checkpoints.
+    save_freq: int = -1                    # every N steps; -1 = never
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str | None = None
+    max_actor_ckpt_to_keep: int | None = None  # None: keep all
+    max_critic_ckpt_to_keep: int | None = None
+
+    # Validation and logging.
+    test_freq: int = -1
+    val_before_train: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console"])  # console, tensorboard, wandb
+    log_dir: str | None = None             # None: <default_local_dir>
+    plot_reward_curve: bool = True
+
+    # Bad steps: a NaN/inf loss or grad norm skips that update; the run stops after this many.
+    max_bad_steps: int = 3
+
+    def __post_init__(self):
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        for name in self.logger:
+            require(name in ("console", "tensorboard", "wandb", "jsonl"), "logger",
+                    f"unknown logger {name!r}; use console, tensorboard or wandb")
+        require(self.total_epochs >= 1, "total_epochs", "must be >= 1")
+        require(self.total_training_steps is None or self.total_training_steps >= 1,
+                "total_training_steps", "must be >= 1 or null")
+        require(self.nnodes >= 1, "nnodes", "must be >= 1")
+        require(self.n_gpus_per_node >= 1, "n_gpus_per_node", "must be >= 1")
+        require(self.save_freq == -1 or self.save_freq >= 1, "save_freq", "must be -1 (never) or >= 1")
+        require(self.test_freq == -1 or self.test_freq >= 1, "test_freq", "must be -1 (never) or >= 1")
+        require(self.resume_mode != "resume_path" or bool(self.resume_from_path), "resume_from_path",
+                "resume_mode=resume_path needs resume_from_path=<checkpoint step directory>")
+        require(self.max_bad_steps >= 0, "max_bad_steps", "must be >= 0")
+        require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node

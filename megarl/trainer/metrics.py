@@ -1,0 +1,128 @@
+"""Per-step metrics: one progress line on the console, one JSON record in metrics.jsonl, and
+TensorBoard / Weights & Biases when installed and asked for (`trainer.logger`).
+
+Metric names follow verl where it has one (critic/score/mean, actor/pg_loss, timing_s/gen, ...).
+Only rank 0 writes; the other ranks' loggers are silent.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+# (label, candidate metric names, format): the first name present is shown.
+PROGRESS_FIELDS = [
+    ("reward", ("critic/score/mean", "critic/rewards/mean"), "{:.3f}"),
+    ("kl", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl"), "{:.4f}"),
+    ("entropy", ("actor/entropy",), "{:.3f}"),
+    ("resp_len", ("response_length/mean",), "{:.1f}"),
+    ("tok/s", ("perf/throughput",), "{:.0f}"),
+    ("val_acc", ("val/accuracy",), "{:.3f}"),
+]
+
+
+def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
+    parts = [f"step {step}" + (f"/{total}" if total else "")]
+    for label, names, fmt in PROGRESS_FIELDS:
+        for name in names:
+            if name in metrics and metrics[name] is not None:
+                parts.append(f"{label} {fmt.format(metrics[name])}")
+                break
+    phases = [(k.split("/", 1)[1], v) for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"]
+    if phases:
+        parts.append(" ".join(f"{name} {v:.1f}s" for name, v in phases))
+    if "timing_s/step" in metrics:
+        parts.append(f"step {metrics['timing_s/step']:.1f}s")
+    return " | ".join(parts)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible as text
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, loggers: list[str], project: str, experiment: str,
+                 config: dict | None = None, enabled: bool = True, stream: TextIO | None = None,
+                 total_steps: int | None = None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        self.backends: list[Any] = []
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if "tensorboard" in loggers:
+            self.backends.append(_TensorBoard(os.path.join(run_dir, "tensorboard")))
+        if "wandb" in loggers:
+            self.backends.append(_WandB(project, experiment, config, run_dir))
+
+    def log(self, step: int, metrics: dict[str, Any], print_line: bool = True) -> dict:
+        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        if not self.enabled:
+            return record
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if print_line:
+            print(progress_line(step, self.total_steps, record), file=self.stream, flush=True)
+        for backend in self.backends:
+            backend.log(step, record)
+        return record
+
+    def info(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+
+
+class _TensorBoard:
+    def __init__(self, logdir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # tensorboard is an optional extra
+            raise RuntimeError("trainer.logger includes tensorboard but the package is missing; "
+                               "pip install tensorboard (or megarl[logging])") from err
+        self.writer = SummaryWriter(logdir)
+
+    def log(self, step: int, record: dict) -> None:
+        for key, value in record.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, project: str, experiment: str, config: dict | None, run_dir: str):
+        try:
+            import wandb
+        except ImportError as err:
+            raise RuntimeError("trainer.logger includes wandb but the package is missing; "
+                               "pip install wandb (or megarl[logging])") from err
+        self.run = wandb.init(project=project, name=experiment, config=config, dir=run_dir, resume="allow")
+
+    def log(self, step: int, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,156 @@
+"""Configuration of the Megatron-side roles: actor, reference, critic (verl's keys).
+
+    actor_rollout_ref.model.*        the HF checkpoint the actor, reference and rollout share
+    actor_rollout_ref.actor.*        policy optimisation (PPO epochs, clipping, optimiser, layout)
+    actor_rollout_ref.ref.*          the frozen reference policy
+    critic.*                         the value model
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.config.typed import require
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None                # an HF checkpoint directory (config.json + safetensors)
+    tokenizer_path: str | None = None      # None: the same directory as `path`
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)  # merged into the HF config
+    # An import path `pkg.module:function(model_dir, config)` that creates the checkpoint at
+    # `path` when it does not exist yet (rank 0 runs it, the others wait). The quickstart uses
+    # it to build and warm-start its small model locally.
+    bootstrap: str | None = None
+    bootstrap_kwargs: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True        # accepted for verl compatibility; megarl never pads inside a sequence
+    external_lib: str | None = None        # a module imported before the model is built (custom architectures)
+
+
+@dataclass
+class MegatronConfig:
+    """How one role's model is sharded. TP x PP x DP must equal the number of ranks."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    param_offload: bool = False            # move weights to host memory while the role is idle
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    seed: int = 42
+    dist_checkpointing_path: str | None = None  # load from a megatron distributed checkpoint instead of HF
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size"):
+            require(getattr(self, key) >= 1, key, "must be >= 1")
+        require(self.context_parallel_size == 1, "context_parallel_size",
+                "context parallelism is not supported yet; set it to 1")
+        require(self.expert_model_parallel_size == 1, "expert_model_parallel_size",
+                "MoE models are not supported yet; set it to 1")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adam", "adamw"] = "adamw"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = -1              # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_steps: int | None = None      # None: trainer.total_training_steps
+    total_training_steps: int = -1         # filled in from the trainer at run time
+
+    def __post_init__(self):
+        require(self.lr >= 0, "lr", "must be >= 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
+                "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        require(self.clip_grad > 0, "clip_grad", "must be > 0")
+        require(0.0 <= self.lr_warmup_steps_ratio <= 1.0, "lr_warmup_steps_ratio", "must be within [0, 1]")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"             # a name in megarl.algos's policy-loss registry (vanilla, dual_clip, gspo, ...)
+
+
+@dataclass
+class ActorConfig:
+    strategy: Literal["megatron"] = "megatron"
+    ppo_mini_batch_size: int = 16          # prompts per optimiser step (x n responses each)
+    ppo_micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one data-parallel rank
+    ppo_micro_batch_size: int | None = None  # verl's deprecated global form; per_gpu wins
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None    # None: clip_ratio
+    clip_ratio_high: float | None = None   # None: clip_ratio (DAPO's clip-higher sets it larger)
+    clip_ratio_c: float = 3.0              # dual-clip lower bound for negative advantages
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float | None = None         # verl's key; when set it overrides optim.clip_grad
+    use_torch_compile: bool = False
+    log_prob_micro_batch_size_per_gpu: int | None = None  # None: ppo_micro_batch_size_per_gpu
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint: dict[str, Any] = field(default_factory=dict)  # accepted for verl compatibility
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+    def __post_init__(self):
+        require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
+        require(self.ppo_micro_batch_size_per_gpu >= 1, "ppo_micro_batch_size_per_gpu", "must be >= 1")
+        require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        require(self.clip_ratio > 0, "clip_ratio", "must be > 0")
+        require(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (dual-clip bound)")
+        if self.grad_clip is not None:
+            self.optim.clip_grad = self.grad_clip
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int | None = None  # None: the actor's
+    megatron: MegatronConfig | None = None  # None: the actor's layout
+    param_offload: bool = False            # keep the frozen weights in host memory between uses
+
+
+@dataclass
+class CriticModelConfig(ModelConfig):
+    # Where the value head starts: "actor" copies the actor's backbone and zero-initialises the
+    # head; "path" loads `critic.model.path` (e.g. a reward-model checkpoint with a score head).
+    init_from: Literal["actor", "path"] = "actor"
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None             # None: on exactly when the advantage estimator needs values (gae)
+    strategy: Literal["megatron"] = "megatron"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronConfig | None = None  # None: the actor's layout
+    ppo_mini_batch_size: int | None = None  # None: the actor's
+    ppo_micro_batch_size_per_gpu: int | None = None
+    ppo_epochs: int | None = None
+    cliprange_value: float = 0.5
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    grad_clip: float | None = None
+
+    def __post_init__(self):
+        require(self.cliprange_value > 0, "cliprange_value", "must be > 0")
+        if self.grad_clip is not None:
+            self.optim.clip_grad = self.grad_clip

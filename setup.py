@@ -1,0 +1,36 @@
+"""megarl: RL post-training for LLMs on Megatron-core, with TensorRT-LLM or a built-in rollout engine.
+
+torch is required as `torch>=2.4` so a cluster's own CUDA build is kept; the README's commands
+install the CPU build (2.13.0) first on machines without a GPU.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="RL post-training (PPO/GRPO) on Megatron-core with TensorRT-LLM or a built-in rollout engine",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl": ["py.typed", "**/*.yaml", "**/*.jinja", "**/*.json", "**/*.jsonl"]},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.17",     # 0.16.1 is the newest for Python 3.11
+        "transformers>=4.56",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "ray>=2.40",
+        "numpy>=1.26",
+        "pyarrow>=14",                     # parquet datasets
+        "matplotlib>=3.8",                 # the reward-curve PNG
+    ],
+    extras_require={
+        "trtllm": ["tensorrt-llm>=1.2"],
+        "te": ["transformer-engine[pytorch]"],
+        "logging": ["tensorboard", "wandb"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["megarl-train=megarl.train:main"]},
+)

@@ -1,0 +1,64 @@
+"""Run a function on N real gloo processes from a test and collect what each rank returns.
+
+    results = run_ranks(world_size=4, fn=check_layout, args=(tp, pp))   # fn(rank, world, *args)
+
+Each spawn costs seconds (process start, torch and megatron imports), so tests group many
+checks into one function and one spawn. `fn` must be importable (module level).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, fn, args, env: dict) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), **env})
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # report to the parent instead of dying silently
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, args: tuple = (), env: dict | None = None, timeout: float = 600) -> list:
+    """Spawn `world_size` processes running fn(rank, world_size, *args); return their results."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args, env or {}),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        errors = []
+        try:
+            while not ctx.join(timeout=timeout):
+                pass
+        except Exception as err:  # a rank failed: collect every rank's traceback for the message
+            errors.append(str(err))
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(outdir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank} left no result")
+                continue
+            got = torch.load(path, weights_only=False)
+            if not got["ok"]:
+                errors.append(f"rank {rank}:\n{got['error']}")
+            results.append(got.get("result"))
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results

@@ -1,0 +1,179 @@
+"""Config loading, bases, overrides, interpolation and every one-line error (issue: foundation)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megarl.config import ConfigError, ExperimentConfig, load_config
+from megarl.config.loader import parse_override
+
+SEED_OVERRIDES = ["actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.n=5",
+                  "data.chat_template=chatml", "algorithm.adv_estimator=grpo"]
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_defaults_are_valid():
+    cfg = load_config(None)
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.rollout.name == "native"
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable  # gae turns the critic on
+    assert cfg.rollout.prompt_length == cfg.data.max_prompt_length
+
+
+def test_seed_overrides_as_written():
+    cfg = load_config(None, SEED_OVERRIDES)
+    assert (cfg.rollout.name, cfg.rollout.n, cfg.data.chat_template) == ("trtllm", 5, "chatml")
+    assert cfg.algorithm.adv_estimator == "grpo" and not cfg.critic.enable
+
+
+def test_every_verl_rollout_field_is_accepted():
+    # The RolloutConfig fields of seed 003, plus the seed 000 keys.
+    fields = dict(name="sglang", mode="async", temperature=0.7, top_k=50, top_p=0.9, do_sample=True, n=4,
+                  repetition_penalty=1.1, over_sample_rate=0.1, prompt_length=1024, response_length=2048,
+                  dtype="bfloat16", gpu_memory_utilization=0.6, ignore_eos=False, enforce_eager=True,
+                  free_cache_engine=True, data_parallel_size=1, expert_parallel_size=1,
+                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1, max_num_batched_tokens=8192,
+                  max_model_len=4096, max_num_seqs=256, log_prob_micro_batch_size=8,
+                  log_prob_micro_batch_size_per_gpu=2, log_prob_use_dynamic_bsz=False,
+                  log_prob_max_token_len_per_gpu=16384, enable_chunked_prefill=True, enable_prefix_caching=True,
+                  enable_sleep_mode=True, load_format="dummy", quantization=None)
+    overrides = [f"actor_rollout_ref.rollout.{k}={'null' if v is None else v}" for k, v in fields.items()]
+    overrides += ["actor_rollout_ref.rollout.val_kwargs.temperature=0.2",
+                  "actor_rollout_ref.rollout.multi_turn.enable=true",
+                  "actor_rollout_ref.rollout.server.timeout=30",
+                  "actor_rollout_ref.rollout.checkpoint_engine.bucket_size_mb=256",
+                  "actor_rollout_ref.rollout.custom_cls_path=my_rollout.py",
+                  "actor_rollout_ref.rollout.custom_cls_name=CustomRollout",
+                  "actor_rollout_ref.rollout.tools=tools.yaml",
+                  "actor_rollout_ref.rollout.interactions=[conversation]",
+                  "actor_rollout_ref.rollout.max_response_length=2048"]
+    cfg = load_config(None, overrides)
+    ro = cfg.rollout
+    assert ro.mode == "async" and ro.top_k == 50 and ro.response_length == 2048
+    assert ro.multi_turn.enable and ro.multi_turn.tool_config_path == "tools.yaml"
+    assert ro.checkpoint_engine.bucket_size_mb == 256 and ro.val_kwargs.temperature == 0.2
+
+
+def test_base_and_override_order(tmp_path):
+    write(tmp_path, "base.yaml", """
+        data: {train_batch_size: 8, max_prompt_length: 64}
+        actor_rollout_ref:
+          rollout: {n: 4, temperature: 0.9}
+          actor: {ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}
+        algorithm: {adv_estimator: grpo}
+        """)
+    child = write(tmp_path, "child.yaml", """
+        base: base.yaml
+        actor_rollout_ref:
+          rollout: {temperature: 0.5}
+        trainer: {experiment_name: exp1, default_local_dir: "runs/${trainer.experiment_name}"}
+        """)
+    cfg = load_config(child, ["actor_rollout_ref.rollout.temperature=0.3"])
+    assert cfg.rollout.n == 4 and cfg.data.train_batch_size == 8   # from the base
+    assert cfg.rollout.temperature == 0.3                             # override beats child beats base
+    assert cfg.trainer.default_local_dir == "runs/exp1"               # interpolation
+    assert cfg.rollout.prompt_length == 64                            # filled across sections
+
+
+def test_base_cycle_is_named(tmp_path):
+    write(tmp_path, "a.yaml", "base: b.yaml\n")
+    b = write(tmp_path, "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(b)
+
+
+def test_override_values_are_typed():
+    assert parse_override("a.b=5") == (["a", "b"], 5)
+    assert parse_override("a.b=true") == (["a", "b"], True)
+    assert parse_override("a.b=[1,2]") == (["a", "b"], [1, 2])
+    assert parse_override("a.b=tools.yaml") == (["a", "b"], "tools.yaml")
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_override("nonsense")
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["actor_rollout_ref.rollout.tmperature=0.3"], "actor_rollout_ref.rollout.tmperature", "did you mean 'actor_rollout_ref.rollout.temperature'"),
+    (["rollout.n=5"], "rollout.n", "did you mean 'actor_rollout_ref.rollout.n'"),
+    (["trainr.save_freq=3"], "trainr", "did you mean 'trainer'"),
+    (["actor_rollout_ref.rollout.n=five"], "actor_rollout_ref.rollout.n", "got 'five' (str), expected int"),
+    (["trainer.save_freq=1.5"], "trainer.save_freq", "expected int"),
+    (["actor_rollout_ref.rollout.do_sample=yes please"], "actor_rollout_ref.rollout.do_sample", "expected bool"),
+    (["trainer.resume_mode=auot"], "trainer.resume_mode", "did you mean 'auto'"),
+    (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p", "(0, 1]"),
+    (["actor_rollout_ref.rollout.temperature=-1"], "actor_rollout_ref.rollout.temperature", ">= 0"),
+    (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n", "n >= 2"),
+    (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "does not divide the 3 training ranks"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"],
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "PP 3"),
+    (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+     "actor_rollout_ref.actor.ppo_mini_batch_size", "not a multiple"),
+    (["trainer.n_gpus_per_node=2", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+      "actor_rollout_ref.rollout.n=3", "algorithm.adv_estimator=grpo",
+      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "micro_batch_size_per_gpu x DP = 2 x 2"),
+    (["algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable", "needs a critic"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+     "actor_rollout_ref.rollout.tensor_model_parallel_size", "does not divide"),
+    (["actor_rollout_ref.rollout.name=custom"], "actor_rollout_ref.rollout.custom_cls_path", "custom_cls_name"),
+    (["data.max_prompt_length=${trainer.nope}"], "data.max_prompt_length", "not set"),
+])
+def test_errors_name_key_and_fix(overrides, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    err = info.value
+    assert err.key == key, str(err)
+    assert words in str(err)
+    assert "\n" not in str(err)
+
+
+def test_model_rules():
+    cfg = load_config(None, ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
+    hf = {"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4}
+    with pytest.raises(ConfigError, match="2 KV groups"):
+        cfg.check_model(hf)
+    cfg = load_config(None, ["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"])
+    with pytest.raises(ConfigError, match="PP 3 must divide the model's 4 layers"):
+        cfg.check_model(hf)
+
+
+def test_yaml_errors(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    top = write(tmp_path, "list.yaml", "- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+
+
+def test_cli_one_line_error_and_print_config(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megarl.train", *a], capture_output=True, text=True)
+    bad = run("actor_rollout_ref.rollout.tmperature=0.3")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+    assert "did you mean 'actor_rollout_ref.rollout.temperature'" in bad.stderr
+    ok = run("--print-config", *SEED_OVERRIDES)
+    assert ok.returncode == 0, ok.stderr
+    import yaml
+    printed = yaml.safe_load(ok.stdout)
+    assert printed["actor_rollout_ref"]["rollout"]["n"] == 5
+    # The printed config loads back to the same tree.
+    path = tmp_path / "resolved.yaml"
+    path.write_text(ok.stdout)
+    assert load_config(str(path)).to_dict() == load_config(None, SEED_OVERRIDES).to_dict()
+
+
+def test_shipped_configs_validate():
+    import glob
+    paths = sorted(glob.glob("configs/*.yaml"))
+    assert paths, "configs/ should hold experiment files"
+    for path in paths:
+        load_config(path)

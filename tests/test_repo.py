@@ -1,0 +1,32 @@
+"""The repository's own promises: the README's two commands, CI calling the test one, lazy imports."""
+import re
+import subprocess
+import sys
+
+
+def readme_commands():
+    text = open("README.md").read()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_starts_with_two_commands_and_ci_runs_the_test_one():
+    first = open("README.md").read().split("```bash", 1)[0].strip()
+    assert first.startswith("# ") and first.count("\n") == 0, "only the title may precede the commands"
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "megarl-train --config configs/quickstart.yaml" in commands[0]
+    assert "pytest" in commands[1]
+    assert commands[1] in open(".ci/run").read()
+
+
+def test_import_megarl_never_imports_optional_engines():
+    code = ("import sys, megarl, megarl.config, megarl.protocol, megarl.train;"
+            "import pkgutil, importlib;"
+            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(megarl.__path__, 'megarl.')"
+            " if not m.name.endswith('__main__')];"
+            "bad=[m for m in ('tensorrt_llm','transformer_engine','apex') if m in sys.modules];"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ""
