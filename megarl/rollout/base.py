@@ -1,0 +1,176 @@
+"""The rollout contract every engine implements (native, trtllm, hf, a user's class).
+
+    engine.generate(prompts, sampling) -> per prompt, n Completions (token ids, the log-prob of
+                                          each sampled token, finish reason)
+    engine.update_weights(bucket)      -> load one bucket of HF-named full tensors
+    engine.finalize_weights()          -> all buckets are in: the new weights become active
+    engine.sleep() / engine.wake()     -> free / restore KV cache and weight memory
+
+Log-prob convention (shared with the actor's compute_log_prob): the log-prob of a sampled token
+is log_softmax(logits / temperature) at that token, before top-k/top-p truncation and before the
+repetition penalty; with temperature 0 (greedy) it is log_softmax(logits). So the trainer can
+recompute it exactly from the same weights.
+
+A user's class subclasses BaseRollout and overrides either `generate` (token level) or
+`generate_sequences(batch) -> batch` (seed 000's form). `BaseRollout.generate_sequences`
+turns token-level completions into the batch fields documented in megarl/protocol.py.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from megarl.config.errors import ConfigError
+from megarl.protocol import DataProto
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                        # -1: off
+    n: int = 1
+    max_tokens: int = 16                   # the response budget
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS ids go here too
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    do_sample: bool = True                 # False: greedy whatever the temperature
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Out-of-range values stop before anything runs, with the fix in the message."""
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)", "sampling.temperature")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]", "sampling.top_p")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k} must be -1 (off) or >= 1", "sampling.top_k")
+        if self.n < 1:
+            raise ConfigError(f"n={self.n} must be >= 1", "sampling.n")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens={self.max_tokens} must be >= 1", "sampling.max_tokens")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = off)",
+                              "sampling.repetition_penalty")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature log-probs are reported at (1.0 for greedy)."""
+        return 1.0 if self.greedy else self.temperature
+
+    def with_(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    log_probs: list[float]                 # one per token of token_ids
+    finish_reason: FinishReason
+    # Multi-turn rollouts put tool output inside the response; those positions are 0 here.
+    loss_mask: list[int] | None = None
+
+
+class RolloutEngine(ABC):
+    """Token-level engine contract. Engines are built per rank by megarl.rollout.registry."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """For each prompt, `sampling.n` completions."""
+
+    @abstractmethod
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stage one bucket of HF-named full tensors. Not visible to generate() until finalize."""
+
+    @abstractmethod
+    def finalize_weights(self) -> None:
+        """Activate the staged weights; raise if any parameter was not received (never run on a mix)."""
+
+    def abort_weight_update(self) -> None:
+        """Drop staged buckets after a failed transfer; the old weights stay active."""
+
+    def sleep(self) -> None:
+        """Release KV cache (and weights where the engine can restore them)."""
+
+    def wake(self) -> None:
+        """Undo sleep()."""
+
+
+class BaseRollout(RolloutEngine):
+    """What a user's custom class extends (`rollout.name=custom`, seed 000's BaseRollout).
+
+    Override `generate_sequences(batch)` (batch in, batch with responses and log_probs out), or
+    `generate` (token ids in, Completions out). Weight updates default to refusing, because a
+    class that ignores new weights would silently train off-policy.
+    """
+
+    def __init__(self, config: Any = None, role: str = "rollout", **kwargs: Any):
+        self.config = config
+        self.role = role
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        raise NotImplementedError(f"{type(self).__name__} implements neither generate() nor generate_sequences()")
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot take new weights; implement update_weights() "
+                                  "and finalize_weights() or train with rollout.name=native")
+
+    def finalize_weights(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot take new weights")
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        """Default: token-level generate() over `prompt_token_ids`, packed per megarl/protocol.py."""
+        sampling: SamplingParams = batch.meta_info["sampling"]
+        prompts = [list(p) for p in batch.non_tensor_batch["prompt_token_ids"]]
+        groups = self.generate(prompts, sampling)
+        return pack_completions(batch, groups, pad_token_id=batch.meta_info.get("pad_token_id", 0))
+
+
+def pack_completions(batch: DataProto, groups: list[list[Completion]], pad_token_id: int) -> DataProto:
+    """Rows of `batch` (one per prompt) x n completions -> the rollout fields of megarl/protocol.py.
+
+    Row order: the n samples of prompt i are adjacent (batch.repeat(n, interleave=True)).
+    """
+    n = len(groups[0]) if groups else 1
+    if any(len(g) != n for g in groups):
+        raise ValueError("every prompt must get the same number of completions")
+    out = batch.repeat(n, interleave=True)
+    comps = [c for g in groups for c in g]
+    prompts = [list(p) for p in out.non_tensor_batch["prompt_token_ids"]]
+    width = max([len(c.token_ids) for c in comps] + [1])
+    seq_width = max(len(p) + len(c.token_ids) for p, c in zip(prompts, comps))
+    B = len(comps)
+    responses = torch.full((B, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.long)
+    logp = torch.zeros((B, width), dtype=torch.float32)
+    input_ids = torch.full((B, seq_width), pad_token_id, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        r = len(c.token_ids)
+        if len(c.log_probs) != r:
+            raise ValueError(f"completion {i}: {len(c.log_probs)} log-probs for {r} tokens")
+        responses[i, :r] = torch.tensor(c.token_ids, dtype=torch.long)
+        mask[i, :r] = torch.tensor(c.loss_mask if c.loss_mask is not None else [1] * r, dtype=torch.long)
+        logp[i, :r] = torch.tensor(c.log_probs, dtype=torch.float32)
+        input_ids[i, :len(p) + r] = torch.tensor(p + c.token_ids, dtype=torch.long)
+    out.batch["responses"] = responses
+    out.batch["response_mask"] = mask
+    out.batch["rollout_log_probs"] = logp
+    out.batch["input_ids"] = input_ids
+    out.batch["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    out.batch["response_lens"] = torch.tensor([len(c.token_ids) for c in comps], dtype=torch.long)
+    out.non_tensor_batch["finish_reasons"] = np.array([c.finish_reason for c in comps], dtype=object)
+    return out
