@@ -278,3 +278,34 @@ def rank_plan(spec: ModelSpec, tp_rank: int, tp: int, pp_rank: int, pp: int,
     layers = range(pp_rank * per, (pp_rank + 1) * per)
     names = megatron_names(spec, layers, pp_rank == 0, pp_rank == pp - 1, head)
     return {n: hf_slices(n, spec, tp_rank, tp, head) for n in names}
+
+
+# -- megatron distributed-checkpoint keys ---------------------------------------------------------------
+# megatron's sharded state dict names the layer norms after the Transformer-Engine spec and stacks
+# the layers on a leading axis: `decoder.layers.<suffix>` of shape [num_layers, ...].
+_CKPT_SUFFIX = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def checkpoint_to_hf(tensors: Mapping[str, torch.Tensor], spec: ModelSpec,
+                     head: str = "lm") -> list[tuple[str, torch.Tensor]]:
+    """HF tensors from whole tensors keyed as in a megatron distributed checkpoint (what
+    `load_plain_tensors` returns). Each tensor there is the concatenation of its TP shards in
+    megatron's TP-independent layout, so it converts as a single TP=1 shard."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key.startswith("decoder.layers."):
+            suffix = key[len("decoder.layers."):]
+            suffix = _CKPT_SUFFIX.get(suffix, suffix)
+            if value.shape[0] != spec.num_layers:
+                raise ValueError(f"checkpoint tensor {key} stacks {value.shape[0]} layers; the config has "
+                                 f"{spec.num_layers}")
+            for n in range(spec.num_layers):
+                out += megatron_to_hf(f"decoder.layers.{n}.{suffix}", [value[n]], spec, head)
+        elif key in (EMBED, FINAL_NORM, OUTPUT):
+            out += megatron_to_hf(key, [value], spec, head)
+        else:
+            raise ValueError(f"checkpoint tensor {key} has no HF counterpart in the Llama/Qwen2 map")
+    return out

@@ -74,13 +74,14 @@ def resolve_dtype(name: str, trainable: bool) -> torch.dtype:
     return dtype
 
 
-def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None]:
+def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dtype]:
     """The model's spec and its checkpoint, checked against the layout and (headers only) the
     tensors, before anything is allocated. Every rank runs this and fails the same way."""
     if es.dist_checkpoint:
         from megarl.workers.checkpoint import read_meta
-        spec = ModelSpec.from_hf_config({**read_meta(es.dist_checkpoint)["hf_config"], **es.override_config})
-        ckpt = None
+        meta = read_meta(es.dist_checkpoint)
+        spec = ModelSpec.from_hf_config({**meta["hf_config"], **es.override_config})
+        ckpt, hf_dtype = None, getattr(torch, meta["hf_dtype"])
     else:
         ckpt = HFCheckpoint(es.model_path)
         spec = ModelSpec.from_hf_config({**ckpt.config, **es.override_config})
@@ -96,15 +97,16 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None]:
         # The backbone always; the LM head for lm roles; `score.weight` only when the value head loads it.
         need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
         ckpt.validate(spec, head=need)
+        hf_dtype = ckpt.dtype("model.embed_tokens.weight")
     check_layout(spec, es.tp, es.pp)
-    return spec, ckpt
+    return spec, ckpt, hf_dtype
 
 
 class MegatronEngine:
     def __init__(self, es: EngineSpec):
         self.es = es
         self.dtype = resolve_dtype(es.dtype, es.trainable)
-        self.spec, ckpt = read_spec(es)
+        self.spec, ckpt, self.hf_dtype = read_spec(es)  # hf_dtype: what exports write back
         state.init_distributed(es.timeout_s)
         self.layout = state.init_model_parallel(es.tp, es.pp, es.seed)
         self.device = state.device()
@@ -236,6 +238,18 @@ class MegatronEngine:
         rows = {k: torch.cat([g[k] for g in got]).float() for k in keys} if got else {}
         rows = self._share_rows(rows, len(local), tails)
         return {k: v[:n] for k, v in rows.items()}
+
+    def logits(self, input_ids: torch.Tensor, micro: int = 1) -> torch.Tensor:
+        """Full-vocabulary logits [B, S, V] (fp32) of unpadded token rows, on every rank (checks)."""
+        from megarl.workers.outputs import full_logits
+        B, S = input_ids.shape
+        data = DataProto.from_dict({"input_ids": input_ids, "prompt_lens": torch.full((B,), S),
+                                    "response_lens": torch.zeros(B, dtype=torch.long),
+                                    "responses": torch.zeros(B, 1, dtype=torch.long)})
+        group, vocab = state.tp_group(), self.spec.vocab_size
+        rows = self.forward_rows(data, micro, lambda out, mb: {"logits": full_logits(out, vocab, group)},
+                                 ("logits",), {"logits": (S, vocab)})
+        return rows["logits"]
 
     def _share_rows(self, rows: dict, local_rows: int, tails: dict[str, tuple]) -> dict:
         """Last stage -> every stage of the pipeline, then all-gather over DP (in DP-rank order,
