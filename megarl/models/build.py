@@ -19,6 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.models.attention import SDPACoreAttention
+from megarl.models.convert import tp_dim
 from megarl.models.spec import ModelSpec
 
 
@@ -89,4 +90,16 @@ def build_gpt(spec: ModelSpec, config: TransformerConfig, pre_process: bool, pos
     )
     if head == "value" and post_process:
         model.output_layer = ValueHead(config)
+    _mark_tensor_parallel(model, head)
     return model
+
+
+def _mark_tensor_parallel(model: GPTModel, head: str) -> None:
+    """megatron tags TP-split weights (`tensor_model_parallel`, `partition_dim`) only inside its
+    random initialisation, which megarl skips because it loads weights; the grad norm and
+    optimizers need the tags, so set them from megarl's own sharding map."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    for name, param in model.named_parameters():
+        dim = tp_dim(name, head)
+        if dim is not None and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)

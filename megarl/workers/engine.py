@@ -180,14 +180,19 @@ class MegatronEngine:
 
     def hf_tensors(self):
         """(HF name, full tensor) for this pipeline stage, TP shards all-gathered (every TP rank
-        yields the same). A simple exporter; the checkpoint engine plans its own transfers."""
+        yields the same; at TP=1 some are views of the live weights). A simple exporter; the
+        checkpoint engine plans its own transfers."""
+        return self._hf_named(lambda p: p.detach())
+
+    def _hf_named(self, value):
         group = state.tp_group()
         for local, param in self.model.named_parameters():
             name = to_global(local, self.layer_offset)
-            shards = [param.detach()]
+            mine = value(param).contiguous()
+            shards = [mine]
             if self.layout.tp > 1:
-                shards = [torch.empty_like(param) for _ in range(self.layout.tp)]
-                dist.all_gather(shards, param.detach().contiguous(), group=group)
+                shards = [torch.empty_like(mine) for _ in range(self.layout.tp)]
+                dist.all_gather(shards, mine, group=group)
             yield from megatron_to_hf(name, shards, self.spec, self.es.head)
 
     # -- the pipeline schedule ----------------------------------------------------------------------
@@ -271,7 +276,9 @@ class MegatronEngine:
     def train(self, data: DataProto, mini: int, micro: int, epochs: int, process: Process, loss_fn: LossFn,
               prefix: str, shuffle: bool = False) -> dict[str, float]:
         """`epochs` passes over mini-batches of `mini` sequences, one optimizer step each; one
-        LR-schedule step per call. Returns metrics averaged over micro-batches and DP ranks."""
+        LR-schedule step per call. The loss function's metrics are micro-batch shares of a
+        mini-batch value (normalised like the loss): they are summed over the micro-batches and
+        DP ranks of each mini-batch, then averaged over mini-batches and epochs."""
         if not self.es.trainable:
             raise RuntimeError("this model is frozen")
         batching.check_batch(data, need_mask=True)
@@ -294,19 +301,8 @@ class MegatronEngine:
                 g = torch.Generator().manual_seed(self.es.seed + 1000 * self.sched_step + epoch)
                 order = data[torch.randperm(len(data), generator=g)]
             for mb_data in order.split(mini):
-                mask = mb_data.batch["response_mask"]
-                meta = {"global_tokens": float(mask.sum()), "global_seqs": len(mb_data),
-                        "global_micro_batches": mini // micro}
-                local = batching.dp_slice(mb_data, lay.dp_rank, lay.dp)
-                parts = local.split(micro)
-                for p in parts:
-                    p.meta_info.update(meta)
-                for c in self.chunks:
-                    c.zero_grad_buffer()
-                got = self._run(parts, seq, process, loss_fn)
-                bad = torch.tensor(float(any(not math.isfinite(g["_loss"]) for g in got)), device=self.device)
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-                applied, norm = optimizer_step(self.optimizer, self.es.optim.clip_grad, bool(bad))
+                got = self.accumulate(mb_data, micro, process, loss_fn, seq)
+                applied, norm = self.step(got)
                 if not applied:
                     skipped += 1
                     log.warning("%s: skipped an optimizer step (loss or grad norm not finite: %s)", prefix, norm)
@@ -316,7 +312,7 @@ class MegatronEngine:
                     for k, v in g.items():
                         if not k.startswith("_"):
                             sums[k] = sums.get(k, 0.0) + v
-                    count += 1
+                count += 1
         metrics = self._share_metrics(sums, count)
         metrics.update({f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                         f"{prefix}/lr": lr, f"{prefix}/skipped_steps": float(skipped)})
@@ -324,15 +320,41 @@ class MegatronEngine:
         set_lr(self.optimizer, lr_at(self.sched_step, self.es.optim))
         return metrics
 
-    def _share_metrics(self, sums: dict[str, float], count: int) -> dict[str, float]:
-        payload = [(sums, count) if self.layout.is_last_stage else None]
+    def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,
+                   seq: int | None = None) -> list[dict]:
+        """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
+        rank's share in micro-batches through the schedule, DP-summed. Returns the last stage's
+        per-micro-batch metrics."""
+        lay = self.layout
+        meta = {"global_tokens": float(mini_batch.batch["response_mask"].sum()), "global_seqs": len(mini_batch),
+                "global_micro_batches": len(mini_batch) // micro}
+        parts = batching.dp_slice(mini_batch, lay.dp_rank, lay.dp).split(micro)
+        for p in parts:
+            p.meta_info.update(meta)
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        return self._run(parts, seq or batching.seq_len(mini_batch), process, loss_fn)
+
+    def step(self, got: list[dict]) -> tuple[bool, float]:
+        """Clip and apply the accumulated gradients, unless a loss (any rank's) or the norm is not finite."""
+        bad = torch.tensor(float(any(not math.isfinite(g["_loss"]) for g in got)), device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return optimizer_step(self.optimizer, self.es.optim.clip_grad, bool(bad))
+
+    def hf_grads(self):
+        """(HF name, full accumulated gradient) for this stage, like hf_tensors (checks and debugging)."""
+        return self._hf_named(lambda p: p.main_grad.clone())
+
+    def _share_metrics(self, sums: dict[str, float], steps: int) -> dict[str, float]:
+        """Sum the last stages' metric sums over DP, divide by the optimizer steps taken; every
+        rank gets the result."""
+        payload = [sums if self.layout.is_last_stage else None]
         if self.layout.pp > 1:
             dist.broadcast_object_list(payload, src=state.pp_last_rank(), group=state.pp_group())
         gathered = [None] * self.layout.dp
         dist.all_gather_object(gathered, payload[0], group=state.dp_group())
-        total = sum(c for _, c in gathered)
-        keys = sorted({k for s, _ in gathered for k in s})
-        return {k: sum(s.get(k, 0.0) for s, _ in gathered) / max(total, 1) for k in keys}
+        keys = sorted({k for s in gathered for k in s})
+        return {k: sum(s.get(k, 0.0) for s in gathered) / max(steps, 1) for k in keys}
 
     # -- memory -------------------------------------------------------------------------------------
     def offload(self) -> None:
