@@ -20,6 +20,9 @@ from megarl.workers.outputs import value_outputs
 class CriticWorker:
     def __init__(self, critic: CriticConfig, rollout_n: int = 1, timeout_s: float = 600.0, dtype: str = "auto",
                  log_prob_micro_batch_size: int | None = None):
+        if critic.ppo_mini_batch_size is None or critic.ppo_micro_batch_size_per_gpu is None:
+            raise ValueError("critic.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu are unset; build the "
+                             "critic from an ExperimentConfig (which copies the actor's) or set them")
         self.cfg = critic
         self.rollout_n = rollout_n
         self.forward_micro = log_prob_micro_batch_size or critic.ppo_micro_batch_size_per_gpu
@@ -49,7 +52,7 @@ class CriticWorker:
 
     def update_critic(self, data: DataProto, loss_fn) -> dict[str, float]:
         mini = self.cfg.ppo_mini_batch_size * self.rollout_n
-        return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs,
+        return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs or 1,
                                  value_outputs, loss_fn, "critic")
 
     def save_checkpoint(self, path: str) -> None:
