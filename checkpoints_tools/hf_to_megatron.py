@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     args = (os.path.abspath(a.hf), os.path.abspath(a.out), a.tp, a.pp, a.head)
     try:
+        from megarl.workers.preflight import EngineSpec, read_spec
+        # Refuse a bad model, checkpoint or layout here, before any rank starts.
+        read_spec(EngineSpec(args[0], tp=a.tp, pp=a.pp, head=a.head,
+                             head_from_checkpoint=a.head == "value" and _has_score(args[0])))
         if launched():
             convert(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
         else:

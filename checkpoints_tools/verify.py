@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     hf = os.path.abspath(a.hf)
     args = (hf, a.tp, a.pp, a.batch, a.seq, a.seed)
     try:
+        from megarl.workers.preflight import EngineSpec, read_spec
+        read_spec(EngineSpec(hf, tp=a.tp, pp=a.pp))  # refuse a bad model or layout before starting ranks
         if launched():
             rank = int(os.environ["RANK"])
             got = sharded_logits(rank, int(os.environ["WORLD_SIZE"]), *args)
@@ -63,10 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify: {err}", file=sys.stderr)
         return 2
     ref = reference_logits(hf, tokens(got.shape[-1], a.batch, a.seq, a.seed))
-    diff = (got - ref).abs().max().item()
+    diff, status = compare(got, ref, a.tol)
     print(f"TP={a.tp} PP={a.pp} logits {tuple(got.shape)} tolerance {a.tol:g}")
     print(f"max abs diff: {diff:.3e}")
-    return 0 if diff <= a.tol else 1
+    return status
+
+
+def compare(got, ref, tol: float) -> tuple[float, int]:
+    """(max abs difference, exit status: 0 within tolerance, 1 above)."""
+    diff = (got - ref).abs().max().item()
+    return diff, 0 if diff <= tol else 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from megarl.models.tiny import make_tiny_hf
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.config import OptimConfig
-from megarl.workers.engine import EngineSpec, read_spec
+from megarl.workers.preflight import EngineSpec, read_spec
 from megarl.workers.logprob import token_log_probs
 from megarl.workers.optim import lr_at
 
@@ -66,7 +66,8 @@ def test_spec_refuses_unsupported_models_in_one_line(cfg, words):
 def test_layout_rules_name_the_rule():
     spec = ModelSpec.from_hf_config(QWEN)
     check_layout(spec, 2, 4)
-    for tp, pp, words in ((4, 1, "TP=4 must divide num_key_value_heads=2"), (1, 3, "PP=3 must divide num_hidden_layers=4")):
+    for tp, pp, words in ((4, 1, "TP=4 must divide num_key_value_heads=2"),
+                          (1, 3, "PP=3 must divide num_hidden_layers=4")):
         with pytest.raises(ValueError, match=words):
             check_layout(spec, tp, pp)
     assert [layer_offset(spec, r, 2) for r in range(2)] == [0, 2]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule

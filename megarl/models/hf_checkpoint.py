@@ -35,8 +35,14 @@ class HFCheckpoint:
             raise ValueError(f"{path}: no config.json; point at an HF checkpoint directory")
         with open(cfg) as f:
             self.config = json.load(f)
-        self._files = self._weight_map()
+        self._map: dict[str, str] | None = None  # read on first use, after the config was judged
         self._handles: dict[str, object] = {}
+
+    @property
+    def _files(self) -> dict[str, str]:
+        if self._map is None:
+            self._map = self._weight_map()
+        return self._map
 
     def _weight_map(self) -> dict[str, str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -49,8 +55,11 @@ class HFCheckpoint:
                              "re-save the model with save_pretrained(safe_serialization=True))")
         out = {}
         for name in files:
-            with safe_open(os.path.join(self.path, name), "pt") as f:
-                out.update({k: name for k in f.keys()})
+            try:
+                with safe_open(os.path.join(self.path, name), "pt") as f:
+                    out.update({k: name for k in f.keys()})
+            except Exception as err:  # safetensors raises its own error type for a bad header
+                raise ValueError(f"{self.path}/{name}: not a readable safetensors file ({err})") from None
         return out
 
     def _handle(self, name: str):

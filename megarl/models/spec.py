@@ -157,7 +157,8 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
         raise ValueError(f"TP and PP must be >= 1, got TP={tp} PP={pp}")
     if spec.num_kv_heads % tp:
         raise ValueError(f"TP={tp} must divide num_key_value_heads={spec.num_kv_heads} (each TP rank holds whole "
-                         f"KV groups; KV-head replication is not supported): pick a TP that divides {spec.num_kv_heads}")
+                         f"KV groups; KV-head replication is not supported): pick a TP that divides "
+                         f"{spec.num_kv_heads}")
     if spec.num_heads % tp:
         raise ValueError(f"TP={tp} must divide num_attention_heads={spec.num_heads}")
     if spec.ffn_hidden_size % tp:

@@ -28,9 +28,11 @@ def check_batch(data: DataProto, need_mask: bool = False) -> None:
         raise ValueError(f"response_lens must be within [0, {R}] (row {int(((rlen < 0) | (rlen > R)).nonzero()[0])})")
     if ((plen + rlen) > S).any():
         row = int(((plen + rlen) > S).nonzero()[0])
-        raise ValueError(f"row {row}: prompt_lens + response_lens = {int(plen[row] + rlen[row])} exceeds input_ids width {S}")
+        raise ValueError(f"row {row}: prompt_lens + response_lens = {int(plen[row] + rlen[row])} exceeds "
+                         f"input_ids width {S}")
     if need_mask and data.batch["response_mask"].shape != resp.shape:
-        raise ValueError(f"response_mask has shape {tuple(data.batch['response_mask'].shape)}, responses {tuple(resp.shape)}")
+        raise ValueError(f"response_mask has shape {tuple(data.batch['response_mask'].shape)}, "
+                         f"responses {tuple(resp.shape)}")
     pos = (plen.unsqueeze(1) + torch.arange(R, device=ids.device)).clamp(max=S - 1)
     inside = torch.arange(R, device=ids.device).unsqueeze(0) < rlen.unsqueeze(1)
     wrong = (ids.gather(1, pos) != resp) & inside

@@ -77,7 +77,8 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     missing, unexpected = engine.model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
     if load_optim:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.sched_step = int(meta["sched_step"])

@@ -18,21 +18,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megarl.config.errors import ConfigError
 from megarl.models.build import build_gpt, transformer_config
 from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
 from megarl.models.hf_checkpoint import HFCheckpoint
-from megarl.models.spec import ModelSpec, check_layout
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers import batching
-from megarl.workers.config import OptimConfig
+from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
 from megarl.workers.optim import build_optimizer, lr_at, optimizer_step, set_lr
 
 log = logging.getLogger("megarl.workers")
@@ -40,66 +37,6 @@ log = logging.getLogger("megarl.workers")
 # process(model_output, micro_batch) -> dict of [b, R] tensors (with grad when training)
 Process = Callable[[torch.Tensor, DataProto], dict]
 LossFn = Callable[[dict, DataProto], tuple]
-
-
-@dataclass
-class EngineSpec:
-    model_path: str | None                  # HF directory (None when loading a dist checkpoint)
-    tp: int = 1
-    pp: int = 1
-    head: str = "lm"                        # "lm" or "value"
-    head_from_checkpoint: bool = False      # value head: read `score.weight` (else zeros)
-    trainable: bool = True
-    optim: OptimConfig | None = None
-    dtype: str = "auto"                     # auto: bf16 on CUDA, fp32 on CPU
-    override_config: dict = field(default_factory=dict)
-    dist_checkpoint: str | None = None      # load weights from a megatron distributed checkpoint
-    use_distributed_optimizer: bool = False
-    sequence_parallel: bool = False
-    recompute: bool = False
-    transformer_overrides: dict = field(default_factory=dict)
-    timeout_s: float = 600.0
-    seed: int = 42
-    role: str = "actor"
-
-
-def resolve_dtype(name: str, trainable: bool) -> torch.dtype:
-    cuda = torch.cuda.is_available()
-    if name == "auto":
-        return torch.bfloat16 if cuda else torch.float32
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    if not cuda and dtype != torch.float32:
-        raise ConfigError(f"dtype={name} needs CUDA (megatron's mixed-precision optimizer); use float32 or auto on CPU",
-                          "dtype")
-    return dtype
-
-
-def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dtype]:
-    """The model's spec and its checkpoint, checked against the layout and (headers only) the
-    tensors, before anything is allocated. Every rank runs this and fails the same way."""
-    if es.dist_checkpoint:
-        from megarl.workers.checkpoint import read_meta
-        meta = read_meta(es.dist_checkpoint)
-        spec = ModelSpec.from_hf_config({**meta["hf_config"], **es.override_config})
-        ckpt, hf_dtype = None, getattr(torch, meta["hf_dtype"])
-    else:
-        ckpt = HFCheckpoint(es.model_path)
-        spec = ModelSpec.from_hf_config({**ckpt.config, **es.override_config})
-        if es.head == "value" and es.head_from_checkpoint and spec.head != "score":
-            raise ValueError(f"{es.model_path}: critic init from this checkpoint needs a `score` head "
-                             f"(a *ForSequenceClassification model); {spec.architecture} has none — "
-                             "use critic.model.init_from=actor")
-        if es.head == "value" and es.head_from_checkpoint and spec.num_labels != 1:
-            raise ValueError(f"{es.model_path}: score head has {spec.num_labels} labels; a value head needs 1")
-        if es.head == "lm" and spec.head != "lm":
-            raise ValueError(f"{es.model_path}: {spec.architecture} has no LM head; the actor and reference need "
-                             "a *ForCausalLM checkpoint")
-        # The backbone always; the LM head for lm roles; `score.weight` only when the value head loads it.
-        need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
-        ckpt.validate(spec, head=need)
-        hf_dtype = ckpt.dtype("model.embed_tokens.weight")
-    check_layout(spec, es.tp, es.pp)
-    return spec, ckpt, hf_dtype
 
 
 class MegatronEngine:

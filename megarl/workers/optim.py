@@ -154,7 +154,8 @@ def build_optimizer(chunks: list[torch.nn.Module], cfg: OptimConfig, dtype: torc
         raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adamw", "optim.optimizer")
     if not torch.cuda.is_available():
         if use_distributed_optimizer:
-            raise ConfigError("the distributed optimizer needs CUDA; set megatron.use_distributed_optimizer=false on CPU",
+            raise ConfigError("the distributed optimizer needs CUDA; set megatron.use_distributed_optimizer=false "
+                              "on CPU",
                               "megatron.use_distributed_optimizer")
         return CPUAdamW(chunks, cfg)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
