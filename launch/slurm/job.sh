@@ -57,15 +57,19 @@ echo "megarl: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(tr '\n'
 # --kill-on-bad-exit: a task that fails ends the step; --wait: a task still running this long
 # after another one ended is stuck (every rank ends at the same final collective).
 srun_args=(--kill-on-bad-exit=1 --wait="$MEGARL_SHUTDOWN_WAIT_S" --nodes="$nnodes")
+# CPUs per task are passed explicitly: newer Slurm no longer hands the job's --cpus-per-task to
+# srun, and a torchrun task confined to one CPU would starve its ranks' data loading.
 if [[ $mode == task ]]; then
-    threads=${SLURM_CPUS_PER_TASK:-$(( cpus_node / MEGARL_NPROC_PER_NODE ))}
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
-    cmd=(srun "${srun_args[@]}" --ntasks="$ntasks" --ntasks-per-node="$MEGARL_NPROC_PER_NODE" --label
-         "$MEGARL_REPO/launch/slurm/rank_env.sh" "$PYTHON" -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
+    task_cpus=${SLURM_CPUS_PER_TASK:-$(( cpus_node / MEGARL_NPROC_PER_NODE ))}
+    (( task_cpus > 0 )) || task_cpus=1
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$task_cpus}
+    cmd=(srun "${srun_args[@]}" --ntasks="$ntasks" --ntasks-per-node="$MEGARL_NPROC_PER_NODE" --cpus-per-task="$task_cpus"
+         --label "$MEGARL_REPO/launch/slurm/rank_env.sh" "$PYTHON" -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
 else
-    threads=$(( ${SLURM_CPUS_PER_TASK:-$cpus_node} / MEGARL_NPROC_PER_NODE ))
+    task_cpus=${SLURM_CPUS_PER_TASK:-$cpus_node}
+    threads=$(( task_cpus / MEGARL_NPROC_PER_NODE ))
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
-    cmd=(srun "${srun_args[@]}" --ntasks="$nnodes" --ntasks-per-node=1 --label
+    cmd=(srun "${srun_args[@]}" --ntasks="$nnodes" --ntasks-per-node=1 --cpus-per-task="$task_cpus" --label
          "$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$MEGARL_NPROC_PER_NODE"
          --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
          --rdzv-conf="join_timeout=$MEGARL_COLLECTIVE_TIMEOUT_S" --max-restarts=0

@@ -21,6 +21,11 @@ packages=(slurmctld slurmd slurm-client)
 
 die() { echo "local_cluster: $*" >&2; exit 1; }
 say() { echo "local_cluster: $*"; }
+kill_tree() {  # children first, so none is re-parented out of reach
+    local child
+    for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done
+    kill -9 "$1" 2>/dev/null || true
+}
 alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 install() {
@@ -95,10 +100,8 @@ start() {
     cpus=${MEGARL_SLURM_CPUS:-$(nproc)}
     mem_mb=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
     write_conf "$node" "$cpus" "$mem_mb"
-    # The marker in the daemons' environment (inherited by their slurmstepd processes) lets
-    # `stop` find exactly what this directory started.
-    MEGARL_SLURM_DIR=$dir slurmctld -f "$conf" || die "slurmctld did not start; see $dir/slurmctld.log"
-    MEGARL_SLURM_DIR=$dir slurmd -f "$conf" -N "$node" || die "slurmd did not start; see $dir/slurmd.log"
+    slurmctld -f "$conf" || die "slurmctld did not start; see $dir/slurmctld.log"
+    slurmd -f "$conf" -N "$node" || die "slurmd did not start; see $dir/slurmd.log"
     local state=""
     for _ in $(seq 1 60); do
         state=$(SLURM_CONF=$conf sinfo -h -N -n "$node" -o %T 2>/dev/null || true)
@@ -135,10 +138,14 @@ stop() {
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
         say "stopped $name ($pid)"
     done
-    # Job steps outlive slurmd; end the ones whose environment carries this directory's marker.
+    # Job steps outlive slurmd (when their jobs could not be cancelled): end the slurmstepd
+    # processes of this cluster, known by their working directory or their open slurmd.log here,
+    # together with the job processes under them.
+    local cwd
     for pid in $(pgrep -x slurmstepd || true); do
-        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "MEGARL_SLURM_DIR=$dir"; then
-            kill -9 "$pid" 2>/dev/null && say "stopped slurmstepd ($pid)"
+        cwd=$(readlink "/proc/$pid/cwd" 2>/dev/null || true)
+        if [[ $cwd == "$dir" || $cwd == "$dir"/* ]] || ls -l "/proc/$pid/fd" 2>/dev/null | grep -qF -- "$dir/slurmd.log"; then
+            kill_tree "$pid" && say "stopped slurmstepd ($pid) and its job processes"
         fi
     done
     rm -f "$dir/slurmctld.pid" "$dir/slurmd.pid"

@@ -86,8 +86,8 @@ def run(cfg: ExperimentConfig) -> int:
 
     env = rank_env(cfg)
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        torch.cuda.set_device(env.local_rank)
+    if use_cuda:  # one visible GPU per task (srun --gpus-per-task) or all of the node's
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://",
                             timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
     tr = cfg.trainer
@@ -101,7 +101,7 @@ def run(cfg: ExperimentConfig) -> int:
     logger = MetricsLogger(tr.log_dir or run_dir, ["console"], tr.project_name, tr.experiment_name,
                            enabled=env.rank == 0, total_steps=total)
     step_s = float(os.environ.get("MEGARL_CHECK_STEP_S", "0"))
-    device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     for step in range(start + 1, total + 1):
         begin = time.time()
         inject_failure(env.rank, step)
