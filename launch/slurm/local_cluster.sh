@@ -12,6 +12,7 @@
 #   MEGARL_SLURM_DIR   config, state, logs and pid files (default ${TMPDIR:-/tmp}/megarl-slurm)
 #   MEGARL_SLURM_PORT  slurmctld's port; slurmd takes the next one (default 16817, not Slurm's 6817)
 #   MEGARL_SLURM_CPUS  CPUs the node offers (default: nproc)
+#   MEGARL_SLURM_NODE  the node's name (default: hostname -s, or localhost where that does not resolve)
 set -euo pipefail
 
 dir=${MEGARL_SLURM_DIR:-${TMPDIR:-/tmp}/megarl-slurm}
@@ -83,6 +84,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=5
 MinJobAge=300
+# Launch scripts derive ports from job ids: a random start keeps two test clusters on one
+# machine from picking the same ones.
+FirstJobId=$(( RANDOM * 30 + 1 ))
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -96,7 +100,9 @@ start() {
         return
     fi
     local node cpus mem_mb
-    node=$(hostname -s)
+    node=${MEGARL_SLURM_NODE:-$(hostname -s)}
+    # Jobs reach their first node by name (MASTER_ADDR); fall back to a name that always resolves.
+    getent hosts "$node" >/dev/null || node=localhost
     cpus=${MEGARL_SLURM_CPUS:-$(nproc)}
     mem_mb=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
     write_conf "$node" "$cpus" "$mem_mb"
