@@ -42,15 +42,14 @@ megarl_resolve "${check[@]}" --by "$alloc" --config "$config" "${layout[@]}" "$@
 
 mkdir -p "$MEGARL_LOG_DIR"
 log="$MEGARL_LOG_DIR/slurm-$SLURM_JOB_ID.log"
-exec > >(tee -a "$log") 2>&1
-tee_pid=$!
+say() { echo "megarl: $*" | tee -a "$log"; }
 
 nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${MASTER_ADDR:-$(head -n1 <<<"$nodes")}
 # One port per job id: jobs sharing a node do not collide, a requeued job reuses its own.
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
 cpus_node=${SLURM_CPUS_ON_NODE:-$(nproc)}
-echo "megarl: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(tr '\n' ' ' <<<"$nodes")| $mode mode," \
+say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(tr '\n' ' ' <<<"$nodes")| $mode mode," \
      "$MEGARL_NNODES x $MEGARL_NPROC_PER_NODE ranks of $MEGARL_ENTRY | rendezvous $MASTER_ADDR:$MASTER_PORT |" \
      "run dir $MEGARL_RUN_DIR | log $log"
 
@@ -101,12 +100,14 @@ signalled=0
 on_usr1() {
     requeued=1
     signalled=1
-    echo "megarl: job $SLURM_JOB_ID is near its time limit; requeueing it (it resumes from the latest checkpoint)"
+    say "job $SLURM_JOB_ID is near its time limit; requeueing it (it resumes from the latest checkpoint)"
     scontrol requeue "$SLURM_JOB_ID"
 }
 trap on_usr1 USR1
 
-"${cmd[@]}" &
+# In the background so the trap can run; the subshell ends only after tee has written the last
+# line, so the log is complete when the failure is looked up in it.
+{ "${cmd[@]}" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"; } &
 step=$!
 while :; do
     rc=0
@@ -115,12 +116,10 @@ while :; do
     signalled=0   # the trap interrupted `wait`; srun goes on (or has ended: wait again for its status)
 done
 if (( rc == 0 )); then
-    echo "megarl: job $SLURM_JOB_ID finished"
+    say "job $SLURM_JOB_ID finished"
 elif (( requeued )); then
-    echo "megarl: job $SLURM_JOB_ID stopped for requeue (srun exit $rc)"
+    say "job $SLURM_JOB_ID stopped for requeue (srun exit $rc)"
 else
-    echo "megarl: job $SLURM_JOB_ID failed: srun exit $rc; first failure: $(first_failure); log $log"
+    say "job $SLURM_JOB_ID failed: srun exit $rc; first failure: $(first_failure); log $log"
 fi
-exec >&- 2>&-
-wait "$tee_pid" 2>/dev/null || true
 exit "$rc"
