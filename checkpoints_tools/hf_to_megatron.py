@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.parallel.launch import launched, run_local  # noqa: E402
+from megarl.parallel.local_ranks import launched, run_local  # noqa: E402
 
 
 def convert(rank: int, world: int, hf: str, out: str, tp: int, pp: int, head: str) -> None:

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megarl.parallel.launch import launched, run_local  # noqa: E402
+from megarl.parallel.local_ranks import launched, run_local  # noqa: E402
 
 
 def tokens(vocab: int, batch: int, seq: int, seed: int):

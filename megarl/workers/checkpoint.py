@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf_checkpoint import AUX_FILES
-from megarl.workers.optim import lr_at, set_lr
+from megarl.workers.optim import apply_schedule
 
 META = "megarl"
 HF_DIR = "hf"
@@ -82,7 +82,7 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     if load_optim:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.sched_step = int(meta["sched_step"])
-        set_lr(engine.optimizer, lr_at(engine.sched_step, engine.es.optim))
+        apply_schedule(engine.optimizer, engine.sched_step, engine.es.optim)
 
 
 def _has_optimizer(path: str) -> bool:

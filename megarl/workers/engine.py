@@ -30,7 +30,7 @@ from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
-from megarl.workers.optim import build_optimizer, lr_at, optimizer_step, set_lr
+from megarl.workers.optim import apply_schedule, build_optimizer, optimizer_step
 
 log = logging.getLogger("megarl.workers")
 
@@ -61,7 +61,7 @@ class MegatronEngine:
         self.sched_step = 0
         if es.trainable:
             self.optimizer = build_optimizer(self.chunks, es.optim, self.dtype, es.use_distributed_optimizer)
-            set_lr(self.optimizer, lr_at(0, es.optim))
+            apply_schedule(self.optimizer, 0, es.optim)
             self.config.finalize_model_grads_func = _finalize_grads
             if self.dtype == torch.float16:
                 self.config.grad_scale_func = self.optimizer.scale_loss
@@ -254,7 +254,7 @@ class MegatronEngine:
         metrics.update({f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                         f"{prefix}/lr": lr, f"{prefix}/skipped_steps": float(skipped)})
         self.sched_step += 1
-        set_lr(self.optimizer, lr_at(self.sched_step, self.es.optim))
+        apply_schedule(self.optimizer, self.sched_step, self.es.optim)
         return metrics
 
     def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,

@@ -2,7 +2,7 @@
 
     opt = build_optimizer(model_chunks, optim_cfg, dtype)   # megatron's on CUDA, CPUAdamW on CPU
     applied, grad_norm = optimizer_step(opt, clip_grad, bad_loss)
-    set_lr(opt, lr_at(step, optim_cfg))
+    apply_schedule(opt, step, optim_cfg)
 
 On CUDA megatron's own optimizer runs (bf16 params with fp32 master weights, optionally the
 distributed optimizer). Its grad clipping asserts CUDA tensors, so on CPU `CPUAdamW` runs
@@ -53,9 +53,14 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
-def set_lr(optimizer, lr: float) -> None:
+def apply_schedule(optimizer, step: int, cfg: OptimConfig) -> float:
+    """Set every param group's LR for scheduler step `step`, and its weight decay (megatron's groups
+    carry `wd_mult`: 0 for biases and norms; it expects its scheduler to apply it). Returns the LR."""
+    lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
+    return lr
 
 
 # -- optimizers ----------------------------------------------------------------------------------------
@@ -77,8 +82,8 @@ class CPUAdamW:
             for p in chunk.parameters():
                 if p.requires_grad:
                     (no_decay if p.dim() == 1 else decay).append(p)
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay, "wd_mult": 1.0},
+                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
         self.params = decay + no_decay
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas),
                                            eps=cfg.eps, weight_decay=cfg.weight_decay,
