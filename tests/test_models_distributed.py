@@ -5,7 +5,8 @@ Qwen2 model (QKV bias, untied head, GQA 4/2, vocab 301 not divisible by TP) and 
 accumulated gradient of a loss against transformers' autograd (micro-batch sizes 1, 2 and 4 at
 DP 1, 2 and 4: the gradient contract), and one update_policy. The same spawn checks the critic
 (values and gradients of a reward-model init, zero head from an actor init), the reference,
-NaN-step skipping, and a checkpoint saved at TP2xPP2 resumed at TP1xPP2 (model, optimizer, LR).
+NaN-step skipping, a checkpoint saved at TP2xPP2 resumed at TP1xPP2 (model, optimizer, LR), and
+a reference loaded from that distributed checkpoint alone.
 """
 from __future__ import annotations
 
@@ -179,6 +180,7 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     out["nan_skipped"] = skipped["actor/skipped_steps"]
     out["nan_unchanged"] = _diff(actor.compute_log_prob(data, TEMP)[0], before)
     actor.update_policy(data, policy_loss, TEMP)
+    saved_lp = actor.compute_log_prob(data, TEMP)[0]
     actor.save_checkpoint(os.path.join(ckpt_dir, "actor"))
     m2 = actor.update_policy(data, policy_loss, TEMP)
     after_two = actor.compute_log_prob(data, TEMP)[0]
@@ -188,6 +190,12 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     resumed.load_checkpoint(os.path.join(ckpt_dir, "actor"))
     m2b = resumed.update_policy(data, policy_loss, TEMP)
     out["resume"] = (_diff(resumed.compute_log_prob(data, TEMP)[0], after_two), m2["actor/lr"], m2b["actor/lr"])
+    del resumed
+    # A reference built from the distributed checkpoint alone (megatron.dist_checkpointing_path).
+    from_ckpt = ReferenceWorker(ModelConfig(path=None), RefConfig(megatron=MegatronConfig(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+        dist_checkpointing_path=os.path.join(ckpt_dir, "actor"))), micro_batch_size=4)
+    out["from_dist_ckpt"] = _diff(from_ckpt.compute_ref_log_prob(data, TEMP), saved_lp.cpu())
     return out
 
 
@@ -228,6 +236,7 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
     assert out["fresh_values"] == 0.0
     assert out["ref"] < TOL
     assert out["nan_skipped"] == 1.0 and out["nan_unchanged"] == 0.0
+    assert out["from_dist_ckpt"] < 1e-5
     diff, lr_saved, lr_resumed = out["resume"]
     assert diff < 1e-5 and lr_saved == lr_resumed == pytest.approx(1e-3 * 0.5)
     # The untrained critic's checkpoint exports back to the reward model's own tensors, bit for bit.

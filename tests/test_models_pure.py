@@ -19,7 +19,7 @@ from megarl.models.tiny import make_tiny_hf
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.config import OptimConfig
-from megarl.workers.preflight import EngineSpec, read_spec
+from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
 from megarl.workers.logprob import token_log_probs
 from megarl.workers.optim import lr_at
 
@@ -181,6 +181,9 @@ def test_bad_checkpoints_are_refused_before_allocation(tiny, tmp_path):
         read_spec(EngineSpec(tiny, tp=1, pp=3))
     with pytest.raises(ValueError, match="needs a `score` head"):
         read_spec(EngineSpec(tiny, head="value", head_from_checkpoint=True))
+    assert resolve_dtype("auto", True) == torch.float32  # this machine has no CUDA
+    with pytest.raises(ConfigError, match="dtype=bfloat16 needs CUDA"):
+        resolve_dtype("bfloat16", True)
 
 
 def test_sliced_reads_match_full_tensors(tiny):

@@ -68,10 +68,10 @@ class MegatronEngine:
         else:
             for p in self.model.parameters():
                 p.requires_grad_(False)
+        self.offloaded = False
         if es.dist_checkpoint:
             from megarl.workers.checkpoint import load_checkpoint
             load_checkpoint(es.dist_checkpoint, self, with_optimizer=False)
-        self.offloaded = False
 
     # -- construction helpers ----------------------------------------------------------------------
     def _wrap(self, model):
