@@ -149,6 +149,13 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
             del actor
             state.destroy_model_parallel()
     out["shim_active"] = cpu_compat.active()
+    with cpu_compat.scope():  # megatron's CUDA literals map to CPU inside the scope only
+        out["scoped_device"] = str(torch.zeros(1, device="cuda").device)
+    try:
+        torch.zeros(1, device="cuda")
+        out["unscoped"] = "mapped"
+    except (RuntimeError, AssertionError):
+        out["unscoped"] = "refused"
 
     # Critic, reference, NaN skip and checkpoint resume on the Qwen2 model, at TP2 x PP2.
     path = models["qwen2"]
@@ -218,7 +225,7 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
     out = run_ranks(4, check_roles, (models, refs, tiny_models["rm"], str(tmp_path)))
     ranks = out
     out = out[0]
-    assert out["shim_active"]
+    assert out["shim_active"] and out["scoped_device"] == "cpu" and out["unscoped"] == "refused"
     for key, r in out["layouts"].items():
         assert r["logits"] < TOL and r["log_probs"] < TOL and r["entropy"] < TOL, (key, r)
         assert r["grad"] < 1e-5, (key, r["grad"])

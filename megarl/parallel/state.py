@@ -63,6 +63,7 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
+@cpu_compat.scoped
 def init_model_parallel(tp: int, pp: int, seed: int = 42) -> Layout:
     """Set up megatron's parallel_state for (TP, PP) over all ranks; DP = world / (TP x PP).
     Calling again with the same layout is a no-op; another layout is refused."""

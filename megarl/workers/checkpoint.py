@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf_checkpoint import AUX_FILES
+from megarl.parallel import cpu_compat
 from megarl.workers.optim import apply_schedule
 
 META = "megarl"
@@ -42,6 +43,7 @@ def _meta(engine) -> dict:
             "saved_layout": [engine.layout.tp, engine.layout.pp]}
 
 
+@cpu_compat.scoped
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     from megatron.core import dist_checkpointing
     engine.onload()
@@ -58,6 +60,7 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     dist.barrier()
 
 
+@cpu_compat.scoped
 def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     from megatron.core import dist_checkpointing
     meta = read_meta(path)

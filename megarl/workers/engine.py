@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megarl.models.build import build_gpt, transformer_config
 from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
 from megarl.models.hf_checkpoint import HFCheckpoint
-from megarl.parallel import state
+from megarl.parallel import cpu_compat, state
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
@@ -45,6 +45,11 @@ class MegatronEngine:
         self.dtype = resolve_dtype(es.dtype, es.trainable)
         self.spec, ckpt, self.hf_dtype = read_spec(es)  # hf_dtype: what exports write back
         state.init_distributed(es.timeout_s)
+        self._build(ckpt)
+
+    @cpu_compat.scoped
+    def _build(self, ckpt: HFCheckpoint | None) -> None:
+        es = self.es
         self.layout = state.init_model_parallel(es.tp, es.pp, es.seed)
         self.device = state.device()
         self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
@@ -160,6 +165,7 @@ class MegatronEngine:
         return loss, torch.ones((), dtype=torch.int), {"_loss": float(loss.detach()), **metrics}
 
     # -- forward only -------------------------------------------------------------------------------
+    @cpu_compat.scoped
     @torch.no_grad()
     def forward_rows(self, data: DataProto, micro: int, process: Process, keys: tuple[str, ...],
                      tails: dict[str, tuple] | None = None) -> dict:
@@ -181,6 +187,7 @@ class MegatronEngine:
         rows = self._share_rows(rows, len(local), tails)
         return {k: v[:n] for k, v in rows.items()}
 
+    @cpu_compat.scoped
     def logits(self, input_ids: torch.Tensor, micro: int = 1) -> torch.Tensor:
         """Full-vocabulary logits [B, S, V] (fp32) of unpadded token rows, on every rank (checks)."""
         from megarl.workers.outputs import full_logits
@@ -210,6 +217,7 @@ class MegatronEngine:
         return out
 
     # -- training -------------------------------------------------------------------------------------
+    @cpu_compat.scoped
     def train(self, data: DataProto, mini: int, micro: int, epochs: int, process: Process, loss_fn: LossFn,
               prefix: str, shuffle: bool = False) -> dict[str, float]:
         """`epochs` passes over mini-batches of `mini` sequences, one optimizer step each; one
@@ -257,6 +265,7 @@ class MegatronEngine:
         apply_schedule(self.optimizer, self.sched_step, self.es.optim)
         return metrics
 
+    @cpu_compat.scoped
     def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,
                    seq: int | None = None) -> list[dict]:
         """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
@@ -272,6 +281,7 @@ class MegatronEngine:
             c.zero_grad_buffer()
         return self._run(parts, seq or batching.seq_len(mini_batch), process, loss_fn)
 
+    @cpu_compat.scoped
     def step(self, got: list[dict]) -> tuple[bool, float]:
         """Clip and apply the accumulated gradients, unless a loss (any rank's) or the norm is not finite."""
         bad = torch.tensor(float(any(not math.isfinite(g["_loss"]) for g in got)), device=self.device)
@@ -294,6 +304,7 @@ class MegatronEngine:
         return {k: sum(s.get(k, 0.0) for s in gathered) / max(steps, 1) for k in keys}
 
     # -- memory -------------------------------------------------------------------------------------
+    @cpu_compat.scoped
     def offload(self) -> None:
         """Weights to host memory (pinned on CUDA) until the next forward."""
         if self.offloaded or self.device.type == "cpu":
@@ -304,6 +315,7 @@ class MegatronEngine:
         torch.cuda.synchronize()
         self.offloaded = True
 
+    @cpu_compat.scoped
     def onload(self) -> None:
         if not self.offloaded:
             return
