@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"hf_to_megatron: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {a.out} (TP={a.tp} PP={a.pp})")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"wrote {a.out} (TP={a.tp} PP={a.pp})")
     return 0
 
 
