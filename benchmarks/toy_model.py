@@ -29,7 +29,7 @@ def build_tokenizer(out_dir: str, vocab_size: int = 8192):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus(120 if vocab_size >= 4096 else 10), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
     fast.save_pretrained(out_dir)
     return fast

@@ -104,7 +104,8 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
 
     if name == "trtllm":
         from megarl.rollout.trtllm import TRTLLMEngine
-        return TRTLLMEngine(model_path, cfg, tp_group=tp_group, pad_token_id=pad)
+        return TRTLLMEngine(model_path, cfg, tp_group=tp_group, pad_token_id=pad,
+                            device=device if device.type == "cuda" else None)
 
     from megarl.rollout.custom import CustomRollout, load_user_class
     cls = load_user_class(cfg.custom_cls_path, cfg.custom_cls_name)

@@ -179,7 +179,7 @@ def checkpoint_names(model_dir: str) -> list[str]:
 
 class TRTLLMEngine(BaseRollout):
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, tp_group=None, pad_token_id: int | None = None,
-                 expected_names: list[str] | None = None):
+                 expected_names: list[str] | None = None, device: str | torch.device | None = None):
         super().__init__(cfg, role="rollout")
         self.comm = TPComm(tp_group)
         self.leader = self.comm.rank == 0
@@ -188,7 +188,9 @@ class TRTLLMEngine(BaseRollout):
                               f"{cfg.tensor_model_parallel_size}", "actor_rollout_ref.rollout.tensor_model_parallel_size")
         self.tllm = require_tensorrt_llm()
         from tensorrt_llm._torch.utils import get_device_uuid
-        self.device_uuid = get_device_uuid(torch.cuda.current_device())
+        # Where this rank's bucket tensors live for the IPC handles: its own GPU.
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device_uuid = get_device_uuid(self.device.index or 0)
         self.pad_token_id = pad_token_id
         self.guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation)
         names = expected_names if expected_names is not None else checkpoint_names(model_dir)
@@ -225,8 +227,7 @@ class TRTLLMEngine(BaseRollout):
         if self.asleep:                      # the model's memory must be back before loading into it
             self.wake()
         self.weights.begin_bucket()
-        device = torch.device("cuda", torch.cuda.current_device())
-        named = [(name, t.to(device)) for name, t in bucket]
+        named = [(name, t.to(self.device)) for name, t in bucket]
         mine = bucket_handles(named, self.device_uuid)
         if self.comm.size > 1:
             gathered = [None] * self.comm.size if self.leader else None
