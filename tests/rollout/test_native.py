@@ -2,6 +2,8 @@
 batching, shared prefill, sleep levels, repetition penalty, sharding and refusals."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -154,3 +156,28 @@ def test_generate_sequences_packs_truncated_prompts_consistently(tmp_path):
         prompt = list(out.non_tensor_batch["prompt_token_ids"][row])
         assert out.batch["input_ids"][row, :p].tolist() == prompt
         assert out.batch["input_ids"][row, p:p + r].tolist() == out.batch["responses"][row, :r].tolist()
+
+
+def test_sequence_distribution_equals_the_models(tmp_path):
+    """Two-step stop probabilities from 6000 samples (through refilled slots) against the exact
+    values enumerated from transformers: P(stop at step 1) and P(stop at step 2)."""
+    model = save_model(str(tmp_path), seed=2)
+    engine = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=128)
+    prompt, stops = [3, 17, 42, 8, 9], list(range(60, 80))
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        nxt = torch.softmax(model(torch.tensor([prompt + [t] for t in range(96)])).logits[:, -1], -1)  # [96, 96]
+        keep = torch.ones(96, dtype=torch.bool)
+        keep[stops] = False
+        exact = [p1[stops].sum().item(), (p1[keep] * nxt[keep][:, stops].sum(-1)).sum().item()]
+    counts, total = [0, 0, 0], 0
+    for seed in range(12):
+        for group in engine.generate([prompt] * 10, SamplingParams(n=50, max_tokens=3, seed=seed, stop_token_ids=stops)):
+            for c in group:
+                total += 1
+                if c.finish_reason == "stop":
+                    counts[len(c.token_ids) - 1] += 1
+    for step, (count, p) in enumerate(zip(counts, exact), 1):
+        z = (count / total - p) / math.sqrt(p * (1 - p) / total)
+        print(f"P(stop at step {step}): sampled {count / total:.4f}, exact {p:.4f}, z = {z:+.2f}")
+        assert abs(z) < 4.5
