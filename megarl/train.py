@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                   "or torchrun on every node", file=sys.stderr)
             return 2
         return relaunch_locally(cfg, argv)
+    from torch.distributed.elastic.multiprocessing.errors import record
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
-    return run(cfg, config_path=args.config, overrides=args.overrides)
+    # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
+    return record(run)(cfg, config_path=args.config, overrides=args.overrides)
 
 
 if __name__ == "__main__":

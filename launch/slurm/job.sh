@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The body of every launch/slurm/*.sbatch (they `exec` it): layout from the allocation, config
+# check, ranks started by srun, requeue on the time-limit signal.
+#
+#   launch/slurm/job.sh CONFIG [section.key=value ...]      (inside an sbatch allocation)
+#
+# MEGARL_SLURM_MODE picks how ranks start (default: from the allocation):
+#   torchrun  one srun task per node runs torchrun, which starts trainer.n_gpus_per_node ranks;
+#             c10d rendezvous on the first node of the node list (--ntasks-per-node=1).
+#   task      one srun task per rank (--ntasks-per-node=G); rank_env.sh maps SLURM_PROCID /
+#             SLURM_NTASKS / SLURM_LOCALID to RANK / WORLD_SIZE / LOCAL_RANK.
+# Logs: <trainer.default_local_dir>/logs/slurm-<job id>.log (and Slurm's own output file).
+set -euo pipefail
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/common.sh"
+
+[[ $# -ge 1 && $1 != -* ]] || megarl_die "usage: sbatch launch/slurm/<script>.sbatch CONFIG [section.key=value ...]"
+[[ -n ${SLURM_JOB_ID:-} ]] || megarl_die "launch/slurm/job.sh runs inside a Slurm job; submit an sbatch script"
+config=$1
+shift
+nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+ntasks=${SLURM_NTASKS:-$nnodes}
+mode=${MEGARL_SLURM_MODE:-auto}
+if [[ $mode == auto ]]; then
+    if (( ntasks > nnodes )); then mode=task; else mode=torchrun; fi
+fi
+alloc="this allocation ($nnodes node(s), $ntasks task(s))"
+case $mode in
+    task)
+        (( ntasks % nnodes == 0 )) || megarl_die "$alloc: give every node the same number of tasks (--ntasks-per-node)"
+        per_node=$(( ntasks / nnodes ))
+        layout=("trainer.nnodes=$nnodes" "trainer.n_gpus_per_node=$per_node")
+        check=(--nnodes "$nnodes" --nproc-per-node "$per_node") ;;
+    torchrun)
+        (( ntasks == nnodes )) || megarl_die "$alloc: MEGARL_SLURM_MODE=torchrun wants one task per node (--ntasks-per-node=1)"
+        layout=("trainer.nnodes=$nnodes")
+        # GPUs granted per node become ranks per node unless the config/overrides say otherwise.
+        if (( ${SLURM_GPUS_ON_NODE:-0} > 0 )); then layout+=("trainer.n_gpus_per_node=$SLURM_GPUS_ON_NODE"); fi
+        check=(--nnodes "$nnodes") ;;
+    *) megarl_die "MEGARL_SLURM_MODE=$mode: use torchrun, task or auto" ;;
+esac
+megarl_resolve "${check[@]}" --by "$alloc" --config "$config" "${layout[@]}" "$@"
+
+mkdir -p "$MEGARL_LOG_DIR"
+log="$MEGARL_LOG_DIR/slurm-$SLURM_JOB_ID.log"
+say() { echo "megarl: $*" | tee -a "$log"; }
+
+nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+export MASTER_ADDR=${MASTER_ADDR:-$(head -n1 <<<"$nodes")}
+# One port per job id: jobs sharing a node do not collide, a requeued job reuses its own.
+export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+cpus_node=${SLURM_CPUS_ON_NODE:-$(nproc)}
+say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(tr '\n' ' ' <<<"$nodes")| $mode mode," \
+     "$MEGARL_NNODES x $MEGARL_NPROC_PER_NODE ranks of $MEGARL_ENTRY | rendezvous $MASTER_ADDR:$MASTER_PORT |" \
+     "run dir $MEGARL_RUN_DIR | log $log"
+
+# --kill-on-bad-exit: a task that fails ends the step; --wait: a task still running this long
+# after another one ended is stuck (every rank ends at the same final collective).
+srun_args=(--kill-on-bad-exit=1 --wait="$MEGARL_SHUTDOWN_WAIT_S" --nodes="$nnodes")
+# CPUs per task are passed explicitly: newer Slurm no longer hands the job's --cpus-per-task to
+# srun, and a torchrun task confined to one CPU would starve its ranks' data loading.
+if [[ $mode == task ]]; then
+    task_cpus=${SLURM_CPUS_PER_TASK:-$(( cpus_node / MEGARL_NPROC_PER_NODE ))}
+    (( task_cpus > 0 )) || task_cpus=1
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$task_cpus}
+    cmd=(srun "${srun_args[@]}" --ntasks="$ntasks" --ntasks-per-node="$MEGARL_NPROC_PER_NODE" --cpus-per-task="$task_cpus"
+         --label "$MEGARL_REPO/launch/slurm/rank_env.sh" "$PYTHON" -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
+else
+    task_cpus=${SLURM_CPUS_PER_TASK:-$cpus_node}
+    threads=$(( task_cpus / MEGARL_NPROC_PER_NODE ))
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+    cmd=(srun "${srun_args[@]}" --ntasks="$nnodes" --ntasks-per-node=1 --cpus-per-task="$task_cpus" --label
+         "$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$MEGARL_NPROC_PER_NODE"
+         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
+         --rdzv-conf="join_timeout=$MEGARL_COLLECTIVE_TIMEOUT_S" --max-restarts=0
+         --shutdown-timeout="${MEGARL_SHUTDOWN_TIMEOUT_S:-15}"
+         -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
+fi
+
+# sbatch --signal=B:USR1@SECONDS warns this shell before the time limit: requeue, and the job
+# starts again later from its latest checkpoint (trainer.resume_mode=auto).
+# One line naming the rank that failed first: torchrun's "Root Cause" block, or srun's report of
+# the first task that did not merely get terminated (in task mode, task N is rank N).
+first_failure() {
+    local found
+    if [[ $mode == torchrun ]]; then
+        # srun's label says which node's torchrun reported it (its "host" may read localhost).
+        local task
+        read -r task found < <(awk '/: Root Cause/ {f = 1; split($0, a, ":"); task = a[1]}
+            f && /rank +:/ {sub(/^[0-9]+: +/, ""); r = $0}
+            f && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" | tr -s ' ') || true
+        [[ -n $found ]] && found="on node $(sed -n "$(( task + 1 ))p" <<<"$nodes"): $found"
+    else
+        found=$(grep -E 'srun: error: [^:]+: tasks? [0-9,-]+: ' "$log" | grep -v -m1 ': Terminated$' || true)
+    fi
+    echo "${found:-not reported (see the lines above)}"
+}
+
+requeued=0
+signalled=0
+on_usr1() {
+    requeued=1
+    signalled=1
+    say "job $SLURM_JOB_ID is near its time limit; requeueing it (it resumes from the latest checkpoint)"
+    scontrol requeue "$SLURM_JOB_ID"
+}
+trap on_usr1 USR1
+
+# In the background so the trap can run; the subshell ends only after tee has written the last
+# line, so the log is complete when the failure is looked up in it.
+{ "${cmd[@]}" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"; } &
+step=$!
+while :; do
+    rc=0
+    wait "$step" || rc=$?
+    (( signalled )) || break
+    signalled=0   # the trap interrupted `wait`; srun goes on (or has ended: wait again for its status)
+done
+if (( rc == 0 )); then
+    say "job $SLURM_JOB_ID finished"
+elif (( requeued )); then
+    say "job $SLURM_JOB_ID stopped for requeue (srun exit $rc)"
+else
+    say "job $SLURM_JOB_ID failed: srun exit $rc; first failure: $(first_failure); log $log"
+fi
+exit "$rc"

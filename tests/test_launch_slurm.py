@@ -1,0 +1,263 @@
+"""launch/slurm/*.sbatch on a real one-node Slurm that the test installs and starts itself.
+
+launch/slurm/local_cluster.sh installs Debian's slurmctld, slurmd and slurm-client (apt-get, when
+missing), writes a slurm.conf into a temporary directory (auth/none, linuxproc, free non-default
+ports) and starts both daemons; the module's fixture stops exactly those at the end. Where Slurm
+cannot be installed or started (not root, no apt-get, no network), every test here is skipped
+with the reason.
+
+The ranks run megarl.parallel.launch_check (MEGARL_ENTRY), a real gloo job taking megarl-train's
+arguments, until the trainer lands; then QUICKSTART_ENTRY becomes megarl.train.
+"""
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megarl.trainer.metrics import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+CLUSTER = "launch/slurm/local_cluster.sh"
+QUICKSTART = "launch/slurm/quickstart.sbatch"
+QUICKSTART_ENTRY = "megarl.parallel.launch_check"
+CONFIG = os.path.abspath("configs/quickstart.yaml")
+
+
+def _two_free_ports() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 60000:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+class Cluster:
+    def __init__(self, state_dir: str):
+        self.dir = state_dir
+        self.env = {**os.environ, "MEGARL_SLURM_DIR": state_dir, "MEGARL_SLURM_PORT": str(_two_free_ports()),
+                    # two 1-CPU tasks must fit even on a 1-core runner
+                    "MEGARL_SLURM_CPUS": str(max(2, os.cpu_count() or 1))}
+        self.env["SLURM_CONF"] = os.path.join(state_dir, "slurm.conf")
+
+    def script(self, command: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", CLUSTER, command], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def slurm(self, *args: str) -> str:
+        out = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"{' '.join(args)}: {out.stderr}"
+        return out.stdout
+
+    def submit(self, script: str, *args: str, sbatch_flags: tuple = (), entry: str = "megarl.parallel.launch_check",
+               env: dict | None = None) -> str:
+        job_env = {**self.env, "PYTHON": sys.executable, "MEGARL_ENTRY": entry, **(env or {})}
+        out = subprocess.run(["sbatch", "--parsable", f"--output={self.dir}/slurm-%j.out", *sbatch_flags,
+                              script, *args], env=job_env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict:
+        fields = self.slurm("scontrol", "show", "job", "-o", job_id).split()
+        return dict(f.split("=", 1) for f in fields if "=" in f)
+
+    def wait(self, job_id: str, timeout: float = 120, until=lambda job: job["JobState"] not in
+             ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            time.sleep(0.2)
+        self.slurm("scancel", job_id)
+        raise AssertionError(f"job {job_id} still {job['JobState']} after {timeout}s:\n{self.output(job_id)[-3000:]}")
+
+    def output(self, job_id: str) -> str:
+        path = os.path.join(self.dir, f"slurm-{job_id}.out")
+        return open(path).read() if os.path.exists(path) else ""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("a local Slurm needs Linux and root (slurmd starts job steps as their users)")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("Slurm is not installed and there is no apt-get to install it")
+    c = Cluster(str(tmp_path_factory.mktemp("slurm")))
+    begin = time.monotonic()
+    got = c.script("install", timeout=900)
+    if got.returncode != 0:
+        pytest.skip(f"could not install Slurm: {(got.stdout + got.stderr).strip()[-500:]}")
+    installed = time.monotonic()
+    got = c.script("start", timeout=120)
+    if got.returncode != 0:
+        c.script("stop", timeout=120)
+        pytest.skip(f"the Slurm daemons did not start: {(got.stdout + got.stderr).strip()[-800:]}")
+    print(f"\nslurm install {installed - begin:.1f}s, start {time.monotonic() - installed:.1f}s")
+    yield c
+    stopped = c.script("stop", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    for name in ("slurmctld", "slurmd"):
+        assert not os.path.exists(os.path.join(c.dir, f"{name}.pid"))
+
+
+def steps_of(run_dir) -> list[int]:
+    return [r["step"] for r in read_metrics(str(run_dir))]
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_sbatch_runs_two_tasks_to_completion(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    begin = time.monotonic()
+    job_id = cluster.submit(QUICKSTART, "trainer.total_training_steps=3", f"trainer.default_local_dir={run_dir}",
+                            entry=QUICKSTART_ENTRY)
+    job = cluster.wait(job_id)
+    print(f"\nquickstart submit-to-complete {time.monotonic() - begin:.1f}s")
+    out = cluster.output(job_id)
+    assert job["JobState"] == "COMPLETED", out[-3000:]
+    assert job["NumTasks"] == "2" and job["NumNodes"] == "1"
+    assert steps_of(run_dir) == [1, 2, 3]
+    records = read_metrics(str(run_dir))
+    if QUICKSTART_ENTRY.endswith("launch_check"):
+        assert {r["launch/world_size"] for r in records} == {2}
+        assert {r["launch/job_id"] for r in records} == {job_id}
+    assert f"job {job_id} (restart 0) on " in out and "task mode, 1 x 2 ranks" in out
+    assert "0: " in out and "1: " in out                          # both tasks wrote, labelled by rank
+    # The run directory holds the job's full log too.
+    assert f"megarl: job {job_id} finished" in (run_dir / "logs" / f"slurm-{job_id}.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_requeued_cancelled_and_resubmitted_job_resumes(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ("trainer.total_training_steps=12", "trainer.save_freq=2", f"trainer.default_local_dir={run_dir}")
+    slow = {"MEGARL_CHECK_STEP_S": "0.4"}
+
+    def wait_for_checkpoint(step, timeout=90):
+        path, deadline = run_dir / "latest_checkpointed_iteration.txt", time.monotonic() + timeout
+        while not (path.exists() and int(path.read_text()) >= step):
+            assert time.monotonic() < deadline, f"no checkpoint {step} after {timeout}s"
+            time.sleep(0.2)
+        return int(path.read_text())
+
+    # 1. Near its time limit Slurm sends the batch shell USR1 (--signal=B:USR1@300); it requeues
+    # itself. The signal is sent by hand here rather than by waiting out a time limit.
+    job_id = cluster.submit(QUICKSTART, *args, env=slow)
+    first_ckpt = wait_for_checkpoint(2)
+    cluster.slurm("scancel", "--batch", "--signal=USR1", job_id)
+    cluster.wait(job_id, until=lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1")
+    # Slurm holds a requeued job ~2 min before it may start again; release it (after the old
+    # job's credential revocation, which has a one-second granularity).
+    time.sleep(2)
+    cluster.slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    cluster.wait(job_id, until=lambda j: j["JobState"] == "RUNNING")
+
+    # 2. scancel mid-run, then submit the same command again.
+    second_ckpt = wait_for_checkpoint(first_ckpt + 4)
+    cluster.slurm("scancel", job_id)
+    assert cluster.wait(job_id)["JobState"] == "CANCELLED"
+    resumed_at = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
+    job2 = cluster.submit(QUICKSTART, *args)
+    done = cluster.wait(job2)
+    assert done["JobState"] == "COMPLETED", cluster.output(job2)[-3000:]
+
+    out = cluster.output(job_id)
+    assert "is near its time limit; requeueing it" in out and f"job {job_id} (restart 1)" in out
+    records = read_metrics(str(run_dir))
+    by_run = {}
+    for r in records:
+        by_run.setdefault((r["launch/job_id"], r["launch/restart_count"]), []).append(r)
+    assert list(by_run) == [(job_id, 0), (job_id, 1), (job2, 0)]
+    # Each later run starts right after a complete checkpoint of the one before.
+    (_, first), (_, requeued), (_, resubmitted) = by_run.items()
+    assert requeued[0]["launch/resumed_from"] >= first_ckpt and requeued[0]["step"] == requeued[0]["launch/resumed_from"] + 1
+    assert resubmitted[0]["launch/resumed_from"] == resumed_at >= second_ckpt
+    assert resubmitted[0]["step"] == resumed_at + 1 and resubmitted[-1]["step"] == 12
+    # Steps between a checkpoint and a kill are redone, so the running sum must still be exact.
+    assert resubmitted[-1]["launch/acc"] == 3 * sum(range(1, 13))
+    assert sorted(set(steps_of(run_dir))) == list(range(1, 13))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script, mode, named", [
+    (QUICKSTART, "raise", "first failure: srun: error: {host}: task 1: Exited with exit code 1"),
+    (QUICKSTART, "kill", "first failure: srun: error: {host}: task 1: Killed"),
+    ("launch/slurm/single_node.sbatch", "raise", "first failure: on node {host}: rank : 1 (local_rank: 1); exitcode : 1"),
+])
+def test_a_failed_rank_fails_the_job_quickly_and_is_named(cluster, tmp_path, script, mode, named):
+    run_dir = tmp_path / "run"
+    config = () if script == QUICKSTART else (CONFIG,)
+    begin = time.monotonic()
+    job_id = cluster.submit(script, *config, "trainer.total_training_steps=200", "trainer.collective_timeout_s=120",
+                            f"trainer.default_local_dir={run_dir}", sbatch_flags=("--gpus-per-node=0",),
+                            env={"MEGARL_CHECK_FAIL": f"1:3:{mode}", "MEGARL_CHECK_STEP_S": "0.1"})
+    job = cluster.wait(job_id)
+    seconds = time.monotonic() - begin
+    print(f"\n{script} {mode}: submit-to-failed {seconds:.1f}s")
+    out = cluster.output(job_id)
+    assert job["JobState"] == "FAILED" and job["ExitCode"] != "0:0", out[-3000:]
+    node = cluster.slurm("sinfo", "-h", "-o", "%n").split()[0]
+    assert named.format(host=node) in out, out[-3000:]
+    if mode == "raise":
+        assert "RuntimeError: injected failure on rank 1 at step 3" in out
+    assert steps_of(run_dir)[-1] <= 3 and "launch_check: done" not in out
+    # Far below the 120 s collective timeout: the dead peer is seen at once and srun ends the rest.
+    assert seconds < 60, f"took {seconds:.0f}s"
+
+
+@pytest.mark.timeout(300)
+def test_multi_node_scripts_start_ranks_both_ways(cluster, tmp_path):
+    """multi_node.sbatch (srun task per node -> torchrun, c10d rendezvous on the first node) and
+    multi_node_task_per_gpu.sbatch (srun task per rank), each on this one node, CPU only."""
+    for script, flags, mode in (("launch/slurm/multi_node.sbatch", (), "torchrun mode"),
+                                ("launch/slurm/multi_node_task_per_gpu.sbatch", ("--ntasks-per-node=2",), "task mode")):
+        run_dir = tmp_path / script.split("/")[-1]
+        job_id = cluster.submit(script, CONFIG, "trainer.total_training_steps=2", f"trainer.default_local_dir={run_dir}",
+                                sbatch_flags=("--nodes=1", "--gpus-per-node=0", *flags))
+        job = cluster.wait(job_id)
+        out = cluster.output(job_id)
+        assert job["JobState"] == "COMPLETED", out[-3000:]
+        assert f"{mode}, 1 x 2 ranks" in out
+        assert steps_of(run_dir) == [1, 2]
+        assert {r["launch/world_size"] for r in read_metrics(str(run_dir))} == {2}
+
+
+@pytest.mark.timeout(120)
+def test_bad_config_or_layout_fails_before_ranks_start(cluster, tmp_path):
+    cases = [
+        (("actor_rollout_ref.rollout.tmperature=1",),
+         "megarl: config error: actor_rollout_ref.rollout.tmperature: unknown key; did you mean"),
+        # 2 tasks were granted, the override asks for 4 ranks per node
+        (("trainer.n_gpus_per_node=4",), "megarl: config error: trainer.n_gpus_per_node: is 4, but this allocation "
+                                         "(1 node(s), 2 task(s)) starts 2 process(es) per node"),
+    ]
+    for overrides, message in cases:
+        job_id = cluster.submit(QUICKSTART, *overrides, f"trainer.default_local_dir={tmp_path / 'run'}")
+        job = cluster.wait(job_id)
+        out = cluster.output(job_id)
+        assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", out
+        assert message in out, out
+        assert "srun" not in out and not (tmp_path / "run").exists()
+
+
+def test_local_cluster_script_reports_its_daemons(cluster):
+    got = cluster.script("status", timeout=60)
+    assert got.returncode == 0
+    assert "slurmctld running" in got.stdout and "slurmd running" in got.stdout and "idle" in got.stdout
+    conf = open(cluster.env["SLURM_CONF"]).read()
+    for line in ("AuthType=auth/none", "ProctrackType=proctrack/linuxproc", f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
+                 f"StateSaveLocation={cluster.dir}/state"):
+        assert line in conf
+    assert shlex.split(cluster.slurm("sinfo", "-h", "-o", "%c"))[0] == cluster.env["MEGARL_SLURM_CPUS"]
