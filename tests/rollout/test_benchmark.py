@@ -9,4 +9,4 @@ def test_benchmark_prints_both_figures_and_the_ratio(tmp_path, capsys):
                 "--shortest", "4", "--longest", "12"])
     out = capsys.readouterr().out
     assert set(med) == {"native", "hf", "hf-plain"} and all(v > 0 for v in med.values())
-    assert "native" in out and "tokens/s" in out and "ratio native / hf " in out
+    assert "native" in out and "tokens/s" in out and "ratio native / hf " in out and "per CPU-second" in out

@@ -102,8 +102,10 @@ class NativeEngine(BaseRollout):
         for name, full in bucket:
             for dst, rows, src in self.plan.route(name, full):
                 param = self.params[dst]
-                if param.numel() == 0:           # dropped by sleep(level=2): allocate again
-                    param.data = torch.zeros(self._shapes[dst], dtype=self.dtype, device=self.device)
+                if param.numel() == 0:           # released by sleep(): bring back the old values or zeros
+                    host = self._offloaded.pop(dst, None)
+                    param.data = (host.to(self.device) if host is not None else
+                                  torch.zeros(self._shapes[dst], dtype=self.dtype, device=self.device))
                 param.data[rows].copy_(src)
             self.weights.received(name)
 
