@@ -38,11 +38,12 @@ class SamplingParams:
     top_k: int = -1                        # -1: off
     n: int = 1
     max_tokens: int = 16                   # the response budget
-    stop_token_ids: list[int] = field(default_factory=list)  # EOS ids go here too
-    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # always stop on these
+    ignore_eos: bool = False               # True: keep going past eos_token_ids (stop_token_ids still stop)
     repetition_penalty: float = 1.0
     seed: int | None = None
     do_sample: bool = True                 # False: greedy whatever the temperature
+    eos_token_ids: list[int] = field(default_factory=list)  # the tokenizer's EOS ids (stop unless ignore_eos)
 
     def __post_init__(self):
         self.validate()
@@ -62,6 +63,12 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = off)",
                               "sampling.repetition_penalty")
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end a response (the stop token is kept in the response)."""
+        eos = () if self.ignore_eos else self.eos_token_ids
+        return frozenset(self.stop_token_ids) | frozenset(eos)
 
     @property
     def greedy(self) -> bool:
@@ -101,7 +108,8 @@ class RolloutEngine(ABC):
         """Activate the staged weights; raise if any parameter was not received (never run on a mix)."""
 
     def abort_weight_update(self) -> None:
-        """Drop staged buckets after a failed transfer; the old weights stay active."""
+        """A transfer failed: drop what was staged. Engines that stage keep the old weights active;
+        engines that load in place (native, hf) refuse to generate until a full sync succeeds."""
 
     def sleep(self) -> None:
         """Release KV cache (and weights where the engine can restore them)."""
@@ -134,10 +142,25 @@ class BaseRollout(RolloutEngine):
 
     def generate_sequences(self, batch: DataProto) -> DataProto:
         """Default: token-level generate() over `prompt_token_ids`, packed per megarl/protocol.py."""
-        sampling: SamplingParams = batch.meta_info["sampling"]
-        prompts = [list(p) for p in batch.non_tensor_batch["prompt_token_ids"]]
-        groups = self.generate(prompts, sampling)
-        return pack_completions(batch, groups, pad_token_id=batch.meta_info.get("pad_token_id", 0))
+        return generate_sequences_via(self, batch, batch.meta_info.get("pad_token_id", 0))
+
+
+def generate_sequences_via(engine: RolloutEngine, batch: DataProto, pad_token_id: int) -> DataProto:
+    """generate() over the batch's `prompt_token_ids`, packed per megarl/protocol.py. An engine's
+    prompt guard runs first and the batch keeps the prompts as generated from (left-truncated
+    ones included), so input_ids are what the trainer must score."""
+    sampling: SamplingParams = batch.meta_info["sampling"]
+    sampling.validate()
+    prompts = [list(p) for p in batch.non_tensor_batch["prompt_token_ids"]]
+    guard = getattr(engine, "guard", None)
+    if guard is not None:
+        prompts = guard.apply(prompts)     # idempotent: generate() applying it again changes nothing
+        kept = np.empty(len(prompts), dtype=object)
+        for i, p in enumerate(prompts):
+            kept[i] = list(p)
+        batch.non_tensor_batch["prompt_token_ids"] = kept
+    groups = engine.generate(prompts, sampling)
+    return pack_completions(batch, groups, pad_token_id=pad_token_id)
 
 
 def pack_completions(batch: DataProto, groups: list[list[Completion]], pad_token_id: int) -> DataProto:

@@ -1,0 +1,273 @@
+"""The built-in engine's decoder: Llama / Qwen2 / Qwen3 family, read from an HF config.
+
+RMSNorm, SwiGLU, RoPE (default, linear, llama3 scaling), GQA, optional QKV / output bias,
+optional per-head q/k norm (Qwen3), tied or untied embeddings. The model holds only this
+rank's shard (sizes come from `ModelArgs.local(...)`); the two collectives it needs arrive as a
+`comm` object (megarl/rollout/native/tp.py), so no process-group code lives here.
+
+Two entry points share the layers: `prefill` (one prompt, causal over itself, written into
+one KV-cache slot) and `decode` (one new token for each of B slots, attending to its cache).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class Comm(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: tuple = ()               # sorted (key, value) pairs of the HF rope parameters
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 32768
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        """HF config.json (transformers 4 or 5 spelling) -> args; unsupported features refused."""
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"native rollout engine: model_type={mtype!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use rollout.name=hf or trtllm")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"native rollout engine: hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
+        if cfg.get("use_sliding_window") or (mtype == "mistral" and cfg.get("sliding_window")):
+            raise ValueError("native rollout engine: sliding-window attention is not supported; use rollout.name=hf")
+        if cfg.get("mlp_bias"):
+            raise ValueError("native rollout engine: mlp_bias=true is not supported; use rollout.name=hf")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"native rollout engine: rope_type={rope_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); use rollout.name=hf")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("native rollout engine: partial_rotary_factor != 1 is not supported")
+        rope["rope_type"] = rope_type
+        rope.pop("type", None)
+        heads = cfg["num_attention_heads"]
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
+            qkv_bias=(mtype == "qwen2") or bias, o_bias=bias and mtype != "qwen2", qk_norm=(mtype == "qwen3"),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768))
+
+
+@dataclass(frozen=True)
+class LocalSizes:
+    """What one TP rank holds. KV heads are split when there are at least as many as ranks,
+    else replicated (rank r holds head r // (T / n_kv))."""
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int                             # rows of this rank's vocabulary shard (padded vocab / T)
+
+    @classmethod
+    def of(cls, a: ModelArgs, tp: int) -> "LocalSizes":
+        if a.n_heads % tp:
+            raise ValueError(f"rollout TP={tp} must divide num_attention_heads={a.n_heads}")
+        if a.intermediate_size % tp:
+            raise ValueError(f"rollout TP={tp} must divide intermediate_size={a.intermediate_size}")
+        if a.n_kv_heads % tp and tp % a.n_kv_heads:
+            raise ValueError(f"rollout TP={tp} and num_key_value_heads={a.n_kv_heads}: one must divide the other")
+        return cls(a.n_heads // tp, max(1, a.n_kv_heads // tp), a.intermediate_size // tp,
+                   math.ceil(a.vocab_size / tp))
+
+
+def rope_inv_freq(a: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies exactly as transformers computes them (so positions agree bit for bit)."""
+    dim = a.head_dim
+    inv = 1.0 / (a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = dict(a.rope_scaling)
+    kind = p.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / p["factor"]
+    elif kind == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        inv = torch.where(medium, blended, scaled)
+    return inv
+
+
+def rope_table(a: ModelArgs, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * rope_inv_freq(a)[None, :]  # [L, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                                                # [L, hd]
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale (one fused op in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, hd]; cos/sin [..., T, 1, hd] (broadcast over heads)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer(nn.Module):
+    def __init__(self, a: ModelArgs, s: LocalSizes, dtype, device):
+        super().__init__()
+        hd, h = a.head_dim, a.hidden_size
+        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
+        e = dict(dtype=dtype, device=device)
+        self.attn_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
+        self.wqkv = nn.Parameter(torch.empty(q_rows + 2 * kv_rows, h, **e), requires_grad=False)
+        self.bqkv = nn.Parameter(torch.empty(q_rows + 2 * kv_rows, **e), requires_grad=False) if a.qkv_bias else None
+        self.q_norm = nn.Parameter(torch.empty(hd, **e), requires_grad=False) if a.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(hd, **e), requires_grad=False) if a.qk_norm else None
+        self.wo = nn.Parameter(torch.empty(h, q_rows, **e), requires_grad=False)
+        self.bo = nn.Parameter(torch.empty(h, **e), requires_grad=False) if a.o_bias else None
+        self.mlp_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(2 * s.intermediate, h, **e), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(h, s.intermediate, **e), requires_grad=False)
+        self.a, self.s = a, s
+
+    def _qkv(self, x, cos, sin):
+        """x [N, T, h] -> q [N, T, hq, hd], k/v [N, T, hkv, hd] with RoPE applied."""
+        a, s, hd = self.a, self.s, self.a.head_dim
+        qkv = F.linear(x, self.wqkv, self.bqkv)
+        q, k, v = qkv.split([s.heads * hd, s.kv_heads * hd, s.kv_heads * hd], dim=-1)
+        q = q.unflatten(-1, (s.heads, hd))
+        k = k.unflatten(-1, (s.kv_heads, hd))
+        v = v.unflatten(-1, (s.kv_heads, hd))
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _out(self, attn, x, comm):
+        o = comm.all_reduce(F.linear(attn, self.wo))
+        if self.bo is not None:
+            o = o + self.bo                 # row-parallel bias: added once, after the reduction
+        x = x + o
+        g, u = F.linear(rms_norm(x, self.mlp_norm, self.a.rms_eps), self.w13).chunk(2, dim=-1)
+        return x + comm.all_reduce(F.linear(F.silu(g) * u, self.w2))
+
+    def prefill(self, x, cos, sin, cache_k, cache_v, comm):
+        """x [1, P, h]; cache_k/v [hkv, L, hd] (one slot), filled at [:, :P]."""
+        q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
+        P = x.shape[1]
+        cache_k[:, :P] = k[0].transpose(0, 1)
+        cache_v[:, :P] = v[0].transpose(0, 1)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True, enable_gqa=True)          # [1, hq, P, hd]
+        return self._out(attn.transpose(1, 2).flatten(2), x, comm)
+
+    def decode(self, x, cos, sin, cache_k, cache_v, rows, pos, valid, comm):
+        """x [B, 1, h]; cache_k/v [S, hkv, L, hd]; rows [B] slots; pos [B] where the new token goes;
+        valid [B, 1, 1, Lmax] keys each row may see."""
+        s, hd = self.s, self.a.head_dim
+        q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
+        cache_k[rows, :, pos] = k[:, 0]
+        cache_v[rows, :, pos] = v[:, 0]
+        B, Lmax, g = x.shape[0], valid.shape[-1], s.heads // s.kv_heads
+        keys, vals = cache_k[:B, :, :Lmax], cache_v[:B, :, :Lmax]                         # [B, hkv, Lmax, hd]
+        # Grouped-query attention without copying K/V per query head: the g query heads that
+        # share a KV head become g query rows of that head.
+        qg = q.view(B, s.kv_heads, g, hd)                                                # [B, hkv, g, hd]
+        attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=valid)          # [B, hkv, g, hd]
+        return self._out(attn.reshape(B, 1, s.heads * hd), x, comm)
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs, tp_size: int, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.a, self.s = a, LocalSizes.of(a, tp_size)
+        e = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.zeros(self.s.vocab, a.hidden_size, **e), requires_grad=False)
+        self.layers = nn.ModuleList(Layer(a, self.s, dtype, device) for _ in range(a.n_layers))
+        self.norm = nn.Parameter(torch.empty(a.hidden_size, **e), requires_grad=False)
+        self.lm_head = (None if a.tie_embeddings else
+                        nn.Parameter(torch.zeros(self.s.vocab, a.hidden_size, **e), requires_grad=False))
+        self.dtype, self.device = dtype, torch.device(device)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[0] < length:
+            self._rope = rope_table(self.a, max(length, 256), self.device, self.dtype)
+        return self._rope
+
+    def embed_tokens(self, ids: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank looks up the ids in its shard, zeros the rest, all-reduce."""
+        if comm.size == 1:
+            return F.embedding(ids, self.embed)
+        lo = comm.rank * self.s.vocab
+        local = ids - lo
+        outside = (local < 0) | (local >= self.s.vocab)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return comm.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+    def logits(self, h: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """h [..., hidden] -> full-vocabulary fp32 logits [..., V] (the shards gathered)."""
+        w = self.embed if self.lm_head is None else self.lm_head
+        local = F.linear(rms_norm(h, self.norm, self.a.rms_eps), w).float()
+        full = local if comm.size == 1 else comm.all_gather_last(local)
+        return full[..., :self.a.vocab_size]
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, cache, slot: int, comm: Comm) -> torch.Tensor:
+        """ids [P] -> logits of the last position [V]; the prompt's K/V land in `slot`."""
+        P = ids.shape[0]
+        cos, sin = self.rope(P)
+        cos, sin = cos[:P, None], sin[:P, None]                                          # [P, 1, hd]
+        x = self.embed_tokens(ids[None], comm)                                           # [1, P, h]
+        for i, layer in enumerate(self.layers):
+            x = layer.prefill(x, cos, sin, cache.k[i, slot], cache.v[i, slot], comm)
+        return self.logits(x[0, -1], comm)
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, cache, comm: Comm) -> torch.Tensor:
+        """ids [B] last tokens of slots 0..B-1, pos [B] their positions -> logits [B, V]."""
+        B = ids.shape[0]
+        Lmax = int(pos.max()) + 1
+        cos, sin = self.rope(Lmax)
+        cos, sin = cos[pos][:, None, None], sin[pos][:, None, None]                      # [B, 1, 1, hd]
+        valid = (torch.arange(Lmax, device=pos.device)[None, :] <= pos[:, None])[:, None, None]  # [B,1,1,Lmax]
+        rows = torch.arange(B, device=pos.device)
+        x = self.embed_tokens(ids[:, None], comm)                                        # [B, 1, h]
+        for i, layer in enumerate(self.layers):
+            x = layer.decode(x, cos, sin, cache.k[i], cache.v[i], rows, pos, valid, comm)
+        return self.logits(x[:, 0], comm)

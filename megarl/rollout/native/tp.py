@@ -1,0 +1,174 @@
+"""Tensor parallelism of the built-in engine: the collectives, and where each HF tensor's slice goes.
+
+    comm = TPComm(group)                  # or TPComm(None) for one rank
+    plan = ShardPlan(args, comm.rank, comm.size)
+    for dst_param_name, dst_rows, src in plan.route("model.layers.0.self_attn.q_proj.weight", full):
+        ...                               # copy `src` (a view of the full tensor) into the param rows
+
+Column-parallel: q/k/v, gate/up, the vocabulary of embeddings and lm_head (split rows).
+Row-parallel: o_proj and down_proj (split columns, all-reduce after). Norms are replicated.
+gloo on CPU, nccl on CUDA: whatever backend the group was created with.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.native.model import LocalSizes, ModelArgs
+
+
+class TPComm:
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        if group is None or not dist.is_initialized():
+            self.rank, self.size = 0, 1
+        else:
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._nccl = self.size > 1 and dist.get_backend(group) == "nccl"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate the ranks' tensors along the last dimension (rank order)."""
+        x = x.contiguous()
+        if self._nccl:
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            parts = list(out.unbind(0))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def agree(self, value: int) -> int:
+        """The group's first rank's `value`, on every rank (e.g. a random seed)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device="cuda" if self._nccl else "cpu")
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class ShardPlan:
+    """HF name + full tensor -> (local parameter name, destination row slice, source view).
+
+    A destination is a slice of rows of a local parameter because q/k/v share `wqkv` and
+    gate/up share `w13`; the source is a view of the full tensor (no copy of the whole model).
+    """
+
+    def __init__(self, args: ModelArgs, rank: int, size: int):
+        self.a, self.rank, self.size = args, rank, size
+        self.s = LocalSizes.of(args, size)
+        self._expected = set(self.expected_names())
+
+    def expected_names(self) -> list[str]:
+        """Every HF tensor a full sync must deliver (finalize refuses if one is missing)."""
+        a = self.a
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not a.tie_embeddings:
+            names.append("lm_head.weight")
+        for i in range(a.n_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                      p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
+                      p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                      p + "mlp.down_proj.weight"]
+            if a.qkv_bias:
+                names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
+            if a.o_bias:
+                names.append(p + "self_attn.o_proj.bias")
+            if a.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        a, hd = self.a, self.a.head_dim
+        h, i = a.hidden_size, a.intermediate_size
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (a.vocab_size, h)
+        if name == "model.norm.weight":
+            return (h,)
+        leaf = _LAYER.match(name).group(2)
+        return {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (a.n_heads * hd, h), "self_attn.q_proj.bias": (a.n_heads * hd,),
+            "self_attn.k_proj.weight": (a.n_kv_heads * hd, h), "self_attn.k_proj.bias": (a.n_kv_heads * hd,),
+            "self_attn.v_proj.weight": (a.n_kv_heads * hd, h), "self_attn.v_proj.bias": (a.n_kv_heads * hd,),
+            "self_attn.o_proj.weight": (h, a.n_heads * hd), "self_attn.o_proj.bias": (h,),
+            "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        }[leaf]
+
+    def _kv_rows(self) -> slice:
+        a, s, hd = self.a, self.s, self.a.head_dim
+        first = self.rank * s.kv_heads if a.n_kv_heads >= self.size else self.rank // (self.size // a.n_kv_heads)
+        return slice(first * hd, (first + s.kv_heads) * hd)
+
+    def route(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, slice, torch.Tensor]]:
+        """Where this rank's part of `full` goes. Raises on names/shapes the model does not have."""
+        a, s, r, hd = self.a, self.s, self.rank, self.a.head_dim
+        if name.endswith("rotary_emb.inv_freq"):
+            return                              # a buffer some checkpoints carry; recomputed here
+        if name == "lm_head.weight" and a.tie_embeddings:
+            return                              # tied: the embedding is the output layer
+        if name not in self._expected:
+            raise ValueError(f"weight update: unknown tensor {name!r} for this {a.n_layers}-layer "
+                             f"{'Qwen3' if a.qk_norm else 'Llama/Qwen2'}-style model (expected HF names such "
+                             "as model.layers.0.self_attn.q_proj.weight)")
+        shape = self.full_shape(name)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"weight update: {name} has shape {tuple(full.shape)}, expected {shape} "
+                             "(is the stream from the same model config?)")
+        everything = slice(None)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            lo = r * s.vocab
+            hi = min(lo + s.vocab, a.vocab_size)
+            yield ("embed" if name.startswith("model.") else "lm_head"), slice(0, max(hi - lo, 0)), full[lo:hi]
+            return
+        if name == "model.norm.weight":
+            yield "norm", everything, full
+            return
+        layer, leaf = _LAYER.match(name).groups()
+        p = f"layers.{layer}."
+        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
+        mine_q = slice(r * q_rows, (r + 1) * q_rows)
+        mine_i = slice(r * s.intermediate, (r + 1) * s.intermediate)
+        kind = leaf.rsplit(".", 1)[1]           # weight | bias
+        fused = "wqkv" if kind == "weight" else "bqkv"
+        if leaf.startswith("self_attn.q_proj"):
+            yield p + fused, slice(0, q_rows), full[mine_q]
+        elif leaf.startswith("self_attn.k_proj"):
+            yield p + fused, slice(q_rows, q_rows + kv_rows), full[self._kv_rows()]
+        elif leaf.startswith("self_attn.v_proj"):
+            yield p + fused, slice(q_rows + kv_rows, q_rows + 2 * kv_rows), full[self._kv_rows()]
+        elif leaf == "self_attn.o_proj.weight":
+            yield p + "wo", everything, full[:, mine_q]
+        elif leaf == "self_attn.o_proj.bias":
+            yield p + "bo", everything, full
+        elif leaf == "mlp.gate_proj.weight":
+            yield p + "w13", slice(0, s.intermediate), full[mine_i]
+        elif leaf == "mlp.up_proj.weight":
+            yield p + "w13", slice(s.intermediate, 2 * s.intermediate), full[mine_i]
+        elif leaf == "mlp.down_proj.weight":
+            yield p + "w2", everything, full[:, mine_i]
+        elif leaf == "input_layernorm.weight":
+            yield p + "attn_norm", everything, full
+        elif leaf == "post_attention_layernorm.weight":
+            yield p + "mlp_norm", everything, full
+        elif leaf == "self_attn.q_norm.weight":
+            yield p + "q_norm", everything, full
+        elif leaf == "self_attn.k_norm.weight":
+            yield p + "k_norm", everything, full

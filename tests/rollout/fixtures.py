@@ -1,0 +1,61 @@
+"""Tiny HF models and a word-level tokenizer, built locally for the rollout tests."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 96
+
+
+def tiny_config(kind: str = "qwen2", **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, initializer_range=0.15, max_position_embeddings=512)
+    base.update(overrides)
+    return {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[kind](**base)
+
+
+def make_model(cfg, seed: int):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def save_model(out_dir: str, kind: str = "qwen2", seed: int = 0, **overrides):
+    """An HF directory (config.json + safetensors); returns the model."""
+    model = make_model(tiny_config(kind, **overrides), seed)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def save_tokenizer(out_dir: str):
+    """In a directory of its own: transformers 5 picks a tokenizer class from a config.json's
+    model_type and would swap in that class's decoder. Word-level: token i is the word "w{i:02d}", so text and ids round-trip exactly (fixed width,
+    so the special tokens w00 / w01 never match inside another word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"w{i:02d}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w00"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w01", pad_token="w00")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def state_of(model) -> list[tuple[str, torch.Tensor]]:
+    """The HF-named full tensors a weight sync streams (tied duplicates once)."""
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def in_buckets(named, count: int):
+    size = -(-len(named) // count)
+    return [named[i:i + size] for i in range(0, len(named), size)]
+
+
+def model_dirs(root: str) -> dict:
+    """Weights A (the engine's start) and B (a sync's new weights), same config; the tokenizer."""
+    a, b, tok = (os.path.join(root, k) for k in ("a", "b", "tok"))
+    save_tokenizer(tok)
+    return {"a": a, "b": b, "tok": tok, "model_a": save_model(a, seed=0), "model_b": save_model(b, seed=1)}

@@ -1,0 +1,183 @@
+"""The built-in engine beyond the shared contract: model families against transformers, continuous
+batching, shared prefill, sleep levels, repetition penalty, sharding and refusals."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.protocol import DataProto
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.native import NativeEngine
+from megarl.rollout.native.model import LocalSizes, ModelArgs
+from megarl.rollout.native.tp import ShardPlan
+from tests.rollout.conformance import PROMPTS, Oracle
+from tests.rollout.fixtures import save_model, state_of, tiny_config
+
+FAMILIES = {
+    "qwen2": ("qwen2", {}),
+    "llama-tied-llama3-rope-bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8})),
+    "llama-linear-rope-theta": ("llama", dict(rope_theta=500.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=24)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(tmp_path, family):
+    kind, extra = FAMILIES[family]
+    model = save_model(str(tmp_path), kind, seed=3, **extra)
+    engine, oracle = NativeEngine.from_pretrained(str(tmp_path)), Oracle(model)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_tokens=12, do_sample=False))
+    for prompt, g in zip(PROMPTS, greedy):
+        assert g[0].token_ids == oracle.greedy(prompt, 12)
+    sampled = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=12, temperature=0.8, seed=0))
+    err = max(oracle.max_error(greedy, PROMPTS, 1.0), oracle.max_error(sampled, PROMPTS, 0.8))
+    print(f"{family}: max |log-prob - transformers| = {err:.2e}")
+    assert err <= 1e-5
+
+
+def test_repetition_penalty_greedy_matches_transformers(tmp_path):
+    model = save_model(str(tmp_path), seed=4)
+    engine, oracle = NativeEngine.from_pretrained(str(tmp_path)), Oracle(model)
+    for prompt in PROMPTS:
+        got = engine.generate([prompt], SamplingParams(max_tokens=12, do_sample=False, repetition_penalty=1.8))
+        assert got[0][0].token_ids == oracle.greedy(prompt, 12, penalty=1.8)
+        # the reported log-prob stays the convention's: before the penalty
+        assert oracle.max_error(got, [prompt], 1.0) <= 1e-5
+
+
+def test_continuous_batching_refills_slots_and_shares_prefill(tmp_path):
+    """5 prompts x n=2 through 4 slots: the same tokens as with room for all, one prefill per prompt."""
+    save_model(str(tmp_path), seed=5)
+    prompts = PROMPTS + [[7, 7, 7], [60, 61, 62, 63]]
+    sp = SamplingParams(n=2, max_tokens=10, seed=9, stop_token_ids=[5, 6, 7, 8])
+    roomy = NativeEngine.from_pretrained(str(tmp_path))
+    tight = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=4)
+    want, got = roomy.generate(prompts, sp), tight.generate(prompts, sp)
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
+    assert flat(got) == pytest.approx(flat(want), abs=1e-5)
+    assert tight.cache.slots == 4 and tight.stats["prefills"] == len(prompts)
+    lengths = {len(c.token_ids) for g in got for c in g}
+    assert len(lengths) > 1, "stop ids should end some sequences early (that frees slots)"
+
+
+def test_sleep_frees_kv_cache_and_level_2_drops_weights(tmp_path):
+    model = save_model(str(tmp_path), seed=6)
+    oracle, greedy = Oracle(model), SamplingParams(max_tokens=6, do_sample=False)
+    engine = NativeEngine.from_pretrained(str(tmp_path))
+    engine.generate(PROMPTS, greedy)
+    shape = (engine.cache.slots, engine.cache.max_len)
+    engine.sleep(level=1)
+    assert not engine.cache.allocated
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, greedy)
+    engine.wake()
+    assert (engine.cache.slots, engine.cache.max_len) == shape
+    assert engine.generate(PROMPTS[:1], greedy)[0][0].token_ids == oracle.greedy(PROMPTS[0], 6)
+
+    engine.sleep(level=2)
+    assert all(p.numel() == 0 for p in engine.params.values()), "level 2 must release the weights"
+    engine.wake()
+    with pytest.raises(RuntimeError, match="sleep"):
+        engine.generate(PROMPTS, greedy)
+    engine.update_weights(state_of(model))                 # the next sync brings them back
+    engine.finalize_weights()
+    assert engine.generate(PROMPTS[:1], greedy)[0][0].token_ids == oracle.greedy(PROMPTS[0], 6)
+
+
+def test_dummy_start_refuses_until_first_sync(tmp_path):
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.registry import build_rollout
+    model = save_model(str(tmp_path), seed=7)
+    engine = build_rollout(RolloutConfig(), str(tmp_path))      # load_format=dummy, as in verl
+    assert engine.sleep_level == 2
+    with pytest.raises(RuntimeError, match="no weights yet"):
+        engine.generate(PROMPTS, SamplingParams())
+    engine.update_weights(state_of(model))
+    engine.finalize_weights()
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=5, do_sample=False))[0][0].token_ids == \
+        Oracle(model).greedy(PROMPTS[0], 5)
+
+
+def test_shard_plan_slices_reassemble_the_full_tensors():
+    """Pure check of the TP layout: rank slices concatenate back to the HF tensors (KV heads
+    replicated when there are fewer than ranks; vocabulary padded to a multiple of TP)."""
+    args = ModelArgs.from_hf(tiny_config("qwen2", vocab_size=97, num_key_value_heads=1).to_dict())
+    full = {n: torch.randn(ShardPlan(args, 0, 1).full_shape(n)) for n in ShardPlan(args, 0, 1).expected_names()}
+    parts = {}
+    for rank in range(2):
+        plan = ShardPlan(args, rank, 2)
+        for name, t in full.items():
+            for dst, rows, src in plan.route(name, t):
+                parts.setdefault((name, dst, str(rows)), []).append(src)
+    q = torch.cat(parts[("model.layers.0.self_attn.q_proj.weight", "layers.0.wqkv", str(slice(0, 32)))])
+    assert torch.equal(q, full["model.layers.0.self_attn.q_proj.weight"])
+    k = parts[("model.layers.0.self_attn.k_proj.weight", "layers.0.wqkv", str(slice(32, 48)))]
+    assert all(torch.equal(x, full["model.layers.0.self_attn.k_proj.weight"]) for x in k)   # replicated
+    o = torch.cat(parts[("model.layers.1.self_attn.o_proj.weight", "layers.1.wo", str(slice(None)))], dim=1)
+    assert torch.equal(o, full["model.layers.1.self_attn.o_proj.weight"])
+    emb = [p for key, p in parts.items() if key[0] == "model.embed_tokens.weight"]
+    assert torch.equal(torch.cat([x for p in emb for x in p]), full["model.embed_tokens.weight"])
+    assert LocalSizes.of(args, 2).vocab == 49
+
+
+def test_refusals(tmp_path):
+    save_model(str(tmp_path), seed=8)
+    engine = NativeEngine.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown tensor 'model.layers.9"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))])
+    with pytest.raises(ValueError, match=r"has shape \(3, 3\)"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3, 3))])
+    cfg = tiny_config("llama").to_dict()
+    for bad, match in ((dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), "yarn"),
+                       (dict(model_type="gpt2"), "not supported"), (dict(hidden_act="gelu"), "gelu")):
+        with pytest.raises(ValueError, match=match):
+            ModelArgs.from_hf({**cfg, **bad})
+    with pytest.raises(ValueError, match="must divide num_attention_heads"):
+        LocalSizes.of(ModelArgs.from_hf(cfg), 3)
+
+
+def test_generate_sequences_packs_truncated_prompts_consistently(tmp_path):
+    """Left truncation: the batch keeps the prompt the engine generated from, so input_ids are
+    exactly what the trainer must score."""
+    save_model(str(tmp_path), seed=9)
+    engine = NativeEngine.from_pretrained(str(tmp_path), prompt_length=4, prompt_truncation="left")
+    batch = DataProto(non_tensor_batch={"prompt_token_ids": [PROMPTS[0], PROMPTS[1]]},
+                      meta_info={"sampling": SamplingParams(n=2, max_tokens=5, seed=1)})
+    out = engine.generate_sequences(batch)
+    assert len(out) == 4 and engine.guard.truncated == 1
+    assert list(out.non_tensor_batch["prompt_token_ids"][0]) == PROMPTS[0][-4:]
+    for row in range(4):
+        p, r = int(out.batch["prompt_lens"][row]), int(out.batch["response_lens"][row])
+        prompt = list(out.non_tensor_batch["prompt_token_ids"][row])
+        assert out.batch["input_ids"][row, :p].tolist() == prompt
+        assert out.batch["input_ids"][row, p:p + r].tolist() == out.batch["responses"][row, :r].tolist()
+
+
+def test_sequence_distribution_equals_the_models(tmp_path):
+    """Two-step stop probabilities from 6000 samples (through refilled slots) against the exact
+    values enumerated from transformers: P(stop at step 1) and P(stop at step 2)."""
+    model = save_model(str(tmp_path), seed=2)
+    engine = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=128)
+    prompt, stops = [3, 17, 42, 8, 9], list(range(60, 80))
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        nxt = torch.softmax(model(torch.tensor([prompt + [t] for t in range(96)])).logits[:, -1], -1)  # [96, 96]
+        keep = torch.ones(96, dtype=torch.bool)
+        keep[stops] = False
+        exact = [p1[stops].sum().item(), (p1[keep] * nxt[keep][:, stops].sum(-1)).sum().item()]
+    counts, total = [0, 0, 0], 0
+    for seed in range(12):
+        for group in engine.generate([prompt] * 10, SamplingParams(n=50, max_tokens=3, seed=seed, stop_token_ids=stops)):
+            for c in group:
+                total += 1
+                if c.finish_reason == "stop":
+                    counts[len(c.token_ids) - 1] += 1
+    for step, (count, p) in enumerate(zip(counts, exact), 1):
+        z = (count / total - p) / math.sqrt(p * (1 - p) / total)
+        print(f"P(stop at step {step}): sampled {count / total:.4f}, exact {p:.4f}, z = {z:+.2f}")
+        assert abs(z) < 4.5
