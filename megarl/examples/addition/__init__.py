@@ -3,8 +3,8 @@
     task.py       problem generator and the shipped data files (data/addition/*.jsonl)
     model.py      character tokenizer and Qwen2 config
     warmstart.py  supervised warm start and held-out accuracy
-    bootstrap.py  `bootstrap(model_dir, **kwargs)`: all of the above into an HF checkpoint directory
+    checkpoint.py `bootstrap(model_dir, **kwargs)`: all of the above into an HF checkpoint directory
 """
-from megarl.examples.addition.bootstrap import bootstrap
+from megarl.examples.addition.checkpoint import bootstrap
 
 __all__ = ["bootstrap"]

@@ -30,7 +30,7 @@ def sft_batch(tokenizer, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, to
     return ids, lab
 
 
-def supervised_train(model, tokenizer, task: AdditionTask, steps: int, batch_size: int = 64, lr: float = 3e-3,
+def supervised_train(model, tokenizer, task: AdditionTask, steps: int, batch_size: int = 64, lr: float = 1e-3,
                      seed: int = SFT_SEED, exclude: set | None = None, warmup: int = 20, log_every: int = 0) -> dict:
     """`steps` AdamW steps of next-token loss on the answers of fresh problems (never `exclude`)."""
     torch.manual_seed(seed)

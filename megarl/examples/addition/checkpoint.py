@@ -1,6 +1,6 @@
 """Create the quickstart's checkpoint: tokenizer, small Qwen2 model, brief supervised warm start.
 
-    python -m megarl.examples.addition.bootstrap runs/models/addition     # or via the config:
+    python -m megarl.examples.addition.checkpoint runs/models/addition     # or via the config:
     actor_rollout_ref.model.bootstrap: megarl.examples.addition:bootstrap
 
 The result is a plain HF directory (config.json, model.safetensors, tokenizer files, and
@@ -23,12 +23,13 @@ from megarl.examples.addition.model import build_model, build_tokenizer
 from megarl.examples.addition.task import AdditionTask
 from megarl.examples.addition.warmstart import accuracy, held_out, supervised_train
 
-DEFAULT_WARM_START_STEPS = 150
+DEFAULT_WARM_START_STEPS = 400
+DEFAULT_LR = 1e-3
 
 
 def bootstrap(model_dir: str, *, warm_start_steps: int = DEFAULT_WARM_START_STEPS, seed: int = 0,
               min_digits: int = AdditionTask.min_digits, max_digits: int = AdditionTask.max_digits,
-              batch_size: int = 64, lr: float = 3e-3, eval_rows: int = 256, num_threads: int | None = None,
+              batch_size: int = 64, lr: float = DEFAULT_LR, eval_rows: int = 256, num_threads: int | None = None,
               overwrite: bool = False, verbose: bool = True, **model_overrides) -> str:
     """Build and warm-start the model into `model_dir` unless it already holds a checkpoint.
 
