@@ -20,9 +20,9 @@ def text_tokenizer():
     if "text" not in _TOK:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
-        vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(32, 127)])}
+        vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", "\n"] + [chr(c) for c in range(32, 127)])}
         core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         core.decoder = decoders.Fuse()
         core.add_special_tokens(["<pad>", "<eos>", "<unk>"])
         _TOK["text"] = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
