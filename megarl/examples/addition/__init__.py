@@ -5,6 +5,12 @@
     warmstart.py  supervised warm start and held-out accuracy
     checkpoint.py `bootstrap(model_dir, **kwargs)`: all of the above into an HF checkpoint directory
 """
-from megarl.examples.addition.checkpoint import bootstrap
+
+
+def bootstrap(model_dir: str, config=None, **kwargs) -> str:
+    """`actor_rollout_ref.model.bootstrap: megarl.examples.addition:bootstrap` (see checkpoint.py)."""
+    from megarl.examples.addition.checkpoint import bootstrap as build   # torch/transformers only when used
+    return build(model_dir, config, **kwargs)
+
 
 __all__ = ["bootstrap"]

@@ -27,11 +27,14 @@ DEFAULT_WARM_START_STEPS = 400
 DEFAULT_LR = 1e-3
 
 
-def bootstrap(model_dir: str, *, warm_start_steps: int = DEFAULT_WARM_START_STEPS, seed: int = 0,
+def bootstrap(model_dir: str, config=None, *, warm_start_steps: int = DEFAULT_WARM_START_STEPS, seed: int = 0,
               min_digits: int = AdditionTask.min_digits, max_digits: int = AdditionTask.max_digits,
               batch_size: int = 64, lr: float = DEFAULT_LR, eval_rows: int = 256, num_threads: int | None = None,
               overwrite: bool = False, verbose: bool = True, **model_overrides) -> str:
     """Build and warm-start the model into `model_dir` unless it already holds a checkpoint.
+
+    `config` (the experiment config, when the trainer passes it) is not needed; the keyword
+    arguments come from `actor_rollout_ref.model.bootstrap_kwargs`.
 
     Written to a temporary sibling directory and renamed at the end, so an interrupted run never
     leaves a half-written checkpoint that a later run would take for a finished one.

@@ -63,7 +63,7 @@ def make_row(a: int, b: int, split: str, index: int) -> dict:
         "prompt": [{"role": "user", "content": prompt_text(a, b)}],
         "ability": "arithmetic",
         "reward_model": {"style": "rule", "ground_truth": answer_text(a, b)},
-        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+        "extra_info": {"split": split, "index": index},
     }
 
 
@@ -97,7 +97,7 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def write_dataset(out_dir: str, task: AdditionTask = AdditionTask(), n_train: int = 4096,
+def write_dataset(out_dir: str, task: AdditionTask = AdditionTask(), n_train: int = 3000,
                   n_val: int = 256) -> tuple[str, str]:
     train, val = split_problems(task, n_train, n_val)
     train_path, val_path = os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "val.jsonl")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="data/addition")
     parser.add_argument("--min-digits", type=int, default=AdditionTask.min_digits)
     parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
-    parser.add_argument("--train", type=int, default=4096)
+    parser.add_argument("--train", type=int, default=3000)
     parser.add_argument("--val", type=int, default=256)
     args = parser.parse_args(argv)
     paths = write_dataset(args.out, AdditionTask(args.min_digits, args.max_digits), args.train, args.val)
