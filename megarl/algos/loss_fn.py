@@ -64,6 +64,8 @@ def make_actor_loss_fn(cfg) -> LossFn:
                                          correction.rollout_is_threshold)
         pg_loss, metrics = policy_loss(old, log_prob, b["advantages"], mask, params, agg, is_weights=weights)
         loss = pg_loss
+        if weights is not None:
+            metrics["rollout_corr/rollout_is_mean"] = masked_mean(weights, mask)
         metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights)
         entropy = outputs.get("entropy")
         if entropy is not None:

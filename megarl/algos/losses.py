@@ -34,8 +34,8 @@ class Aggregator:
 
     def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = mask.to(loss_mat.dtype)
-        tokens = self.global_tokens if self.global_tokens is not None else mask.sum().clamp(min=1)
-        seqs = self.global_seqs if self.global_seqs is not None else max(loss_mat.shape[0], 1)
+        tokens = max(self.global_tokens, 1) if self.global_tokens is not None else mask.sum().clamp(min=1)
+        seqs = max(self.global_seqs, 1) if self.global_seqs is not None else max(loss_mat.shape[0], 1)
         per_seq = (loss_mat * mask).sum(-1)                                          # [b]
         if self.mode == "token-mean":
             return per_seq.sum() / tokens

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algos.tensor_ops import masked_mean
-
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     x = x.float()
@@ -62,8 +60,6 @@ def compute_data_metrics(batch, max_response_length: int | None = None, max_prom
         out.update(_stats("prompt_length", plens))
         if max_prompt_length:
             out["prompt_length/clip_ratio"] = (plens >= max_prompt_length).float().mean().item()
-    if "entropys" in b:
-        out["actor/entropy"] = masked_mean(b["entropys"].float(), mask).item()
     return out
 
 

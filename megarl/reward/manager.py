@@ -84,7 +84,7 @@ def ground_truth_of(row: Any) -> Any:
 class RewardManager:
     def __init__(self, tokenizer, fn_spec: RewardFnSpec | None = None, *, kind: str = "naive",
                  custom: Any = None, reward_fn_key: str = "data_source", failure_score: float = 0.0,
-                 max_failure_fraction: float = 0.5, timeout_s: float | None = 10.0, pool: Any = None,
+                 max_failure_fraction: float = 0.9, timeout_s: float | None = 10.0, pool: Any = None,
                  format_kind: str = "none", format_score: float = 0.0, overlong: Any = None,
                  max_response_length: int | None = None):
         self.tokenizer, self.kind, self.custom = tokenizer, kind, custom

@@ -31,7 +31,8 @@ def sft_batch(tokenizer, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, to
 
 
 def supervised_train(model, tokenizer, task: AdditionTask, steps: int, batch_size: int = 64, lr: float = 1e-3,
-                     seed: int = SFT_SEED, exclude: set | None = None, warmup: int = 20, log_every: int = 0) -> dict:
+                     seed: int = SFT_SEED, exclude: set | None = None, warmup: int = 20, log_every: int = 0,
+                     label_smoothing: float = 0.0) -> dict:
     """`steps` AdamW steps of next-token loss on the answers of fresh problems (never `exclude`)."""
     torch.manual_seed(seed)
     stream = task.problems(seed, exclude=exclude or set())
@@ -41,7 +42,9 @@ def supervised_train(model, tokenizer, task: AdditionTask, steps: int, batch_siz
     start, losses = time.perf_counter(), []
     for step in range(steps):
         ids, lab = sft_batch(tokenizer, [next(stream) for _ in range(batch_size)])
-        loss = model(input_ids=ids, labels=lab).loss
+        logits = model(input_ids=ids).logits[:, :-1].float()                       # [B, S-1, V]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
+                                                 ignore_index=-100, label_smoothing=label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
