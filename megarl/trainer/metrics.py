@@ -76,6 +76,17 @@ class MetricsLogger:
             backend.log(step, record)
         return record
 
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step` (a resumed run logs them again)."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, self.path)
+
     def info(self, text: str) -> None:
         if self.enabled:
             print(text, file=self.stream, flush=True)

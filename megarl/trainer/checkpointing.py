@@ -1,0 +1,145 @@
+"""Step checkpoints: everything a run needs to continue exactly where it stopped.
+
+    <trainer.default_local_dir>/
+        latest_checkpointed_iteration.txt     the newest *complete* step (verl's file name)
+        global_step_20/
+            actor/  critic/                   megatron distributed checkpoints (reshardable)
+            trainer_state.pt                  step, data position, KL controller, bad-step count
+            rng/rank_<r>.pt                   each rank's torch / numpy / python RNG streams
+        global_step_20.tmp/                   a save in progress: ignored and removed on resume
+
+A save writes into `global_step_N.tmp`, every rank finishes, then rank 0 renames it and moves
+the pointer file atomically: a job killed mid-save resumes from the previous complete step.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.config import ConfigError
+
+POINTER = "latest_checkpointed_iteration.txt"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"global_step_{step}")
+
+
+def complete_steps(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, "trainer_state.pt")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_step_dir(root: str) -> str | None:
+    """The directory of the newest complete checkpoint under `root`, or None."""
+    pointer = os.path.join(root, POINTER)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            text = f.read().strip()
+        if text.isdigit() and os.path.isfile(os.path.join(step_dir(root, int(text)), "trainer_state.pt")):
+            return step_dir(root, int(text))
+    steps = complete_steps(root)  # pointer missing or stale: fall back to the newest complete dir
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None) -> str:
+    """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir)."""
+    final = step_dir(root, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    _barrier()
+    for name, worker in roles.items():
+        worker.save_checkpoint(os.path.join(tmp, name))
+    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    _barrier()
+    if rank == 0:
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # written last: marks completeness
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer_tmp = os.path.join(root, POINTER + ".tmp")
+        with open(pointer_tmp, "w") as f:
+            f.write(str(step))
+        os.replace(pointer_tmp, os.path.join(root, POINTER))
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep: int | None) -> None:
+    if not keep or keep < 1:
+        return
+    for old in complete_steps(root)[:-keep]:
+        shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+def clean_partial(root: str) -> list[str]:
+    """Remove saves that never completed (`*.tmp`); returns what was removed."""
+    removed = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith("global_step_") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
+def resume_dir(cfg) -> str | None:
+    """Where to resume from per trainer.resume_mode, or None for a fresh start."""
+    tr = cfg.trainer
+    if tr.resume_mode == "disable":
+        return None
+    if tr.resume_mode == "resume_path":
+        path = tr.resume_from_path
+        if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+            raise ConfigError(f"{path} is not a complete megarl step checkpoint (no trainer_state.pt); point it at "
+                              "a global_step_N directory", "trainer.resume_from_path")
+        return path
+    return latest_step_dir(tr.default_local_dir)
+
+
+def load(path: str, roles: dict, rank: int, world: int) -> dict:
+    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state."""
+    for name, worker in roles.items():
+        sub = os.path.join(path, name)
+        if not os.path.isdir(sub):
+            raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
+                              "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
+        worker.load_checkpoint(sub)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
+    if state.get("world") == world and os.path.isfile(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return state

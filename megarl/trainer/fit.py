@@ -1,0 +1,221 @@
+"""The RL loop: one page of named steps (seed 001's fit(), on megarl's parts).
+
+    prompts -> rollout (n each) -> rewards | old / ref log-probs, values -> advantages
+            -> critic and actor updates -> weight sync -> validation, metrics, checkpoint
+
+Every rank runs this loop with the same batch; the parts it calls split work across ranks
+(rollout groups, megatron's TP x PP x DP) and hand back full-batch results. Rewards are scored
+once, on rank 0, in parallel with the log-prob passes, and broadcast.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from megarl.algos import (DynamicSampler, apply_kl_penalty, compute_advantage, compute_data_metrics,
+                          compute_throughput_metrics, compute_timing_metrics, make_actor_loss_fn, make_critic_loss_fn,
+                          rollout_mismatch_metrics)
+from megarl.protocol import DataProto
+from megarl.rollout.sampling import train_sampling, val_sampling
+from megarl.trainer import checkpointing
+from megarl.trainer.generation import broadcast_object, generate, step_seed
+from megarl.trainer.parts import Parts
+from megarl.trainer.validation import validate
+
+
+class BadStepLimit(RuntimeError):
+    """Too many updates were skipped for a NaN/inf loss or grad norm."""
+
+
+class RLTrainer:
+    def __init__(self, cfg, ranks, parts: Parts, logger):
+        self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
+        self.step, self.bad_steps = 0, 0
+        self.total_steps = parts.total_steps
+        self.actor_loss = make_actor_loss_fn(cfg)
+        self.critic_loss = make_critic_loss_fn(cfg) if parts.critic else None
+        eos = [parts.tokenizer.eos_token_id]
+        self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
+        self.timings: dict[str, float] = {}
+        self.extra: dict = {}      # metrics the steps add as they go; finish_step logs them
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def fit(self) -> None:
+        self.resume()
+        self.sync_weights()
+        if self.cfg.trainer.val_before_train and self.step == 0:
+            self.log.log(0, self.validate(), print_line=True)
+        while self.step < self.total_steps:
+            self.step += 1
+            self.timings = {}
+            with self.timed("step"):
+                with self.timed("gen"):
+                    batch = self.rollout(self.p.train_loader.next_batch())
+                rewards = self.launch_rewards(batch)
+                with self.timed("old_log_prob"):
+                    self.compute_old_log_probs(batch)
+                with self.timed("ref"):
+                    self.compute_ref_log_probs(batch)
+                with self.timed("values"):
+                    self.compute_values(batch)
+                with self.timed("reward"):
+                    self.collect_rewards(batch, rewards)
+                with self.timed("adv"):
+                    self.compute_advantages(batch)
+                with self.timed("update_critic"):
+                    self.update_critic(batch)
+                with self.timed("update_actor"):
+                    self.update_actor(batch)
+                with self.timed("sync"):
+                    self.sync_weights()
+            self.finish_step(batch)
+
+    # -- the steps -----------------------------------------------------------------------------------
+    def rollout(self, prompts: DataProto) -> DataProto:
+        """n responses per prompt; with DAPO's dynamic sampling, more rounds until enough groups vary."""
+        sampling = self.sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step))
+        if not self.cfg.algorithm.filter_groups.enable:
+            return self._generate(prompts, sampling)
+        buf = DynamicSampler(len(prompts), self.cfg.algorithm.filter_groups)
+        for round_ in range(10**9):
+            batch = self._generate(prompts, sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step, round_)))
+            self.collect_rewards(batch, self.launch_rewards(batch))
+            if buf.add(batch):
+                break
+            prompts = self.p.train_loader.next_batch()
+        batch = buf.take()
+        self.extra.update(buf.metrics())
+        return batch
+
+    def _generate(self, prompts: DataProto, sampling) -> DataProto:
+        p = self.p
+        batch = generate(p.rollout, prompts, sampling, self.ranks, p.pad_token_id)
+        if self.cfg.rollout.free_cache_engine:
+            p.rollout.sleep()   # the trainer's passes get the KV cache's memory back
+        return batch
+
+    def launch_rewards(self, batch: DataProto):
+        """Start scoring on rank 0 (in a Ray pool when reward_model.launch_reward_fn_async)."""
+        if "token_level_scores" in batch.batch:
+            return None    # scored already (dynamic sampling)
+        if self.p.reward_model is not None:
+            batch.batch["rm_scores"] = self.p.reward_model.compute_scores(batch)
+        return self.p.reward.compute_async(batch) if self.p.reward is not None else None
+
+    def compute_old_log_probs(self, batch: DataProto) -> None:
+        log_probs, entropy = self.p.actor.compute_log_prob(batch, temperature=self.sampling.logprob_temperature)
+        batch.batch["old_log_probs"], batch.batch["entropys"] = log_probs, entropy
+        self.extra.update(rollout_mismatch_metrics(log_probs, batch.batch["rollout_log_probs"],
+                                                   batch.batch["response_mask"]))
+
+    def compute_ref_log_probs(self, batch: DataProto) -> None:
+        if self.p.ref is not None:
+            batch.batch["ref_log_prob"] = self.p.ref.compute_ref_log_prob(
+                batch, temperature=self.sampling.logprob_temperature)
+
+    def compute_values(self, batch: DataProto) -> None:
+        if self.p.critic is not None:
+            batch.batch["values"] = self.p.critic.compute_values(batch)
+
+    def collect_rewards(self, batch: DataProto, pending) -> None:
+        """Scores from rank 0 to every rank; KL in the reward and overlong shaping on top."""
+        if "token_level_scores" not in batch.batch:
+            result = self.p.reward.result(pending) if self.p.reward is not None else None
+            result = broadcast_object(result)
+            result.apply(batch)
+            self.extra.update(result.metrics)
+        scores = batch.batch["token_level_scores"]
+        if self.cfg.algorithm.use_kl_in_reward and "old_log_probs" in batch.batch:
+            rewards, kl_metrics = apply_kl_penalty(scores, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
+                                                   batch.batch["response_mask"], self.p.kl_ctrl,
+                                                   self.cfg.algorithm.kl_penalty)
+            batch.batch["token_level_rewards"] = rewards
+            self.extra.update(kl_metrics)
+        else:
+            batch.batch["token_level_rewards"] = scores
+
+    def compute_advantages(self, batch: DataProto) -> None:
+        compute_advantage(batch, self.cfg.algorithm)
+
+    def update_critic(self, batch: DataProto) -> None:
+        if self.p.critic is not None:
+            self._check_update("critic", self.p.critic.update_critic(batch, self.critic_loss))
+
+    def update_actor(self, batch: DataProto) -> None:
+        metrics = self.p.actor.update_policy(batch, self.actor_loss, temperature=self.sampling.logprob_temperature)
+        self._check_update("actor", metrics)
+
+    def sync_weights(self) -> None:
+        self.extra.update(self.p.weight_sync.sync())
+        if self.cfg.rollout.free_cache_engine:
+            self.p.rollout.wake()
+
+    def validate(self) -> dict:
+        if self.p.val_loader is None:
+            return {}
+        sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
+        return validate(self.p, self.ranks, sampling)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    @contextmanager
+    def timed(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+
+    def _check_update(self, role: str, metrics: dict) -> None:
+        self.extra.update(metrics)
+        skipped = int(metrics.get(f"{role}/skipped_steps", 0))
+        if skipped:
+            self.bad_steps += skipped
+            warnings.warn(f"step {self.step}: {skipped} {role} update(s) skipped for a NaN/inf loss or grad norm "
+                          f"({self.bad_steps} so far, limit trainer.max_bad_steps={self.cfg.trainer.max_bad_steps})")
+
+    def finish_step(self, batch: DataProto) -> None:
+        tr = self.cfg.trainer
+        metrics, self.extra = self.extra, {}
+        metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length, self.cfg.data.max_prompt_length))
+        metrics.update(compute_timing_metrics(batch, self.timings))
+        metrics.update(compute_throughput_metrics(batch, self.timings["step"], self.ranks.world))
+        metrics["training/bad_steps"] = self.bad_steps
+        if tr.test_freq > 0 and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
+            with self.timed("testing"):
+                metrics.update(self.validate())
+            metrics["timing_s/testing"] = self.timings["testing"]
+        self.log.log(self.step, metrics)
+        if self.bad_steps > tr.max_bad_steps:
+            raise BadStepLimit(f"{self.bad_steps} updates were skipped for NaN/inf losses or grad norms (more than "
+                               f"trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. Lower the "
+                               "learning rate or check the reward, then resume")
+        if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
+            self.save()
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "bad_steps": self.bad_steps, "world": self.ranks.world,
+                "train_loader": self.p.train_loader.sampler.state_dict(),
+                "kl_ctrl": self.p.kl_ctrl.state_dict()}
+
+    def save(self) -> None:
+        checkpointing.save(self.cfg.trainer.default_local_dir, self.step, self.p.trainable_roles(),
+                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep)
+        self.log.info(f"megarl: saved step {self.step} to {checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
+
+    def resume(self) -> None:
+        root = self.cfg.trainer.default_local_dir
+        if self.ranks.is_main:
+            for name in checkpointing.clean_partial(root):
+                self.log.info(f"megarl: removed an incomplete save: {name}")
+        path = checkpointing.resume_dir(self.cfg)
+        if path is None:
+            return
+        state = checkpointing.load(path, self.p.trainable_roles(), self.ranks.rank, self.ranks.world)
+        self.step, self.bad_steps = state["step"], state["bad_steps"]
+        self.p.train_loader.sampler.load_state_dict(state["train_loader"])
+        self.p.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.ranks.is_main:
+            self.log.truncate_after(self.step)   # steps logged after the checkpoint run again
+        self.log.info(f"megarl: resumed from {path} at step {self.step}")

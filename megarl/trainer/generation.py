@@ -1,0 +1,54 @@
+"""Generation across rollout groups: each rollout-DP group generates its share of the prompts,
+then every rank receives the whole rolled-out batch (the trainer's later passes each take their
+own data-parallel slice from it).
+
+    batch = generate(engine, prompts, sampling, ranks, pad_token_id)   # every rank, same prompts
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch.distributed as dist
+
+from megarl.protocol import DataProto
+from megarl.rollout.base import SamplingParams
+
+_MASK62 = (1 << 62) - 1
+
+
+def step_seed(base: int, step: int, stream: int = 0) -> int:
+    """A sampling seed per (run seed, step, stream). Every step draws fresh randomness, and a
+    resumed run repeats a step's samples exactly."""
+    x = (base * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK62
+    return x or 1
+
+
+def shard_rows(n: int, parts: int, index: int) -> np.ndarray:
+    """Rows [start, stop) of part `index` when n rows are split as evenly as possible."""
+    bounds = np.linspace(0, n, parts + 1).round().astype(int)
+    return np.arange(bounds[index], bounds[index + 1])
+
+
+def generate(engine, prompts: DataProto, sampling: SamplingParams, ranks, pad_token_id: int) -> DataProto:
+    """Prompts (the same on every rank) -> the full rolled-out batch on every rank, n rows per prompt."""
+    mine = prompts[shard_rows(len(prompts), ranks.rollout_dp, ranks.rollout_dp_rank)]
+    # Each group draws its own random stream: prompt indices restart at 0 in every group.
+    mine.meta_info.update(sampling=sampling.with_(seed=step_seed(sampling.seed or 0, 0, ranks.rollout_dp_rank)),
+                          pad_token_id=pad_token_id)
+    out = engine.generate_sequences(mine) if len(mine) else None
+    if ranks.world == 1:
+        return out
+    gathered: list = [None] * ranks.world
+    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None)
+    parts = [g for g in gathered if g is not None]     # rank order = rollout-DP order
+    batch = DataProto.concat(parts)
+    batch.meta_info.pop("sampling", None)
+    return batch
+
+
+def broadcast_object(obj, src: int = 0):
+    """`obj` from rank `src` on every rank (results computed once, e.g. rewards on rank 0)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,41 @@
+"""The reward curve: training reward and held-out accuracy per step, from metrics.jsonl.
+
+    python -m megarl.trainer.plot runs/megarl/quickstart      # writes reward_curve.png there
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from megarl.trainer.metrics import read_metrics
+
+
+def plot_reward_curve(run_dir: str, out: str | None = None) -> str | None:
+    rows = read_metrics(run_dir)
+    train = [(r["step"], r["critic/score/mean"]) for r in rows if isinstance(r.get("critic/score/mean"), (int, float))]
+    val = [(r["step"], r["val/accuracy"]) for r in rows if isinstance(r.get("val/accuracy"), (int, float))]
+    if not train and not val:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="training reward (critic/score/mean)", color="tab:blue", alpha=0.8)
+    if val:
+        ax.plot(*zip(*val), "o-", label="held-out accuracy (val/accuracy)", color="tab:orange")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title(os.path.basename(os.path.normpath(run_dir)))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "reward_curve.png")
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    print(plot_reward_curve(sys.argv[1]) or "no reward metrics found")

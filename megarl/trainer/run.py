@@ -1,0 +1,57 @@
+"""One training run on this rank: set up ranks, build the parts, fit, clean up.
+
+Called by `megarl-train` (megarl/train.py) on every rank started by torchrun / srun.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from megarl.config import ConfigError
+from megarl.trainer.metrics import MetricsLogger
+
+
+def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
+    from megarl.trainer.fit import BadStepLimit, RLTrainer
+    from megarl.trainer.parts import build_parts, write_run_dir
+    from megarl.trainer.plot import plot_reward_curve
+    from megarl.trainer.ranks import setup_ranks
+
+    tr = cfg.trainer
+    rank = 0
+    try:
+        ranks = setup_ranks(cfg)
+        rank = ranks.rank
+        log = MetricsLogger(tr.log_dir or tr.default_local_dir, tr.logger, tr.project_name, tr.experiment_name,
+                            config=cfg.to_dict(), enabled=ranks.is_main)
+        if ranks.is_main:
+            write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
+            for line in ranks.describe(cfg):
+                log.info(f"megarl: {line}")
+        parts = build_parts(cfg, ranks, log)
+        log.total_steps = parts.total_steps
+        log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
+                 f"run dir {tr.default_local_dir}")
+        trainer = RLTrainer(cfg, ranks, parts, log)
+        try:
+            trainer.fit()
+        finally:
+            if parts.reward is not None:
+                parts.reward.close()
+            if ranks.is_main and tr.plot_reward_curve:
+                path = plot_reward_curve(tr.log_dir or tr.default_local_dir)
+                if path:
+                    log.info(f"megarl: reward curve: {path}")
+            log.close()
+    except ConfigError as err:
+        print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
+              file=sys.stderr, flush=True)
+        return 2
+    except BadStepLimit as err:
+        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
