@@ -47,13 +47,14 @@ def policy_loss(out, mb):
     m = mb.batch["response_mask"]
     loss = ((-(out["log_probs"] * mb.batch["advantages"]) - 0.01 * out["entropy"]) * m).sum()
     loss = loss / mb.meta_info["global_tokens"]
-    return loss, {"actor/pg_loss": loss.detach()}
+    # Metrics are averaged over micro-batches; a share times their count averages to the exact total.
+    return loss, {"actor/pg_loss": loss.detach() * mb.meta_info["global_micro_batches"]}
 
 
 def value_loss(out, mb):
     m = mb.batch["response_mask"]
     loss = (((out["values"] - mb.batch["returns"]) ** 2) * m).sum() / mb.meta_info["global_tokens"]
-    return loss, {"critic/vf_loss": loss.detach()}
+    return loss, {"critic/vf_loss": loss.detach() * mb.meta_info["global_micro_batches"]}
 
 
 def nan_loss(out, mb):
@@ -77,7 +78,7 @@ def hf_actor_reference(path: str, data: DataProto) -> dict:
     mask = data.batch["response_mask"]
     lp = lsm.gather(-1, data.batch["responses"][..., None]).squeeze(-1) * mask
     ent = -(lsm.exp() * lsm).sum(-1) * mask
-    data.meta_info["global_tokens"] = float(mask.sum())
+    data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
     loss, _ = policy_loss({"log_probs": lp, "entropy": ent}, data)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -97,7 +98,7 @@ def hf_critic_reference(path: str, data: DataProto) -> dict:
     R = data.batch["responses"].shape[1]
     mask = data.batch["response_mask"]
     values = per_pos.gather(1, _positions(data, R, ids.shape[1])) * mask
-    data.meta_info["global_tokens"] = float(mask.sum())
+    data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
     loss, _ = value_loss({"values": values}, data)
     loss.backward()
     return {"values": values.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
@@ -234,7 +235,7 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
         assert r["moved"] > 1e-3, key  # the update changed the policy
         covered = set().union(*(rk["layouts"][key]["grad_names"] for rk in ranks))
         assert covered == set(refs[key[0]]["grads"]), key
-    # Same loss reported whatever the micro-batching and DP size (metrics are summed shares).
+    # Same loss reported whatever the micro-batching and DP size (share x micro-batch count, averaged).
     pg = [r["metrics"]["actor/pg_loss"] for k, r in out["layouts"].items() if k[0] == "qwen2"]
     assert max(pg) - min(pg) < 1e-5, pg
     assert out["values"] < TOL and out["critic_grad"] < 1e-5

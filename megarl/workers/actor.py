@@ -9,9 +9,9 @@ Every rank passes the same full batch and gets full-batch results back. `loss_fn
 micro_batch) -> (loss, metrics)` gets outputs {"log_probs", "entropy"} [b, R] with gradients, and
 meta_info["global_tokens"] / ["global_seqs"] / ["global_micro_batches"] of its mini-batch to
 normalise by: the applied gradient is the sum of d(loss) over all micro-batches and DP ranks
-(megarl/workers/engine.py), so `(x * mask).sum() / global_tokens` is an exact token mean. Report
-metrics the same way, as this micro-batch's share: they are summed over the mini-batch and then
-averaged over mini-batches. The worker adds actor/grad_norm, actor/lr, actor/skipped_steps.
+(megarl/workers/engine.py), so `(x * mask).sum() / global_tokens` is an exact token mean. Metrics
+are means over the micro-batch (verl's convention): the worker averages them over micro-batches,
+DP ranks and mini-batches, and adds actor/grad_norm, actor/lr, actor/skipped_steps.
 """
 from __future__ import annotations
 

@@ -221,9 +221,9 @@ class MegatronEngine:
     def train(self, data: DataProto, mini: int, micro: int, epochs: int, process: Process, loss_fn: LossFn,
               prefix: str, shuffle: bool = False) -> dict[str, float]:
         """`epochs` passes over mini-batches of `mini` sequences, one optimizer step each; one
-        LR-schedule step per call. The loss function's metrics are micro-batch shares of a
-        mini-batch value (normalised like the loss): they are summed over the micro-batches and
-        DP ranks of each mini-batch, then averaged over mini-batches and epochs."""
+        LR-schedule step per call. The loss function's metrics are means over its micro-batch
+        (verl's convention, so a user's loss function needs no knowledge of the split): they are
+        averaged over every micro-batch of every DP rank, mini-batch and epoch."""
         if not self.es.trainable:
             raise RuntimeError("this model is frozen")
         batching.check_batch(data, need_mask=True)
@@ -238,7 +238,8 @@ class MegatronEngine:
         for c in self.chunks:
             c.train()
         sums: dict[str, float] = {}
-        count, skipped, norms = 0, 0, []
+        counts: dict[str, int] = {}
+        skipped, norms = 0, []
         lr = self.optimizer.param_groups[0]["lr"]
         for epoch in range(epochs):
             order = data
@@ -257,8 +258,8 @@ class MegatronEngine:
                     for k, v in g.items():
                         if not k.startswith("_"):
                             sums[k] = sums.get(k, 0.0) + v
-                count += 1
-        metrics = self._share_metrics(sums, count)
+                            counts[k] = counts.get(k, 0) + 1
+        metrics = self._mean_metrics(sums, counts)
         metrics.update({f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                         f"{prefix}/lr": lr, f"{prefix}/skipped_steps": float(skipped)})
         self.sched_step += 1
@@ -292,16 +293,17 @@ class MegatronEngine:
         """(HF name, full accumulated gradient) for this stage, like hf_tensors (checks and debugging)."""
         return self._hf_named(lambda p: p.main_grad.clone())
 
-    def _share_metrics(self, sums: dict[str, float], steps: int) -> dict[str, float]:
-        """Sum the last stages' metric sums over DP, divide by the optimizer steps taken; every
-        rank gets the result."""
-        payload = [sums if self.layout.is_last_stage else None]
+    def _mean_metrics(self, sums: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+        """Mean of each metric over the micro-batches of all DP ranks (the last stages hold them);
+        every rank gets the result."""
+        payload = [(sums, counts) if self.layout.is_last_stage else None]
         if self.layout.pp > 1:
             dist.broadcast_object_list(payload, src=state.pp_last_rank(), group=state.pp_group())
         gathered = [None] * self.layout.dp
         dist.all_gather_object(gathered, payload[0], group=state.dp_group())
-        keys = sorted({k for s in gathered for k in s})
-        return {k: sum(s.get(k, 0.0) for s in gathered) / max(steps, 1) for k in keys}
+        keys = sorted({k for s, _ in gathered for k in s})
+        return {k: sum(s.get(k, 0.0) for s, _ in gathered) / max(sum(c.get(k, 0) for _, c in gathered), 1)
+                for k in keys}
 
     # -- memory -------------------------------------------------------------------------------------
     @cpu_compat.scoped
