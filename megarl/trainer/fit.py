@@ -42,6 +42,7 @@ class RLTrainer:
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
         self.timings: dict[str, float] = {}
         self.extra: dict = {}      # metrics the steps add as they go; finish_step logs them
+        self.step_was_bad = False  # an update of this step was skipped (NaN/inf)
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -58,15 +59,15 @@ class RLTrainer:
                 rewards = self.launch_rewards(batch)
                 with self.timed("old_log_prob"):
                     self.compute_old_log_probs(batch)
-                with self.timed("ref"):
+                with self.timed("ref", self.p.ref):
                     self.compute_ref_log_probs(batch)
-                with self.timed("values"):
+                with self.timed("values", self.p.critic):
                     self.compute_values(batch)
                 with self.timed("reward"):
                     self.collect_rewards(batch, rewards)
                 with self.timed("adv"):
                     self.compute_advantages(batch)
-                with self.timed("update_critic"):
+                with self.timed("update_critic", self.p.critic):
                     self.update_critic(batch)
                 with self.timed("update_actor"):
                     self.update_actor(batch)
@@ -162,22 +163,27 @@ class RLTrainer:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     @contextmanager
-    def timed(self, name: str):
+    def timed(self, name: str, enabled=True):
+        """Time a phase into timing_s/<name>; phases of absent roles are not reported."""
         start = time.perf_counter()
         yield
-        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+        if enabled:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
     def _check_update(self, role: str, metrics: dict) -> None:
         self.extra.update(metrics)
         skipped = int(metrics.get(f"{role}/skipped_steps", 0))
         if skipped:
-            self.bad_steps += skipped
+            self.step_was_bad = True
             warnings.warn(f"step {self.step}: {skipped} {role} update(s) skipped for a NaN/inf loss or grad norm "
-                          f"({self.bad_steps} so far, limit trainer.max_bad_steps={self.cfg.trainer.max_bad_steps})")
+                          f"(bad steps so far: {self.bad_steps + 1}, limit trainer.max_bad_steps="
+                          f"{self.cfg.trainer.max_bad_steps})")
 
     def finish_step(self, batch: DataProto) -> None:
         tr = self.cfg.trainer
         metrics, self.extra = self.extra, {}
+        self.bad_steps += int(self.step_was_bad)
+        self.step_was_bad = False
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length, self.cfg.data.max_prompt_length))
         metrics.update(compute_timing_metrics(batch, self.timings))
         metrics.update(compute_throughput_metrics(batch, self.timings["step"], self.ranks.world))
@@ -188,7 +194,7 @@ class RLTrainer:
             metrics["timing_s/testing"] = self.timings["testing"]
         self.log.log(self.step, metrics)
         if self.bad_steps > tr.max_bad_steps:
-            raise BadStepLimit(f"{self.bad_steps} updates were skipped for NaN/inf losses or grad norms (more than "
+            raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms (more than "
                                f"trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. Lower the "
                                "learning rate or check the reward, then resume")
         if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
