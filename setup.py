@@ -20,6 +20,7 @@ setup(
         "transformers>=4.56",
         "tokenizers>=0.21",
         "safetensors>=0.4",
+        "psutil>=5.9",                     # megatron-core's distributed-checkpoint writer needs it
         "pyyaml>=6",
         "ray>=2.40",
         "numpy>=1.26",

@@ -88,6 +88,14 @@ def test_base_cycle_is_named(tmp_path):
         load_config(b)
 
 
+def test_float_fields_take_yaml_exponent_strings():
+    # PyYAML reads `1e-4` as a string (YAML 1.1); a float field must still take it.
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "critic.optim.lr=3E-5"])
+    assert cfg.actor.optim.lr == 1e-4 and cfg.critic.optim.lr == 3e-5
+    with pytest.raises(ConfigError, match="expected float"):
+        load_config(None, ["actor_rollout_ref.actor.optim.lr=fast"])
+
+
 def test_override_values_are_typed():
     assert parse_override("a.b=5") == (["a", "b"], 5)
     assert parse_override("a.b=true") == (["a", "b"], True)

@@ -21,3 +21,4 @@ def test_disabled_rank_writes_nothing(tmp_path):
     log.log(1, {"a": 1})
     assert not (tmp_path / "x").exists()
     assert progress_line(1, None, {}) == "step 1"
+    assert progress_line(2, 5, {"critic/score/mean": "nan"}) == "step 2/5 | reward nan"

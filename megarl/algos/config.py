@@ -6,9 +6,13 @@ from typing import Literal
 
 from megarl.config.typed import require
 
-# Advantage estimators that compare the n responses of one prompt with each other.
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "grpo_passk", "dr_grpo")
+# Advantage estimators that compare the n responses of one prompt with each other (need n >= 2).
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
 CRITIC_ESTIMATORS = ("gae",)
+# Every name megarl.algos.advantages registers (tests/test_algos_advantages.py keeps them equal);
+# listed here so that loading a config does not import torch.
+ADV_ESTIMATORS = (*CRITIC_ESTIMATORS, *GROUP_ESTIMATORS, "reinforce_plus_plus", "remax")
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 @dataclass
@@ -18,13 +22,21 @@ class KLControlConfig:
     horizon: int = 10000
     target_kl: float = 0.1
 
+    def __post_init__(self):
+        require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        require(self.horizon > 0, "horizon", "must be > 0 (samples over which the adaptive coefficient moves)")
+        require(self.target_kl > 0, "target_kl", "must be > 0")
+
 
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose `metric` has zero variance and refill the batch."""
     enable: bool = False
-    metric: str = "acc"                    # "acc", "score" or "seq_reward"
+    metric: str = "acc"                    # "acc", "score", "seq_reward", or another per-sample reward field
     max_num_gen_batches: int = 10          # rollouts per step before giving up (0 = no limit)
+
+    def __post_init__(self):
+        require(self.max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = no limit)")
 
 
 @dataclass
@@ -33,13 +45,21 @@ class OverlongBufferConfig:
     enable: bool = False
     len: int = 16
     penalty_factor: float = 1.0
+    log: bool = False                      # accepted for verl compatibility; the penalty is always logged
+
+    def __post_init__(self):
+        require(self.len >= 1, "len", "must be >= 1 token")
+        require(self.penalty_factor >= 0, "penalty_factor", "must be >= 0")
 
 
 @dataclass
 class RolloutCorrectionConfig:
     """Rollout/trainer mismatch: truncated importance sampling from the rollout's log-probs."""
     rollout_is: Literal["token", "sequence"] | None = None  # None: only log the mismatch
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: float = 2.0      # weights are truncated at this value
+
+    def __post_init__(self):
+        require(self.rollout_is_threshold >= 1.0, "rollout_is_threshold", "must be >= 1 (weights above it are truncated)")
 
 
 @dataclass
@@ -58,6 +78,14 @@ class AlgorithmConfig:
     def __post_init__(self):
         require(0 <= self.gamma <= 1, "gamma", "must be within [0, 1]")
         require(0 <= self.lam <= 1, "lam", "must be within [0, 1]")
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            from megarl.config.typed import closest
+            hint = closest(self.adv_estimator, list(ADV_ESTIMATORS))
+            require(False, "adv_estimator", f"unknown estimator {self.adv_estimator!r}; "
+                    + (f"did you mean {hint!r}? " if hint else "") + f"choose one of {', '.join(ADV_ESTIMATORS)}")
+        base = self.kl_penalty[:-1] if self.kl_penalty.endswith("+") else self.kl_penalty
+        require(base in KL_PENALTIES, "kl_penalty",
+                f"unknown KL estimator {self.kl_penalty!r}; choose one of {', '.join(KL_PENALTIES)} (a '+' suffix takes the k2 gradient)")
 
     @property
     def needs_critic(self) -> bool:

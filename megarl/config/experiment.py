@@ -134,6 +134,16 @@ class ExperimentConfig:
                     f"(trainer.nnodes x trainer.n_gpus_per_node{' minus rollout.disaggregated_ranks' if ro.placement == 'disaggregated' else ''}); "
                     f"so TP x PP x DP cannot equal the world size: change the layout or the rank count",
                     f"{role}.megatron.tensor_model_parallel_size")
+        # megatron's parallel_state is process-global: every role in a process shares one layout.
+        actor_layout = (actor.megatron.tensor_model_parallel_size, actor.megatron.pipeline_model_parallel_size)
+        for role, layout in (("critic", self.critic.megatron if self.critic.enable else None),
+                             ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)):
+            if layout is not None and (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size) != actor_layout:
+                raise ConfigError(
+                    f"TP {layout.tensor_model_parallel_size} x PP {layout.pipeline_model_parallel_size} differs from the "
+                    f"actor's TP {actor_layout[0]} x PP {actor_layout[1]}; roles share one megatron layout, so {role} "
+                    "must use the actor's layout (remove its tensor/pipeline_model_parallel_size)",
+                    f"{role}.megatron.tensor_model_parallel_size")
         dp = self.data_parallel_size()
         rollout_ranks = ro.disaggregated_ranks if ro.placement == "disaggregated" else tr.world_size
         if rollout_ranks % ro.tensor_model_parallel_size:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -15,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from megarl.config.errors import ConfigError
 
 _MISSING = dataclasses.MISSING
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.I)
 
 
 def closest(name: str, options: list[str]) -> str | None:
@@ -97,6 +99,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise _type_error(key, value, tp)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads `1e-4` (no dot) as a string; users write it that way all the time.
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
             return float(value)
         raise _type_error(key, value, tp)
     if tp is str:

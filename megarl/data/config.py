@@ -20,8 +20,9 @@ class DataConfig:
     chat_template: str | None = None       # None: the tokenizer's own; or chatml, llama3, plain, or a Jinja string
     apply_chat_template: bool = True       # False: string prompts are tokenized as they are
     # What to do with prompts longer than max_prompt_length: drop them (counted) when
-    # filter_overlong_prompts, else truncate from the left/right or stop with an error.
-    truncation: Literal["error", "left", "right"] = "error"
+    # filter_overlong_prompts, else keep the end (left), the start (right), both ends (middle),
+    # or stop with an error.
+    truncation: Literal["error", "left", "right", "middle"] = "error"
     filter_overlong_prompts: bool = True
     shuffle: bool = True
     seed: int = 1

@@ -24,12 +24,18 @@ class RewardModelConfig:
     # "pkg.module:Class" / "file.py:Class", a manager called with the batch (seed 001).
     reward_manager: str = "naive"
     reward_manager_kwargs: dict[str, Any] = field(default_factory=dict)
-    launch_reward_fn_async: bool = False   # score in a Ray pool while ref/critic passes run
+    # Score in a pool of Ray actors (ray.init locally when no Ray is running) while the
+    # reference/critic passes run; a worker stuck past timeout_s is killed and replaced.
+    launch_reward_fn_async: bool = False
     num_workers: int = 2                   # Ray pool size for async scoring
-    timeout_s: float = 10.0                # per-sample limit for a reward function
-    # A sample whose reward function raises or times out gets this score and is counted.
+    timeout_s: float = 10.0                # per-sample limit (in process: SIGALRM, Python code only)
+    # A sample whose reward function raises or times out gets this score and is counted
+    # (reward/failures, reward/timeouts); the run goes on unless more than max_failure_fraction
+    # of one batch failed, which usually means a broken function: then it stops with the first error.
     failure_score: float = 0.0
-    max_failure_fraction: float = 1.0      # above this fraction of a batch failing, stop the run
+    max_failure_fraction: float = 0.9
+    # A bonus of format_score when the response follows format_reward (think: one <think>...</think>
+    # block then an answer; answer_tag: one non-empty <answer>...</answer>).
     format_score: float = 0.0
     format_reward: Literal["none", "think", "answer_tag"] = "none"
 

@@ -28,12 +28,14 @@ def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}" + (f"/{total}" if total else "")]
     for label, names, fmt in PROGRESS_FIELDS:
         for name in names:
-            if name in metrics and metrics[name] is not None:
-                parts.append(f"{label} {fmt.format(metrics[name])}")
+            value = metrics.get(name)
+            if value is not None:
+                shown = fmt.format(value) if isinstance(value, (int, float)) else str(value)  # "nan" stays text
+                parts.append(f"{label} {shown}")
                 break
     phases = [(k.split("/", 1)[1], v) for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"]
     if phases:
-        parts.append(" ".join(f"{name} {v:.1f}s" for name, v in phases))
+        parts.append(" ".join(f"{name} {v:.1f}s" for name, v in phases if isinstance(v, (int, float))))
     if "timing_s/step" in metrics:
         parts.append(f"step {metrics['timing_s/step']:.1f}s")
     return " | ".join(parts)

@@ -1,0 +1,1 @@
+"""Megatron-side roles: ActorWorker, CriticWorker, ReferenceWorker (megarl/workers/{actor,critic,reference}.py)."""

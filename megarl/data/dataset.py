@@ -1,0 +1,150 @@
+"""The RL prompt dataset: verl-format rows -> rendered, tokenised, length-checked prompts.
+
+    ds = RLDataset(["data/train.jsonl"], tokenizer, cfg.data)
+    ds[i] -> {raw_prompt, prompt_token_ids, data_source, reward_model, extra_info, index}
+    ds.report -> {"rows", "kept", "malformed", "filtered_overlong", "truncated"}
+
+Row format (verl's): `prompt` (data.prompt_key) is a string or a list of chat messages
+({role, content}; a multi-turn history is the prompt as a whole); the ground truth is
+`reward_model.ground_truth`, else a top-level `ground_truth` or `answer`; `data_source`
+(data.reward_fn_key) picks the reward rule; `extra_info` is passed to the reward function.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from megarl.config.errors import ConfigError
+from megarl.data.reading import BadRow, read_rows
+from megarl.data.templates import render_prompt, resolve_chat_template
+
+log = logging.getLogger("megarl.data")
+ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
+
+
+def check_prompt(prompt: Any, key: str) -> str | None:
+    """Why `prompt` is unusable, or None."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else f"empty '{key}'"
+    if hasattr(prompt, "tolist"):                 # parquet gives numpy arrays for lists
+        prompt = prompt.tolist()
+    if not isinstance(prompt, list) or not prompt:
+        return f"'{key}' must be a string or a non-empty list of messages, got {type(prompt).__name__}"
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            return f"'{key}'[{j}] must be {{role: {'/'.join(sorted(ROLES))}, content: str}}"
+    return None
+
+
+def ground_truth(row: dict) -> Any:
+    rm = row.get("reward_model")
+    if isinstance(rm, dict) and "ground_truth" in rm:
+        return rm["ground_truth"]
+    for key in ("ground_truth", "answer"):
+        if key in row:
+            return row[key]
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """numpy arrays from parquet -> lists, recursively (so rows are plain Python)."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        return _plain(value.tolist())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class RLDataset:
+    def __init__(self, files: str | list[str], tokenizer, config, split: str = "train"):
+        self.tokenizer, self.config, self.split = tokenizer, config, split
+        files = [files] if isinstance(files, str) else list(files)
+        key = f"data.{split}_files"
+        if not files:
+            raise ConfigError(f"no {split} files given; set {key}", key)
+        self.template = resolve_chat_template(config.chat_template, tokenizer)
+        self.items: list[dict] = []
+        self.report = {"rows": 0, "kept": 0, "malformed": 0, "filtered_overlong": 0, "truncated": 0}
+        for path in files:
+            self._load(path, key)
+        if not self.items:
+            raise ValueError(f"no usable {split} prompts in {', '.join(files)} (report: {self.report}); "
+                             "check data.prompt_key and data.max_prompt_length")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    # -- loading -----------------------------------------------------------------------------------
+    def _load(self, path: str, key: str) -> None:
+        cfg = self.config
+        got = read_rows(path, key)
+        bad = list(got.bad)
+        good: list[tuple[str, dict, str]] = []
+        for where, row in got.rows:
+            row = _plain(row)
+            if cfg.prompt_key not in row:
+                bad.append(BadRow(path, where, f"missing '{cfg.prompt_key}'"))
+                continue
+            problem = check_prompt(row[cfg.prompt_key], cfg.prompt_key)
+            if problem is None and row.get("reward_model") is not None and not isinstance(row["reward_model"], dict):
+                problem = "'reward_model' must be an object like {ground_truth: ...}"
+            if problem is None and row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
+                problem = "'extra_info' must be an object"
+            if problem:
+                bad.append(BadRow(path, where, problem))
+                continue
+            text = render_prompt(self.tokenizer, row[cfg.prompt_key], self.template, cfg.apply_chat_template)
+            good.append((where, row, text))
+        self._account_bad(path, bad, got.total)
+        templated = self.template is not None and cfg.apply_chat_template
+        ids = self.tokenizer([t for _, _, t in good], add_special_tokens=not templated)["input_ids"] if good else []
+        for (where, row, _), tokens in zip(good, ids):
+            tokens = self._fit(tokens, path, where)
+            if tokens is None:
+                continue
+            rm = row.get("reward_model") if isinstance(row.get("reward_model"), dict) else {}
+            self.items.append({
+                "raw_prompt": row[cfg.prompt_key],
+                "prompt_token_ids": list(tokens),
+                "data_source": row.get(cfg.reward_fn_key),
+                "reward_model": {**rm, "ground_truth": ground_truth(row)},
+                "extra_info": row.get("extra_info") or {},
+                "index": len(self.items),
+            })
+        self.report["rows"] += got.total
+        self.report["kept"] = len(self.items)
+
+    def _account_bad(self, path: str, bad: list[BadRow], total: int) -> None:
+        if not bad:
+            return
+        self.report["malformed"] += len(bad)
+        shown = ", ".join(str(b) for b in bad[:10]) + (f", ... ({len(bad) - 10} more)" if len(bad) > 10 else "")
+        limit = self.config.max_bad_row_fraction
+        if len(bad) / max(total, 1) > limit:
+            raise ValueError(f"{path}: {len(bad)} of {total} rows are malformed, more than "
+                             f"data.max_bad_row_fraction={limit}; first: {shown}; fix the file or raise the limit")
+        log.warning("%s: skipped %d malformed of %d rows: %s", path, len(bad), total, shown)
+
+    def _fit(self, tokens: list[int], path: str, where: str) -> list[int] | None:
+        """Apply data.max_prompt_length: drop (counted), truncate, or refuse."""
+        cfg, limit = self.config, self.config.max_prompt_length
+        if len(tokens) <= limit:
+            return tokens
+        if cfg.filter_overlong_prompts:
+            self.report["filtered_overlong"] += 1
+            return None
+        if cfg.truncation == "error":
+            raise ValueError(f"{path} {where}: prompt has {len(tokens)} tokens, over data.max_prompt_length={limit}; "
+                             "set data.filter_overlong_prompts=true, data.truncation=left|right|middle, or raise the limit")
+        self.report["truncated"] += 1
+        if cfg.truncation == "left":
+            return tokens[-limit:]
+        if cfg.truncation == "right":
+            return tokens[:limit]
+        head = limit // 2
+        return tokens[:head] + tokens[len(tokens) - (limit - head):]

@@ -1,0 +1,106 @@
+"""Create the quickstart's checkpoint: tokenizer, small Qwen2 model, brief supervised warm start.
+
+    python -m megarl.examples.addition.checkpoint runs/models/addition     # or via the config:
+    actor_rollout_ref.model.bootstrap: megarl.examples.addition:bootstrap
+
+The result is a plain HF directory (config.json, model.safetensors, tokenizer files, and
+warmstart.json with the measured held-out accuracy), so every other part of megarl loads it
+like any downloaded checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from megarl.examples.addition.model import build_model, build_tokenizer
+from megarl.examples.addition.task import AdditionTask
+from megarl.examples.addition.warmstart import accuracy, held_out, supervised_train
+
+# Tuned so held-out accuracy after the warm start is clearly below the ceiling (about 0.4
+# greedy, 0.3 sampled at T=1) while a few hundred more supervised steps reach ~0.85: see
+# benchmarks/addition_task.py for the measurements.
+DEFAULT_WARM_START_STEPS = 350
+DEFAULT_LR = 1e-3
+
+
+def bootstrap(model_dir: str, config=None, *, warm_start_steps: int = DEFAULT_WARM_START_STEPS, seed: int = 0,
+              min_digits: int = AdditionTask.min_digits, max_digits: int = AdditionTask.max_digits,
+              batch_size: int = 64, lr: float = DEFAULT_LR, eval_rows: int = 256, num_threads: int = 1,
+              overwrite: bool = False, verbose: bool = True, **model_overrides) -> str:
+    """Build and warm-start the model into `model_dir` unless it already holds a checkpoint.
+
+    `config` (the experiment config, when the trainer passes it) is not needed; the keyword
+    arguments come from `actor_rollout_ref.model.bootstrap_kwargs`.
+
+    Written to a temporary sibling directory and renamed at the end, so an interrupted run never
+    leaves a half-written checkpoint that a later run would take for a finished one.
+    """
+    if os.path.isfile(os.path.join(model_dir, "config.json")) and not overwrite:
+        return model_dir
+    # One intra-op thread: this model's ops are too small to split, and on a busy 2-core machine
+    # two OpenMP threads measured far slower than one (benchmarks/addition_task.py --compare-threads).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        return _build(model_dir, warm_start_steps, seed, min_digits, max_digits, batch_size, lr, eval_rows,
+                      verbose, model_overrides)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _build(model_dir, warm_start_steps, seed, min_digits, max_digits, batch_size, lr, eval_rows, verbose,
+           model_overrides) -> str:
+    task = AdditionTask(min_digits, max_digits)
+    tok = build_tokenizer()
+    model = build_model(tok, seed=seed, **model_overrides)
+    val = held_out(task, eval_rows)
+    say = print if verbose else (lambda *a, **k: None)
+    say(f"megarl: bootstrapping the addition model into {model_dir} "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {warm_start_steps} warm-start steps)")
+    stats = supervised_train(model, tok, task, warm_start_steps, batch_size=batch_size, lr=lr,
+                             exclude=set(val), log_every=max(1, warm_start_steps // 5) if verbose else 0)
+    t0 = time.perf_counter()
+    stats["val_accuracy_greedy"] = accuracy(model, tok, val, temperature=0.0)
+    stats["val_accuracy_t1"] = accuracy(model, tok, val, temperature=1.0, seed=seed)
+    stats["eval_seconds"] = time.perf_counter() - t0
+    stats.update(task=dataclasses.asdict(task),
+                 seed=seed, batch_size=batch_size, lr=lr)
+    say(f"megarl: warm start done in {stats['seconds']:.1f}s; held-out accuracy greedy "
+        f"{stats['val_accuracy_greedy']:.3f}, sampled at T=1 {stats['val_accuracy_t1']:.3f}")
+
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".bootstrap-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+            json.dump(stats, f, indent=2)
+        if os.path.isdir(model_dir):
+            shutil.rmtree(model_dir)
+        os.replace(tmp, model_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    return model_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--steps", type=int, default=DEFAULT_WARM_START_STEPS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    bootstrap(args.model_dir, warm_start_steps=args.steps, seed=args.seed, overwrite=args.overwrite)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The quickstart's character-level tokenizer and small Qwen2 model, built locally.
+
+Nothing is downloaded: the tokenizer is a `tokenizers` word-level model over single characters,
+saved as a transformers `PreTrainedTokenizerFast`; the model is `Qwen2ForCausalLM` with random
+weights from a fixed seed. Head counts are even so that TP=2 (and the rollout's TP=2) can shard.
+"""
+from __future__ import annotations
+
+import torch
+
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+CHARS = list("0123456789+= ")
+# The tokenizer's own chat template renders messages as their plain text, so a verl-format row
+# (`prompt: [{role: user, content: "12+3="}]`) becomes exactly "12+3=" with no role markers.
+PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+MODEL_DEFAULTS = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    core.decoder = decoders.Fuse()                                              # decode without spaces
+    core.add_special_tokens(SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>", model_max_length=MODEL_DEFAULTS["max_position_embeddings"])
+    tok.chat_template = PLAIN_CHAT_TEMPLATE
+    return tok
+
+
+def build_model(tokenizer, seed: int = 0, **overrides):
+    """A randomly initialised Qwen2ForCausalLM (fp32) sized by MODEL_DEFAULTS plus `overrides`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = {**MODEL_DEFAULTS, **overrides}
+    config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=False, rope_theta=10000.0,
+                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **shape)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

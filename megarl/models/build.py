@@ -1,0 +1,105 @@
+"""ModelSpec -> megatron-core TransformerConfig, layer spec and one pipeline stage's GPTModel.
+
+    config = transformer_config(spec, tp=2, pp=2, dtype=torch.float32)
+    model = build_gpt(spec, config, pre_process=first_stage, post_process=last_stage, head="lm")
+
+`head="value"` swaps the LM head for a [1, h] value head (critic / reward model); its output is
+[b, s, 1]. The process groups themselves come from megatron's parallel_state (megarl/parallel).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarl.models.attention import SDPACoreAttention
+from megarl.models.convert import tp_dim
+from megarl.models.spec import ModelSpec
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32,
+                       cpu_init: bool | None = None, sequence_parallel: bool = False,
+                       recompute: bool = False, overrides: dict[str, Any] | None = None) -> TransformerConfig:
+    """The TransformerConfig of `spec` under (TP, PP). Weights are loaded afterwards, so megatron's
+    random initialisation is skipped. `calculate_per_token_loss=True` turns off megatron's own loss
+    scaling (division by micro-batch count, DDP averaging): megarl's loss functions normalise
+    themselves over the whole mini-batch (see megarl/workers/engine.py)."""
+    if cpu_init is None:
+        cpu_init = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu_init, perform_initialization=False,
+        calculate_per_token_loss=True, gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(overrides or {})
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(spec: ModelSpec) -> ModuleSpec:
+    """megatron's local (no Transformer Engine) layer spec with RMSNorm and SDPA core attention."""
+    out = get_gpt_layer_local_spec(normalization="RMSNorm")
+    out.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return out
+
+
+class ValueHead(MegatronModule):
+    """A [1, h] linear head replicated on every TP rank; called like megatron's output layer."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config=config)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype, device=device))
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return F.linear(hidden, self.weight), None  # [s, b, 1]
+
+
+def build_gpt(spec: ModelSpec, config: TransformerConfig, pre_process: bool, post_process: bool,
+              head: str = "lm") -> GPTModel:
+    """One pipeline stage of the model (all of it when PP=1). The LM head's vocabulary is padded
+    (ModelSpec.padded_vocab); padded logits are dropped by the log-prob code."""
+    if head not in ("lm", "value"):
+        raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+    tie = spec.tie_word_embeddings and head == "lm"
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(spec),
+        vocab_size=spec.padded_vocab(config.tensor_model_parallel_size),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=tie, parallel_output=True,
+        position_embedding_type="rope", rotary_base=spec.rope_theta,
+        rope_scaling=spec.rope_scaling_factor is not None, rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=spec.rope_linear_factor,
+    )
+    if head == "value" and post_process:
+        model.output_layer = ValueHead(config)
+    _mark_tensor_parallel(model, head)
+    return model
+
+
+def _mark_tensor_parallel(model: GPTModel, head: str) -> None:
+    """megatron tags TP-split weights (`tensor_model_parallel`, `partition_dim`) only inside its
+    random initialisation, which megarl skips because it loads weights; the grad norm and
+    optimizers need the tags, so set them from megarl's own sharding map."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    for name, param in model.named_parameters():
+        dim = tp_dim(name, head)
+        if dim is not None and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)

@@ -1,0 +1,311 @@
+"""Pure HF <-> megatron-core parameter conversion for the Llama/Qwen2 local spec.
+
+No I/O and no process groups: every function takes the TP rank/size it is about. Names on the
+megatron side are *global* (layer index counted over the whole model, no DDP `module.` prefix):
+
+    embedding.word_embeddings.weight                [Vp/T, h]   vocab rows, padded to Vp
+    decoder.layers.N.input_layernorm.weight         [h]
+    decoder.layers.N.self_attention.linear_qkv.weight  [ng/T*(np/ng+2)*hn, h]  per group [q.., k, v]
+    decoder.layers.N.self_attention.linear_qkv.bias    (Qwen2)
+    decoder.layers.N.self_attention.linear_proj.weight [h, np*hn/T]
+    decoder.layers.N.pre_mlp_layernorm.weight       [h]
+    decoder.layers.N.mlp.linear_fc1.weight          [2*f/T, h]  [gate_r; up_r]
+    decoder.layers.N.mlp.linear_fc2.weight          [h, f/T]
+    decoder.final_layernorm.weight                  [h]
+    output_layer.weight                             [Vp/T, h] lm head, or [1, h] value head
+
+The three entry points (the checkpoint engine builds its transfer plan on them):
+
+    hf_slices(name, spec, tp_rank, tp, head)   -> [Slice]     what rank tp_rank reads from HF
+    assemble(name, pieces, spec, tp_rank, tp, head) -> Tensor  its shard, from those slices
+    megatron_to_hf(name, tp_shards, spec, head) -> [(hf_name, Tensor)]   full HF tensors back
+
+`head` is "lm" (causal LM: output_layer is lm_head, or the embedding when tied) or "value"
+(critic: output_layer is a [1, h] value head, HF `score.weight`).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.spec import ModelSpec
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EMBED = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+_PER_LAYER = {  # megatron suffix -> HF suffix under model.layers.N. (fused ones handled below)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}  # split on dim 1
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of one HF tensor; dim None = the whole tensor."""
+    hf_name: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        if self.dim is None:
+            return full
+        return full.narrow(self.dim, self.start, max(0, self.stop - self.start))
+
+
+# -- names ------------------------------------------------------------------------------------------
+def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head: str = "lm") -> list[str]:
+    """Global megatron names of the parameters a pipeline stage holds (`layers` = its global layers)."""
+    names = [EMBED] if first else []
+    for n in layers:
+        p = f"decoder.layers.{n}."
+        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
+        if spec.qkv_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    if last:
+        names.append(FINAL_NORM)
+        # A tied LM on a single stage has no output_layer weight (it reads the embedding's).
+        if head == "value" or not (spec.tie_word_embeddings and first):
+            names.append(OUTPUT)
+    return names
+
+
+def to_global(local_name: str, offset: int) -> str:
+    """`decoder.layers.3.x` on a stage whose first layer is global `offset` -> `decoder.layers.{3+offset}.x`."""
+    m = _LAYER.match(local_name)
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else local_name
+
+
+def to_local(global_name: str, offset: int) -> str:
+    m = _LAYER.match(global_name)
+    return f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else global_name
+
+
+def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
+    """The HF tensors megatron tensor `name` is made of."""
+    if name == EMBED:
+        return ["model.embed_tokens.weight"]
+    if name == FINAL_NORM:
+        return ["model.norm.weight"]
+    if name == OUTPUT:
+        if head == "value":
+            return ["score.weight"]
+        return ["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"{name!r} is not a megatron parameter of the Llama/Qwen2 local spec")
+    n, rest = m.group(1), m.group(2)
+    p = f"model.layers.{n}."
+    if rest in _PER_LAYER:
+        return [p + _PER_LAYER[rest]]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
+    if rest == "mlp.linear_fc1.weight":
+        return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    raise KeyError(f"{name!r} is not a megatron parameter of the Llama/Qwen2 local spec")
+
+
+def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a checkpoint must hold for `spec`, with its shape. head="lm" adds lm_head
+    (unless tied), "value" a one-row `score.weight`, "none" nothing past the final norm."""
+    h, f, hn = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    out = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    for n in range(spec.num_layers):
+        p = f"model.layers.{n}."
+        out.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (spec.num_heads * hn, h),
+            p + "self_attn.k_proj.weight": (spec.num_kv_heads * hn, h),
+            p + "self_attn.v_proj.weight": (spec.num_kv_heads * hn, h),
+            p + "self_attn.o_proj.weight": (h, spec.num_heads * hn),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        })
+        if spec.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (spec.num_heads * hn,),
+                        p + "self_attn.k_proj.bias": (spec.num_kv_heads * hn,),
+                        p + "self_attn.v_proj.bias": (spec.num_kv_heads * hn,)})
+    if head == "value":
+        out["score.weight"] = (1, h)
+    elif head == "lm" and not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, h)
+    return out
+
+
+# -- shapes -----------------------------------------------------------------------------------------
+def shard_shape(name: str, spec: ModelSpec, tp: int, head: str = "lm") -> tuple[int, ...]:
+    """Shape of one TP rank's shard of megatron tensor `name`."""
+    h, hn = spec.hidden_size, spec.head_dim
+    if name == EMBED or (name == OUTPUT and head == "lm"):
+        return (spec.padded_vocab(tp) // tp, h)
+    if name == OUTPUT:
+        return (1, h)
+    if name == FINAL_NORM:
+        return (h,)
+    rest = _LAYER.match(name).group(2)
+    return {
+        "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+        "self_attention.linear_qkv.weight": (spec.qkv_rows // tp, h),
+        "self_attention.linear_qkv.bias": (spec.qkv_rows // tp,),
+        "self_attention.linear_proj.weight": (h, spec.num_heads * hn // tp),
+        "mlp.linear_fc1.weight": (2 * spec.ffn_hidden_size // tp, h),
+        "mlp.linear_fc2.weight": (h, spec.ffn_hidden_size // tp),
+    }[rest]
+
+
+# -- HF -> megatron -----------------------------------------------------------------------------------
+def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm") -> list[Slice]:
+    """The HF rows/columns TP rank `tp_rank` needs to build its shard of `name` (nothing more)."""
+    srcs = hf_names(name, spec, head)
+    if name in (EMBED, OUTPUT) and not (name == OUTPUT and head == "value"):
+        rows = spec.padded_vocab(tp) // tp
+        start = tp_rank * rows  # rows past the real vocabulary are padding and read nothing
+        return [Slice(srcs[0], 0, min(start, spec.vocab_size), min(start + rows, spec.vocab_size))]
+    if name in (FINAL_NORM, OUTPUT):
+        return [Slice(srcs[0])]
+    rest = _LAYER.match(name).group(2)
+    if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+        return [Slice(srcs[0])]
+    if rest in _ROW_PARALLEL:
+        cols = spec.num_heads * spec.head_dim // tp if "linear_proj" in rest else spec.ffn_hidden_size // tp
+        return [Slice(srcs[0], 1, tp_rank * cols, (tp_rank + 1) * cols)]
+    if rest.startswith("self_attention.linear_qkv"):
+        groups = spec.num_kv_heads // tp
+        q_rows, kv_rows = groups * spec.q_per_group * spec.head_dim, groups * spec.head_dim
+        q, k, v = srcs
+        return [Slice(q, 0, tp_rank * q_rows, (tp_rank + 1) * q_rows),
+                Slice(k, 0, tp_rank * kv_rows, (tp_rank + 1) * kv_rows),
+                Slice(v, 0, tp_rank * kv_rows, (tp_rank + 1) * kv_rows)]
+    if rest == "mlp.linear_fc1.weight":
+        rows = spec.ffn_hidden_size // tp
+        return [Slice(s, 0, tp_rank * rows, (tp_rank + 1) * rows) for s in srcs]
+    raise KeyError(name)
+
+
+def assemble(name: str, pieces: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int, tp: int,
+             head: str = "lm") -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of `name` from the pieces `hf_slices` named (keyed by HF name,
+    each already sliced)."""
+    srcs = hf_names(name, spec, head)
+    if name in (EMBED, OUTPUT) and not (name == OUTPUT and head == "value"):
+        rows = spec.padded_vocab(tp) // tp
+        got = pieces[srcs[0]]
+        if got.shape[0] == rows:
+            return got
+        out = got.new_zeros((rows, *got.shape[1:]))  # padded vocabulary rows are zero
+        out[: got.shape[0]] = got
+        return out
+    rest = _LAYER.match(name).group(2) if name.startswith("decoder.layers.") else ""
+    if rest.startswith("self_attention.linear_qkv"):
+        q, k, v = (pieces[s] for s in srcs)
+        groups, hn = spec.num_kv_heads // tp, spec.head_dim
+        tail = q.shape[1:]  # (h,) for weights, () for biases
+        fused = torch.cat([q.reshape(groups, spec.q_per_group, hn, *tail), k.reshape(groups, 1, hn, *tail),
+                           v.reshape(groups, 1, hn, *tail)], dim=1)
+        return fused.reshape(-1, *tail)
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat([pieces[srcs[0]], pieces[srcs[1]]], dim=0)
+    return pieces[srcs[0]]
+
+
+def hf_to_megatron(name: str, hf: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int, tp: int,
+                   head: str = "lm") -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of `name` from full HF tensors (convenience over the two above)."""
+    pieces = {s.hf_name: s.take(hf[s.hf_name]) for s in hf_slices(name, spec, tp_rank, tp, head)}
+    return assemble(name, pieces, spec, tp_rank, tp, head)
+
+
+# -- megatron -> HF -----------------------------------------------------------------------------------
+def tp_dim(name: str, head: str = "lm") -> int | None:
+    """Dimension along which `name` is split over TP ranks (None: replicated)."""
+    if name == EMBED or (name == OUTPUT and head == "lm"):
+        return 0
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    rest = m.group(2)
+    if rest in _ROW_PARALLEL:
+        return 1
+    if rest.startswith("self_attention.linear_qkv") or rest == "mlp.linear_fc1.weight":
+        return 0
+    return None
+
+
+def megatron_to_hf(name: str, tp_shards: Sequence[torch.Tensor], spec: ModelSpec,
+                   head: str = "lm") -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards (in TP-rank order) of megatron tensor `name`.
+    A tied LM's last-stage output_layer copy yields nothing: the embedding carries it."""
+    srcs = hf_names(name, spec, head)
+    if name == OUTPUT and head == "lm" and spec.tie_word_embeddings:
+        return []
+    dim = tp_dim(name, head)
+    if dim is None:
+        return [(srcs[0], tp_shards[0])]
+    if name in (EMBED, OUTPUT):
+        return [(srcs[0], torch.cat(list(tp_shards), 0)[: spec.vocab_size])]
+    rest = _LAYER.match(name).group(2)
+    if rest.startswith("self_attention.linear_qkv"):
+        # TP shards hold whole KV groups in order, so their concatenation is the full fused tensor.
+        fused = torch.cat(list(tp_shards), 0)
+        tail = fused.shape[1:]
+        grouped = fused.reshape(spec.num_kv_heads, spec.q_per_group + 2, spec.head_dim, *tail)
+        q = grouped[:, : spec.q_per_group].reshape(-1, *tail)
+        k = grouped[:, spec.q_per_group].reshape(-1, *tail)
+        v = grouped[:, spec.q_per_group + 1].reshape(-1, *tail)
+        return list(zip(srcs, (q, k, v)))
+    if rest == "mlp.linear_fc1.weight":
+        # Each shard is [gate_r; up_r]: concatenating shards would interleave them.
+        halves = [s.chunk(2, dim=0) for s in tp_shards]
+        gate = torch.cat([g for g, _ in halves], 0)
+        up = torch.cat([u for _, u in halves], 0)
+        return [(srcs[0], gate), (srcs[1], up)]
+    return [(srcs[0], torch.cat(list(tp_shards), dim))]
+
+
+def rank_plan(spec: ModelSpec, tp_rank: int, tp: int, pp_rank: int, pp: int,
+              head: str = "lm") -> dict[str, list[Slice]]:
+    """For rank (tp_rank, pp_rank): global megatron name -> the HF slices it reads to build it."""
+    per = spec.num_layers // pp
+    layers = range(pp_rank * per, (pp_rank + 1) * per)
+    names = megatron_names(spec, layers, pp_rank == 0, pp_rank == pp - 1, head)
+    return {n: hf_slices(n, spec, tp_rank, tp, head) for n in names}
+
+
+# -- megatron distributed-checkpoint keys ---------------------------------------------------------------
+# megatron's sharded state dict names the layer norms after the Transformer-Engine spec and stacks
+# the layers on a leading axis: `decoder.layers.<suffix>` of shape [num_layers, ...].
+_CKPT_SUFFIX = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def checkpoint_to_hf(tensors: Mapping[str, torch.Tensor], spec: ModelSpec,
+                     head: str = "lm") -> list[tuple[str, torch.Tensor]]:
+    """HF tensors from whole tensors keyed as in a megatron distributed checkpoint (what
+    `load_plain_tensors` returns). Each tensor there is the concatenation of its TP shards in
+    megatron's TP-independent layout, so it converts as a single TP=1 shard."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key.startswith("decoder.layers."):
+            suffix = key[len("decoder.layers."):]
+            suffix = _CKPT_SUFFIX.get(suffix, suffix)
+            if value.shape[0] != spec.num_layers:
+                raise ValueError(f"checkpoint tensor {key} stacks {value.shape[0]} layers; the config has "
+                                 f"{spec.num_layers}")
+            for n in range(spec.num_layers):
+                out += megatron_to_hf(f"decoder.layers.{n}.{suffix}", [value[n]], spec, head)
+        elif key in (EMBED, FINAL_NORM, OUTPUT):
+            out += megatron_to_hf(key, [value], spec, head)
+        else:
+            raise ValueError(f"checkpoint tensor {key} has no HF counterpart in the Llama/Qwen2 map")
+    return out

@@ -1,0 +1,145 @@
+"""Read and write HF checkpoint directories (config.json + safetensors, sharded or not).
+
+    ckpt = HFCheckpoint("path/to/model")
+    spec = ckpt.spec()                        # ModelSpec, or ValueError for an unsupported model
+    ckpt.validate(spec, head="lm")            # every tensor present, every shape right (headers only)
+    part = ckpt.read(Slice("model.layers.0.self_attn.q_proj.weight", 0, 0, 64))  # just those rows
+
+Reading goes through `safe_open(...).get_slice`, so a rank touches only the bytes of its slices.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megarl.models.convert import Slice, hf_shapes
+from megarl.models.spec import ModelSpec
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# Files besides weights that make an HF directory usable (tokenizer, generation defaults, chat template).
+AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+             "tokenizer.model", "generation_config.json", "chat_template.jinja", "added_tokens.json")
+
+
+class HFCheckpoint:
+    def __init__(self, path: str):
+        self.path = path
+        cfg = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg):
+            raise ValueError(f"{path}: no config.json; point at an HF checkpoint directory")
+        with open(cfg) as f:
+            self.config = json.load(f)
+        self._map: dict[str, str] | None = None  # read on first use, after the config was judged
+        self._handles: dict[str, object] = {}
+
+    @property
+    def _files(self) -> dict[str, str]:
+        if self._map is None:
+            self._map = self._weight_map()
+        return self._map
+
+    def _weight_map(self) -> dict[str, str]:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                return dict(json.load(f)["weight_map"])
+        files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{self.path}: no *.safetensors weights (megarl reads safetensors only; "
+                             "re-save the model with save_pretrained(safe_serialization=True))")
+        out = {}
+        for name in files:
+            try:
+                with safe_open(os.path.join(self.path, name), "pt") as f:
+                    out.update({k: name for k in f.keys()})
+            except Exception as err:  # safetensors raises its own error type for a bad header
+                raise ValueError(f"{self.path}/{name}: not a readable safetensors file ({err})") from None
+        return out
+
+    def _handle(self, name: str):
+        file = self._files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.path.join(self.path, file), "pt")
+        return self._handles[file]
+
+    # -- metadata ----------------------------------------------------------------------------------
+    def spec(self) -> ModelSpec:
+        return ModelSpec.from_hf_config(self.config)
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._handle(name).get_slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has dtype {code}; megarl reads F32/BF16/F16")
+        return _DTYPES[code]
+
+    def validate(self, spec: ModelSpec, head: str = "lm") -> None:
+        """Every tensor the model needs is present with its shape; reads headers only."""
+        for name, shape in hf_shapes(spec, head).items():
+            if name not in self._files:
+                hint = " (a critic built from a reward model needs its `score` head)" if name == "score.weight" else ""
+                raise ValueError(f"{self.path}: tensor {name} is missing{hint}")
+            got = self.shape(name)
+            if got != shape:
+                raise ValueError(f"{self.path}: tensor {name} has shape {list(got)}, expected {list(shape)} "
+                                 "from config.json")
+            self.dtype(name)
+
+    # -- data --------------------------------------------------------------------------------------
+    def read(self, piece: Slice) -> torch.Tensor:
+        sl = self._handle(piece.hf_name).get_slice(piece.hf_name)
+        if piece.dim is None:
+            return sl[:]
+        stop = max(piece.start, piece.stop)
+        return sl[piece.start:stop] if piece.dim == 0 else sl[:, piece.start:stop]
+
+    def read_full(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+            aux_from: str | None = None, max_shard_bytes: int = 4 << 30) -> None:
+    """Write an HF directory: config.json, safetensors shards (+ index when more than one), and the
+    tokenizer/generation files copied from `aux_from`."""
+    os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in shard})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if aux_from:
+        for name in AUX_FILES:
+            src = os.path.join(aux_from, name)
+            if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
+                shutil.copyfile(src, os.path.join(path, name))

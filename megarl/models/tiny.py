@@ -1,0 +1,77 @@
+"""Small random HF checkpoints built locally (tests, benchmarks, CPU runs; no hub access needed).
+
+    python -m megarl.models.tiny /tmp/tiny-qwen2 --family qwen2 --vocab 301 --hidden 64 --layers 4
+
+writes config.json, model.safetensors and a word-level tokenizer (tokenizer.json) that
+transformers' AutoTokenizer loads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+SHAPES = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+def make_tokenizer(path: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = specials + [f"w{i}" for i in range(vocab_size - len(specials))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32,
+                 score_head: bool = False, tokenizer: bool = True, **overrides) -> str:
+    """Save a random-init Llama/Qwen2 model (`score_head`: *ForSequenceClassification, 1 label)."""
+    import transformers as tf
+
+    cfg_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
+    kwargs = {**SHAPES, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+              **overrides}
+    if score_head:
+        kwargs["num_labels"] = 1
+    cfg = cfg_cls(**kwargs)
+    name = {"llama": "Llama", "qwen2": "Qwen2"}[family] + ("ForSequenceClassification" if score_head else "ForCausalLM")
+    torch.manual_seed(seed)
+    model = getattr(tf, name)(cfg)
+    with torch.no_grad():  # random norms and biases too, so the maps of those tensors get tested
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("bias") or n.startswith("score"):
+                p.copy_(0.05 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(path)
+    if tokenizer:
+        make_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("path")
+    ap.add_argument("--family", default="qwen2", choices=["llama", "qwen2"])
+    ap.add_argument("--vocab", type=int, default=SHAPES["vocab_size"])
+    ap.add_argument("--hidden", type=int, default=SHAPES["hidden_size"])
+    ap.add_argument("--ffn", type=int, default=SHAPES["intermediate_size"])
+    ap.add_argument("--layers", type=int, default=SHAPES["num_hidden_layers"])
+    ap.add_argument("--heads", type=int, default=SHAPES["num_attention_heads"])
+    ap.add_argument("--kv-heads", type=int, default=SHAPES["num_key_value_heads"])
+    ap.add_argument("--tie", action="store_true")
+    a = ap.parse_args()
+    make_tiny_hf(os.path.abspath(a.path), a.family, vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
+                 num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                 tie_word_embeddings=a.tie)
+    print(a.path)
+
+
+if __name__ == "__main__":
+    main()

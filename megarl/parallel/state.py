@@ -1,0 +1,126 @@
+"""Process groups for training: torch.distributed, megatron's (TP, PP, DP) layout, device choice.
+
+    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)   # NCCL on CUDA, gloo on CPU
+    lay = init_model_parallel(tp=2, pp=2)                           # megatron parallel_state
+    lay.tp_rank, lay.pp_rank, lay.dp_rank, lay.is_last_stage ...
+
+Ranks come from the environment torchrun, srun (megarl's launch scripts export RANK/WORLD_SIZE)
+or tests/distributed.py set. Megatron's parallel_state is process-global, so every role in a
+megarl process shares one layout (ExperimentConfig refuses differing ones).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel import cpu_compat
+
+
+def device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Start torch.distributed from the environment (idempotent); on CPU install the megatron shim."""
+    cpu_compat.install()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+    if dist.is_initialized():
+        return
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise RuntimeError(f"environment variable {key} is not set; start megarl with torchrun, srun "
+                               "(launch/) or megarl-train, which set it")
+    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+@cpu_compat.scoped
+def init_model_parallel(tp: int, pp: int, seed: int = 42) -> Layout:
+    """Set up megatron's parallel_state for (TP, PP) over all ranks; DP = world / (TP x PP).
+    Calling again with the same layout is a no-op; another layout is refused."""
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the {world} ranks; change the layout")
+    if ps.model_parallel_is_initialized():
+        cur = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if cur != (tp, pp):
+            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]}; every megarl role in one "
+                             f"process must share that layout (asked for TP={tp} PP={pp})")
+        return layout()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 create_gloo_process_groups=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return layout()
+
+
+def layout() -> Layout:
+    from megatron.core import parallel_state as ps
+
+    return Layout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                  dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def tp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_group()
+
+
+def pp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_pipeline_model_parallel_group()
+
+
+def dp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_data_parallel_group()
+
+
+def model_parallel_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_model_parallel_group()
+
+
+def pp_last_rank() -> int:
+    """Global rank of the last pipeline stage in this rank's pipeline."""
+    from megatron.core import parallel_state as ps
+    return ps.get_pipeline_model_parallel_last_rank()

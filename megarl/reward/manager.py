@@ -1,0 +1,281 @@
+"""Reward managers: a rolled-out batch in, token-level scores and per-sample info out.
+
+    manager = build_reward_manager(cfg, tokenizer)
+    future = manager.compute_async(batch)       # returns at once with the Ray pool
+    ...                                         # reference / critic passes run meanwhile
+    result = manager.result(future)             # RewardResult
+    result.apply(batch)                         # token_level_scores [B, R] + info fields in the batch
+
+Kinds (`reward_model.reward_manager`):
+  naive   one compute_score call per sample (built-in rules or custom_reward_function), in this
+          process with a SIGALRM timeout, or in a Ray actor pool when launch_reward_fn_async
+  batch   one call with lists for the whole batch (custom_reward_function, batched signature)
+  a class `pkg.module:Class` / `file.py:Class`, constructed with reward_manager_kwargs (plus
+          tokenizer, compute_score, reward_fn_key if its __init__ takes them) and called with the
+          DataProto as in seed 001; it returns a tensor [B] (placed on the last response token),
+          a token-level tensor [B, R], a list of floats, or {"reward_tensor", "reward_extra_info"}.
+A batch that already holds `rm_scores` (a reward model's output, [B] or [B, R]) uses those.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from megarl.config.errors import ConfigError
+from megarl.reward.loading import RewardFnSpec, construct, load_class, load_reward_fn
+from megarl.reward.rules import check_data_sources, format_reward
+from megarl.reward.scoring import Outcome, Sample, call_in_process, normalise
+
+
+class RewardFailure(RuntimeError):
+    """Too many samples of a batch failed to score; the run stops with this one-line message."""
+
+
+@dataclass
+class RewardResult:
+    token_level_scores: torch.Tensor               # [B, R], each score on its response's last token
+    extra_info: dict[str, list] = field(default_factory=dict)   # per-sample fields (acc, pred, ...)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def apply(self, batch) -> None:
+        batch.batch["token_level_scores"] = self.token_level_scores
+        for key, values in self.extra_info.items():
+            batch.non_tensor_batch[key] = np.array(values, dtype=object)
+
+
+@dataclass
+class RewardFuture:
+    future: cf.Future
+    batch: Any
+    started: float
+
+
+def last_token_index(batch) -> torch.Tensor:
+    """Per row, the position of the last response token that counts (mask 1); 0 when none."""
+    mask = batch.batch["response_mask"]
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(-1).values.clamp(min=0)   # [B]
+
+
+def response_lengths(batch) -> torch.Tensor:
+    b = batch.batch
+    if "response_lens" in b:
+        return b["response_lens"]
+    return last_token_index(batch) + (b["response_mask"].sum(-1) > 0).long()
+
+
+def place_scores(batch, scores) -> torch.Tensor:
+    """[B] scores -> [B, R] with each score on the row's last counted response token."""
+    mask = batch.batch["response_mask"]
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[torch.arange(mask.shape[0]), last_token_index(batch).cpu()] = torch.as_tensor(scores, dtype=torch.float32)
+    return out
+
+
+def ground_truth_of(row: Any) -> Any:
+    return row.get("ground_truth") if isinstance(row, dict) else row
+
+
+class RewardManager:
+    def __init__(self, tokenizer, fn_spec: RewardFnSpec | None = None, *, kind: str = "naive",
+                 custom: Any = None, reward_fn_key: str = "data_source", failure_score: float = 0.0,
+                 max_failure_fraction: float = 0.9, timeout_s: float | None = 10.0, pool: Any = None,
+                 format_kind: str = "none", format_score: float = 0.0, overlong: Any = None,
+                 max_response_length: int | None = None):
+        self.tokenizer, self.kind, self.custom = tokenizer, kind, custom
+        self.spec = fn_spec or RewardFnSpec()
+        self.fn = self.spec.load() if custom is None else None
+        self.reward_fn_key, self.failure_score = reward_fn_key, failure_score
+        self.max_failure_fraction, self.timeout_s, self.pool = max_failure_fraction, timeout_s, pool
+        self.format_kind, self.format_score = format_kind, format_score
+        self.overlong, self.max_response_length = overlong, max_response_length
+        if overlong is not None and overlong.enable and not max_response_length:
+            raise ConfigError("overlong_buffer needs the response budget (data.max_response_length)",
+                              "algorithm.overlong_buffer.enable")
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-reward")
+        self.totals = {"failures": 0, "timeouts": 0}
+
+    # -- the API the loop calls -------------------------------------------------------------------
+    def __call__(self, batch) -> RewardResult:
+        return self.result(self.compute_async(batch))
+
+    def compute_async(self, batch) -> RewardFuture:
+        """Start scoring. With a Ray pool or a custom class this returns at once and the work
+        runs in a background thread; in-process per-sample scoring runs now (its timeout needs
+        the main thread)."""
+        started = time.perf_counter()
+        if "rm_scores" in batch.batch:
+            fut: cf.Future = cf.Future()
+            fut.set_result(("rm", batch.batch["rm_scores"]))
+        elif self.custom is not None:
+            fut = self._executor.submit(lambda: ("custom", self.custom(self._with_text(batch))))
+        else:
+            samples = self._samples(batch)
+            if self.kind == "batch":
+                fut = cf.Future()
+                fut.set_result(("outcomes", self._score_batched(samples)))
+            elif self.pool is not None:
+                fut = self._executor.submit(lambda: ("outcomes", self.pool.score(samples)))
+            else:
+                fut = cf.Future()
+                fut.set_result(("outcomes", [call_in_process(self.fn, s, self.spec.kwargs, self.timeout_s) for s in samples]))
+        return RewardFuture(fut, batch, started)
+
+    def result(self, handle: RewardFuture) -> RewardResult:
+        what, value = handle.future.result()
+        batch = handle.batch
+        if what == "outcomes":
+            res = self._from_outcomes(batch, value)
+        elif what == "rm":
+            res = RewardResult(self._as_token_level(batch, value, "rm_scores"))
+        else:
+            res = self._from_custom(batch, value)
+        self._shape(batch, res)
+        res.metrics["timing_s/reward_wait"] = time.perf_counter() - handle.started
+        return res
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- building inputs --------------------------------------------------------------------------
+    def _texts(self, batch) -> tuple[list[str], list[str]]:
+        resp, lens = batch.batch["responses"], response_lengths(batch).tolist()
+        responses = self.tokenizer.batch_decode([r[:n].tolist() for r, n in zip(resp, lens)], skip_special_tokens=True)
+        nt = batch.non_tensor_batch
+        prompts = (self.tokenizer.batch_decode([list(p) for p in nt["prompt_token_ids"]], skip_special_tokens=True)
+                   if "prompt_token_ids" in nt else [""] * len(batch))
+        return prompts, responses
+
+    def _samples(self, batch) -> list[Sample]:
+        nt = batch.non_tensor_batch
+        if "reward_model" not in nt:
+            raise ValueError("the batch has no 'reward_model' field with the ground truth; the dataset must give "
+                             "reward_model: {ground_truth: ...} (or ground_truth / answer) per row")
+        n = len(batch)
+        sources = nt.get(self.reward_fn_key, np.array([None] * n, dtype=object))
+        if self.spec.is_default:
+            check_data_sources(sources, "data.reward_fn_key")
+        _, responses = self._texts(batch)
+        extra = nt.get("extra_info", np.array([None] * n, dtype=object))
+        return [Sample(sources[i], responses[i], ground_truth_of(nt["reward_model"][i]), extra[i]) for i in range(n)]
+
+    def _with_text(self, batch):
+        """The batch a custom manager sees: the original plus decoded prompt/response text."""
+        from megarl.protocol import DataProto
+        prompts, responses = self._texts(batch)
+        view = DataProto(batch.batch, dict(batch.non_tensor_batch), batch.meta_info)
+        view.non_tensor_batch["prompt_text"] = np.array(prompts, dtype=object)
+        view.non_tensor_batch["response_text"] = np.array(responses, dtype=object)
+        return view
+
+    # -- turning outputs into scores --------------------------------------------------------------
+    def _score_batched(self, samples: list[Sample]) -> list[Outcome]:
+        try:
+            outs = self.fn(data_sources=[s.data_source for s in samples], solution_strs=[s.solution_str for s in samples],
+                           ground_truths=[s.ground_truth for s in samples], extra_infos=[s.extra_info for s in samples],
+                           **self.spec.kwargs)
+            if len(outs) != len(samples):
+                raise ValueError(f"returned {len(outs)} scores for {len(samples)} samples")
+        except Exception as err:
+            return [Outcome(None, error=f"{type(err).__name__}: {err}")] * len(samples)
+        results = []
+        for out in outs:
+            try:
+                results.append(Outcome(*normalise(out)))
+            except (TypeError, ValueError) as err:
+                results.append(Outcome(None, error=str(err)))
+        return results
+
+    def _from_outcomes(self, batch, outcomes: list[Outcome]) -> RewardResult:
+        n = len(outcomes)
+        failed = [i for i, o in enumerate(outcomes) if o.score is None]
+        timeouts = sum(o.timed_out for o in outcomes)
+        self.totals["failures"] += len(failed) - timeouts
+        self.totals["timeouts"] += timeouts
+        if n and len(failed) / n > self.max_failure_fraction:
+            first = outcomes[failed[0]]
+            raise RewardFailure(f"the reward function failed on {len(failed)} of {n} samples ({timeouts} timed out), "
+                                f"more than reward_model.max_failure_fraction={self.max_failure_fraction}; first: "
+                                f"sample {failed[0]}: {first.error}")
+        scores = [self.failure_score if o.score is None else o.score for o in outcomes]
+        keys = sorted({k for o in outcomes for k in o.info})
+        info = {k: [o.info.get(k) for o in outcomes] for k in keys}
+        info["reward_failed"] = [o.score is None for o in outcomes]
+        metrics = {"reward/failures": float(len(failed) - timeouts), "reward/timeouts": float(timeouts),
+                   "reward/failure_fraction": len(failed) / max(n, 1)}
+        return RewardResult(place_scores(batch, scores), info, metrics)
+
+    def _as_token_level(self, batch, value, what: str) -> torch.Tensor:
+        if isinstance(value, (list, tuple, np.ndarray)):
+            value = torch.as_tensor(np.asarray(value, dtype=np.float32))
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor [B] or [B, R] or a list of floats, got {type(value).__name__}")
+        mask = batch.batch["response_mask"]
+        value = value.detach().float().cpu()
+        if value.dim() == 1 and value.shape[0] == mask.shape[0]:
+            return place_scores(batch, value)
+        if value.dim() == 2 and value.shape[0] == mask.shape[0]:
+            if value.shape[1] != mask.shape[1]:
+                raise ValueError(f"{what} has {value.shape[1]} columns but responses have {mask.shape[1]}")
+            return value * mask.float().cpu()
+        raise ValueError(f"{what} has shape {tuple(value.shape)}; expected [{mask.shape[0]}] or {tuple(mask.shape)}")
+
+    def _from_custom(self, batch, out) -> RewardResult:
+        name = type(self.custom).__name__
+        info: dict[str, list] = {}
+        if isinstance(out, dict):
+            if "reward_tensor" not in out:
+                raise TypeError(f"{name} returned a dict without 'reward_tensor' (keys: {sorted(out)})")
+            info = {k: list(v) for k, v in (out.get("reward_extra_info") or {}).items()}
+            out = out["reward_tensor"]
+        return RewardResult(self._as_token_level(batch, out, f"{name}(batch)"), info)
+
+    def _shape(self, batch, res: RewardResult) -> None:
+        """Format bonus and DAPO's overlong penalty, added on the last token like the score."""
+        if self.format_kind != "none":
+            _, responses = self._texts(batch)
+            ok = torch.tensor([format_reward(r, self.format_kind) for r in responses])
+            res.token_level_scores += place_scores(batch, self.format_score * ok)
+            res.extra_info["format"] = ok.tolist()
+            res.metrics["reward/format_ok"] = ok.mean().item()
+        if self.overlong is not None and self.overlong.enable:
+            from megarl.algos.dapo import overlong_penalty
+            lens = response_lengths(batch).cpu()
+            pen = overlong_penalty(lens, self.max_response_length, self.overlong.len, self.overlong.penalty_factor)
+            res.token_level_scores += place_scores(batch, pen)
+            res.extra_info["overlong_reward"] = pen.tolist()
+            res.metrics["reward/overlong_penalty_mean"] = pen.mean().item()
+            res.metrics["reward/overlong_ratio"] = (pen < 0).float().mean().item()
+
+
+def build_reward_manager(cfg, tokenizer, pool: Any = None) -> RewardManager:
+    """The manager `cfg` (ExperimentConfig) asks for; starts the Ray pool when
+    reward_model.launch_reward_fn_async is set (and no pool is given)."""
+    rm, algo = cfg.reward_model, cfg.algorithm
+    common = dict(reward_fn_key=cfg.data.reward_fn_key, failure_score=rm.failure_score,
+                  max_failure_fraction=rm.max_failure_fraction, timeout_s=rm.timeout_s, format_kind=rm.format_reward,
+                  format_score=rm.format_score, overlong=algo.overlong_buffer, max_response_length=cfg.data.max_response_length)
+    kind = rm.reward_manager
+    if kind not in ("naive", "batch"):
+        cls = load_class(kind, "reward_model.reward_manager")
+        spec = RewardFnSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                            dict(cfg.custom_reward_function.reward_kwargs))
+        available = {"tokenizer": tokenizer, "compute_score": spec.load(), "reward_fn_key": cfg.data.reward_fn_key,
+                     "num_examine": 0, "config": cfg}
+        custom = construct(cls, available, dict(rm.reward_manager_kwargs), "reward_model.reward_manager")
+        if not callable(custom):
+            raise ConfigError(f"{kind} instances are not callable; define __call__(self, data: DataProto)",
+                              "reward_model.reward_manager")
+        return RewardManager(tokenizer, spec, kind="custom", custom=custom, **common)
+    spec, _ = load_reward_fn(cfg.custom_reward_function, batched=kind == "batch")
+    if pool is None and rm.launch_reward_fn_async and kind == "naive":
+        from megarl.reward.pool import RayScoringPool
+        pool = RayScoringPool(spec, rm.num_workers, rm.timeout_s)
+    return RewardManager(tokenizer, spec, kind=kind, pool=pool, **common)

@@ -1,0 +1,97 @@
+"""ActorWorker: the policy's megatron shards; log-probs and PPO-style updates.
+
+    actor = ActorWorker.from_config(cfg)                       # every rank, after init_distributed
+    log_probs, entropy = actor.compute_log_prob(batch, temperature=1.0)          # [B, R] each
+    metrics = actor.update_policy(batch, loss_fn, temperature=1.0)
+    actor.save_checkpoint("runs/x/step_10/actor"); actor.load_checkpoint(...)
+
+Every rank passes the same full batch and gets full-batch results back. `loss_fn(outputs,
+micro_batch) -> (loss, metrics)` gets outputs {"log_probs", "entropy"} [b, R] with gradients, and
+meta_info["global_tokens"] / ["global_seqs"] / ["global_micro_batches"] of its mini-batch to
+normalise by: the applied gradient is the sum of d(loss) over all micro-batches and DP ranks
+(megarl/workers/engine.py), so `(x * mask).sum() / global_tokens` is an exact token mean. Metrics
+are means over the micro-batch (verl's convention): the worker averages them over micro-batches,
+DP ranks and mini-batches, and adds actor/grad_norm, actor/lr, actor/skipped_steps.
+"""
+from __future__ import annotations
+
+from megarl.parallel import state
+from megarl.protocol import DataProto
+from megarl.workers.config import ActorConfig, ModelConfig
+from megarl.workers.engine import EngineSpec, MegatronEngine
+from megarl.workers.outputs import log_prob_outputs
+
+
+def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bool, optim=None, dtype: str = "auto",
+                timeout_s: float = 600.0, head_from_checkpoint: bool = False, role: str) -> EngineSpec:
+    from megarl.workers.config import MegatronConfig
+    mc = role_cfg.megatron or MegatronConfig()
+    if mc.virtual_pipeline_model_parallel_size not in (None, 1):
+        from megarl.config.errors import ConfigError
+        raise ConfigError("virtual pipeline parallelism is not supported yet; leave it null",
+                          f"{role}.megatron.virtual_pipeline_model_parallel_size")
+    return EngineSpec(
+        model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size, head=head,
+        head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
+        override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
+        use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=mc.sequence_parallel,
+        recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
+        timeout_s=timeout_s, seed=mc.seed, role=role)
+
+
+class ActorWorker:
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0):
+        self.cfg = actor
+        self.rollout_n = rollout_n
+        self.engine = MegatronEngine(engine_spec(model, actor, trainable=True, optim=actor.optim, dtype=actor.dtype,
+                                                 timeout_s=timeout_s, role="actor_rollout_ref.actor"))
+
+    @classmethod
+    def from_config(cls, cfg) -> "ActorWorker":
+        return cls(cfg.model, cfg.actor, cfg.rollout.n, cfg.trainer.collective_timeout_s)
+
+    # -- what the checkpoint engine needs ----------------------------------------------------------
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    @property
+    def model_chunks(self) -> list:
+        """This rank's unwrapped GPTModel stage(s)."""
+        return [self.engine.model]
+
+    @property
+    def layer_offset(self) -> int:
+        return self.engine.layer_offset
+
+    def _process(self, temperature: float, with_entropy: bool):
+        eng = self.engine
+        group = state.tp_group()
+        return lambda out, mb: log_prob_outputs(out, mb, eng.spec.vocab_size, eng.layout.tp_rank, group,
+                                                temperature, with_entropy)
+
+    # -- the contract -------------------------------------------------------------------------------
+    def compute_log_prob(self, data: DataProto, temperature: float = 1.0, with_entropy: bool = True):
+        """(log_probs [B, R], entropy [B, R] or None): log_softmax(logits / T) of each response token
+        at position prompt_lens - 1 + j; 0 past response_lens."""
+        keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+        micro = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
+        rows = self.engine.forward_rows(data, micro, self._process(temperature, with_entropy), keys)
+        return rows["log_probs"], rows.get("entropy")
+
+    def update_policy(self, data: DataProto, loss_fn, temperature: float = 1.0,
+                      with_entropy: bool = True) -> dict[str, float]:
+        mini = self.cfg.ppo_mini_batch_size * self.rollout_n
+        return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs,
+                                 self._process(temperature, with_entropy), loss_fn, "actor", self.cfg.shuffle)
+
+    def save_checkpoint(self, path: str) -> None:
+        from megarl.workers.checkpoint import save_checkpoint
+        save_checkpoint(path, self.engine)
+
+    def load_checkpoint(self, path: str) -> None:
+        from megarl.workers.checkpoint import load_checkpoint
+        load_checkpoint(path, self.engine)
+
+    def hf_tensors(self):
+        return self.engine.hf_tensors()

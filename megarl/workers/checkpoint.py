@@ -1,0 +1,117 @@
+"""Megatron distributed checkpoints of a role: model, optimizer, LR-schedule position.
+
+    save_checkpoint(dir, engine)     # every rank; torch_dist format through megatron.core.dist_checkpointing
+    load_checkpoint(dir, engine)     # any (TP, PP): tensors are stored with their global shapes
+
+Layout of `dir`: megatron's files (one global tensor per parameter; fused QKV and gate/up are
+stored TP-independently by megatron's own sharding rules; transformer layers stacked along a
+leading layer axis), plus `hf/` with config.json and the tokenizer files of the source model,
+so `checkpoints_tools/megatron_to_hf.py` can write a complete HF directory. The common state
+`megarl` records the HF config, head kind, padded vocabulary and scheduler step.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.hf_checkpoint import AUX_FILES
+from megarl.parallel import cpu_compat
+from megarl.workers.optim import apply_schedule
+
+META = "megarl"
+HF_DIR = "hf"
+
+
+def read_meta(path: str) -> dict:
+    from megatron.core import dist_checkpointing
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise ValueError(f"{path}: not a megatron distributed checkpoint (no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(path)
+    if META not in common:
+        raise ValueError(f"{path}: a megatron checkpoint without megarl's metadata; convert it with "
+                         "checkpoints_tools/hf_to_megatron.py")
+    return common[META]
+
+
+def _meta(engine) -> dict:
+    spec = engine.spec
+    return {"hf_config": spec.hf_config, "head": engine.es.head, "padded_vocab": spec.padded_vocab(engine.layout.tp),
+            "sched_step": engine.sched_step, "hf_dtype": str(engine.hf_dtype).replace("torch.", ""),
+            "saved_layout": [engine.layout.tp, engine.layout.pp]}
+
+
+@cpu_compat.scoped
+def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
+    from megatron.core import dist_checkpointing
+    engine.onload()
+    model_sd = engine.model.sharded_state_dict()
+    sd = {"model": model_sd, META: _meta(engine)}
+    if with_optimizer and engine.optimizer is not None:
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sd, path)
+    if dist.get_rank() == 0:  # after megatron's save, which wants an empty directory
+        _write_hf_aux(path, engine)
+    dist.barrier()
+
+
+@cpu_compat.scoped
+def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
+    from megatron.core import dist_checkpointing
+    meta = read_meta(path)
+    if meta["head"] != engine.es.head:
+        raise ValueError(f"{path}: holds a model with a {meta['head']!r} head; this role needs {engine.es.head!r}")
+    pv = engine.spec.padded_vocab(engine.layout.tp)
+    if meta["padded_vocab"] != pv:
+        raise ValueError(f"{path}: padded vocabulary {meta['padded_vocab']} differs from {pv} at TP={engine.layout.tp} "
+                         "(saved with a TP that is not a power of two); load it with the TP it was saved with")
+    engine.onload()
+    model_sd = engine.model.sharded_state_dict()
+    sd = {"model": model_sd}
+    load_optim = with_optimizer and engine.optimizer is not None and _has_optimizer(path)
+    if load_optim:
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(sd, path)
+    missing, unexpected = engine.model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    if load_optim:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.sched_step = int(meta["sched_step"])
+        apply_schedule(engine.optimizer, engine.sched_step, engine.es.optim)
+
+
+def _has_optimizer(path: str) -> bool:
+    from megatron.core import dist_checkpointing
+    return any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(path))
+
+
+def _write_hf_aux(path: str, engine) -> None:
+    out = os.path.join(path, HF_DIR)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(engine.spec.hf_config, f, indent=2)
+    src = engine.es.model_path
+    if src:
+        import shutil
+        for name in AUX_FILES:
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copyfile(os.path.join(src, name), os.path.join(out, name))
+
+
+def plain_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, whole, keyed by megatron's checkpoint key. Needs
+    torch.distributed (one process is enough) but no megatron layout. Transformer layers come
+    stacked: `decoder.layers.X` has a leading layer axis."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(path)
+    wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}
+    return dict(dist_checkpointing.load(wanted, path, validate_access_integrity=False))

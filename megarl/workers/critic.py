@@ -1,0 +1,68 @@
+"""CriticWorker: the actor's backbone with a scalar value head.
+
+    critic = CriticWorker.from_config(cfg)
+    values = critic.compute_values(batch)                 # [B, R]: V(state before responses[:, j])
+    metrics = critic.update_critic(batch, loss_fn)        # loss_fn gets outputs {"values": [b, R]}
+
+Initialised from the actor's HF checkpoint with the head at zero (critic.model.init_from=actor),
+or from a reward model whose `score.weight` becomes the head (init_from=path, a
+*ForSequenceClassification checkpoint with one label).
+"""
+from __future__ import annotations
+
+from megarl.protocol import DataProto
+from megarl.workers.actor import engine_spec
+from megarl.workers.config import CriticConfig
+from megarl.workers.engine import MegatronEngine
+from megarl.workers.outputs import value_outputs
+
+
+class CriticWorker:
+    def __init__(self, critic: CriticConfig, rollout_n: int = 1, timeout_s: float = 600.0, dtype: str = "auto",
+                 log_prob_micro_batch_size: int | None = None):
+        if critic.ppo_mini_batch_size is None or critic.ppo_micro_batch_size_per_gpu is None:
+            raise ValueError("critic.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu are unset; build the "
+                             "critic from an ExperimentConfig (which copies the actor's) or set them")
+        self.cfg = critic
+        self.rollout_n = rollout_n
+        self.forward_micro = log_prob_micro_batch_size or critic.ppo_micro_batch_size_per_gpu
+        self.engine = MegatronEngine(engine_spec(
+            critic.model, critic, head="value", trainable=True, optim=critic.optim, dtype=dtype, timeout_s=timeout_s,
+            head_from_checkpoint=critic.model.init_from == "path", role="critic"))
+
+    @classmethod
+    def from_config(cls, cfg) -> "CriticWorker":
+        return cls(cfg.critic, cfg.rollout.n, cfg.trainer.collective_timeout_s, cfg.actor.dtype,
+                   cfg.actor.log_prob_micro_batch_size_per_gpu)
+
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    @property
+    def model_chunks(self) -> list:
+        return [self.engine.model]
+
+    @property
+    def layer_offset(self) -> int:
+        return self.engine.layer_offset
+
+    def compute_values(self, data: DataProto):
+        return self.engine.forward_rows(data, self.forward_micro, value_outputs, ("values",))["values"]
+
+    def update_critic(self, data: DataProto, loss_fn) -> dict[str, float]:
+        mini = self.cfg.ppo_mini_batch_size * self.rollout_n
+        return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs or 1,
+                                 value_outputs, loss_fn, "critic")
+
+    def save_checkpoint(self, path: str) -> None:
+        from megarl.workers.checkpoint import save_checkpoint
+        save_checkpoint(path, self.engine)
+
+    def load_checkpoint(self, path: str) -> None:
+        from megarl.workers.checkpoint import load_checkpoint
+        load_checkpoint(path, self.engine)
+
+    def hf_tensors(self):
+        """The critic as an HF *ForSequenceClassification model's tensors (head as `score.weight`)."""
+        return self.engine.hf_tensors()

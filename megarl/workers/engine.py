@@ -1,0 +1,334 @@
+"""MegatronEngine: one role's model shards on this rank, run through megatron's pipeline schedule.
+
+The actor, critic and reference are thin layers over it (megarl/workers/{actor,critic,reference}.py):
+
+    eng = MegatronEngine(EngineSpec(path, tp=2, pp=2, head="lm", trainable=True, optim=cfg))
+    rows = eng.forward_rows(batch, micro=4, process=fn)           # forward-only, full batch back
+    metrics = eng.train(batch, mini=16, micro=4, epochs=1, process=fn, loss_fn=loss, prefix="actor")
+
+Gradient contract of `train`: the gradient applied after a mini-batch is the plain sum, over
+every micro-batch on every DP rank, of d(loss_i). Megatron would otherwise divide each loss by
+the micro-batch count and average over DP; `calculate_per_token_loss=True` (build.py) makes DDP
+sum, and `_finalize_grads` drops the schedule's token-count division. Loss functions normalise
+themselves with meta_info["global_tokens"] / ["global_seqs"], so token-mean is exact whatever
+the micro-batching and DP size.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.build import build_gpt, transformer_config
+from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
+from megarl.models.hf_checkpoint import HFCheckpoint
+from megarl.parallel import cpu_compat, state
+from megarl.protocol import DataProto
+from megarl.workers import batching
+from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
+from megarl.workers.optim import apply_schedule, build_optimizer, optimizer_step
+
+log = logging.getLogger("megarl.workers")
+
+# process(model_output, micro_batch) -> dict of [b, R] tensors (with grad when training)
+Process = Callable[[torch.Tensor, DataProto], dict]
+LossFn = Callable[[dict, DataProto], tuple]
+
+
+class MegatronEngine:
+    def __init__(self, es: EngineSpec):
+        self.es = es
+        self.dtype = resolve_dtype(es.dtype, es.trainable)
+        self.spec, ckpt, self.hf_dtype = read_spec(es)  # hf_dtype: what exports write back
+        state.init_distributed(es.timeout_s)
+        self._build(ckpt)
+
+    @cpu_compat.scoped
+    def _build(self, ckpt: HFCheckpoint | None) -> None:
+        es = self.es
+        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed)
+        self.device = state.device()
+        self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
+                                         recompute=es.recompute, overrides=es.transformer_overrides)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        self.layer_offset = get_transformer_layer_offset(self.config)
+        self.model = build_gpt(self.spec, self.config, self.layout.is_first_stage, self.layout.is_last_stage, es.head)
+        self.model.to(self.device)
+        self._check_names()
+        if ckpt is not None:
+            self.load_hf(ckpt)
+        self.chunks = [self._wrap(self.model)]
+        self.optimizer = None
+        self.sched_step = 0
+        if es.trainable:
+            self.optimizer = build_optimizer(self.chunks, es.optim, self.dtype, es.use_distributed_optimizer)
+            apply_schedule(self.optimizer, 0, es.optim)
+            self.config.finalize_model_grads_func = _finalize_grads
+            if self.dtype == torch.float16:
+                self.config.grad_scale_func = self.optimizer.scale_loss
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+        self.offloaded = False
+        if es.dist_checkpoint:
+            from megarl.workers.checkpoint import load_checkpoint
+            load_checkpoint(es.dist_checkpoint, self, with_optimizer=False)
+
+    # -- construction helpers ----------------------------------------------------------------------
+    def _wrap(self, model):
+        from megatron.core.transformer.module import Float16Module
+        if self.dtype != torch.float32:
+            model = Float16Module(self.config, model)
+        if not self.es.trainable:
+            return model
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=self.es.use_distributed_optimizer)
+        return DistributedDataParallel(self.config, ddp, model)
+
+    def _check_names(self) -> None:
+        """The model's parameters are exactly the ones convert.py maps (guards a megatron change)."""
+        got = {to_global(n, self.layer_offset) for n, _ in self.model.named_parameters()}
+        want = set(megatron_names(self.spec, self.layers, self.layout.is_first_stage, self.layout.is_last_stage,
+                                  self.es.head))
+        if got != want:
+            raise RuntimeError(f"megatron parameter names differ from megarl's map: extra {sorted(got - want)[:3]}, "
+                               f"missing {sorted(want - got)[:3]}")
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_offset, self.layer_offset + self.config.num_layers // self.layout.pp)
+
+    def load_hf(self, ckpt: HFCheckpoint) -> None:
+        """Copy this rank's slices of the HF checkpoint into its shard (reads only those bytes)."""
+        head = self.es.head
+        with torch.no_grad():
+            for local, param in self.model.named_parameters():
+                name = to_global(local, self.layer_offset)
+                if head == "value" and name == "output_layer.weight" and not self.es.head_from_checkpoint:
+                    param.zero_()  # a fresh value head predicts 0 until the critic learns
+                    continue
+                pieces = {s.hf_name: ckpt.read(s) for s in hf_slices(name, self.spec, self.layout.tp_rank,
+                                                                      self.layout.tp, head)}
+                shard = assemble(name, pieces, self.spec, self.layout.tp_rank, self.layout.tp, head)
+                if tuple(shard.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: built a shard of shape {list(shard.shape)} for a parameter of "
+                                     f"shape {list(param.shape)}")
+                param.copy_(shard)
+
+    def hf_tensors(self):
+        """(HF name, full tensor) for this pipeline stage, TP shards all-gathered (every TP rank
+        yields the same; at TP=1 some are views of the live weights). A simple exporter; the
+        checkpoint engine plans its own transfers."""
+        return self._hf_named(lambda p: p.detach())
+
+    def _hf_named(self, value):
+        group = state.tp_group()
+        for local, param in self.model.named_parameters():
+            name = to_global(local, self.layer_offset)
+            mine = value(param).contiguous()
+            shards = [mine]
+            if self.layout.tp > 1:
+                shards = [torch.empty_like(mine) for _ in range(self.layout.tp)]
+                dist.all_gather(shards, mine, group=group)
+            yield from megatron_to_hf(name, shards, self.spec, self.es.head)
+
+    # -- the pipeline schedule ----------------------------------------------------------------------
+    def _run(self, micro: list[DataProto], seq: int, process: Process, loss_fn: LossFn | None) -> list[dict]:
+        """Run `micro` through megatron's schedule; forward-only when loss_fn is None. Returns, on
+        the last stage, one dict per micro-batch (outputs, or loss metrics); [] elsewhere."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(it, model):
+            mb = next(it)
+            ids = mb.batch["input_ids"][:, :seq].to(self.device)
+            pos = torch.arange(seq, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
+            return model(ids, pos, None), partial(self._last_stage, mb, process, loss_fn)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
+            num_microbatches=len(micro), seq_length=seq, micro_batch_size=len(micro[0]),
+            forward_only=loss_fn is None)
+
+    @staticmethod
+    def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, output: torch.Tensor):
+        outs = process(output, mb)
+        if loss_fn is None:
+            return torch.zeros((), device=output.device), torch.ones((), dtype=torch.int), \
+                {k: v.detach() for k, v in outs.items()}
+        loss, metrics = loss_fn(outs, mb)
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        return loss, torch.ones((), dtype=torch.int), {"_loss": float(loss.detach()), **metrics}
+
+    # -- forward only -------------------------------------------------------------------------------
+    @cpu_compat.scoped
+    @torch.no_grad()
+    def forward_rows(self, data: DataProto, micro: int, process: Process, keys: tuple[str, ...],
+                     tails: dict[str, tuple] | None = None) -> dict:
+        """Forward the full batch (every rank passes the same one); returns {key: [B, *tail]} on
+        every rank (tail defaults to (R,)). Rows are padded up to a multiple of DP x micro for even
+        shapes, then dropped."""
+        batching.check_batch(data)
+        self.onload()
+        lay = self.layout
+        padded, n = batching.pad_rows(data, lay.dp * micro)
+        local = batching.dp_slice(padded, lay.dp_rank, lay.dp)
+        seq = batching.seq_len(padded)
+        for c in self.chunks:
+            c.eval()
+        got = self._run(local.split(micro), seq, process, None)
+        R = data.batch["responses"].shape[1]
+        tails = {k: (tails or {}).get(k, (R,)) for k in keys}
+        rows = {k: torch.cat([g[k] for g in got]).float() for k in keys} if got else {}
+        rows = self._share_rows(rows, len(local), tails)
+        return {k: v[:n] for k, v in rows.items()}
+
+    @cpu_compat.scoped
+    def logits(self, input_ids: torch.Tensor, micro: int = 1) -> torch.Tensor:
+        """Full-vocabulary logits [B, S, V] (fp32) of unpadded token rows, on every rank (checks)."""
+        from megarl.workers.outputs import full_logits
+        B, S = input_ids.shape
+        data = DataProto.from_dict({"input_ids": input_ids, "prompt_lens": torch.full((B,), S),
+                                    "response_lens": torch.zeros(B, dtype=torch.long),
+                                    "responses": torch.zeros(B, 1, dtype=torch.long)})
+        group, vocab = state.tp_group(), self.spec.vocab_size
+        rows = self.forward_rows(data, micro, lambda out, mb: {"logits": full_logits(out, vocab, group)},
+                                 ("logits",), {"logits": (S, vocab)})
+        return rows["logits"]
+
+    def _share_rows(self, rows: dict, local_rows: int, tails: dict[str, tuple]) -> dict:
+        """Last stage -> every stage of the pipeline, then all-gather over DP (in DP-rank order,
+        which is the row order dp_slice cut)."""
+        out = {}
+        for key in sorted(tails):
+            t = rows[key].to(self.device).contiguous() if self.layout.is_last_stage else \
+                torch.empty(local_rows, *tails[key], device=self.device)
+            if self.layout.pp > 1:
+                dist.broadcast(t, src=state.pp_last_rank(), group=state.pp_group())
+            if self.layout.dp > 1:
+                parts = [torch.empty_like(t) for _ in range(self.layout.dp)]
+                dist.all_gather(parts, t, group=state.dp_group())
+                t = torch.cat(parts)
+            out[key] = t.cpu()
+        return out
+
+    # -- training -------------------------------------------------------------------------------------
+    @cpu_compat.scoped
+    def train(self, data: DataProto, mini: int, micro: int, epochs: int, process: Process, loss_fn: LossFn,
+              prefix: str, shuffle: bool = False) -> dict[str, float]:
+        """`epochs` passes over mini-batches of `mini` sequences, one optimizer step each; one
+        LR-schedule step per call. The loss function's metrics are means over its micro-batch
+        (verl's convention, so a user's loss function needs no knowledge of the split): they are
+        averaged over every micro-batch of every DP rank, mini-batch and epoch."""
+        if not self.es.trainable:
+            raise RuntimeError("this model is frozen")
+        batching.check_batch(data, need_mask=True)
+        lay = self.layout
+        if len(data) % mini:
+            raise ValueError(f"{len(data)} sequences do not split into mini-batches of {mini} "
+                             "(ppo_mini_batch_size x rollout.n); make the batch a multiple of it")
+        if mini % (lay.dp * micro):
+            raise ValueError(f"a mini-batch of {mini} sequences does not split into DP {lay.dp} x micro-batches of "
+                             f"{micro}; change ppo_micro_batch_size_per_gpu")
+        seq = batching.seq_len(data)
+        for c in self.chunks:
+            c.train()
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        skipped, norms = 0, []
+        lr = self.optimizer.param_groups[0]["lr"]
+        for epoch in range(epochs):
+            order = data
+            if shuffle:
+                g = torch.Generator().manual_seed(self.es.seed + 1000 * self.sched_step + epoch)
+                order = data[torch.randperm(len(data), generator=g)]
+            for mb_data in order.split(mini):
+                got = self.accumulate(mb_data, micro, process, loss_fn, seq)
+                applied, norm = self.step(got)
+                if not applied:
+                    skipped += 1
+                    log.warning("%s: skipped an optimizer step (loss or grad norm not finite: %s)", prefix, norm)
+                else:
+                    norms.append(norm)
+                for g in got:
+                    for k, v in g.items():
+                        if not k.startswith("_"):
+                            sums[k] = sums.get(k, 0.0) + v
+                            counts[k] = counts.get(k, 0) + 1
+        metrics = self._mean_metrics(sums, counts)
+        metrics.update({f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+                        f"{prefix}/lr": lr, f"{prefix}/skipped_steps": float(skipped)})
+        self.sched_step += 1
+        apply_schedule(self.optimizer, self.sched_step, self.es.optim)
+        return metrics
+
+    @cpu_compat.scoped
+    def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,
+                   seq: int | None = None) -> list[dict]:
+        """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
+        rank's share in micro-batches through the schedule, DP-summed. Returns the last stage's
+        per-micro-batch metrics."""
+        lay = self.layout
+        meta = {"global_tokens": float(mini_batch.batch["response_mask"].sum()), "global_seqs": len(mini_batch),
+                "global_micro_batches": len(mini_batch) // micro}
+        parts = batching.dp_slice(mini_batch, lay.dp_rank, lay.dp).split(micro)
+        for p in parts:
+            p.meta_info.update(meta)
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        return self._run(parts, seq or batching.seq_len(mini_batch), process, loss_fn)
+
+    @cpu_compat.scoped
+    def step(self, got: list[dict]) -> tuple[bool, float]:
+        """Clip and apply the accumulated gradients, unless a loss (any rank's) or the norm is not finite."""
+        bad = torch.tensor(float(any(not math.isfinite(g["_loss"]) for g in got)), device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return optimizer_step(self.optimizer, self.es.optim.clip_grad, bool(bad))
+
+    def hf_grads(self):
+        """(HF name, full accumulated gradient) for this stage, like hf_tensors (checks and debugging)."""
+        return self._hf_named(lambda p: p.main_grad.clone())
+
+    def _mean_metrics(self, sums: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+        """Mean of each metric over the micro-batches of all DP ranks (the last stages hold them);
+        every rank gets the result."""
+        payload = [(sums, counts) if self.layout.is_last_stage else None]
+        if self.layout.pp > 1:
+            dist.broadcast_object_list(payload, src=state.pp_last_rank(), group=state.pp_group())
+        gathered = [None] * self.layout.dp
+        dist.all_gather_object(gathered, payload[0], group=state.dp_group())
+        keys = sorted({k for s, _ in gathered for k in s})
+        return {k: sum(s.get(k, 0.0) for s, _ in gathered) / max(sum(c.get(k, 0) for _, c in gathered), 1)
+                for k in keys}
+
+    # -- memory -------------------------------------------------------------------------------------
+    @cpu_compat.scoped
+    def offload(self) -> None:
+        """Weights to host memory (pinned on CUDA) until the next forward."""
+        if self.offloaded or self.device.type == "cpu":
+            self.offloaded = True
+            return
+        for p in self.model.parameters():
+            p.data = p.data.to("cpu", non_blocking=True).pin_memory()
+        torch.cuda.synchronize()
+        self.offloaded = True
+
+    @cpu_compat.scoped
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        if self.device.type != "cpu":
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device, non_blocking=True)
+            torch.cuda.synchronize()
+        self.offloaded = False
+
+
+def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron's finalize_model_grads without the division by the schedule's token count."""
+    from megatron.core.distributed import finalize_model_grads
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -1,0 +1,79 @@
+"""Everything decided before a rank allocates memory: the role's model, checkpoint and layout.
+
+    spec, ckpt, hf_dtype = read_spec(EngineSpec(path, tp=2, pp=2))   # ValueError naming the problem
+
+Only headers and config.json are read, and megatron is not imported, so tools and workers refuse
+bad input in a second, on every rank alike (no rank is left waiting in a collective).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.config.errors import ConfigError
+from megarl.models.hf_checkpoint import HFCheckpoint
+from megarl.models.spec import ModelSpec, check_layout
+from megarl.workers.config import OptimConfig
+
+
+@dataclass
+class EngineSpec:
+    model_path: str | None                  # HF directory (None when loading a dist checkpoint)
+    tp: int = 1
+    pp: int = 1
+    head: str = "lm"                        # "lm" or "value"
+    head_from_checkpoint: bool = False      # value head: read `score.weight` (else zeros)
+    trainable: bool = True
+    optim: OptimConfig | None = None
+    dtype: str = "auto"                     # auto: bf16 on CUDA, fp32 on CPU
+    override_config: dict = field(default_factory=dict)
+    dist_checkpoint: str | None = None      # load weights from a megatron distributed checkpoint
+    use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    recompute: bool = False
+    transformer_overrides: dict = field(default_factory=dict)
+    timeout_s: float = 600.0
+    seed: int = 42
+    role: str = "actor"
+
+
+def resolve_dtype(name: str, trainable: bool) -> torch.dtype:
+    cuda = torch.cuda.is_available()
+    if name == "auto":
+        return torch.bfloat16 if cuda else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if not cuda and dtype != torch.float32:
+        raise ConfigError(f"dtype={name} needs CUDA (megatron's mixed-precision optimizer); use float32 or auto on CPU",
+                          "dtype")
+    return dtype
+
+
+def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dtype]:
+    """The model's spec and its checkpoint, checked against the layout and (headers only) the
+    tensors, before anything is allocated. Every rank runs this and fails the same way."""
+    if es.dist_checkpoint:
+        from megarl.workers.checkpoint import read_meta
+        meta = read_meta(es.dist_checkpoint)
+        spec = ModelSpec.from_hf_config({**meta["hf_config"], **es.override_config})
+        ckpt, hf_dtype = None, getattr(torch, meta["hf_dtype"])
+    else:
+        ckpt = HFCheckpoint(es.model_path)
+        spec = ModelSpec.from_hf_config({**ckpt.config, **es.override_config})
+        if es.head == "value" and es.head_from_checkpoint and spec.head != "score":
+            raise ValueError(f"{es.model_path}: critic init from this checkpoint needs a `score` head "
+                             f"(a *ForSequenceClassification model); {spec.architecture} has none — "
+                             "use critic.model.init_from=actor")
+        if es.head == "value" and es.head_from_checkpoint and spec.num_labels != 1:
+            raise ValueError(f"{es.model_path}: score head has {spec.num_labels} labels; a value head needs 1")
+        if es.head == "lm" and spec.head != "lm":
+            raise ValueError(f"{es.model_path}: {spec.architecture} has no LM head; the actor and reference need "
+                             "a *ForCausalLM checkpoint")
+        # The backbone always; the LM head for lm roles; `score.weight` only when the value head loads it.
+        need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
+        ckpt.validate(spec, head=need)
+        hf_dtype = ckpt.dtype("model.embed_tokens.weight")
+    check_layout(spec, es.tp, es.pp)
+    return spec, ckpt, hf_dtype
+
+

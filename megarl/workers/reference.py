@@ -1,0 +1,45 @@
+"""ReferenceWorker: the frozen initial policy, for KL terms.
+
+    ref = ReferenceWorker.from_config(cfg)
+    ref_log_prob = ref.compute_ref_log_prob(batch, temperature=1.0)     # [B, R]
+
+With ref.param_offload the weights wait in (pinned) host memory between calls; on CPU they are
+there already, so the flag changes nothing.
+"""
+from __future__ import annotations
+
+from megarl.parallel import state
+from megarl.protocol import DataProto
+from megarl.workers.actor import engine_spec
+from megarl.workers.config import ModelConfig, RefConfig
+from megarl.workers.engine import MegatronEngine
+from megarl.workers.outputs import log_prob_outputs
+
+
+class ReferenceWorker:
+    def __init__(self, model: ModelConfig, ref: RefConfig, micro_batch_size: int = 4, dtype: str = "auto",
+                 timeout_s: float = 600.0):
+        self.cfg = ref
+        self.micro = ref.log_prob_micro_batch_size_per_gpu or micro_batch_size
+        self.engine = MegatronEngine(engine_spec(model, ref, trainable=False, dtype=dtype, timeout_s=timeout_s,
+                                                 role="actor_rollout_ref.ref"))
+        if ref.param_offload:
+            self.engine.offload()
+
+    @classmethod
+    def from_config(cls, cfg) -> "ReferenceWorker":
+        return cls(cfg.model, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.dtype,
+                   cfg.trainer.collective_timeout_s)
+
+    def compute_ref_log_prob(self, data: DataProto, temperature: float = 1.0):
+        eng = self.engine
+        group = state.tp_group()
+
+        def process(out, mb):
+            return log_prob_outputs(out, mb, eng.spec.vocab_size, eng.layout.tp_rank, group, temperature, False)
+
+        try:
+            return eng.forward_rows(data, self.micro, process, ("log_probs",))["log_probs"]
+        finally:
+            if self.cfg.param_offload:
+                eng.offload()
