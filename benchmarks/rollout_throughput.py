@@ -27,7 +27,12 @@ import statistics
 import sys
 import time
 
-import torch
+# OpenMP threads that spin while waiting stall whenever another job holds a core (a 2-thread run
+# on a shared 2-core machine ran 5x slower for both engines); sleeping waits avoid that. Set
+# before torch loads its OpenMP runtime; OMP_WAIT_POLICY=ACTIVE in the environment overrides.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -129,7 +134,8 @@ def main(argv=None) -> dict:
     med = {k: statistics.median(v) for k, v in rates.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
     rows = args.prompts * args.n
-    print(f"model {n_params / 1e6:.1f}M params, {args.device} {args.dtype}, {args.threads} threads; "
+    print(f"model {n_params / 1e6:.1f}M params, {args.device} {args.dtype}, {args.threads} threads "
+          f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
           f"{args.prompts} prompts ({args.shortest}..{args.longest} tokens) x n={args.n}, "
           f"max {args.max_tokens} new tokens, T={args.temperature}, {args.repeats} timed runs each")
     for k in runs:
