@@ -1,0 +1,1 @@
+"""A tool-use task small enough for CPU tests: "Q: 3+4" -> a calculator call -> "A: 7"."""
