@@ -6,7 +6,7 @@ The task: prompt "Q: 3+4\\n"; the model calls the calculator,
     <tool_call>{"name":"calculator","arguments":{"a":3,"b":4}}</tool_call>
 the tool's output arrives as "\\n<tool_response>7</tool_response>\\n" (the agent loop's plain
 rendering), and the model answers "A: 7" then EOS. The tool tags and the JSON keys are single
-tokens (as Qwen2.5 makes <tool_call> one token), everything else one token per character.
+tokens (as Qwen2.5 makes <tool_call> one token), everything else one token per (printable ASCII) character.
 """
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import time
 import torch
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
-CHARS = list("abcdefghijklmnopqrstuvwxyzQA0123456789+-*=:,.\"{}[]<>/_ \n")
+CHARS = ["\n"] + [chr(c) for c in range(32, 127)]          # printable ASCII: tool errors are readable
 WORDS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
          '"name"', '"arguments"', '"calculator"', '"a"', '"b"']
 
 
-def build_tokenizer():
+def build_tokenizer(tool_tokens: bool = True):
+    """tool_tokens=False: the tags and keys are spelled out character by character (so
+    </tool_call> is 12 tokens and a turn cannot stop on it as a token)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +32,8 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")   # one token per character
     core.decoder = decoders.Fuse()
     core.add_special_tokens(SPECIALS)
-    core.add_tokens([AddedToken(w, special=False, normalized=False) for w in WORDS])
+    if tool_tokens:
+        core.add_tokens([AddedToken(w, special=False, normalized=False) for w in WORDS])
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
@@ -60,11 +63,15 @@ def build_model(tokenizer, seed: int = 0):
     return Qwen2ForCausalLM(config)
 
 
-def example(tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
-    """Token ids of the whole exchange and labels on the model's own parts (call, answer, EOS)."""
+def example(tokenizer, a: int, b: int, whole: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids and labels (on the model's own parts only). whole: the exchange, call -> tool
+    output -> answer, EOS; else the call then EOS, so a turn that is not stopped at </tool_call>
+    ends right after it (as Qwen's </tool_call><|im_end|>)."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)   # noqa: E731
-    p, c, t = enc(prompt_text(a, b)), enc(call_text(a, b)), enc(tool_text(a, b))
-    ans = enc(answer_text(a, b)) + [tokenizer.eos_token_id]
+    p, c, eos = enc(prompt_text(a, b)), enc(call_text(a, b)), [tokenizer.eos_token_id]
+    if not whole:
+        return p + c + eos, [-100] * len(p) + c + eos
+    t, ans = enc(tool_text(a, b)), enc(answer_text(a, b)) + eos
     return p + c + t + ans, [-100] * len(p) + c + [-100] * len(t) + ans
 
 
@@ -88,7 +95,7 @@ def train(tokenizer, steps: int = 250, batch_size: int = 32, lr: float = 5e-3, s
 
 def _steps(model, opt, sched, tokenizer, rng, steps: int, batch_size: int) -> float:
     for _ in range(steps):
-        rows = [example(tokenizer, rng.randint(0, 9), rng.randint(0, 9)) for _ in range(batch_size)]
+        rows = [example(tokenizer, rng.randint(0, 9), rng.randint(0, 9), whole=k % 4 != 0) for k in range(batch_size)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r, _ in rows])       # [B, S]
         lab = torch.tensor([lb + [-100] * (width - len(lb)) for _, lb in rows])                      # [B, S]
