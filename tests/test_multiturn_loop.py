@@ -12,9 +12,10 @@ import pytest
 from megarl.config import ConfigError, load_config
 from megarl.examples.tool_use.model import build_tokenizer, call_text
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.config import MultiTurnConfig
+from megarl.rollout.config import MultiTurnConfig, RolloutConfig
 from megarl.rollout.multiturn import AgentLoop, build_agent_loop, load_tools, multiturn_metrics
 from megarl.rollout.multiturn.loop import turn_seed
+from megarl.rollout.trtllm import llm_kwargs
 from tests.multiturn_helpers import ScriptedEngine, fake_log_prob, prompt_batch, rows
 
 TOK = build_tokenizer()
@@ -225,7 +226,32 @@ def test_config_entry_point_with_seed_keys(tmp_path):
     with pytest.raises(ConfigError, match="unknown interaction 'chatbot'"):
         build_agent_loop(load_config(None, [f"actor_rollout_ref.rollout.tools={path}",
                                             "actor_rollout_ref.rollout.interactions=[chatbot]"]), engine, TOK)
+    # TensorRT-LLM must accept continuation prompts (prompt + response so far)
+    kw = llm_kwargs(RolloutConfig(prompt_length=100, response_length=28, tools=str(path)), "/m", lambda **k: k)
+    assert kw["max_input_len"] == 128
     with pytest.raises(ConfigError, match="set format=hermes"):
         load_config(None, ["actor_rollout_ref.rollout.multi_turn.format=json"])
     with pytest.raises(ConfigError, match="max_assistant_turns"):
         load_config(None, ["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"])
+
+
+TOOLS_TEMPLATE = ("{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ ' ' + t['function']['name'] }}{% endfor %}"
+                  "{{ '\\n' }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_tools_in_prompt_rerenders_chat_prompts(tmp_path):
+    """With a chat template that renders tools=..., the prompts the engine sees list the tools, and
+    the batch keeps those prompts (input_ids = the prompt generated from + response)."""
+    engine = ScriptedEngine(TOK, solver)
+    loop = AgentLoop(engine, TOK, calculator_tools(tmp_path), MultiTurnConfig(enable=True),
+                     prompt_template=TOOLS_TEMPLATE)
+    out = loop.generate_sequences(prompt_batch(TOK, ["Q: 2+3\n"], ["5"], sampling(n=1)))
+    prompt = TOK.decode(list(out.non_tensor_batch["prompt_token_ids"][0]))
+    assert prompt == "tools: calculator search\nQ: 2+3\n"
+    assert TOK.decode(out.batch["input_ids"][0, :len(TOK.encode(prompt))].tolist()) == prompt
+    assert rows(out, TOK)[0]["text"].endswith("A: 5" + EOS)
+    cfg = load_config(None, [f"actor_rollout_ref.rollout.tools={tmp_path / 'tools.yaml'}"])
+    cfg.data.chat_template = TOOLS_TEMPLATE
+    assert build_agent_loop(cfg, engine, TOK).prompt_template == TOOLS_TEMPLATE
+    cfg.rollout.multi_turn.tools_in_prompt = False
+    assert build_agent_loop(cfg, engine, TOK).prompt_template is None

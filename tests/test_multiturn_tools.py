@@ -251,3 +251,47 @@ def test_truncate_tool_output_by_tokens():
     assert truncate_tokens(tok, text, 4, "right") == ("abcd...(truncated)", True)
     assert truncate_tokens(tok, text, 4, "left") == ("...(truncated)ghij", True)
     assert truncate_tokens(tok, text, 4, "middle") == ("ab...(truncated)ij", True)
+
+
+def test_interactions_load_by_name_path_and_verl_file(tmp_path):
+    from megarl.rollout.multiturn.interactions import load_interactions, pick
+    (tmp_path / "users.py").write_text(textwrap.dedent('''
+        def nudge(response, *, sample, turn):
+            return None if sample["ground_truth"] in response else "check again"
+
+        class Teacher:
+            def __init__(self, config):
+                self.word = config["word"]
+            def respond(self, response, *, sample, turn):
+                return self.word
+        '''))
+    (tmp_path / "interactions.yaml").write_text(textwrap.dedent(f'''
+        interaction:
+          - name: teacher
+            class_name: {tmp_path}/users.py:Teacher
+            config: {{word: again}}
+        '''))
+    got = load_interactions(["conversation", f"{tmp_path}/users.py:nudge"], str(tmp_path / "interactions.yaml"))
+    assert list(got) == ["conversation", f"{tmp_path}/users.py:nudge", "teacher"]
+    assert got["conversation"] is None
+    assert got[f"{tmp_path}/users.py:nudge"]("A: 5", sample={"ground_truth": "7"}, turn=1) == "check again"
+    assert pick(got, {"interaction_kwargs": {"name": "teacher"}})("x", sample={}, turn=1) == "again"
+    assert pick(got, {}) is None                       # the first: conversation
+    with pytest.raises(ConfigError, match="unknown interaction 'chat'"):
+        load_interactions(["chat"], None)
+    with pytest.raises(ValueError, match="asks for interaction 'tutor'"):
+        pick(got, {"interaction_kwargs": {"name": "tutor"}})
+
+
+def test_example_reward_from_text_or_records():
+    from megarl.examples.tool_use.reward import compute_score
+    call = '<tool_call>{"name": "calculator", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    text = call + "\n<tool_response>7</tool_response>\nA: 7"
+    assert compute_score("tool_use", text, "7") == {"score": 1.0, "tool_called": True, "acc": True}
+    assert compute_score("tool_use", "A: 7", "7")["score"] == 0.5                  # right answer, no tool
+    wrong_tool = text.replace("calculator", "search")
+    assert compute_score("tool_use", wrong_tool, "7")["tool_called"] is False
+    # the loop's records win over the text: a call that failed does not count
+    failed = {"tool_calls": [{"name": "calculator", "arguments": {}, "status": "bad_arguments", "turn": 1}]}
+    assert compute_score("tool_use", text, "7", extra_info=failed) == {"score": 0.5, "tool_called": False,
+                                                                       "acc": True}

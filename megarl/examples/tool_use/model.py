@@ -1,6 +1,6 @@
 """A character-level tokenizer and a tiny Qwen2 taught the tool-call format in a few seconds.
 
-    python -m megarl.examples.tool_use.model --out /tmp/tool_model    # trains (~250 steps) and saves
+    python -m megarl.examples.tool_use.model --out runs/models/tool-use --data data/tool_use
 
 The task: prompt "Q: 3+4\\n"; the model calls the calculator,
     <tool_call>{"name":"calculator","arguments":{"a":3,"b":4}}</tool_call>
@@ -108,17 +108,61 @@ def _steps(model, opt, sched, tokenizer, rng, steps: int, batch_size: int) -> fl
     return float(loss.item())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=250)
-    args = ap.parse_args()
+def bootstrap(model_dir: str, config=None, *, steps: int = 250, seed: int = 0, overwrite: bool = False) -> str:
+    """`actor_rollout_ref.model.bootstrap: megarl.examples.tool_use:bootstrap`: train and save the
+    model to `model_dir` and the tokenizer to `model_dir/tokenizer` (set model.tokenizer_path to it:
+    next to a Qwen2 config.json, transformers 5 would load it as a Qwen2 tokenizer and lose spaces)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    if os.path.isfile(os.path.join(model_dir, "config.json")) and not overwrite:
+        return model_dir
     tok = build_tokenizer()
     start = time.perf_counter()
-    model, loss = train(tok, args.steps)
-    model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
-    print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f}s, final loss {loss:.4f}: {args.out}")
+    model, loss = train(tok, steps, seed=seed)
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".bootstrap-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(os.path.join(tmp, "tokenizer"))
+        with open(os.path.join(tmp, "sft.json"), "w") as f:
+            json.dump({"steps": steps, "seed": seed, "final_loss": loss, "seconds": time.perf_counter() - start}, f)
+        if os.path.isdir(model_dir):
+            shutil.rmtree(model_dir)
+        os.replace(tmp, model_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    print(f"megarl: trained the tool-use model ({steps} steps, {time.perf_counter() - start:.1f}s, final loss "
+          f"{loss:.4f}) into {model_dir}")
+    return model_dir
+
+
+def write_data(out_dir: str, val_count: int = 20, seed: int = 0) -> None:
+    """verl-format rows for every single-digit problem: prompt "Q: a+b\n", ground truth a+b."""
+    import json
+    import os
+    problems = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(problems)
+    os.makedirs(out_dir, exist_ok=True)
+    for split, part in (("val", problems[:val_count]), ("train", problems[val_count:])):
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
+            for a, b in part:
+                f.write(json.dumps({"prompt": prompt_text(a, b), "data_source": "tool_use",
+                                    "reward_model": {"ground_truth": str(a + b)}}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="model directory (tokenizer in <out>/tokenizer)")
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--data", help="also write train/val rows here (e.g. data/tool_use)")
+    args = ap.parse_args()
+    bootstrap(args.out, steps=args.steps, overwrite=True)
+    if args.data:
+        write_data(args.data)
 
 
 if __name__ == "__main__":
