@@ -29,11 +29,14 @@ SEED_TOOLS = os.path.join("megarl", "examples", "tool_use", "tools.yaml")
 
 
 @pytest.fixture(scope="module")
-def model_dir(request):
-    """Trained once per change of the recipe (keyed by its source and library versions)."""
+def model_dir(request, tmp_path_factory):
+    """Trained once per change of the recipe (keyed by its source and library versions), kept in
+    pytest's cache; without the cache plugin, once per session."""
     import transformers
     key = hashlib.sha1((inspect.getsource(tool_model) + torch.__version__ + transformers.__version__).encode())
-    path = request.config.cache.mkdir("megarl_tool_model") / key.hexdigest()[:12]
+    cache = getattr(request.config, "cache", None)
+    root = cache.mkdir("megarl_tool_model") if cache is not None else tmp_path_factory.mktemp("tool_model")
+    path = root / key.hexdigest()[:12]
     if not (path / "config.json").exists():
         tok = build_tokenizer()
         model, _ = tool_model.train(tok)
