@@ -37,16 +37,39 @@ class SamplingConfig:
 
 @dataclass
 class MultiTurnConfig:
+    """Multi-turn rollouts with tools (megarl/rollout/multiturn); `rollout.tools=tools.yaml` turns it on."""
     enable: bool = False
-    max_assistant_turns: int | None = None
-    max_user_turns: int | None = None
-    max_tool_response_length: int = 256
+    max_assistant_turns: int | None = None  # None: until no tool call or the response budget is spent
+    max_user_turns: int | None = None      # simulated-user turns (interactions); None: 1 when one is set
+    max_tool_response_length: int = 256    # tokens of one tool's output kept (the marker and wrapper on top)
     tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
     tool_config_path: str | None = None    # same as rollout.tools
     interaction_config_path: str | None = None
-    max_parallel_calls: int = 1
+    max_parallel_calls: int = 1            # calls executed per assistant turn; 1: a turn stops at </tool_call>
     format: str = "hermes"                 # how tool calls appear in text: <tool_call>{json}</tool_call>
-    tool_timeout_s: float = 30.0
+    tool_timeout_s: float = 30.0           # per call, from when it starts running
+    tool_workers: int = 8                  # calls run at once
+    # thread: in this process (a call past its timeout is abandoned, not killed);
+    # ray: in Ray actors, killed and replaced on timeout (sandboxing for untrusted or hanging tools).
+    tool_backend: Literal["thread", "ray"] = "thread"
+    # How tool output is placed in the sequence: the chat template's tool message (auto: when the
+    # template renders a "tool" role), or <tool_response>...</tool_response> (plain).
+    tool_response_render: Literal["auto", "chat_template", "plain"] = "auto"
+    # Re-render chat prompts with the tool list (tools=... in apply_chat_template) when the chat
+    # template renders tools, so the model is told which tools exist (as verl's tool agent loop does).
+    tools_in_prompt: bool = True
+
+    def __post_init__(self):
+        require(self.max_assistant_turns is None or self.max_assistant_turns >= 1, "max_assistant_turns",
+                "must be >= 1 or null (no limit besides the response budget)")
+        require(self.max_user_turns is None or self.max_user_turns >= 0, "max_user_turns", "must be >= 0 or null")
+        require(self.max_tool_response_length >= 1, "max_tool_response_length", "must be >= 1 token")
+        require(self.max_parallel_calls >= 1, "max_parallel_calls", "must be >= 1")
+        require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0 seconds")
+        require(self.tool_workers >= 1, "tool_workers", "must be >= 1")
+        require(self.format == "hermes", "format",
+                f"got {self.format!r}; megarl parses the hermes format (<tool_call>{{json}}</tool_call>, "
+                "as Qwen2.5/Qwen3 and most open tool-calling models emit): set format=hermes")
 
 
 @dataclass
@@ -130,7 +153,10 @@ class RolloutConfig:
             require(self.response_length in (None, self.max_response_length), "max_response_length",
                     f"conflicts with response_length={self.response_length}; set only one")
             self.response_length = self.max_response_length
-        if self.tools is not None:
+        mt = self.multi_turn
+        require(self.tools is None or mt.tool_config_path in (None, self.tools), "tools",
+                f"conflicts with multi_turn.tool_config_path={mt.tool_config_path}; set only one")
+        if self.tools is not None or self.interactions or mt.tool_config_path or mt.interaction_config_path:
             self.multi_turn.enable = True
             if self.multi_turn.tool_config_path is None:
                 self.multi_turn.tool_config_path = self.tools

@@ -67,7 +67,8 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, kv_cache_config_cls: Any) -> 
         "max_batch_size": cfg.max_num_seqs,
         "max_num_tokens": cfg.max_num_batched_tokens,
         "max_seq_len": max_len,
-        "max_input_len": cfg.prompt_length,             # its default (1024) would cut long prompts
+        # Its default (1024) would cut long prompts; multi-turn continuations hold the response so far.
+        "max_input_len": max_len if cfg.multi_turn.enable else cfg.prompt_length,
         "load_format": "dummy" if cfg.load_format == "dummy" else "auto",
         "kv_cache_config": kv_cache_config_cls(free_gpu_memory_fraction=cfg.gpu_memory_utilization,
                                                enable_block_reuse=cfg.enable_prefix_caching),

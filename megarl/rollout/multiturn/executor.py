@@ -1,0 +1,204 @@
+"""Running tool calls: checks first, then the implementations in parallel, each under a time limit.
+
+    ex = ToolExecutor(tools, timeout_s=30, workers=8, backend="thread")
+    results = ex.run(calls)        # one ToolResult(text, status) per call, in order; never raises
+
+Every problem becomes text for the model and a status the loop counts: parse_error, unknown_tool,
+no_implementation, bad_arguments, error (the tool raised), timeout, over_limit.
+
+backend=thread: one thread per running call, at most `workers` at once. Python cannot kill a
+thread, so a call past its limit is abandoned (counted in `abandoned`) and keeps its thread until
+it returns; later calls are not held up by it.
+backend=ray: a pool of `workers` Ray actors (sandboxing: tools run in other processes). An actor
+whose call passes its limit is killed and replaced, so a hanging tool costs nothing afterwards.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.rollout.multiturn.parser import ToolCall
+from megarl.rollout.multiturn.tools import Tool, load_implementation, tool_text
+
+STATUSES = ("ok", "parse_error", "unknown_tool", "no_implementation", "bad_arguments", "error", "timeout",
+            "over_limit")
+
+
+@dataclass
+class ToolResult:
+    text: str
+    status: str                            # one of STATUSES
+
+
+class ToolExecutor:
+    def __init__(self, tools: dict[str, Tool], timeout_s: float = 30.0, workers: int = 8, backend: str = "thread"):
+        self.tools, self.timeout_s = tools, timeout_s
+        if backend == "ray" and any(t.fn is not None for t in tools.values()):
+            self.runner: _ThreadRunner | _RayRunner = _RayRunner(workers)
+        elif backend in ("thread", "ray"):
+            self.runner = _ThreadRunner(workers)
+        else:
+            raise ValueError(f"tool backend {backend!r}: use thread or ray")
+
+    def check(self, call: ToolCall) -> ToolResult | None:
+        """The result of a call that must not run, else None."""
+        if call.error is not None:
+            return ToolResult(f"Error: {call.error}", "parse_error")
+        tool = self.tools.get(call.name)
+        if tool is None:
+            names = ", ".join(self.tools) or "none"
+            return ToolResult(f"Error: unknown tool {call.name!r}; available tools: {names}", "unknown_tool")
+        if tool.fn is None:
+            return ToolResult(f"Error: tool {call.name!r} has no implementation configured", "no_implementation")
+        why = tool.check(call.arguments)
+        if why is not None:
+            return ToolResult(f"Error: tool {call.name!r}: {why}", "bad_arguments")
+        return None
+
+    def run(self, calls: list[ToolCall]) -> list[ToolResult]:
+        out: list[ToolResult | None] = [self.check(c) for c in calls]
+        todo = [i for i, r in enumerate(out) if r is None]
+        jobs = [(self.tools[calls[i].name], calls[i].arguments) for i in todo]
+        for i, (status, value) in zip(todo, self.runner.run(jobs, self.timeout_s)):
+            name = calls[i].name
+            if status == "ok":
+                out[i] = ToolResult(value, "ok")
+            elif status == "timeout":
+                limit = self.tools[name].timeout_s or self.timeout_s
+                out[i] = ToolResult(f"Error: tool {name!r} timed out after {limit:g}s", "timeout")
+            else:
+                out[i] = ToolResult(f"Error: tool {name!r} failed: {value}", "error")
+        return out  # type: ignore[return-value]
+
+    @property
+    def abandoned(self) -> int:
+        return getattr(self.runner, "abandoned", 0)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _call(fn, arguments: dict[str, Any]) -> tuple[str, str]:
+    try:
+        return "ok", tool_text(fn(**arguments))
+    except BaseException as err:  # the user's tool: anything it raises (SystemExit too) goes back to the model
+        return "error", f"{type(err).__name__}: {err}"[:1000]
+
+
+class _ThreadRunner:
+    def __init__(self, workers: int):
+        self.workers, self.abandoned = workers, 0
+
+    def run(self, jobs: list[tuple[Tool, dict]], default_timeout: float) -> list[tuple[str, str]]:
+        out: list[tuple[str, str] | None] = [None] * len(jobs)
+        done: queue.Queue = queue.Queue()      # this call's own: late results of abandoned calls go nowhere
+        waiting, running = deque(range(len(jobs))), {}   # index -> deadline
+
+        def target(i: int, tool: Tool, args: dict) -> None:
+            done.put((i, _call(tool.fn, args)))
+
+        while waiting or running:
+            while waiting and len(running) < self.workers:
+                i = waiting.popleft()
+                tool, args = jobs[i]
+                threading.Thread(target=target, args=(i, tool, args), daemon=True, name=f"megarl-tool-{i}").start()
+                running[i] = time.monotonic() + (tool.timeout_s or default_timeout)
+            try:
+                i, res = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+                if i in running:
+                    del running[i]
+                    out[i] = res
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for i, deadline in list(running.items()):
+                if now >= deadline:
+                    del running[i]
+                    out[i] = ("timeout", "")
+                    self.abandoned += 1
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        pass
+
+
+class _ToolActor:
+    """A Ray actor that loads implementations by their spec (so user functions need not pickle)."""
+
+    def __init__(self):
+        self.fns: dict[str, Any] = {}
+
+    def ready(self) -> bool:
+        return True
+
+    def call(self, spec: str, arguments: dict) -> tuple[str, str]:
+        try:
+            if spec not in self.fns:
+                self.fns[spec] = load_implementation(spec, spec)
+        except Exception as err:
+            return "error", f"{type(err).__name__}: {err}"
+        return _call(self.fns[spec], arguments)
+
+
+class _RayRunner:
+    def __init__(self, workers: int):
+        import ray
+
+        from megarl.reward.pool import ensure_ray
+        ensure_ray(max(workers, 1))
+        self._cls = ray.remote(num_cpus=0, max_restarts=0)(_ToolActor)
+        self.actors = [self._cls.remote() for _ in range(workers)]
+        ray.get([a.ready.remote() for a in self.actors])
+        self.replaced = 0
+
+    def run(self, jobs: list[tuple[Tool, dict]], default_timeout: float) -> list[tuple[str, str]]:
+        import ray
+        from ray.exceptions import RayActorError
+        out: list[tuple[str, str] | None] = [None] * len(jobs)
+        waiting, idle = deque(range(len(jobs))), list(range(len(self.actors)))
+        running: dict = {}                     # ref -> (actor index, job index, deadline)
+        starting: dict = {}                    # ready ref of a replacement -> actor index
+        while waiting or running:
+            while idle and waiting:
+                w, i = idle.pop(), waiting.popleft()
+                tool, args = jobs[i]
+                ref = self.actors[w].call.remote(tool.implementation, args)
+                running[ref] = (w, i, time.monotonic() + (tool.timeout_s or default_timeout))
+            wait = max(0.0, min(d for _, _, d in running.values()) - time.monotonic()) if running else None
+            ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=wait)
+            for ref in ready:
+                if ref in starting:
+                    idle.append(starting.pop(ref))
+                    continue
+                w, i, _ = running.pop(ref)
+                try:
+                    out[i] = ray.get(ref)
+                    idle.append(w)
+                except RayActorError as err:   # the tool killed its process (os._exit, a crash)
+                    out[i] = ("error", f"the tool's worker died: {str(err).splitlines()[0]}")
+                    self._replace(w, starting)
+            now = time.monotonic()
+            for ref, (w, i, deadline) in list(running.items()):
+                if now >= deadline:
+                    del running[ref]
+                    out[i] = ("timeout", "")
+                    ray.kill(self.actors[w], no_restart=True)
+                    self._replace(w, starting)
+        if starting:                           # the pool is whole again for the next turn
+            ray.get(list(starting))
+        return out  # type: ignore[return-value]
+
+    def _replace(self, w: int, starting: dict) -> None:
+        self.actors[w] = self._cls.remote()
+        self.replaced += 1
+        starting[self.actors[w].ready.remote()] = w
+
+    def close(self) -> None:
+        import ray
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
