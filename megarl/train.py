@@ -48,6 +48,16 @@ def relaunch_locally(cfg: ExperimentConfig, argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+def single_process_env() -> None:
+    """The variables torchrun would set, for a one-process run started bare."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -59,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    if not _launched_by_a_launcher() and cfg.trainer.world_size > 1:
+    if not _launched_by_a_launcher():
         if cfg.trainer.nnodes > 1:
             print("megarl: config error: trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch "
                   "or torchrun on every node", file=sys.stderr)
             return 2
-        return relaunch_locally(cfg, argv)
+        if cfg.trainer.world_size > 1:
+            return relaunch_locally(cfg, argv)
+        single_process_env()
     from torch.distributed.elastic.multiprocessing.errors import record
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.

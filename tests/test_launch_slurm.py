@@ -6,8 +6,9 @@ ports) and starts both daemons; the module's fixture stops exactly those at the 
 cannot be installed or started (not root, no apt-get, no network), every test here is skipped
 with the reason.
 
-The ranks run megarl.parallel.launch_check (MEGARL_ENTRY), a real gloo job taking megarl-train's
-arguments, until the trainer lands; then QUICKSTART_ENTRY becomes megarl.train.
+The quickstart tests run the real trainer (megarl.train) on a small warm-started model. The
+failure-injection and requeue tests run megarl.parallel.launch_check (MEGARL_ENTRY), a real gloo
+job that takes megarl-train's arguments plus knobs for slow steps and failing ranks.
 """
 import os
 import shlex
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slurm
 
 CLUSTER = "launch/slurm/local_cluster.sh"
 QUICKSTART = "launch/slurm/quickstart.sbatch"
-QUICKSTART_ENTRY = "megarl.parallel.launch_check"
+QUICKSTART_ENTRY = "megarl.train"
 CONFIG = os.path.abspath("configs/quickstart.yaml")
 
 
@@ -117,26 +118,55 @@ def steps_of(run_dir) -> list[int]:
     return [r["step"] for r in read_metrics(str(run_dir))]
 
 
-@pytest.mark.timeout(300)
-def test_quickstart_sbatch_runs_two_tasks_to_completion(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megarl.examples.addition import bootstrap
+    path = str(tmp_path_factory.mktemp("model") / "addition")
+    bootstrap(path, warm_start_steps=60, eval_rows=16, verbose=False)
+    return path
+
+
+def short_run(model_dir, run_dir, steps):
+    return (f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
+            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=2",
+            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4")
+
+
+@pytest.mark.timeout(420)
+def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir, tmp_path):
     run_dir = tmp_path / "run"
     begin = time.monotonic()
-    job_id = cluster.submit(QUICKSTART, "trainer.total_training_steps=3", f"trainer.default_local_dir={run_dir}",
-                            entry=QUICKSTART_ENTRY)
-    job = cluster.wait(job_id)
+    job_id = cluster.submit(QUICKSTART, *short_run(model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
+    job = cluster.wait(job_id, timeout=300)
     print(f"\nquickstart submit-to-complete {time.monotonic() - begin:.1f}s")
     out = cluster.output(job_id)
     assert job["JobState"] == "COMPLETED", out[-3000:]
     assert job["NumTasks"] == "2" and job["NumNodes"] == "1"
-    assert steps_of(run_dir) == [1, 2, 3]
-    records = read_metrics(str(run_dir))
-    if QUICKSTART_ENTRY.endswith("launch_check"):
-        assert {r["launch/world_size"] for r in records} == {2}
-        assert {r["launch/job_id"] for r in records} == {job_id}
+    assert steps_of(run_dir) == [0, 1, 2, 3]                     # validation at 0, then three steps
+    assert all("critic/score/mean" in r for r in read_metrics(str(run_dir))[1:])
     assert f"job {job_id} (restart 0) on " in out and "task mode, 1 x 2 ranks" in out
     assert "0: " in out and "1: " in out                          # both tasks wrote, labelled by rank
-    # The run directory holds the job's full log too.
+    assert "megarl: training layout: TP 2 x PP 1 x DP 1" in out
     assert f"megarl: job {job_id} finished" in (run_dir / "logs" / f"slurm-{job_id}.log").read_text()
+
+    # The real trainer cancelled mid-run and submitted again continues from its checkpoint.
+    run2 = tmp_path / "run2"
+    job_id = cluster.submit(QUICKSTART, *short_run(model_dir, run2, 40), entry=QUICKSTART_ENTRY)
+    pointer, deadline = run2 / "latest_checkpointed_iteration.txt", time.monotonic() + 240
+    while not pointer.exists():
+        assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
+            cluster.output(job_id)[-3000:]
+        time.sleep(0.2)
+    cluster.slurm("scancel", job_id)
+    assert cluster.wait(job_id)["JobState"] == "CANCELLED"
+    saved = int(pointer.read_text())
+    job2 = cluster.submit(QUICKSTART, *short_run(model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
+    done = cluster.wait(job2, timeout=300)
+    out2 = cluster.output(job2)
+    assert done["JobState"] == "COMPLETED", out2[-3000:]
+    assert f"resumed from" in out2 and f"at step {saved}" in out2
+    assert sorted(set(steps_of(run2)))[-1] == saved + 2
 
 
 @pytest.mark.timeout(300)

@@ -99,9 +99,12 @@ def hf_critic_reference(path: str, data: DataProto) -> dict:
     mask = data.batch["response_mask"]
     values = per_pos.gather(1, _positions(data, R, ids.shape[1])) * mask
     data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
+    last = data.batch["prompt_lens"] + data.batch["response_lens"] - 1
+    scores = per_pos.gather(1, last[:, None]).squeeze(1)  # a reward model reads the last token
     loss, _ = value_loss({"values": values}, data)
     loss.backward()
-    return {"values": values.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    return {"values": values.detach(), "scores": scores.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
 # -- the spawned checks ---------------------------------------------------------------------------------------
@@ -170,6 +173,10 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     losses = [critic.update_critic(data, value_loss)["critic/vf_loss"] for _ in range(3)]
     out["critic_losses"] = losses
     del critic
+    from megarl.workers.reward_model import RewardModelWorker
+    rm = RewardModelWorker(ModelConfig(path=rm_path), CriticConfig(megatron=layout), actor_vocab=301, micro_batch_size=2)
+    out["rm_scores"] = _diff(rm.compute_scores(data), refs["critic"]["scores"])
+    del rm
     fresh = CriticWorker(CriticConfig(model=CriticModelConfig(path=path, init_from="actor"), megatron=layout,
                                       ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2))
     out["fresh_values"] = fresh.compute_values(data).abs().max().item()
@@ -239,6 +246,7 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
     pg = [r["metrics"]["actor/pg_loss"] for k, r in out["layouts"].items() if k[0] == "qwen2"]
     assert max(pg) - min(pg) < 1e-5, pg
     assert out["values"] < TOL and out["critic_grad"] < 1e-5
+    assert out["rm_scores"] < TOL   # reward model at TP2 x PP2 vs transformers' score head
     assert set().union(*(rk["critic_grad_names"] for rk in ranks)) == set(refs["critic"]["grads"])
     assert out["critic_losses"][2] < out["critic_losses"][0]
     assert out["fresh_values"] == 0.0

@@ -136,7 +136,7 @@ class RewardManager:
         else:
             res = self._from_custom(batch, value)
         self._shape(batch, res)
-        res.metrics["timing_s/reward_wait"] = time.perf_counter() - handle.started
+        res.metrics["reward/latency_s"] = time.perf_counter() - handle.started  # overlaps the log-prob passes
         return res
 
     def close(self) -> None:

@@ -95,6 +95,9 @@ class RLTrainer:
     def _generate(self, prompts: DataProto, sampling) -> DataProto:
         p = self.p
         batch = generate(p.rollout, prompts, sampling, self.ranks, p.pad_token_id)
+        if self.cfg.rollout.multi_turn.enable:
+            from megarl.rollout.multiturn import multiturn_metrics
+            self.extra.update(multiturn_metrics(batch))
         if self.cfg.rollout.free_cache_engine:
             p.rollout.sleep()   # the trainer's passes get the KV cache's memory back
         return batch

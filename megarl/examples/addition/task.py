@@ -23,7 +23,7 @@ class AdditionTask:
     """Operands have `min_digits`..`max_digits` digits each (uniform in the digit count first,
     so short and long numbers are equally common)."""
     min_digits: int = 1
-    max_digits: int = 2
+    max_digits: int = 3
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
