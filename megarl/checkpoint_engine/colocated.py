@@ -1,0 +1,141 @@
+"""Colocated weight sync: the rollout engine lives on the training ranks (the default).
+
+    sync = ColocatedSync(ShardSource.from_actor(actor), engine, bucket_bytes=512 << 20)
+    metrics = sync.sync()                 # every rank, after each policy update
+
+For each bucket of pipeline stage p (megarl/checkpoint_engine/plan.py), in the same order on
+every rank:
+  1. stage p's ranks copy their shards into the bucket buffer and all-gather the entries that
+     need it over their TP group, in place;
+  2. with PP > 1 they broadcast the buffer over their pipeline group (every other stage receives);
+  3. every rank turns the buffer into HF tensors, or into its engine's part of them, and loads them.
+Moving bucket k+1 (async collectives) overlaps step 3 of bucket k. A rank holds at most two
+bucket buffers and one tensor's conversion; it never holds the whole model unless one bucket
+is the whole model.
+
+Where training TP equals rollout TP (and the engine accepts shards, as the native engine does),
+each rank's shard already is its engine's part: those tensors skip the all-gather, and with
+PP = 1 go from the live parameters straight into the engine.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint_engine.base import conclude, metrics
+from megarl.checkpoint_engine.memory import PeakMemory
+from megarl.checkpoint_engine.plan import Bucket, build_plan, local_names, stage_names
+from megarl.checkpoint_engine.source import ShardSource
+from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
+from megarl.rollout.base import RolloutEngine, ShardSlice
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Transfer:
+    """One bucket on the move: its buffer, the collectives filling it, the sends reading it."""
+
+    def __init__(self, buf: torch.Tensor | None, filling=(), then=None):
+        self.buf, self.filling, self.then, self.sending = buf, list(filling), then, []
+
+    def ready(self) -> torch.Tensor | None:
+        for work in self.filling:
+            work.wait()
+        if self.then is not None:          # the source's broadcast: reads the buffer while we load it
+            self.sending.append(self.then())
+        return self.buf
+
+    def finish(self) -> None:
+        for work in self.sending:
+            work.wait()
+        self.buf = None
+
+
+class ColocatedSync:
+    def __init__(self, source: ShardSource, engine: RolloutEngine, bucket_bytes: int = 512 << 20,
+                 overlap: bool = True, group=None):
+        self.src, self.engine, self.overlap, self.group = source, engine, overlap, group
+        self.dtype, self.device = source.dtype, source.device
+        spec, head = source.spec, source.head
+        self.want = takes_shards(engine)
+        want = self.want or (lambda name: ShardSlice())
+        names = [n for p in range(source.pp) for n in stage_names(spec, source.pp, p, head)]
+        mine = local_names(spec, source.tp, source.tp_rank, source.pp, want, head)
+        # A tensor skips the all-gather only if it may on every rank (collectives must agree).
+        flags = torch.tensor([int(n in mine) for n in names], dtype=torch.int32, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        local = {n for n, f in zip(names, flags.tolist()) if f}
+        self.plan = build_plan(spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, local, head)
+        self.stage_src = [source.stage_rank(p) for p in range(source.pp)]
+        self._check_same_plan()
+
+    def _check_same_plan(self) -> None:
+        if not dist.is_initialized():
+            return
+        digests = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(digests, self.plan.digest(), group=self.group)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks built different weight-sync plans ({sorted(set(digests))}); every rank must "
+                               "run the same config and model")
+
+    # -- moving one bucket --------------------------------------------------------------------------
+    def _start(self, bucket: Bucket) -> _Transfer:
+        src, T = self.src, self.src.tp
+        numel = bucket.numel(T, with_local=src.pp > 1)   # PP = 1: local entries come from the params
+        if numel == 0:
+            return _Transfer(None)
+        buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+        if bucket.stage != src.pp_rank:
+            work = dist.broadcast(buf, src=self.stage_src[bucket.stage], group=src.pp_group, async_op=True)
+            return _Transfer(buf, [work])
+        G = bucket.gather_numel
+        slot = buf[src.tp_rank * G:(src.tp_rank + 1) * G]
+        for e in bucket.entries:
+            flat = src.params[e.name].reshape(-1)
+            if e.gather:
+                slot[e.offset:e.offset + e.numel].copy_(flat)
+            elif src.pp > 1:
+                buf[T * G + e.offset:T * G + e.offset + e.numel].copy_(flat)
+        filling = [_all_gather(buf[:T * G], slot, group=src.tp_group, async_op=True)] if G and T > 1 else []
+        then = None
+        if src.pp > 1:
+            def then():
+                return dist.broadcast(buf, src=self.stage_src[bucket.stage], group=src.pp_group, async_op=True)
+        return _Transfer(buf, filling, then)
+
+    def _load(self, bucket: Bucket, buf: torch.Tensor | None) -> None:
+        own = self.src.params if self.src.pp == 1 else None
+        stream = bucket_stream(self.plan, bucket, buf, self.src.tp_rank, own, self.want)
+        feed(self.engine, stream, self.want is not None)
+
+    # -- one sync -----------------------------------------------------------------------------------
+    def sync(self) -> dict[str, float]:
+        """Collective: every rank calls it. Raises WeightSyncError (on every rank) if any failed."""
+        buckets = self.plan.buckets
+        error: BaseException | None = None
+        wire = 0
+        start = time.perf_counter()
+        with torch.no_grad(), PeakMemory(self.device) as mem:
+            nxt = self._start(buckets[0]) if buckets else None
+            for k, bucket in enumerate(buckets):
+                cur, nxt = nxt, None
+                buf = cur.ready()
+                wire += 0 if buf is None else buf.numel() * buf.element_size()
+                if self.overlap and k + 1 < len(buckets):
+                    nxt = self._start(buckets[k + 1])
+                if error is None:          # after a failure, keep moving buckets so no rank hangs
+                    try:
+                        self._load(bucket, buf)
+                    except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
+                        error = err
+                cur.finish()
+                del buf, cur
+                if nxt is None and k + 1 < len(buckets):
+                    nxt = self._start(buckets[k + 1])
+        seconds = time.perf_counter() - start
+        peak = mem.extra_mb if mem.extra_mb == mem.extra_mb else -1.0
+        seconds, peak = conclude(self.engine, error, [seconds, peak], self.group, self.device)
+        return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)
