@@ -119,23 +119,26 @@ class ColocatedSync:
         wire = 0
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
-            nxt = self._start(buckets[0]) if buckets else None
-            for k, bucket in enumerate(buckets):
-                cur, nxt = nxt, None
-                buf = cur.ready()
-                wire += 0 if buf is None else buf.numel() * buf.element_size()
-                if self.overlap and k + 1 < len(buckets):
-                    nxt = self._start(buckets[k + 1])
-                if error is None:          # after a failure, keep moving buckets so no rank hangs
-                    try:
-                        self._load(bucket, buf)
-                    except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
-                        error = err
-                cur.finish()
-                del buf, cur
-                if nxt is None and k + 1 < len(buckets):
-                    nxt = self._start(buckets[k + 1])
+            try:
+                nxt = self._start(buckets[0]) if buckets else None
+                for k, bucket in enumerate(buckets):
+                    cur, nxt = nxt, None
+                    buf = cur.ready()
+                    wire += 0 if buf is None else buf.numel() * buf.element_size()
+                    if self.overlap and k + 1 < len(buckets):
+                        nxt = self._start(buckets[k + 1])
+                    if error is None:      # after a failure, keep moving buckets so no rank hangs
+                        try:
+                            self._load(bucket, buf)
+                        except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
+                            error = err
+                    cur.finish()
+                    del buf, cur
+                    if nxt is None and k + 1 < len(buckets):
+                        nxt = self._start(buckets[k + 1])
+            except BaseException:          # a collective failed: no agreement is possible, stop here
+                self.engine.abort_weight_update()
+                raise
         seconds = time.perf_counter() - start
-        peak = mem.extra_mb if mem.extra_mb == mem.extra_mb else -1.0
-        seconds, peak = conclude(self.engine, error, [seconds, peak], self.group, self.device)
+        seconds, peak = conclude(self.engine, error, [seconds, mem.extra_mb], self.group, self.device)
         return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)

@@ -2,7 +2,7 @@
 
     with PeakMemory(device) as mem:
         ...                                   # the sync
-    mem.extra_bytes                           # peak above the start (NaN where it cannot be measured)
+    mem.extra_mb                              # peak above the start, MiB (-1 where it cannot be measured)
 
 CUDA: the caching allocator's peak (torch.cuda.max_memory_allocated) above the allocation at
 the start. CPU: the process's resident-set high-water mark (VmHWM) above the resident set at the
@@ -69,4 +69,4 @@ class PeakMemory:
 
     @property
     def extra_mb(self) -> float:
-        return self.extra_bytes / 2**20
+        return self.extra_bytes / 2**20 if self.extra_bytes == self.extra_bytes else -1.0

@@ -125,10 +125,11 @@ def local_names(spec: ModelSpec, tp: int, tp_rank: int, pp: int, want: Callable[
 
 # -- the plan -------------------------------------------------------------------------------------------
 def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_size: int,
-               local: Collection[str] = (), head: str = "lm") -> TransferPlan:
+               local: Collection[str] = (), head: str = "lm", gather_all: bool = False) -> TransferPlan:
     """Buckets of at most `bucket_bytes` (counting gathered entries at their full size; a tensor
     larger than that gets a bucket of its own), stage by stage in megatron's parameter order.
-    `local`: split tensors that need no all-gather; replicated ones never do."""
+    `local`: split tensors that need no all-gather; replicated ones never do. `gather_all`: every
+    entry is laid out as gathered (the disaggregated transport, whose receivers hold no shard)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
     buckets: list[Bucket] = []
@@ -144,7 +145,7 @@ def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_siz
 
         for name in stage_names(spec, pp, stage, head):
             shape = shard_shape(name, spec, tp, head)
-            gather = tp > 1 and tp_dim(name, head) is not None and name not in local
+            gather = gather_all or (tp > 1 and tp_dim(name, head) is not None and name not in local)
             n = math.prod(shape)
             nbytes = (tp * n if gather else n) * element_size
             if entries and size + nbytes > bucket_bytes:
