@@ -46,7 +46,7 @@ def build_checkpoint_engine(cfg, actor, rollout=None, rollout_group=None):
                           "(megarl/checkpoint_engine/distributed.py) directly, or use backend=colocated or disk",
                           f"{_KEY}.backend")
     source = ShardSource.from_actor(actor)
-    bucket_bytes = ce.bucket_size_mb << 20
+    bucket_bytes = int(ce.bucket_size_mb * 2**20)
     if backend == "disk":
         from megarl.checkpoint_engine.disk import DiskSync
         return DiskSync(source, ce.disk_dir, bucket_bytes, keep=ce.disk_keep, aux_from=cfg.model.path)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint_engine.base import WeightSyncError, agree, conclude, metrics
-from megarl.checkpoint_engine.colocated import _all_gather
+from megarl.checkpoint_engine.colocated import gather_in_place
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.plan import build_plan
 from megarl.checkpoint_engine.source import ShardSource
@@ -92,7 +92,8 @@ class DiskSync:
                 if e.gather:
                     slot[e.offset:e.offset + e.numel].copy_(src.params[e.name].reshape(-1))
             if G and T > 1:
-                _all_gather(buf, slot, group=src.tp_group)
+                for work in gather_in_place(buf, src.tp_rank, T, src.tp_group):
+                    work.wait()
             if src.tp_rank == 0:
                 tensors = {n: t.to("cpu", self.out_dtype).contiguous()
                            for n, t in bucket_stream(self.plan, bucket, buf, 0, src.params)}

@@ -124,6 +124,11 @@ def local_names(spec: ModelSpec, tp: int, tp_rank: int, pp: int, want: Callable[
 
 
 # -- the plan -------------------------------------------------------------------------------------------
+def is_vocab(name: str, head: str = "lm") -> bool:
+    """Split over the vocabulary (dim 0, padded): the embedding and the LM head."""
+    return name == EMBED or (name == OUTPUT and head == "lm")
+
+
 def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_size: int,
                local: Collection[str] = (), head: str = "lm", gather_all: bool = False) -> TransferPlan:
     """Buckets of at most `bucket_bytes` (counting gathered entries at their full size; a tensor
@@ -148,7 +153,10 @@ def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_siz
             gather = gather_all or (tp > 1 and tp_dim(name, head) is not None and name not in local)
             n = math.prod(shape)
             nbytes = (tp * n if gather else n) * element_size
-            if entries and size + nbytes > bucket_bytes:
+            # A gathered vocabulary tensor (usually the largest) gets a bucket of its own: its
+            # gathered region then *is* the full padded tensor, and converting it copies nothing.
+            alone = gather and is_vocab(name, head)
+            if entries and (alone or size + nbytes > bucket_bytes):
                 close()
             entries.append(Entry(name, tuple(shape), gather, g_off if gather else l_off))
             if gather:
@@ -156,6 +164,8 @@ def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_siz
             else:
                 l_off += n
             size += nbytes
+            if alone:
+                close()
         close()
     return TransferPlan(spec, tp, pp, head, tuple(buckets))
 
@@ -184,7 +194,11 @@ def split_shard(name: str, shard: torch.Tensor, spec: ModelSpec, tp_rank: int, t
     return list(zip(slices, (q, k, v)))
 
 
-def gathered_to_hf(name: str, shards: list[torch.Tensor], spec: ModelSpec,
-                   head: str = "lm") -> list[tuple[Slice, torch.Tensor]]:
-    """All TP shards of `name` -> full HF tensors, each with a whole-tensor Slice."""
+def gathered_to_hf(name: str, shards: list[torch.Tensor], spec: ModelSpec, head: str = "lm",
+                   joined: torch.Tensor | None = None) -> list[tuple[Slice, torch.Tensor]]:
+    """All TP shards of `name` -> full HF tensors, each with a whole-tensor Slice. `joined`: the
+    shards already adjacent in memory (a bucket of its own), used as a view instead of a copy."""
+    if joined is not None and is_vocab(name, head):
+        full = joined.view(-1, *shards[0].shape[1:])[: spec.vocab_size]      # [V, h], padding dropped
+        return [(Slice(hf_names(name, spec, head)[0]), full)]
     return [(Slice(h), t) for h, t in megatron_to_hf(name, shards, spec, head)]

@@ -48,7 +48,9 @@ def bucket_stream(plan: TransferPlan, bucket: Bucket, buf: torch.Tensor | None, 
     for entry in bucket.entries:
         shards = entry_shards(plan, bucket, buf, entry, own)
         if entry.gather:
-            pieces = gathered_to_hf(entry.name, shards, plan.spec, plan.head)
+            alone = bucket.gather_numel == entry.numel      # rank-major layout = the concatenation
+            joined = buf[:plan.tp * entry.numel] if alone else None
+            pieces = gathered_to_hf(entry.name, shards, plan.spec, plan.head, joined)
         else:
             pieces = split_shard(entry.name, shards[0], plan.spec, tp_rank, plan.tp, plan.head)
         for outer, t in pieces:
