@@ -94,3 +94,28 @@ def rollout_vs_actor(engine, actor, seed: int = 0) -> tuple[float, list]:
     mask = out.batch["response_mask"].bool()
     diff = (lp - out.batch["rollout_log_probs"]).abs()[mask].max().item()
     return diff, out.batch["responses"].tolist()
+
+
+class Faulty:
+    """Makes this rank's engine fail on its `at`-th bucket (after loading part of it), as a
+    failed host->device copy or an OOM would, then behave again."""
+
+    def __init__(self, engine, at: int):
+        self.engine, self.at, self.calls = engine, at, 0
+        self.real = {m: getattr(engine, m) for m in ("update_weights", "update_weight_shards")}
+        for method, fn in self.real.items():
+            setattr(engine, method, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def call(bucket):
+            self.calls += 1
+            if self.calls == self.at:
+                items = iter(bucket)
+                fn([next(items)])          # a partial load: the engine now holds a mix
+                raise RuntimeError("injected failure while loading a bucket")
+            return fn(bucket)
+        return call
+
+    def restore(self):
+        for method in self.real:
+            delattr(self.engine, method)

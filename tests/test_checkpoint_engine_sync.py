@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.checkpoint_engine_helpers import (PROMPTS, TEMP, actor_at, engine_mismatch, full_export, native_engine,
-                                             perturb, rollout_groups, rollout_vs_actor)
+from tests.checkpoint_engine_helpers import (PROMPTS, TEMP, Faulty, actor_at, engine_mismatch, full_export,
+                                             native_engine, perturb, rollout_groups, rollout_vs_actor)
 from tests.distributed import run_ranks
 
 LAYOUTS = [(2, 2), (2, 1), (1, 2)]
@@ -39,31 +39,6 @@ def experiment(path: str, tp: int, pp: int, rtp: int, **ce):
                  "data.train_batch_size=4"]
     overrides += [f"actor_rollout_ref.rollout.checkpoint_engine.{k}={v}" for k, v in ce.items()]
     return load_config(None, overrides)
-
-
-class Faulty:
-    """Makes this rank's engine fail on its `at`-th bucket (after loading part of it), as a
-    failed host->device copy or an OOM would, then behave again."""
-
-    def __init__(self, engine, at: int):
-        self.engine, self.at, self.calls = engine, at, 0
-        self.real = {m: getattr(engine, m) for m in ("update_weights", "update_weight_shards")}
-        for method, fn in self.real.items():
-            setattr(engine, method, self._wrap(fn))
-
-    def _wrap(self, fn):
-        def call(bucket):
-            self.calls += 1
-            if self.calls == self.at:
-                items = iter(bucket)
-                fn([next(items)])          # a partial load: the engine now holds a mix
-                raise RuntimeError("injected failure while loading a bucket")
-            return fn(bucket)
-        return call
-
-    def restore(self):
-        for method in self.real:
-            delattr(self.engine, method)
 
 
 def check_colocated(rank, world, path, big_path, disk_dir):
