@@ -64,10 +64,31 @@ class _Transfer:
         self.buf = None
 
 
+class _Buffers:
+    """Bucket buffers for one sync: `slots` reusable ones (the bucket loading, the one in flight),
+    so memory pages are touched once per sync rather than once per bucket; a bucket larger than
+    a slot (one tensor bigger than the bucket size) gets a buffer of its own."""
+
+    def __init__(self, numel: int, slots: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.slots: list[torch.Tensor | None] = [None] * slots
+        self.taken = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        if numel > self.numel:
+            return torch.empty(numel, dtype=self.dtype, device=self.device)
+        i = self.taken % len(self.slots)
+        self.taken += 1
+        if self.slots[i] is None:
+            self.slots[i] = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self.slots[i][:numel]
+
+
 class ColocatedSync:
     def __init__(self, source: ShardSource, engine: RolloutEngine, bucket_bytes: int = 512 << 20,
                  overlap: bool = True, group=None):
         self.src, self.engine, self.overlap, self.group = source, engine, overlap, group
+        self.bucket_bytes = bucket_bytes
         self.dtype, self.device = source.dtype, source.device
         spec, head = source.spec, source.head
         self.want = takes_shards(engine)
@@ -81,6 +102,7 @@ class ColocatedSync:
         local = {n for n, f in zip(names, flags.tolist()) if f}
         self.plan = build_plan(spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, local, head)
         self.stage_src = [source.stage_rank(p) for p in range(source.pp)]
+        self._buffers: _Buffers | None = None
         self._check_same_plan()
 
     def _check_same_plan(self) -> None:
@@ -98,7 +120,7 @@ class ColocatedSync:
         numel = bucket.numel(T, with_local=src.pp > 1)   # PP = 1: local entries come from the params
         if numel == 0:
             return _Transfer(None)
-        buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+        buf = self._buffers.take(numel)
         if bucket.stage != src.pp_rank:
             work = dist.broadcast(buf, src=self.stage_src[bucket.stage], group=src.pp_group, async_op=True)
             return _Transfer(buf, [work])
@@ -129,6 +151,9 @@ class ColocatedSync:
         error: BaseException | None = None
         wire = 0
         start = time.perf_counter()
+        sizes = [b.numel(self.src.tp, self.src.pp > 1) for b in buckets]
+        slot = max([n for n in sizes if n * self.dtype.itemsize <= self.bucket_bytes] + [0])
+        self._buffers = _Buffers(slot, 2 if self.overlap else 1, self.dtype, self.device)
         with torch.no_grad(), PeakMemory(self.device) as mem:
             try:
                 nxt = self._start(buckets[0]) if buckets else None
@@ -150,6 +175,8 @@ class ColocatedSync:
             except BaseException:          # a collective failed: no agreement is possible, stop here
                 self.engine.abort_weight_update()
                 raise
+            finally:
+                self._buffers = None
         seconds = time.perf_counter() - start
         seconds, peak = conclude(self.engine, error, [seconds, mem.extra_mb], self.group, self.device)
         return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)
