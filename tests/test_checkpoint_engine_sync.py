@@ -2,7 +2,8 @@
 
 One 4-rank spawn walks the actor layouts (TP, PP) = (2,2), (2,1), (1,2) to native engines at
 rollout TP 1 and 2 (contiguous rollout groups), built through build_checkpoint_engine from an
-ExperimentConfig. Per pair: after a sync the engine's sampled log-probs equal the actor's
+ExperimentConfig (shards sent straight from the parameters, gloo's default; the packed format
+NCCL uses is checked on two pairs too). Per pair: after a sync the engine's sampled log-probs equal the actor's
 compute_log_prob (fp32, < 1e-5); after changing every actor weight and syncing again, every
 element the engine holds equals the actor's new HF export (nothing stale, nothing missing); a
 failure injected in one rank's engine mid-sync makes every rank raise WeightSyncError and every
@@ -67,6 +68,15 @@ def check_colocated(rank, world, path, big_path, disk_dir):
             r["exact"], r["untouched"] = engine_mismatch(engine, after)
             r["logprob_after"] = rollout_vs_actor(engine, actor, seed=1)[0]
 
+            if (tp, pp, rtp) in ((2, 2, 1), (1, 2, 2)):
+                # The packed wire format (what NCCL uses: shards copied into the bucket, one
+                # all-gather and one broadcast per bucket) on the same layouts.
+                from megarl.checkpoint_engine.colocated import ColocatedSync
+                from megarl.checkpoint_engine.source import ShardSource
+                packed = ColocatedSync(ShardSource.from_actor(actor), engine, int(BUCKET_MB * 2**20), direct=False)
+                perturb(actor)
+                packed.sync()
+                r["packed_exact"] = engine_mismatch(engine, full_export(actor))
             if (tp, pp, rtp) in ((2, 2, 1), (2, 1, 2), (1, 2, 2)):
                 faulty = Faulty(engine, at=2) if rank == 1 else None
                 perturb(actor)
@@ -163,6 +173,8 @@ def test_colocated_sync_layouts_failure_memory_and_disk(models, tmp_path):
         for other in ranks[1:]:
             assert other["pairs"][key]["exact"] == 0.0 and other["pairs"][key]["untouched"] == []
             assert other["pairs"][key]["tokens"] == r["tokens"], "every rank samples the same tokens"
+        if "packed_exact" in r:
+            assert all(other["pairs"][key]["packed_exact"] == (0.0, []) for other in ranks), key
         if "failure" in r:
             for rk, other in enumerate(ranks):
                 o = other["pairs"][key]

@@ -54,8 +54,8 @@ class _Transfer:
     def ready(self) -> torch.Tensor | None:
         for work in self.filling:
             work.wait()
-        if self.then is not None:          # the source's broadcast: reads the buffer while we load it
-            self.sending.append(self.then())
+        if self.then is not None:          # the source's broadcasts: read while we load the bucket
+            self.sending.extend(self.then())
         return self.buf
 
     def finish(self) -> None:
@@ -86,8 +86,10 @@ class _Buffers:
 
 class ColocatedSync:
     def __init__(self, source: ShardSource, engine: RolloutEngine, bucket_bytes: int = 512 << 20,
-                 overlap: bool = True, group=None):
+                 overlap: bool = True, group=None, direct: bool | None = None):
         self.src, self.engine, self.overlap, self.group = source, engine, overlap, group
+        # direct: send shards straight from the parameters (default on gloo; see _packed)
+        self.direct = (not dist.is_initialized() or dist.get_backend() != "nccl") if direct is None else direct
         self.bucket_bytes = bucket_bytes
         self.dtype, self.device = source.dtype, source.device
         spec, head = source.spec, source.head
@@ -115,32 +117,60 @@ class ColocatedSync:
                                "run the same config and model")
 
     # -- moving one bucket --------------------------------------------------------------------------
+    def _packed(self, bucket: Bucket) -> bool:
+        """Copy this rank's shards into the buffer and move whole slots (NCCL: one all-gather, one
+        broadcast), or send each shard straight from its parameter (gloo: saves the copy, which
+        on a CPU costs as much memory bandwidth as the transfer). A gathered tensor alone in its
+        bucket is always packed: its full buffer is then the full tensor (no conversion copy)."""
+        alone = len(bucket.entries) == 1 and bucket.entries[0].gather
+        return not self.direct or alone
+
+    def _segments(self, bucket: Bucket, buf: torch.Tensor):
+        """(entry, TP slot or None for a local entry, its view of the buffer), in wire order."""
+        T, G = self.src.tp, bucket.gather_numel
+        for e in bucket.entries:
+            if e.gather:
+                for r in range(T):
+                    yield e, r, buf[r * G + e.offset: r * G + e.offset + e.numel]
+            elif self.src.pp > 1:
+                yield e, None, buf[T * G + e.offset: T * G + e.offset + e.numel]
+
     def _start(self, bucket: Bucket) -> _Transfer:
         src, T = self.src, self.src.tp
         numel = bucket.numel(T, with_local=src.pp > 1)   # PP = 1: local entries come from the params
         if numel == 0:
             return _Transfer(None)
         buf = self._buffers.take(numel)
-        if bucket.stage != src.pp_rank:
-            work = dist.broadcast(buf, src=self.stage_src[bucket.stage], group=src.pp_group, async_op=True)
-            return _Transfer(buf, [work])
+        stage_rank, packed = self.stage_src[bucket.stage], self._packed(bucket)
+        segments = list(self._segments(bucket, buf))
+        if bucket.stage != src.pp_rank:  # another stage's bucket: receive it
+            views = [buf] if packed else [v for _, _, v in segments]
+            return _Transfer(buf, [dist.broadcast(v, src=stage_rank, group=src.pp_group, async_op=True)
+                                   for v in views])
         G = bucket.gather_numel
-        slot = buf[src.tp_rank * G:(src.tp_rank + 1) * G]
-        for e in bucket.entries:
-            flat = src.params[e.name].reshape(-1)
-            if e.gather:
-                slot[e.offset:e.offset + e.numel].copy_(flat)
-            elif src.pp > 1:
-                buf[T * G + e.offset:T * G + e.offset + e.numel].copy_(flat)
-        filling = gather_in_place(buf[:T * G], src.tp_rank, T, src.tp_group) if G and T > 1 else []
+        # What this rank sends for each segment: its own shard (from the parameter unless packed).
+        sent = []
+        for e, r, view in segments:
+            mine = r is None or r == src.tp_rank
+            if mine and packed:
+                view.copy_(src.params[e.name].reshape(-1))
+            sent.append(src.params[e.name].reshape(-1) if mine and not packed else view)
+        filling = []
+        if G and T > 1:
+            if packed:
+                filling = gather_in_place(buf[:T * G], src.tp_rank, T, src.tp_group)
+            else:
+                filling = [dist.broadcast(t, src=dist.get_global_rank(src.tp_group, r), group=src.tp_group,
+                                          async_op=True) for (e, r, _), t in zip(segments, sent) if r is not None]
         then = None
         if src.pp > 1:
             def then():
-                return dist.broadcast(buf, src=self.stage_src[bucket.stage], group=src.pp_group, async_op=True)
+                return [dist.broadcast(t, src=stage_rank, group=src.pp_group, async_op=True)
+                        for t in ([buf] if packed else sent)]
         return _Transfer(buf, filling, then)
 
     def _load(self, bucket: Bucket, buf: torch.Tensor | None) -> None:
-        own = self.src.params if self.src.pp == 1 else None
+        own = self.src.params if bucket.stage == self.src.pp_rank else None
         stream = bucket_stream(self.plan, bucket, buf, self.src.tp_rank, own, self.want)
         feed(self.engine, stream, self.want is not None)
 

@@ -96,7 +96,7 @@ class DiskSync:
                     work.wait()
             if src.tp_rank == 0:
                 tensors = {n: t.to("cpu", self.out_dtype).contiguous()
-                           for n, t in bucket_stream(self.plan, bucket, buf, 0, src.params)}
+                           for n, t in bucket_stream(self.plan, bucket, buf, src.tp_rank, src.params)}
                 save_file(tensors, os.path.join(tmp, self._file(k)), metadata={"format": "pt"})
                 written += sum(t.numel() * t.element_size() for t in tensors.values())
             del buf

@@ -26,13 +26,15 @@ def takes_shards(engine: RolloutEngine, name: str = "model.embed_tokens.weight")
     return probe
 
 
-def entry_shards(plan: TransferPlan, bucket: Bucket, buf: torch.Tensor | None, entry,
+def entry_shards(plan: TransferPlan, bucket: Bucket, buf: torch.Tensor | None, entry, tp_rank: int,
                  own: Mapping[str, torch.Tensor] | None) -> list[torch.Tensor]:
-    """The shards of `entry` in `buf`: all TP ranks' for a gathered entry, else this rank's own
-    (from the buffer's local region, or straight from `own` when the buffer has none)."""
+    """The shards of `entry`: all TP ranks' for a gathered entry, else this rank's own. `own`
+    (the parameters, on the ranks of the bucket's stage) supplies this rank's shards; the rest
+    come from the buffer."""
     G = bucket.gather_numel
     if entry.gather:
-        return [buf[t * G + entry.offset: t * G + entry.offset + entry.numel].view(entry.shape)
+        return [own[entry.name] if own is not None and t == tp_rank else
+                buf[t * G + entry.offset: t * G + entry.offset + entry.numel].view(entry.shape)
                 for t in range(plan.tp)]
     if own is not None:
         return [own[entry.name]]
@@ -44,9 +46,10 @@ def bucket_stream(plan: TransferPlan, bucket: Bucket, buf: torch.Tensor | None, 
                   own: Mapping[str, torch.Tensor] | None = None,
                   want: Callable[[str], ShardSlice] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every HF tensor of `bucket`: full tensors, or with `want` (an
-    engine's weight_shard) this rank's part of each."""
+    engine's weight_shard) this rank's part of each. A gathered entry alone in the bucket must
+    have every slot filled (own included): the buffer is then read as the full tensor."""
     for entry in bucket.entries:
-        shards = entry_shards(plan, bucket, buf, entry, own)
+        shards = entry_shards(plan, bucket, buf, entry, tp_rank, own)
         if entry.gather:
             alone = bucket.gather_numel == entry.numel      # rank-major layout = the concatenation
             joined = buf[:plan.tp * entry.numel] if alone else None

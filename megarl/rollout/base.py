@@ -115,7 +115,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stage one bucket of HF-named full tensors. Not visible to generate() until finalize."""
+        """Stage one bucket of HF-named full tensors. Not visible to generate() until finalize.
+        The tensors may be views of a buffer the sender reuses after this call: copy what you keep."""
 
     @abstractmethod
     def finalize_weights(self) -> None:
