@@ -14,6 +14,9 @@
   raw     the bytes megarl's plan moves, with no conversion and no engine: per stage one in-place
           gather over TP (a broadcast per TP rank: gloo's all-gather measured 3-4x slower) and one
           broadcast over PP, into buffers allocated before timing. The transport's limit.
+  floor   raw plus one plain copy of the engine's share of the weights (model / rollout TP) per
+          rank: what any sync that loads an engine must at least do (no engine can load weights
+          it does not write).
 
 Seconds are the slowest rank's; GB/s is model GB (what every engine replica receives) per
 second; peak MB is the largest resident-set growth over ranks (megarl/checkpoint_engine/memory.py).
@@ -87,6 +90,11 @@ def raw_buffers(sync):
     return out
 
 
+def floor_sync(sync, buffers, scratch) -> None:
+    raw_sync(sync, buffers)
+    scratch[1].copy_(scratch[0])
+
+
 def raw_sync(sync, buffers) -> None:
     import torch.distributed as dist
 
@@ -127,13 +135,15 @@ def run_rank(rank, world, path, a):
             sync = ColocatedSync(ShardSource.from_actor(actor), engine, bucket_bytes=int(a.bucket_mb * 2**20))
             buffers = raw_buffers(sync)
             has_raw = any(g is not None or b is not None for g, b in buffers)
+            share = sync.plan.numel() // rtp
+            scratch = (torch.ones(share), torch.zeros(share))
             ways = {"megarl": sync.sync, "naive": lambda: naive_sync(actor, engine, sync),
-                    "raw": lambda: raw_sync(sync, buffers)}
+                    "raw": lambda: raw_sync(sync, buffers), "floor": lambda: floor_sync(sync, buffers, scratch)}
             times = {k: [] for k in ways}
             peaks = {k: [] for k in ways}
             for i in range(a.warmup + a.repeats):
                 for way, fn in ways.items():
-                    if way == "raw" and not has_raw:
+                    if way in ("raw", "floor") and not has_raw:
                         continue
                     dist.barrier()
                     start = time.perf_counter()
@@ -148,7 +158,7 @@ def run_rank(rank, world, path, a):
             results[(tp, pp, rtp)] = dict(times=times, peaks=peaks, model=sync.plan.numel() * 4,
                                           buckets=len(sync.plan.buckets), wire=wire,
                                           gathered=sum(e.gather for b in sync.plan.buckets for e in b.entries))
-            del engine, sync, buffers
+            del engine, sync, buffers, scratch
         del actor
         state.destroy_model_parallel()
     return results
@@ -174,7 +184,8 @@ def main() -> None:
           f"{os.cpu_count()} CPU cores; bucket {a.bucket_mb:g} MiB; medians of {a.repeats} after {a.warmup} warm-up "
           f"round(s), the three ways alternated ({time.perf_counter() - started:.0f} s)")
     head = (f"{'train (TP,PP) -> rollout TP':<28} {'megarl s':>9} {'GB/s':>6} {'peak MB':>8} | {'naive s':>8} "
-            f"{'GB/s':>6} {'peak MB':>8} | {'raw s':>7} {'wire GB':>8} | {'x naive':>8} {'% raw':>6}")
+            f"{'GB/s':>6} {'peak MB':>8} | {'raw s':>6} {'floor s':>7} {'wire GB':>7} | {'x naive':>7} {'% raw':>6} "
+            f"{'% floor':>7}")
     print(head)
     print("-" * len(head))
     for key in ranks[0]:
@@ -183,13 +194,16 @@ def main() -> None:
                if r0["times"][w] else None for w in r0["times"]}
         peak = {w: max(max(r[key]["peaks"][w]) for r in ranks) if r0["peaks"][w] else None for w in r0["peaks"]}
         gb = r0["model"] / 1e9
-        raw = f"{med['raw']:>7.3f} {r0['wire'] / 1e9:>8.2f}" if med["raw"] else f"{'-':>7} {0:>8.2f}"
-        share = f"{100 * med['raw'] / med['megarl']:>5.0f}%" if med["raw"] else f"{'-':>6}"
+        if med["raw"]:
+            raw = f"{med['raw']:>6.3f} {med['floor']:>7.3f} {r0['wire'] / 1e9:>7.2f}"
+            share = f"{100 * med['raw'] / med['megarl']:>5.0f}% {100 * med['floor'] / med['megarl']:>6.0f}%"
+        else:
+            raw, share = f"{'-':>6} {'-':>7} {0:>7.2f}", f"{'-':>6} {'-':>7}"
         print(f"({key[0]},{key[1]}) -> {key[2]:<19} {med['megarl']:>9.3f} {gb / med['megarl']:>6.2f} "
               f"{peak['megarl']:>8.0f} | {med['naive']:>8.3f} {gb / med['naive']:>6.2f} {peak['naive']:>8.0f} | "
-              f"{raw} | {med['naive'] / med['megarl']:>7.1f}x {share}")
-    print("x naive: naive seconds / megarl seconds. % raw: raw seconds / megarl seconds (the share of the raw "
-          "collectives' bandwidth megarl reaches on the same bytes).")
+              f"{raw} | {med['naive'] / med['megarl']:>6.1f}x {share}")
+    print("x naive: naive s / megarl s. % raw: raw s / megarl s, the share of the raw collectives' bandwidth megarl "
+          "reaches on the same bytes. % floor: the same against raw + one copy of the engine's weights.")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,14 @@
 
 For each bucket of pipeline stage p (megarl/checkpoint_engine/plan.py), in the same order on
 every rank:
-  1. stage p's ranks copy their shards into the bucket buffer and all-gather the entries that
-     need it over their TP group, in place;
-  2. with PP > 1 they broadcast the buffer over their pipeline group (every other stage receives);
+  1. stage p's ranks all-gather, over their TP group, the entries that need it, in place in the
+     bucket buffer;
+  2. with PP > 1 they broadcast the bucket over their pipeline group (every other stage receives);
   3. every rank turns the buffer into HF tensors, or into its engine's part of them, and loads them.
+On gloo each shard is sent straight from its parameter (one broadcast per shard); on NCCL the
+shards are first copied into the buffer and move as one all-gather and one broadcast per bucket.
 Moving bucket k+1 (async collectives) overlaps step 3 of bucket k. A rank holds at most two
-bucket buffers and one tensor's conversion; it never holds the whole model unless one bucket
-is the whole model.
+bucket buffers (reused through the sync) and one tensor's conversion, never the whole model.
 
 Where training TP equals rollout TP (and the engine accepts shards, as the native engine does),
 each rank's shard already is its engine's part: those tensors skip the all-gather, and with
