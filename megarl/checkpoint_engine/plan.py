@@ -13,8 +13,8 @@ is laid out as
 
     [ TP rank 0's gathered entries | TP rank 1's ... | local entries ]     (elements, flat)
 
-so one all-gather fills the first part in place and one broadcast moves the whole buffer to
-the other pipeline stages.
+so one all-gather fills the first part in place (on gloo: one broadcast per shard) and a
+broadcast moves the bucket to the other pipeline stages.
 """
 from __future__ import annotations
 
