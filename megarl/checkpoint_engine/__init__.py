@@ -1,0 +1,61 @@
+"""Weight sync from the actor's megatron (TP, PP) shards to the rollout engine.
+
+    engine_sync = build_checkpoint_engine(cfg, actor, rollout, rollout_group=ranks.rollout_group)
+    metrics = engine_sync.sync()      # collective: every rank, after each policy update
+
+Transports (`actor_rollout_ref.rollout.checkpoint_engine.backend`):
+    colocated    engine on the training ranks (default): TP all-gather + PP broadcast in buckets
+                 (colocated.py)
+    distributed  engine on ranks of its own: the trainer's TP ranks broadcast buckets to the
+                 engine's ranks over groups spanning both (distributed.py; built directly, see there)
+    disk         HF safetensors + index in disk_dir/step_NNNNNN, written atomically (disk.py)
+The plan (plan.py) is computed once per engine_sync; metrics are
+{"weight_sync/seconds", "weight_sync/gb", "weight_sync/gb_per_s", "weight_sync/buckets",
+ "weight_sync/peak_extra_mb", "weight_sync/wire_gb"}, each the largest over ranks.
+"""
+from __future__ import annotations
+
+from megarl.checkpoint_engine.config import CheckpointEngineConfig
+from megarl.config.errors import ConfigError
+
+__all__ = ["build_checkpoint_engine", "CheckpointEngineConfig", "WeightSyncError"]
+
+
+def __getattr__(name: str):
+    # Loading a config imports this package; torch comes in only when a sync is built.
+    if name == "WeightSyncError":
+        from megarl.checkpoint_engine.base import WeightSyncError
+        return WeightSyncError
+    raise AttributeError(name)
+
+_KEY = "actor_rollout_ref.rollout.checkpoint_engine"
+
+
+def build_checkpoint_engine(cfg, actor, rollout=None, rollout_group=None):
+    """The weight sync for this experiment. `rollout_group`: this rank's rollout-TP group (None at
+    rollout TP 1), checked against the config. Every rank calls this (it agrees on a plan)."""
+    from megarl.checkpoint_engine.source import ShardSource
+
+    ce, ro = cfg.rollout.checkpoint_engine, cfg.rollout
+    backend = ce.backend
+    if backend == "auto":
+        backend = "colocated" if ro.placement == "colocated" else "distributed"
+    if backend == "distributed":
+        raise ConfigError("the disaggregated transport is not wired into the trainer yet: megatron's layout spans "
+                          "every rank. Build DisaggregatedSender / DisaggregatedReceiver "
+                          "(megarl/checkpoint_engine/distributed.py) directly, or use backend=colocated or disk",
+                          f"{_KEY}.backend")
+    source = ShardSource.from_actor(actor)
+    bucket_bytes = int(ce.bucket_size_mb * 2**20)
+    if backend == "disk":
+        from megarl.checkpoint_engine.disk import DiskSync
+        return DiskSync(source, ce.disk_dir, bucket_bytes, keep=ce.disk_keep, aux_from=cfg.model.path)
+    if rollout is None:
+        raise ValueError("backend=colocated needs the rollout engine of this rank (build_rollout(...))")
+    if rollout_group is not None:
+        import torch.distributed as dist
+        if dist.get_world_size(rollout_group) != ro.tensor_model_parallel_size:
+            raise ConfigError(f"the rollout group has {dist.get_world_size(rollout_group)} ranks, the config says "
+                              f"{ro.tensor_model_parallel_size}", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    from megarl.checkpoint_engine.colocated import ColocatedSync
+    return ColocatedSync(source, rollout, bucket_bytes, overlap=ce.overlap)

@@ -4,6 +4,8 @@
                                           each sampled token, finish reason)
     engine.update_weights(bucket)      -> load one bucket of HF-named full tensors
     engine.finalize_weights()          -> all buckets are in: the new weights become active
+    engine.weight_shard(name)          -> optional: the part of a tensor this rank holds, so a sync
+    engine.update_weight_shards(bucket)   can send just that part (None: full tensors only)
     engine.sleep() / engine.wake()     -> free / restore KV cache and weight memory
 
 Log-prob convention (shared with the actor's compute_log_prob): the log-prob of a sampled token
@@ -83,6 +85,18 @@ class SamplingParams:
         return replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of a full HF tensor one engine rank holds: `full.narrow(dim, start, stop - start)`,
+    or the whole tensor when dim is None (replicated)."""
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.stop - self.start)
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -101,11 +115,24 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stage one bucket of HF-named full tensors. Not visible to generate() until finalize."""
+        """Stage one bucket of HF-named full tensors. Not visible to generate() until finalize.
+        The tensors may be views of a buffer the sender reuses after this call: copy what you keep."""
 
     @abstractmethod
     def finalize_weights(self) -> None:
         """Activate the staged weights; raise if any parameter was not received (never run on a mix)."""
+
+    def weight_shard(self, name: str) -> ShardSlice | None:
+        """Engines that shard their weights may accept pre-sharded input: return, for every HF
+        tensor name, the part this rank holds, and implement update_weight_shards. A weight sync
+        then sends each rank only its part (and can skip gathering what a trainer rank already
+        holds). None (the default): this engine takes full tensors only."""
+        return None
+
+    def update_weight_shards(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Like update_weights, but each tensor is `weight_shard(name).take(full)`: exactly this
+        rank's part. Only called on engines whose weight_shard() returns a ShardSlice."""
+        raise NotImplementedError(f"{type(self).__name__} takes full tensors only (weight_shard() returns None)")
 
     def abort_weight_update(self) -> None:
         """A transfer failed: drop what was staged. Engines that stage keep the old weights active;

@@ -105,7 +105,8 @@ def test_dummy_start_refuses_until_first_sync(tmp_path):
 
 def test_shard_plan_slices_reassemble_the_full_tensors():
     """Pure check of the TP layout: rank slices concatenate back to the HF tensors (KV heads
-    replicated when there are fewer than ranks; vocabulary padded to a multiple of TP)."""
+    replicated when there are fewer than ranks; vocabulary padded to a multiple of lcm(128, TP), as megatron
+    pads it). Pre-sharded input (route_shard) lands where route puts the full tensor's part."""
     args = ModelArgs.from_hf(tiny_config("qwen2", vocab_size=97, num_key_value_heads=1).to_dict())
     full = {n: torch.randn(ShardPlan(args, 0, 1).full_shape(n)) for n in ShardPlan(args, 0, 1).expected_names()}
     parts = {}
@@ -122,7 +123,13 @@ def test_shard_plan_slices_reassemble_the_full_tensors():
     assert torch.equal(o, full["model.layers.1.self_attn.o_proj.weight"])
     emb = [p for key, p in parts.items() if key[0] == "model.embed_tokens.weight"]
     assert torch.equal(torch.cat([x for p in emb for x in p]), full["model.embed_tokens.weight"])
-    assert LocalSizes.of(args, 2).vocab == 49
+    assert LocalSizes.of(args, 2).vocab == 64 and LocalSizes.of(args, 1).vocab == 97
+    for rank in range(2):
+        plan = ShardPlan(args, rank, 2)
+        for name, t in full.items():
+            (dst, rows, src), = plan.route(name, t)
+            (dst2, rows2, src2), = plan.route_shard(name, plan.target(name)[2].take(t).clone())
+            assert (dst, rows) == (dst2, rows2) and torch.equal(src, src2), name
 
 
 def test_refusals(tmp_path):

@@ -10,7 +10,8 @@ same loop on the same inputs and samples the same tokens (counter-based randomne
 gathered logits), so no token broadcast is needed.
 
 Weights arrive as the HF-named full tensors of the trainer's sync (or of an HF directory, through
-the same path); each rank copies its slice in place (megarl/rollout/weight_state.py says what that
+the same path), or pre-sharded (`update_weight_shards`, each rank's part only); each rank copies its
+slice in place (megarl/rollout/weight_state.py says what that
 implies for a failed sync).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.rollout.base import BaseRollout, Completion, SamplingParams
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice
 from megarl.rollout.hf_weights import buckets, iter_hf_weights, read_hf_config
 from megarl.rollout.native import sampler
 from megarl.rollout.native.kv_cache import KVCache
@@ -98,9 +99,20 @@ class NativeEngine(BaseRollout):
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._load(bucket, self.plan.route)
+
+    def weight_shard(self, name: str) -> ShardSlice:
+        got = self.plan.target(name)
+        return got[2] if got is not None else ShardSlice()
+
+    def update_weight_shards(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each tensor is this rank's part of the HF tensor (weight_shard(name).take(full))."""
+        self._load(bucket, self.plan.route_shard)
+
+    def _load(self, bucket: Iterable[tuple[str, torch.Tensor]], route) -> None:
         self.weights.begin_bucket()
-        for name, full in bucket:
-            for dst, rows, src in self.plan.route(name, full):
+        for name, tensor in bucket:
+            for dst, rows, src in route(name, tensor):
                 param = self.params[dst]
                 if param.numel() == 0:           # released by sleep(): bring back the old values or zeros
                     host = self._offloaded.pop(dst, None)

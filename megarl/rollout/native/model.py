@@ -102,8 +102,12 @@ class LocalSizes:
             raise ValueError(f"rollout TP={tp} must divide intermediate_size={a.intermediate_size}")
         if a.n_kv_heads % tp and tp % a.n_kv_heads:
             raise ValueError(f"rollout TP={tp} and num_key_value_heads={a.n_kv_heads}: one must divide the other")
+        # Under TP the vocabulary is padded to a multiple of lcm(128, TP), as megatron-core (and
+        # megarl's trainer) pad it: the trainer's vocab shards then line up with these, so a
+        # weight sync at equal TP sends each rank its own rows without gathering the embedding.
+        unit = 128 * tp // math.gcd(128, tp) if tp > 1 else 1
         return cls(a.n_heads // tp, max(1, a.n_kv_heads // tp), a.intermediate_size // tp,
-                   math.ceil(a.vocab_size / tp))
+                   -(-a.vocab_size // unit) * unit // tp)
 
 
 def rope_inv_freq(a: ModelArgs) -> torch.Tensor:

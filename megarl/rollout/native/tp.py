@@ -4,6 +4,7 @@
     plan = ShardPlan(args, comm.rank, comm.size)
     for dst_param_name, dst_rows, src in plan.route("model.layers.0.self_attn.q_proj.weight", full):
         ...                               # copy `src` (a view of the full tensor) into the param rows
+    plan.target(name)                     # (param, rows, ShardSlice): the part of `name` this rank holds
 
 Column-parallel: q/k/v, gate/up, the vocabulary of embeddings and lm_head (split rows).
 Row-parallel: o_proj and down_proj (split columns, all-reduce after). Norms are replicated.
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.base import ShardSlice
 from megarl.rollout.native.model import LocalSizes, ModelArgs
 
 
@@ -117,58 +119,72 @@ class ShardPlan:
         first = self.rank * s.kv_heads if a.n_kv_heads >= self.size else self.rank // (self.size // a.n_kv_heads)
         return slice(first * hd, (first + s.kv_heads) * hd)
 
-    def route(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, slice, torch.Tensor]]:
-        """Where this rank's part of `full` goes. Raises on names/shapes the model does not have."""
+    def target(self, name: str) -> tuple[str, slice, ShardSlice] | None:
+        """(local parameter, its destination rows, the part of the full HF tensor that goes
+        there) for HF tensor `name`; None for tensors this model ignores. Raises on unknown names."""
         a, s, r, hd = self.a, self.s, self.rank, self.a.head_dim
         if name.endswith("rotary_emb.inv_freq"):
-            return                              # a buffer some checkpoints carry; recomputed here
+            return None                         # a buffer some checkpoints carry; recomputed here
         if name == "lm_head.weight" and a.tie_embeddings:
-            return                              # tied: the embedding is the output layer
+            return None                         # tied: the embedding is the output layer
         if name not in self._expected:
             raise ValueError(f"weight update: unknown tensor {name!r} for this {a.n_layers}-layer "
                              f"{'Qwen3' if a.qk_norm else 'Llama/Qwen2'}-style model (expected HF names such "
                              "as model.layers.0.self_attn.q_proj.weight)")
+        whole, every = ShardSlice(), slice(None)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            lo = min(r * s.vocab, a.vocab_size)
+            hi = min(lo + s.vocab, a.vocab_size)
+            return ("embed" if name.startswith("model.") else "lm_head"), slice(0, hi - lo), ShardSlice(0, lo, hi)
+        if name == "model.norm.weight":
+            return "norm", every, whole
+        layer, leaf = _LAYER.match(name).groups()
+        p = f"layers.{layer}."
+        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
+        mine_q = (r * q_rows, (r + 1) * q_rows)
+        mine_i = (r * s.intermediate, (r + 1) * s.intermediate)
+        kv = self._kv_rows()
+        kv_part = ShardSlice(0, kv.start, kv.stop)
+        table = {
+            "self_attn.o_proj.weight": (p + "wo", every, ShardSlice(1, *mine_q)),
+            "self_attn.o_proj.bias": (p + "bo", every, whole),
+            "mlp.gate_proj.weight": (p + "w13", slice(0, s.intermediate), ShardSlice(0, *mine_i)),
+            "mlp.up_proj.weight": (p + "w13", slice(s.intermediate, 2 * s.intermediate), ShardSlice(0, *mine_i)),
+            "mlp.down_proj.weight": (p + "w2", every, ShardSlice(1, *mine_i)),
+            "input_layernorm.weight": (p + "attn_norm", every, whole),
+            "post_attention_layernorm.weight": (p + "mlp_norm", every, whole),
+            "self_attn.q_norm.weight": (p + "q_norm", every, whole),
+            "self_attn.k_norm.weight": (p + "k_norm", every, whole),
+        }
+        for proj, rows, part in (("q", slice(0, q_rows), ShardSlice(0, *mine_q)),
+                                 ("k", slice(q_rows, q_rows + kv_rows), kv_part),
+                                 ("v", slice(q_rows + kv_rows, q_rows + 2 * kv_rows), kv_part)):
+            table[f"self_attn.{proj}_proj.weight"] = (p + "wqkv", rows, part)   # q/k/v share the fused
+            table[f"self_attn.{proj}_proj.bias"] = (p + "bqkv", rows, part)     # weight (and bias)
+        return table[leaf]
+
+    def route(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, slice, torch.Tensor]]:
+        """Where this rank's part of `full` goes. Raises on names/shapes the model does not have."""
+        got = self.target(name)
+        if got is None:
+            return
         shape = self.full_shape(name)
         if tuple(full.shape) != shape:
             raise ValueError(f"weight update: {name} has shape {tuple(full.shape)}, expected {shape} "
                              "(is the stream from the same model config?)")
-        everything = slice(None)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            lo = r * s.vocab
-            hi = min(lo + s.vocab, a.vocab_size)
-            yield ("embed" if name.startswith("model.") else "lm_head"), slice(0, max(hi - lo, 0)), full[lo:hi]
+        dst, rows, part = got
+        yield dst, rows, part.take(full)
+
+    def route_shard(self, name: str, piece: torch.Tensor) -> Iterator[tuple[str, slice, torch.Tensor]]:
+        """Like route, for `piece` = this rank's part of the full tensor (ShardPlan.target's slice)."""
+        got = self.target(name)
+        if got is None:
             return
-        if name == "model.norm.weight":
-            yield "norm", everything, full
-            return
-        layer, leaf = _LAYER.match(name).groups()
-        p = f"layers.{layer}."
-        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-        mine_q = slice(r * q_rows, (r + 1) * q_rows)
-        mine_i = slice(r * s.intermediate, (r + 1) * s.intermediate)
-        kind = leaf.rsplit(".", 1)[1]           # weight | bias
-        fused = "wqkv" if kind == "weight" else "bqkv"
-        if leaf.startswith("self_attn.q_proj"):
-            yield p + fused, slice(0, q_rows), full[mine_q]
-        elif leaf.startswith("self_attn.k_proj"):
-            yield p + fused, slice(q_rows, q_rows + kv_rows), full[self._kv_rows()]
-        elif leaf.startswith("self_attn.v_proj"):
-            yield p + fused, slice(q_rows + kv_rows, q_rows + 2 * kv_rows), full[self._kv_rows()]
-        elif leaf == "self_attn.o_proj.weight":
-            yield p + "wo", everything, full[:, mine_q]
-        elif leaf == "self_attn.o_proj.bias":
-            yield p + "bo", everything, full
-        elif leaf == "mlp.gate_proj.weight":
-            yield p + "w13", slice(0, s.intermediate), full[mine_i]
-        elif leaf == "mlp.up_proj.weight":
-            yield p + "w13", slice(s.intermediate, 2 * s.intermediate), full[mine_i]
-        elif leaf == "mlp.down_proj.weight":
-            yield p + "w2", everything, full[:, mine_i]
-        elif leaf == "input_layernorm.weight":
-            yield p + "attn_norm", everything, full
-        elif leaf == "post_attention_layernorm.weight":
-            yield p + "mlp_norm", everything, full
-        elif leaf == "self_attn.q_norm.weight":
-            yield p + "q_norm", everything, full
-        elif leaf == "self_attn.k_norm.weight":
-            yield p + "k_norm", everything, full
+        dst, rows, part = got
+        want = list(self.full_shape(name))
+        if part.dim is not None:
+            want[part.dim] = part.stop - part.start
+        if list(piece.shape) != want:
+            raise ValueError(f"weight update: shard of {name} has shape {tuple(piece.shape)}, expected "
+                             f"{tuple(want)} on TP rank {self.rank} of {self.size}")
+        yield dst, rows, piece

@@ -1,0 +1,166 @@
+"""Disaggregated weight sync: the rollout engine runs on ranks of its own, and the buckets cross
+torch.distributed groups that span the trainer's ranks and the engine's.
+
+    # every rank of the world, once, in the same order (new_group is collective):
+    groups = DisaggregatedGroups.create(tp=2, pp=1, trainer_rank=megatron_rank_fn, engine_ranks=[2, 3])
+    # trainer ranks (megatron shards):
+    sender = DisaggregatedSender(source, groups, bucket_bytes=512 << 20)
+    # engine ranks (one rollout engine per rank; its own TP group inside):
+    receiver = DisaggregatedReceiver(engine, spec, groups, dtype=torch.float32, bucket_bytes=512 << 20)
+    metrics = sender.sync()  /  receiver.sync()   # collective: both sides, after each policy update
+
+The plan is the colocated one with every entry laid out as gathered (the engine holds no shard).
+For each bucket of stage p, TP rank t of stage p in DP replica 0 broadcasts its shards of the
+bucket over group (t, p) = {that trainer rank} + every engine rank. The T broadcasts of a bucket
+run at once, on different groups, so engine ranks receive from T senders in parallel; the next
+bucket is posted before the engine loads this one. DP replicas other than 0 send nothing.
+
+How a job uses it: trainer ranks are [0, N) with megatron's layout over them, engine ranks
+[N, world). megarl's trainer initialises megatron over the whole world today, so wiring this
+into megarl.train needs megatron's groups built over the first N ranks only (the lead's call);
+the transport itself takes any rank numbering through `trainer_rank(t, dp, p)`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint_engine.base import conclude, metrics
+from megarl.checkpoint_engine.memory import PeakMemory
+from megarl.checkpoint_engine.plan import TransferPlan, build_plan
+from megarl.checkpoint_engine.source import ShardSource
+from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
+from megarl.models.spec import ModelSpec
+from megarl.rollout.base import RolloutEngine
+
+
+def megatron_rank(t: int, d: int, p: int, tp: int, dp: int) -> int:
+    """Global rank of (TP rank t, DP rank d, stage p) in megatron-core's default order (tp-dp-pp)."""
+    return t + tp * (d + dp * p)
+
+
+@dataclass
+class DisaggregatedGroups:
+    tp: int
+    pp: int
+    senders: dict[tuple[int, int], int]    # (t, p) -> the trainer rank that sends those shards
+    groups: dict[tuple[int, int], object]  # (t, p) -> group {sender} + engine ranks
+    engine_ranks: list[int]
+    everyone: object = None                # the group of all participants (None: the world)
+
+    @classmethod
+    def create(cls, tp: int, pp: int, trainer_rank: Callable[[int, int, int], int], engine_ranks: list[int],
+               everyone=None) -> "DisaggregatedGroups":
+        """Every rank of the world calls this, identically. `trainer_rank(t, dp, p)` gives the
+        global rank of a training shard, e.g. lambda t, d, p: megatron_rank(t, d, p, tp, dp)."""
+        senders, groups = {}, {}
+        for p in range(pp):
+            for t in range(tp):
+                senders[(t, p)] = trainer_rank(t, 0, p)
+                if senders[(t, p)] in engine_ranks:
+                    raise ValueError(f"trainer rank {senders[(t, p)]} is also an engine rank; the two sides "
+                                     "of a disaggregated sync must not overlap")
+                groups[(t, p)] = dist.new_group(sorted([senders[(t, p)], *engine_ranks]))
+        return cls(tp, pp, senders, groups, list(engine_ranks), everyone)
+
+
+def disaggregated_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, dtype: torch.dtype,
+                       head: str = "lm") -> TransferPlan:
+    return build_plan(spec, tp, pp, bucket_bytes, dtype.itemsize, (), head, gather_all=True)
+
+
+def _check_same(plan: TransferPlan, dtype: torch.dtype, group) -> None:
+    mine = f"{plan.digest()}/{dtype}"
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if len(set(every)) != 1:
+        raise RuntimeError(f"trainer and engine ranks built different weight-sync plans ({sorted(set(every))}): "
+                           "they must use the same model config, layout, bucket size and dtype")
+
+
+class DisaggregatedSender:
+    def __init__(self, source: ShardSource, groups: DisaggregatedGroups, bucket_bytes: int = 512 << 20):
+        if (source.tp, source.pp) != (groups.tp, groups.pp):
+            raise ValueError(f"groups were built for TP {groups.tp} x PP {groups.pp}, the shards are "
+                             f"TP {source.tp} x PP {source.pp}")
+        self.src, self.g = source, groups
+        self.dtype, self.device = source.dtype, source.device
+        self.plan = disaggregated_plan(source.spec, source.tp, source.pp, bucket_bytes, self.dtype, source.head)
+        key = (source.tp_rank, source.pp_rank)
+        self.sends = source.dp_rank == 0 and groups.senders[key] == dist.get_rank()
+        _check_same(self.plan, self.dtype, groups.everyone)
+
+    def sync(self) -> dict[str, float]:
+        src, key = self.src, (self.src.tp_rank, self.src.pp_rank)
+        wire, in_flight = 0, []
+        start = time.perf_counter()
+        with torch.no_grad(), PeakMemory(self.device) as mem:
+            for bucket in self.plan.buckets if self.sends else ():
+                if bucket.stage != src.pp_rank:
+                    continue
+                buf = torch.empty(bucket.gather_numel, dtype=self.dtype, device=self.device)
+                for e in bucket.entries:
+                    buf[e.offset:e.offset + e.numel].copy_(src.params[e.name].reshape(-1))
+                in_flight.append(dist.broadcast(buf, src=self.g.senders[key], group=self.g.groups[key],
+                                                async_op=True))
+                wire += buf.numel() * buf.element_size()
+                del buf
+                if len(in_flight) > 1:         # at most two buckets on the move
+                    in_flight.pop(0).wait()
+            for work in in_flight:
+                work.wait()
+        seconds, peak, wire = conclude(None, None, [time.perf_counter() - start, mem.extra_mb, float(wire)],
+                                       self.g.everyone, self.device)
+        return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
+
+
+class DisaggregatedReceiver:
+    def __init__(self, engine: RolloutEngine, spec: ModelSpec, groups: DisaggregatedGroups, dtype: torch.dtype,
+                 bucket_bytes: int = 512 << 20, head: str = "lm", device: torch.device | str = "cpu",
+                 overlap: bool = True):
+        self.engine, self.g, self.dtype, self.device, self.overlap = engine, groups, dtype, torch.device(device), overlap
+        self.plan = disaggregated_plan(spec, groups.tp, groups.pp, bucket_bytes, dtype, head)
+        self.want = takes_shards(engine)
+        _check_same(self.plan, dtype, groups.everyone)
+
+    def _start(self, bucket) -> tuple[torch.Tensor, list]:
+        G = bucket.gather_numel
+        buf = torch.empty(self.g.tp * G, dtype=self.dtype, device=self.device)
+        works = [dist.broadcast(buf[t * G:(t + 1) * G], src=self.g.senders[(t, bucket.stage)],
+                                group=self.g.groups[(t, bucket.stage)], async_op=True) for t in range(self.g.tp)]
+        return buf, works
+
+    def sync(self) -> dict[str, float]:
+        buckets = self.plan.buckets
+        error: BaseException | None = None
+        wire = 0
+        start = time.perf_counter()
+        with torch.no_grad(), PeakMemory(self.device) as mem:
+            try:
+                nxt = self._start(buckets[0]) if buckets else None
+                for k, bucket in enumerate(buckets):
+                    (buf, works), nxt = nxt, None
+                    for w in works:
+                        w.wait()
+                    wire += buf.numel() * buf.element_size()
+                    if self.overlap and k + 1 < len(buckets):
+                        nxt = self._start(buckets[k + 1])
+                    if error is None:      # after a failure, keep receiving so no sender hangs
+                        try:
+                            feed(self.engine, bucket_stream(self.plan, bucket, buf, 0, None, self.want),
+                                 self.want is not None)
+                        except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
+                            error = err
+                    del buf
+                    if nxt is None and k + 1 < len(buckets):
+                        nxt = self._start(buckets[k + 1])
+            except BaseException:          # a broken group: no agreement is possible, stop here
+                self.engine.abort_weight_update()
+                raise
+        seconds, peak, wire = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb, float(wire)],
+                                       self.g.everyone, self.device)
+        return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)

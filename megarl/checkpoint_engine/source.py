@@ -1,0 +1,66 @@
+"""Where a sync reads megatron shards from: this rank's stage of the actor, and its groups.
+
+    src = ShardSource.from_actor(actor)     # every training rank
+    src.params["decoder.layers.3.mlp.linear_fc1.weight"]   # this rank's TP shard (global name)
+
+Names are global (layer index counted over the whole model), as megarl/models/convert.py uses
+them; the tensors are the live parameters (no copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.convert import to_global
+from megarl.models.spec import ModelSpec
+
+
+@dataclass
+class ShardSource:
+    spec: ModelSpec
+    tp: int
+    pp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    params: dict[str, torch.Tensor]        # global megatron name -> this rank's shard (its stage only)
+    head: str = "lm"
+    tp_group: Any = None                   # megatron's TP group (None when TP = 1)
+    pp_group: Any = None                   # megatron's PP group (None when PP = 1)
+    hf_dtype: torch.dtype | None = None    # the HF checkpoint's dtype (what disk exports write)
+
+    @classmethod
+    def from_actor(cls, actor) -> "ShardSource":
+        """The actor's live shards (`model_chunks`, `layer_offset`) and megatron's groups."""
+        from megarl.parallel import state
+        eng = actor.engine
+        lay = eng.layout
+        params = {}
+        for chunk in actor.model_chunks:
+            for local, p in chunk.named_parameters():
+                params[to_global(local, actor.layer_offset)] = p.data
+        return cls(spec=actor.spec, tp=lay.tp, pp=lay.pp, tp_rank=lay.tp_rank, pp_rank=lay.pp_rank,
+                   dp_rank=lay.dp_rank, params=params, head=eng.es.head,
+                   tp_group=state.tp_group() if lay.tp > 1 else None,
+                   pp_group=state.pp_group() if lay.pp > 1 else None, hf_dtype=getattr(eng, "hf_dtype", None))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtypes = {p.dtype for p in self.params.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the actor's parameters mix dtypes {sorted(map(str, dtypes))}; a weight sync "
+                             "moves one dtype (wrap the model in one precision)")
+        return dtypes.pop()
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` in this rank's pipeline (its PP group)."""
+        if self.pp_group is None:
+            return dist.get_rank()
+        return dist.get_global_rank(self.pp_group, stage)
