@@ -82,3 +82,13 @@ def test_dapo_dynamic_sampling_scored_by_a_reward_model(model_dir, tmp_path):
         assert r["dapo/groups_kept"] >= 8 and r["dapo/gen_rounds"] >= 1
         # A random score head gives real-valued scores that differ within every group.
         assert r["critic/score/max"] > r["critic/score/min"]
+
+    # With a 0/1 reward some groups do not vary: they are dropped and the engine, put to sleep
+    # after each step's rollout (free_cache_engine), generates more rounds within one step.
+    code, out = run(short(model_dir, tmp_path / "dapo_rounds", "algorithm.filter_groups.enable=true",
+                          "algorithm.filter_groups.metric=acc", "actor_rollout_ref.rollout.free_cache_engine=true",
+                          "custom_reward_function.path=tests/assets/length_parity_reward.py"))
+    assert code == 0, out[-4000:]
+    rows = read_metrics(str(tmp_path / "dapo_rounds"))
+    assert max(r["dapo/gen_rounds"] for r in rows) >= 2, [r["dapo/gen_rounds"] for r in rows]
+    assert all(r["dapo/groups_kept"] >= 8 for r in rows)

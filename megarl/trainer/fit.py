@@ -78,6 +78,12 @@ class RLTrainer:
     # -- the steps -----------------------------------------------------------------------------------
     def rollout(self, prompts: DataProto) -> DataProto:
         """n responses per prompt; with DAPO's dynamic sampling, more rounds until enough groups vary."""
+        batch = self._sample(prompts)
+        if self.cfg.rollout.free_cache_engine:
+            self.p.rollout.sleep()   # the trainer's passes get the KV cache's memory back
+        return batch
+
+    def _sample(self, prompts: DataProto) -> DataProto:
         sampling = self.sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step))
         if not self.cfg.algorithm.filter_groups.enable:
             return self._generate(prompts, sampling)
@@ -98,8 +104,6 @@ class RLTrainer:
         if self.cfg.rollout.multi_turn.enable:
             from megarl.rollout.multiturn import multiturn_metrics
             self.extra.update(multiturn_metrics(batch))
-        if self.cfg.rollout.free_cache_engine:
-            p.rollout.sleep()   # the trainer's passes get the KV cache's memory back
         return batch
 
     def launch_rewards(self, batch: DataProto):
