@@ -224,6 +224,8 @@ class RLTrainer:
                 self.log.info(f"megarl: removed an incomplete save: {name}")
         path = checkpointing.resume_dir(self.cfg)
         if path is None:
+            if self.ranks.is_main:
+                self.log.truncate_after(-1)   # a fresh start: records of an earlier run here are stale
             return
         state = checkpointing.load(path, self.p.trainable_roles(), self.ranks.rank, self.ranks.world)
         self.step, self.bad_steps = state["step"], state["bad_steps"]
