@@ -18,7 +18,7 @@ def test_shipped_data_is_the_generators_and_val_is_held_out(tmp_path):
         assert open(path).read() == open(f"data/addition/{name}.jsonl").read(), "regenerate: python -m megarl.examples.addition.task"
     val = [json.loads(line) for line in open(val_path)]
     train = [json.loads(line) for line in open(train_path)]
-    assert len(val) == 256 and len(train) == 3000
+    assert len(val) == 512 and len(train) == 3000
     key = lambda r: r["prompt"][0]["content"]
     assert not {key(r) for r in val} & {key(r) for r in train}
     r = val[0]
@@ -26,7 +26,7 @@ def test_shipped_data_is_the_generators_and_val_is_held_out(tmp_path):
     assert r["reward_model"]["ground_truth"] == str(a + b) and r["data_source"] == "addition"
     # warm-start problems never include a validation problem
     task = AdditionTask()
-    held = set(split_problems(task, 0, 256)[1])
+    held = set(split_problems(task, 0, 512)[1])
     stream = task.problems(123, exclude=held)
     assert not any(next(stream) in held for _ in range(2000))
 
@@ -43,7 +43,7 @@ def test_tokenizer_round_trip_and_template():
 def test_quickstart_data_loads_through_the_dataset_path():
     cfg = load_config("configs/quickstart.yaml")
     ds = RLDataset(cfg.data.val_files, build_tokenizer(), cfg.data, split="val")
-    assert len(ds) == 256 and ds.report["malformed"] == 0 and ds.report["filtered_overlong"] == 0
+    assert len(ds) == 512 and ds.report["malformed"] == 0 and ds.report["filtered_overlong"] == 0
     item = ds[0]
     assert build_tokenizer().decode(item["prompt_token_ids"]) == item["raw_prompt"][0]["content"]
     truth = item["reward_model"]["ground_truth"]

@@ -130,7 +130,8 @@ def short_run(model_dir, run_dir, steps):
     return (f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
             f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=2",
             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4")
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4",
+            "algorithm.filter_groups.enable=false")
 
 
 @pytest.mark.timeout(420)

@@ -35,7 +35,8 @@ def overrides(model_dir, run_dir, *extra):
             "trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.test_freq=3",
             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.optim.lr=1e-4", "trainer.max_actor_ckpt_to_keep=2", *extra]
+            "actor_rollout_ref.actor.optim.lr=1e-4", "trainer.max_actor_ckpt_to_keep=2",
+            "algorithm.filter_groups.enable=false", *extra]
 
 
 def train(args, **popen):

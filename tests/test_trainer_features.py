@@ -27,7 +27,8 @@ def short(model_dir, run_dir, *extra):
     return ["--config", "configs/quickstart.yaml", f"actor_rollout_ref.model.path={model_dir}",
             f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
             "trainer.val_before_train=false", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4", *extra]
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4",
+            "algorithm.filter_groups.enable=false", "actor_rollout_ref.actor.clip_ratio_high=0.2", *extra]
 
 
 def run(args, timeout=600):

@@ -32,7 +32,7 @@ DEFAULT_LR = 1e-3
 
 def bootstrap(model_dir: str, config=None, *, warm_start_steps: int = DEFAULT_WARM_START_STEPS, seed: int = 0,
               min_digits: int = AdditionTask.min_digits, max_digits: int = AdditionTask.max_digits,
-              batch_size: int = 64, lr: float = DEFAULT_LR, eval_rows: int = 256, num_threads: int = 1,
+              batch_size: int = 64, lr: float = DEFAULT_LR, eval_rows: int = 512, num_threads: int = 1,
               overwrite: bool = False, verbose: bool = True, **model_overrides) -> str:
     """Build and warm-start the model into `model_dir` unless it already holds a checkpoint.
 

@@ -23,7 +23,7 @@ class AdditionTask:
     """Operands have `min_digits`..`max_digits` digits each (uniform in the digit count first,
     so short and long numbers are equally common)."""
     min_digits: int = 1
-    max_digits: int = 3
+    max_digits: int = 2
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
@@ -98,7 +98,7 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def write_dataset(out_dir: str, task: AdditionTask = AdditionTask(), n_train: int = 3000,
-                  n_val: int = 256) -> tuple[str, str]:
+                  n_val: int = 512) -> tuple[str, str]:
     train, val = split_problems(task, n_train, n_val)
     train_path, val_path = os.path.join(out_dir, "train.jsonl"), os.path.join(out_dir, "val.jsonl")
     write_jsonl(train_path, [make_row(a, b, "train", i) for i, (a, b) in enumerate(train)])
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-digits", type=int, default=AdditionTask.min_digits)
     parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
     parser.add_argument("--train", type=int, default=3000)
-    parser.add_argument("--val", type=int, default=256)
+    parser.add_argument("--val", type=int, default=512)
     args = parser.parse_args(argv)
     paths = write_dataset(args.out, AdditionTask(args.min_digits, args.max_digits), args.train, args.val)
     print("wrote", *paths)

@@ -103,5 +103,5 @@ def accuracy(model, tokenizer, pairs: list[tuple[int, int]], temperature: float 
     return sum(o.strip() == answer_text(a, b) for o, (a, b) in zip(outs, pairs)) / len(pairs)
 
 
-def held_out(task: AdditionTask, n_val: int = 256) -> list[tuple[int, int]]:
+def held_out(task: AdditionTask, n_val: int = 512) -> list[tuple[int, int]]:
     return split_problems(task, 0, n_val)[1]
