@@ -16,11 +16,8 @@ from megarl.trainer.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from megarl.examples.addition import bootstrap
-    path = str(tmp_path_factory.mktemp("model") / "addition")
-    bootstrap(path, warm_start_steps=60, eval_rows=16, verbose=False)
-    return path
+def model_dir(addition_model_dir):
+    return addition_model_dir
 
 
 def short(model_dir, run_dir, *extra):
