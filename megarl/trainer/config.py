@@ -30,7 +30,7 @@ class TrainerConfig:
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
     max_actor_ckpt_to_keep: int | None = None  # None: keep all
-    max_critic_ckpt_to_keep: int | None = None
+    max_critic_ckpt_to_keep: int | None = None  # verl's key, accepted; a step dir holds every role, so the actor's count prunes
 
     # Validation and logging.
     test_freq: int = -1
