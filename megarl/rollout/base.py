@@ -172,6 +172,17 @@ class BaseRollout(RolloutEngine):
         return generate_sequences_via(self, batch, batch.meta_info.get("pad_token_id", 0))
 
 
+def admit(engine, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+    """What every built-in engine checks before generating: sampling parameters, its prompt
+    guard (refuse or left-truncate), that it is awake, and that its last weight sync completed."""
+    sampling.validate()
+    prompts = engine.guard.apply(prompts)
+    if engine.asleep:
+        raise RuntimeError("rollout engine is asleep: call wake() before generate()")
+    engine.weights.check_ready()
+    return prompts
+
+
 def generate_sequences_via(engine: RolloutEngine, batch: DataProto, pad_token_id: int) -> DataProto:
     """generate() over the batch's `prompt_token_ids`, packed per megarl/protocol.py. An engine's
     prompt guard runs first and the batch keeps the prompts as generated from (left-truncated

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megarl.rollout.base import BaseRollout, Completion, SamplingParams
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.native.engine import resolve_dtype
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
@@ -79,11 +79,7 @@ class HFEngine(BaseRollout):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
         from transformers import GenerationConfig
 
-        sampling.validate()
-        prompts = self.guard.apply(prompts)
-        if self.asleep:
-            raise RuntimeError("rollout engine is asleep: call wake() before generate()")
-        self.weights.check_ready()
+        prompts = admit(self, prompts, sampling)
         sp, P = sampling, max(map(len, prompts))
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.errors import ConfigError
-from megarl.rollout.base import BaseRollout, Completion, SamplingParams
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.native.tp import TPComm
 from megarl.rollout.prompts import PromptGuard
@@ -208,11 +208,7 @@ class TRTLLMEngine(BaseRollout):
         self.comm.barrier()                  # handles stay valid (tensors alive) until consumed
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        sampling.validate()
-        prompts = self.guard.apply(prompts)
-        if self.asleep:
-            raise RuntimeError("rollout engine is asleep: call wake() before generate()")
-        self.weights.check_ready()
+        prompts = admit(self, prompts, sampling)
         groups = None
         if self.leader:
             params = self.tllm.SamplingParams(**sampling_kwargs(sampling, self.pad_token_id))

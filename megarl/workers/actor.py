@@ -18,7 +18,7 @@ from __future__ import annotations
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.config import ActorConfig, ModelConfig
-from megarl.workers.engine import EngineSpec, MegatronEngine
+from megarl.workers.engine import EngineShardView, EngineSpec, MegatronEngine
 from megarl.workers.outputs import log_prob_outputs
 
 
@@ -39,7 +39,7 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         timeout_s=timeout_s, seed=mc.seed, role=role)
 
 
-class ActorWorker:
+class ActorWorker(EngineShardView):
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0):
         self.cfg = actor
         self.rollout_n = rollout_n
@@ -49,20 +49,6 @@ class ActorWorker:
     @classmethod
     def from_config(cls, cfg) -> "ActorWorker":
         return cls(cfg.model, cfg.actor, cfg.rollout.n, cfg.trainer.collective_timeout_s)
-
-    # -- what the checkpoint engine needs ----------------------------------------------------------
-    @property
-    def spec(self):
-        return self.engine.spec
-
-    @property
-    def model_chunks(self) -> list:
-        """This rank's unwrapped GPTModel stage(s)."""
-        return [self.engine.model]
-
-    @property
-    def layer_offset(self) -> int:
-        return self.engine.layer_offset
 
     def _process(self, temperature: float, with_entropy: bool):
         eng = self.engine

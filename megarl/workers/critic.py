@@ -13,11 +13,11 @@ from __future__ import annotations
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
 from megarl.workers.config import CriticConfig
-from megarl.workers.engine import MegatronEngine
+from megarl.workers.engine import EngineShardView, MegatronEngine
 from megarl.workers.outputs import value_outputs
 
 
-class CriticWorker:
+class CriticWorker(EngineShardView):
     def __init__(self, critic: CriticConfig, rollout_n: int = 1, timeout_s: float = 600.0, dtype: str = "auto",
                  log_prob_micro_batch_size: int | None = None):
         if critic.ppo_mini_batch_size is None or critic.ppo_micro_batch_size_per_gpu is None:
@@ -34,18 +34,6 @@ class CriticWorker:
     def from_config(cls, cfg) -> "CriticWorker":
         return cls(cfg.critic, cfg.rollout.n, cfg.trainer.collective_timeout_s, cfg.actor.dtype,
                    cfg.actor.log_prob_micro_batch_size_per_gpu)
-
-    @property
-    def spec(self):
-        return self.engine.spec
-
-    @property
-    def model_chunks(self) -> list:
-        return [self.engine.model]
-
-    @property
-    def layer_offset(self) -> int:
-        return self.engine.layer_offset
 
     def compute_values(self, data: DataProto):
         return self.engine.forward_rows(data, self.forward_micro, value_outputs, ("values",))["values"]

@@ -39,6 +39,23 @@ Process = Callable[[torch.Tensor, DataProto], dict]
 LossFn = Callable[[dict, DataProto], tuple]
 
 
+class EngineShardView:
+    """What the checkpoint engine reads from a worker that owns a MegatronEngine (`self.engine`)."""
+
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    @property
+    def model_chunks(self) -> list:
+        """This rank's unwrapped GPTModel stage(s)."""
+        return [self.engine.model]
+
+    @property
+    def layer_offset(self) -> int:
+        return self.engine.layer_offset
+
+
 class MegatronEngine:
     def __init__(self, es: EngineSpec):
         self.es = es

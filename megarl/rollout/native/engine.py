@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
 from megarl.rollout.hf_weights import buckets, iter_hf_weights, read_hf_config
 from megarl.rollout.native import sampler
 from megarl.rollout.native.kv_cache import KVCache
@@ -157,11 +157,7 @@ class NativeEngine(BaseRollout):
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        sampling.validate()
-        prompts = self.guard.apply(prompts)
-        if self.asleep:
-            raise RuntimeError("rollout engine is asleep: call wake() before generate()")
-        self.weights.check_ready()
+        prompts = admit(self, prompts, sampling)
         seed = sampling.seed
         if seed is None:                          # one random seed that every TP rank agrees on
             seed = self.comm.agree(int(torch.randint(0, 2**62, ()).item()))
