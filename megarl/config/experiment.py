@@ -106,10 +106,44 @@ class ExperimentConfig:
             self.actor.log_prob_micro_batch_size_per_gpu = self.actor.ppo_micro_batch_size_per_gpu
         if self.model.tokenizer_path is None:
             self.model.tokenizer_path = self.model.path
+        self._fill_token_budgets()
         total = self.trainer.total_training_steps
         for optim in (self.actor.optim, self.critic.optim):
             if optim.total_training_steps < 0 and total is not None:
                 optim.total_training_steps = total
+
+    def _fill_token_budgets(self) -> None:
+        """verl's defaults: every pass takes the actor's dynamic-batch switch and token budget."""
+        actor, ro, ref, crit = self.actor, self.rollout, self.actor_rollout_ref.ref, self.critic
+        if ro.log_prob_use_dynamic_bsz is None:
+            ro.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if ro.log_prob_max_token_len_per_gpu is None:
+            ro.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+        if ref.log_prob_use_dynamic_bsz is None:
+            ref.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if ref.log_prob_max_token_len_per_gpu is None:
+            ref.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+        if crit.use_dynamic_bsz is None:
+            crit.use_dynamic_bsz = actor.use_dynamic_bsz
+        if crit.ppo_max_token_len_per_gpu is None:
+            crit.ppo_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+        if crit.forward_max_token_len_per_gpu is None:
+            crit.forward_max_token_len_per_gpu = crit.ppo_max_token_len_per_gpu
+
+    def token_budgets(self) -> list[tuple[str, int]]:
+        """(key, budget) of every pass that cuts micro-batches by tokens."""
+        ro, ref, crit = self.rollout, self.actor_rollout_ref.ref, self.critic
+        out = []
+        if self.actor.use_dynamic_bsz:
+            out.append(("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", self.actor.ppo_max_token_len_per_gpu))
+        if ro.log_prob_use_dynamic_bsz:
+            out.append(("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", ro.log_prob_max_token_len_per_gpu))
+        if ref.log_prob_use_dynamic_bsz:
+            out.append(("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu))
+        if crit.enable and crit.use_dynamic_bsz:
+            out += [("critic.ppo_max_token_len_per_gpu", crit.ppo_max_token_len_per_gpu),
+                    ("critic.forward_max_token_len_per_gpu", crit.forward_max_token_len_per_gpu)]
+        return out
 
     def _check_cross_section_rules(self) -> None:
         algo, actor, ro, data, tr = self.algorithm, self.actor, self.rollout, self.data, self.trainer
@@ -163,6 +197,12 @@ class ExperimentConfig:
                     f"a mini batch holds ppo_mini_batch_size x rollout.n = {mini} x {ro.n} = {seqs} sequences, "
                     f"not divisible by ppo_micro_batch_size_per_gpu x DP = {micro} x {dp}; change one of them",
                     f"{role}.ppo_micro_batch_size_per_gpu")
+        longest = ro.prompt_length + ro.response_length
+        for key, budget in self.token_budgets():
+            if budget < longest:
+                raise ConfigError(f"a token budget of {budget} is smaller than the longest sequence, prompt_length "
+                                  f"{ro.prompt_length} + response_length {ro.response_length} = {longest}; raise it to "
+                                  f"at least {longest}", key)
         if ro.prompt_length > data.max_prompt_length or ro.response_length > data.max_response_length:
             pass  # the rollout may allow more than the data keeps; the data side filters first
 

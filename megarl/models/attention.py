@@ -3,7 +3,8 @@
 Megatron's own `DotProductAttention` takes a scratch buffer on the CUDA device and is slower
 than SDPA on both devices (SDPA picks flash / memory-efficient kernels on GPU). megarl never
 pads inside a sequence (megarl/protocol.py: right padding only), so plain causal attention
-is exact for every real token and no mask tensor is needed.
+is exact for every real token and no mask tensor is needed. Packed sequences (THD, megatron's
+PackedSeqParams) go to megarl/models/varlen.py: causal attention within each sequence.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import math
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megarl.models.varlen import varlen_causal
 
 
 class SDPACoreAttention(MegatronModule):
@@ -31,8 +34,12 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention takes neither packed sequences nor an attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention takes no attention bias")
+        if packed_seq_params is not None:  # THD: query [t, heads, hn]; megatron reshapes the output
+            p = packed_seq_params
+            return varlen_causal(query, key, value, p.cu_seqlens_q, p.max_seqlen_q, self.softmax_scale,
+                                 self.dropout if self.training else 0.0)
         groups = query.shape[2] // key.shape[2]
         if groups > 1:
             key = key.repeat_interleave(groups, dim=2)

@@ -119,8 +119,9 @@ class RolloutConfig:
 
     log_prob_micro_batch_size: int | None = None
     log_prob_micro_batch_size_per_gpu: int | None = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    # The actor's old-log-prob pass (verl's keys): None takes actor.use_dynamic_bsz / ppo_max_token_len_per_gpu.
+    log_prob_use_dynamic_bsz: bool | None = None
+    log_prob_max_token_len_per_gpu: int | None = None
 
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     tools: str | None = None               # a tools.yaml (seed 000); turns multi_turn on

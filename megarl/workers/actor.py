@@ -35,26 +35,30 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
         use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=mc.sequence_parallel,
-        recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
+        recompute=model.enable_gradient_checkpointing, packing=model.use_remove_padding, transformer_overrides=dict(mc.override_transformer_config),
         timeout_s=timeout_s, seed=mc.seed, role=role)
 
 
 class ActorWorker(EngineShardView):
-    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0):
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0,
+                 log_prob_max_tokens: int | None = None):
         self.cfg = actor
         self.rollout_n = rollout_n
+        self.log_prob_max_tokens = log_prob_max_tokens  # rollout.log_prob_max_token_len_per_gpu when dynamic
         self.engine = MegatronEngine(engine_spec(model, actor, trainable=True, optim=actor.optim, dtype=actor.dtype,
                                                  timeout_s=timeout_s, role="actor_rollout_ref.actor"))
 
     @classmethod
     def from_config(cls, cfg) -> "ActorWorker":
-        return cls(cfg.model, cfg.actor, cfg.rollout.n, cfg.trainer.collective_timeout_s)
+        ro = cfg.rollout
+        return cls(cfg.model, cfg.actor, ro.n, cfg.trainer.collective_timeout_s,
+                   ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
 
-    def _process(self, temperature: float, with_entropy: bool):
+    def _process(self, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         eng = self.engine
         group = state.tp_group()
-        return lambda out, mb: log_prob_outputs(out, mb, eng.spec.vocab_size, eng.layout.tp_rank, group,
-                                                temperature, with_entropy)
+        return lambda out, mb: log_prob_outputs(out, mb, eng.head_weight(), eng.spec.vocab_size, eng.layout.tp_rank,
+                                                group, temperature, with_entropy, entropy_grad)
 
     # -- the contract -------------------------------------------------------------------------------
     def compute_log_prob(self, data: DataProto, temperature: float = 1.0, with_entropy: bool = True):
@@ -62,14 +66,18 @@ class ActorWorker(EngineShardView):
         at position prompt_lens - 1 + j; 0 past response_lens."""
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
         micro = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
-        rows = self.engine.forward_rows(data, micro, self._process(temperature, with_entropy), keys)
+        rows = self.engine.forward_rows(data, micro, self._process(temperature, with_entropy), keys,
+                                        max_tokens=self.log_prob_max_tokens)
         return rows["log_probs"], rows.get("entropy")
 
     def update_policy(self, data: DataProto, loss_fn, temperature: float = 1.0,
                       with_entropy: bool = True) -> dict[str, float]:
         mini = self.cfg.ppo_mini_batch_size * self.rollout_n
-        return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs,
-                                 self._process(temperature, with_entropy), loss_fn, "actor", self.cfg.shuffle)
+        # The entropy is a metric unless it is in the loss: no gradient (and no backward work) then.
+        process = self._process(temperature, with_entropy, entropy_grad=self.cfg.entropy_coeff != 0)
+        return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs, process,
+                                 loss_fn, "actor", self.cfg.shuffle,
+                                 self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
         from megarl.workers.checkpoint import save_checkpoint

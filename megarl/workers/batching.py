@@ -80,3 +80,96 @@ def dp_slice(data: DataProto, dp_rank: int, dp: int) -> DataProto:
 
 def micro_batches(data: DataProto, size: int) -> list[DataProto]:
     return data.split(size)
+
+
+# -- micro-batch plans: which rows go to which DP rank and micro-batch --------------------------------
+def row_tokens(data: DataProto) -> list[int]:
+    """Tokens each row really holds (prompt + response; at least 1)."""
+    return (data.batch["prompt_lens"] + data.batch["response_lens"]).clamp(min=1).tolist()
+
+
+def plan(lengths: list[int], dp: int, micro: int, max_tokens: int | None = None,
+         packed: bool = False) -> list[list[list[int]]]:
+    """Row indices per [DP rank][micro-batch]. Every rank computes the same plan from the same
+    batch, so the micro-batch count agrees across DP ranks and pipeline stages without a collective
+    (megatron's pipeline schedule needs the same count on every stage; equal counts on every DP
+    rank keep the ranks in step at the gradient reduction).
+
+    Static (max_tokens None): contiguous equal DP slices of `micro` rows each (the row order of
+    dp_slice). Dynamic: equal row counts per DP rank balanced by tokens, then micro-batches that
+    each fit `max_tokens` computed tokens (the sum of lengths when packed, rows x the longest row
+    when padded); ranks with fewer micro-batches split their largest ones until all match."""
+    n = len(lengths)
+    if n % dp:
+        raise ValueError(f"{n} sequences cannot be split over {dp} data-parallel ranks; make the batch a multiple of {dp}")
+    per = n // dp
+    if max_tokens is None:
+        if per % micro:
+            raise ValueError(f"{per} sequences per data-parallel rank do not split into micro-batches of {micro}")
+        return [[list(range(r * per + m, r * per + m + micro)) for m in range(0, per, micro)] for r in range(dp)]
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the micro-batch token budget {max_tokens}; "
+                         f"raise the *max_token_len_per_gpu key to at least {longest}")
+    ranks = _balanced_equal(lengths, dp)
+    bins = [_fit_budget(rows, lengths, max_tokens, packed) for rows in ranks]
+    count = max(len(b) for b in bins)
+    return [_split_to(b, count, lengths) for b in bins]
+
+
+def micro_cost(rows: list[int], lengths: list[int], packed: bool) -> int:
+    """Tokens a micro-batch computes with no padding across micro-batches."""
+    lens = [lengths[i] for i in rows]
+    return sum(lens) if packed else len(lens) * max(lens)
+
+
+def _balanced_equal(lengths: list[int], k: int) -> list[list[int]]:
+    """k groups of equal size, longest rows first to the lightest group with room (LPT)."""
+    cap = len(lengths) // k
+    groups: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min((j for j in range(k) if len(groups[j]) < cap), key=lambda j: (load[j], j))
+        groups[g].append(i)
+        load[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def _fit_budget(rows: list[int], lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
+    """Fewest micro-batches found greedily that each fit `budget`. Packed: longest-first into the
+    lightest of k bins, k growing until every bin fits (balanced loads keep the pipeline's common
+    length close to each bin's). Padded: rows sorted by length and cut in runs, so rows of one
+    micro-batch have similar lengths."""
+    order = sorted(rows, key=lambda i: (-lengths[i], i))
+    if not packed:
+        out, cur = [], []
+        for i in order:
+            if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        return [sorted(b) for b in out + [cur]]
+    k = max(1, -(-sum(lengths[i] for i in rows) // budget))
+    while True:
+        bins: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i in order:
+            j = min(range(k), key=lambda j: (load[j], j))
+            bins[j].append(i)
+            load[j] += lengths[i]
+        if max(load) <= budget:
+            return [sorted(b) for b in bins if b]
+        k += 1
+
+
+def _split_to(bins: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """Split the micro-batch with the most rows in two (alternating by length) until there are
+    `count`; splitting only lowers each part's cost, so every part still fits the budget."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        j = max(range(len(bins)), key=lambda j: (len(bins[j]), j))
+        if len(bins[j]) < 2:
+            raise ValueError(f"cannot make {count} micro-batches from {sum(map(len, bins))} rows")
+        rows = sorted(bins.pop(j), key=lambda i: (-lengths[i], i))
+        bins[j:j] = [sorted(rows[0::2]), sorted(rows[1::2])]
+    return bins

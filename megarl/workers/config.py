@@ -25,7 +25,9 @@ class ModelConfig:
     bootstrap: str | None = None
     bootstrap_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = False
-    use_remove_padding: bool = True        # accepted for verl compatibility; megarl never pads inside a sequence
+    # Pack each micro-batch's sequences back to back (THD, no compute on padding); false: right-pad
+    # every row to the batch's longest (verl's key; megarl/workers/packing.py).
+    use_remove_padding: bool = True
     external_lib: str | None = None        # a module imported before the model is built (custom architectures)
 
 
@@ -106,6 +108,10 @@ class ActorConfig:
     grad_clip: float | None = None         # verl's key; when set it overrides optim.clip_grad
     use_torch_compile: bool = False
     log_prob_micro_batch_size_per_gpu: int | None = None  # None: ppo_micro_batch_size_per_gpu
+    # Micro-batches cut by a token budget per GPU instead of a row count (verl's keys); the budget
+    # counts computed tokens: the sum of lengths when packed, rows x the longest row when padded.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: dict[str, Any] = field(default_factory=dict)  # accepted for verl compatibility
@@ -115,6 +121,7 @@ class ActorConfig:
         require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
         require(self.ppo_micro_batch_size_per_gpu >= 1, "ppo_micro_batch_size_per_gpu", "must be >= 1")
         require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        require(self.ppo_max_token_len_per_gpu >= 1, "ppo_max_token_len_per_gpu", "must be >= 1")
         require(self.clip_ratio > 0, "clip_ratio", "must be > 0")
         require(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (dual-clip bound)")
         if self.grad_clip is not None:
@@ -126,6 +133,8 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None  # None: the actor's
     megatron: MegatronConfig | None = None  # None: the actor's layout
     param_offload: bool = False            # keep the frozen weights in host memory between uses
+    log_prob_use_dynamic_bsz: bool | None = None     # None: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # None: actor.ppo_max_token_len_per_gpu
 
 
 @dataclass
@@ -145,6 +154,9 @@ class CriticConfig:
     ppo_mini_batch_size: int | None = None  # None: the actor's
     ppo_micro_batch_size_per_gpu: int | None = None
     ppo_epochs: int | None = None
+    use_dynamic_bsz: bool | None = None    # None: the actor's
+    ppo_max_token_len_per_gpu: int | None = None      # None: the actor's
+    forward_max_token_len_per_gpu: int | None = None  # compute_values; None: ppo_max_token_len_per_gpu
     cliprange_value: float = 0.5
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"

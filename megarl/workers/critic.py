@@ -36,12 +36,14 @@ class CriticWorker(EngineShardView):
                    cfg.actor.log_prob_micro_batch_size_per_gpu)
 
     def compute_values(self, data: DataProto):
-        return self.engine.forward_rows(data, self.forward_micro, value_outputs, ("values",))["values"]
+        budget = self.cfg.forward_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
+        return self.engine.forward_rows(data, self.forward_micro, value_outputs, ("values",), max_tokens=budget)["values"]
 
     def update_critic(self, data: DataProto, loss_fn) -> dict[str, float]:
         mini = self.cfg.ppo_mini_batch_size * self.rollout_n
         return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs or 1,
-                                 value_outputs, loss_fn, "critic")
+                                 value_outputs, loss_fn, "critic",
+                                 max_tokens=self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
         from megarl.workers.checkpoint import save_checkpoint

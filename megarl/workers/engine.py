@@ -12,6 +12,12 @@ the micro-batch count and average over DP; `calculate_per_token_loss=True` (buil
 sum, and `_finalize_grads` drops the schedule's token-count division. Loss functions normalise
 themselves with meta_info["global_tokens"] / ["global_seqs"], so token-mean is exact whatever
 the micro-batching and DP size.
+
+How a batch is cut (megarl/workers/batching.py: plan) and laid out (megarl/workers/packing.py):
+`micro` rows per micro-batch, or with `max_tokens` as many as fit that token budget; rows packed
+back to back (THD, EngineSpec.packing) or right-padded. The LM head is applied by the log-prob
+code chunk by chunk (megarl/workers/logprob.py: linear_log_probs), so the model hands back hidden
+states and full logits never exist.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, state
 from megarl.protocol import DataProto
-from megarl.workers import batching
+from megarl.workers import batching, packing
+from megarl.workers.logprob import hidden_to_head
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
 from megarl.workers.optim import apply_schedule, build_optimizer, optimizer_step
 
@@ -75,6 +82,10 @@ class MegatronEngine:
         self.layer_offset = get_transformer_layer_offset(self.config)
         self.model = build_gpt(self.spec, self.config, self.layout.is_first_stage, self.layout.is_last_stage, es.head)
         self.model.to(self.device)
+        if es.head == "lm" and self.layout.is_last_stage:
+            hidden_to_head(self.model.output_layer, self.config.sequence_parallel)
+        self.packed = es.packing
+        self.tokens = [0, 0]  # (computed, real) since the last take_padding()
         self._check_names()
         if ckpt is not None:
             self.load_hf(ckpt)
@@ -116,6 +127,16 @@ class MegatronEngine:
             raise RuntimeError(f"megatron parameter names differ from megarl's map: extra {sorted(got - want)[:3]}, "
                                f"missing {sorted(want - got)[:3]}")
 
+    def head_weight(self) -> torch.Tensor:
+        """This TP rank's vocabulary rows of the LM head (the embedding when tied), last stage."""
+        m = self.model
+        return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
+
+    def take_padding(self) -> tuple[int, int]:
+        """(tokens computed, real tokens) over every pass since the last call; resets them."""
+        out, self.tokens = tuple(self.tokens), [0, 0]
+        return out
+
     @property
     def layers(self) -> range:
         return range(self.layer_offset, self.layer_offset + self.config.num_layers // self.layout.pp)
@@ -155,20 +176,41 @@ class MegatronEngine:
             yield from megatron_to_hf(name, shards, self.spec, self.es.head)
 
     # -- the pipeline schedule ----------------------------------------------------------------------
-    def _run(self, micro: list[DataProto], seq: int, process: Process, loss_fn: LossFn | None) -> list[dict]:
-        """Run `micro` through megatron's schedule; forward-only when loss_fn is None. Returns, on
-        the last stage, one dict per micro-batch (outputs, or loss metrics); [] elsewhere."""
+    def _columns(self, plan: list[list[list[int]]], lengths: list[int], seq: int, dynamic: bool) -> list[list[int]]:
+        """Per DP rank, the columns of each micro-batch (packing.widths); counts the run's tokens."""
+        common = self.layout.pp > 1 or (not self.packed and not dynamic)  # fixed shapes between stages
+        multiple = self.layout.tp if self.config.sequence_parallel else 1
+        cols, computed = [], 0
+        for rank in plan:
+            lens = [[lengths[i] for i in mb] for mb in rank]
+            cols.append(packing.widths(lens, self.packed, seq, common, multiple))
+            computed += packing.computed_tokens(lens, self.packed, seq, common, multiple)
+        self.tokens[0] += computed
+        self.tokens[1] += sum(lengths[i] for rank in plan for mb in rank for i in mb)
+        return cols
+
+    def _run(self, micro: list[DataProto], cols: list[int], process: Process, loss_fn: LossFn | None) -> list[dict]:
+        """Run `micro` (micro-batch i `cols[i]` columns wide) through megatron's schedule;
+        forward-only when loss_fn is None. Returns, on the last stage, one dict per micro-batch
+        (outputs, or loss metrics); [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(it, model):
-            mb = next(it)
-            ids = mb.batch["input_ids"][:, :seq].to(self.device)
-            pos = torch.arange(seq, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
-            return model(ids, pos, None), partial(self._last_stage, mb, process, loss_fn)
+        inputs = packing.micro_inputs(micro, self.packed, cols)
+        for mb, inp in zip(micro, inputs):  # where the outputs for each row sit (outputs.py reads them)
+            mb.batch["out_index"], mb.batch["last_index"] = inp.out_index, inp.last_index
+        # Float16Module would upcast the whole [b, s, h] output to fp32; the log-prob code upcasts per chunk.
+        extra = {"fp32_output": False} if self.dtype != torch.float32 else {}
 
+        def forward_step(it, model):
+            mb, inp = next(it)
+            inp = inp.to(self.device)
+            out = model(inp.input_ids, inp.position_ids, None, packed_seq_params=inp.packed_seq_params, **extra)
+            return out, partial(self._last_stage, mb, process, loss_fn)
+
+        first = inputs[0].input_ids.shape
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
-            num_microbatches=len(micro), seq_length=seq, micro_batch_size=len(micro[0]),
+            forward_step_func=forward_step, data_iterator=iter(list(zip(micro, inputs))), model=self.chunks,
+            num_microbatches=len(micro), seq_length=first[1], micro_batch_size=first[0],
             forward_only=loss_fn is None)
 
     @staticmethod
@@ -185,24 +227,30 @@ class MegatronEngine:
     @cpu_compat.scoped
     @torch.no_grad()
     def forward_rows(self, data: DataProto, micro: int, process: Process, keys: tuple[str, ...],
-                     tails: dict[str, tuple] | None = None) -> dict:
+                     tails: dict[str, tuple] | None = None, max_tokens: int | None = None) -> dict:
         """Forward the full batch (every rank passes the same one); returns {key: [B, *tail]} on
-        every rank (tail defaults to (R,)). Rows are padded up to a multiple of DP x micro for even
+        every rank (tail defaults to (R,)). Micro-batches of `micro` rows, or with `max_tokens` of
+        as many as fit that budget. Rows are padded up to a multiple of DP (x micro) for even
         shapes, then dropped."""
         batching.check_batch(data)
         self.onload()
         lay = self.layout
-        padded, n = batching.pad_rows(data, lay.dp * micro)
-        local = batching.dp_slice(padded, lay.dp_rank, lay.dp)
-        seq = batching.seq_len(padded)
+        padded, n = batching.pad_rows(data, lay.dp * (1 if max_tokens else micro))
+        lengths = batching.row_tokens(padded)
+        plan = batching.plan(lengths, lay.dp, micro, max_tokens, self.packed)
+        cols = self._columns(plan, lengths, batching.seq_len(padded), max_tokens is not None)
         for c in self.chunks:
             c.eval()
-        got = self._run(local.split(micro), seq, process, None)
+        got = self._run([padded[idx] for idx in plan[lay.dp_rank]], cols[lay.dp_rank], process, None)
         R = data.batch["responses"].shape[1]
         tails = {k: (tails or {}).get(k, (R,)) for k in keys}
         rows = {k: torch.cat([g[k] for g in got]).float() for k in keys} if got else {}
-        rows = self._share_rows(rows, len(local), tails)
-        return {k: v[:n] for k, v in rows.items()}
+        rows = self._share_rows(rows, len(padded) // lay.dp, tails)
+        # Rows come back in plan order (DP rank, micro-batch, row); put them back in batch order.
+        order = torch.tensor([i for rank in plan for mb in rank for i in mb])
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order))
+        return {k: v[back][:n] for k, v in rows.items()}
 
     @cpu_compat.scoped
     def logits(self, input_ids: torch.Tensor, micro: int = 1) -> torch.Tensor:
@@ -213,7 +261,8 @@ class MegatronEngine:
                                     "response_lens": torch.zeros(B, dtype=torch.long),
                                     "responses": torch.zeros(B, 1, dtype=torch.long)})
         group, vocab = state.tp_group(), self.spec.vocab_size
-        rows = self.forward_rows(data, micro, lambda out, mb: {"logits": full_logits(out, vocab, group)},
+        rows = self.forward_rows(data, micro, lambda out, mb: {"logits": full_logits(out, self.head_weight(), vocab,
+                                                                                     group, mb)},
                                  ("logits",), {"logits": (S, vocab)})
         return rows["logits"]
 
@@ -236,7 +285,7 @@ class MegatronEngine:
     # -- training -------------------------------------------------------------------------------------
     @cpu_compat.scoped
     def train(self, data: DataProto, mini: int, micro: int, epochs: int, process: Process, loss_fn: LossFn,
-              prefix: str, shuffle: bool = False) -> dict[str, float]:
+              prefix: str, shuffle: bool = False, max_tokens: int | None = None) -> dict[str, float]:
         """`epochs` passes over mini-batches of `mini` sequences, one optimizer step each; one
         LR-schedule step per call. The loss function's metrics are means over its micro-batch
         (verl's convention, so a user's loss function needs no knowledge of the split): they are
@@ -248,7 +297,7 @@ class MegatronEngine:
         if len(data) % mini:
             raise ValueError(f"{len(data)} sequences do not split into mini-batches of {mini} "
                              "(ppo_mini_batch_size x rollout.n); make the batch a multiple of it")
-        if mini % (lay.dp * micro):
+        if mini % (lay.dp * (1 if max_tokens else micro)):
             raise ValueError(f"a mini-batch of {mini} sequences does not split into DP {lay.dp} x micro-batches of "
                              f"{micro}; change ppo_micro_batch_size_per_gpu")
         seq = batching.seq_len(data)
@@ -264,7 +313,7 @@ class MegatronEngine:
                 g = torch.Generator().manual_seed(self.es.seed + 1000 * self.sched_step + epoch)
                 order = data[torch.randperm(len(data), generator=g)]
             for mb_data in order.split(mini):
-                got = self.accumulate(mb_data, micro, process, loss_fn, seq)
+                got = self.accumulate(mb_data, micro, process, loss_fn, seq, max_tokens)
                 applied, norm = self.step(got)
                 if not applied:
                     skipped += 1
@@ -285,19 +334,22 @@ class MegatronEngine:
 
     @cpu_compat.scoped
     def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,
-                   seq: int | None = None) -> list[dict]:
+                   seq: int | None = None, max_tokens: int | None = None) -> list[dict]:
         """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
-        rank's share in micro-batches through the schedule, DP-summed. Returns the last stage's
-        per-micro-batch metrics."""
+        rank's share in micro-batches (`micro` rows, or by the `max_tokens` budget) through the
+        schedule, DP-summed. Returns the last stage's per-micro-batch metrics."""
         lay = self.layout
+        lengths = batching.row_tokens(mini_batch)
+        plan = batching.plan(lengths, lay.dp, micro, max_tokens, self.packed)
+        cols = self._columns(plan, lengths, seq or batching.seq_len(mini_batch), max_tokens is not None)
         meta = {"global_tokens": float(mini_batch.batch["response_mask"].sum()), "global_seqs": len(mini_batch),
-                "global_micro_batches": len(mini_batch) // micro}
-        parts = batching.dp_slice(mini_batch, lay.dp_rank, lay.dp).split(micro)
+                "global_micro_batches": sum(len(rank) for rank in plan)}
+        parts = [mini_batch[idx] for idx in plan[lay.dp_rank]]
         for p in parts:
             p.meta_info.update(meta)
         for c in self.chunks:
             c.zero_grad_buffer()
-        return self._run(parts, seq or batching.seq_len(mini_batch), process, loss_fn)
+        return self._run(parts, cols[lay.dp_rank], process, loss_fn)
 
     @cpu_compat.scoped
     def step(self, got: list[dict]) -> tuple[bool, float]:

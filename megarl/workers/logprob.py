@@ -58,3 +58,116 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: in
     # H = log Z - E_p[z] with z the shifted logits.
     mean_z = _sum((exp * shifted).sum(dim=-1), group) / sum_exp
     return log_probs, log_z - mean_z
+
+
+# -- lean path: the LM head fused with the log-prob, chunked over tokens --------------------------------
+# The logits of a micro-batch ([tokens, V/TP], ~600 MB per 1k tokens at a 152k vocabulary in
+# fp32) never exist whole: each chunk of tokens is projected, reduced to (log p, entropy) and
+# dropped; backward projects each chunk again. Kept for backward: the hidden states (which the
+# model keeps anyway), the head weight (a parameter) and three fp32 numbers per token.
+CHUNK_BYTES = 64 << 20  # fp32 logits of one chunk
+
+
+def chunk_tokens(vocab_local: int) -> int:
+    return max(16, CHUNK_BYTES // (4 * max(vocab_local, 1)))
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_start, valid, group, temperature, with_entropy, entropy_grad,
+                chunk):
+        n = hidden.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        mean_z = torch.empty_like(lse)
+        target_z = torch.empty_like(lse)
+        w = weight[:valid]
+        tp = group is not None and dist.get_world_size(group) > 1
+        for a in range(0, n, chunk):
+            z = (hidden[a:a + chunk] @ w.t()).float() / temperature          # [c, valid]
+            peak = z.max(dim=-1).values if valid else torch.full((z.shape[0],), float("-inf"), device=z.device)
+            if tp:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            shifted = z - peak.unsqueeze(-1)
+            exp = shifted.exp()
+            local = targets[a:a + chunk] - vocab_start
+            here = (local >= 0) & (local < valid)
+            picked = shifted.gather(-1, local.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid \
+                else torch.zeros_like(peak)
+            sums = torch.stack([exp.sum(-1), torch.where(here, picked, torch.zeros_like(picked)),
+                                (exp * shifted).sum(-1) if with_entropy else torch.zeros_like(peak)])
+            if tp:
+                dist.all_reduce(sums, group=group)
+            log_sum = sums[0].log()
+            lse[a:a + chunk] = peak + log_sum
+            target_z[a:a + chunk] = sums[1] - log_sum                          # log p(target)
+            mean_z[a:a + chunk] = peak + sums[2] / sums[0]                     # E_p[z]
+        ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
+        ctx.args = (vocab_start, valid, temperature, entropy_grad, chunk)
+        entropy = lse - mean_z if with_entropy else None
+        if with_entropy and not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return target_z, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, mean_z = ctx.saved_tensors
+        vocab_start, valid, temperature, entropy_grad, chunk = ctx.args
+        w = weight[:valid]
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # fp32 accumulation across chunks, like one matmul's; cast to the weight's dtype once.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float()
+        use_ent = entropy_grad and g_ent is not None
+        for a in range(0, hidden.shape[0], chunk):
+            h = hidden[a:a + chunk]
+            z = (h @ w.t()).float() / temperature
+            p = (z - lse[a:a + chunk].unsqueeze(-1)).exp()
+            # d log p(t) / dz = onehot(t) - p;  dH / dz = -p (z - E_p[z])
+            gz = -p * g_lp[a:a + chunk].unsqueeze(-1)
+            if use_ent:
+                gz -= p * (z - mean_z[a:a + chunk].unsqueeze(-1)) * g_ent[a:a + chunk].float().unsqueeze(-1)
+            local = targets[a:a + chunk] - vocab_start
+            here = (local >= 0) & (local < valid)
+            rows = here.nonzero().squeeze(-1)
+            gz[rows, local[rows]] += g_lp[a:a + chunk][rows]
+            gz = (gz / temperature).to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[a:a + chunk] = gz @ w
+            if grad_w is not None:
+                grad_w[:valid] += (gz.t() @ h).float()
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                     vocab_size: int, group=None, temperature: float = 1.0, with_entropy: bool = True,
+                     entropy_grad: bool = True, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [n, h] (this rank's full hidden states at the positions to score), weight [V_local, h]
+    (this TP rank's vocabulary rows of the LM head), targets [n] global ids -> (log p(target) [n],
+    entropy [n] or None) of softmax(hidden @ weight.T / temperature), fp32. The same numbers as
+    token_log_probs on the materialised logits. The entropy carries gradients only when
+    `entropy_grad` (an entropy bonus); otherwise it is a detached metric. Under TP the caller
+    passes hidden through megatron's copy-to-TP-region (all-reduce of its gradient), as the
+    output layer does."""
+    valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    chunk = chunk or chunk_tokens(valid)
+    return _LinearLogProbs.apply(hidden, weight, targets, vocab_start, valid, group, temperature, with_entropy,
+                                 entropy_grad, chunk)
+
+
+def hidden_to_head(output_layer, sequence_parallel: bool) -> None:
+    """Make megatron's output layer hand back its input (the final hidden states, prepared as the
+    layer would: gathered over sequence parallelism, or marked for the TP all-reduce of its
+    gradient) so the log-prob code applies the head itself, chunk by chunk. Parameters keep their
+    names, so checkpoints, conversion maps and the optimizer see no change."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                         gather_from_sequence_parallel_region)
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True), None
+        return copy_to_tensor_model_parallel_region(input_), None
+
+    output_layer.forward = forward

@@ -32,6 +32,7 @@ class EngineSpec:
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
     recompute: bool = False
+    packing: bool = True                    # THD-packed micro-batches (model.use_remove_padding)
     transformer_overrides: dict = field(default_factory=dict)
     timeout_s: float = 600.0
     seed: int = 42

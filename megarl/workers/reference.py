@@ -36,10 +36,12 @@ class ReferenceWorker:
         group = state.tp_group()
 
         def process(out, mb):
-            return log_prob_outputs(out, mb, eng.spec.vocab_size, eng.layout.tp_rank, group, temperature, False)
+            return log_prob_outputs(out, mb, eng.head_weight(), eng.spec.vocab_size, eng.layout.tp_rank, group,
+                                    temperature, False)
 
+        budget = self.cfg.log_prob_max_token_len_per_gpu if self.cfg.log_prob_use_dynamic_bsz else None
         try:
-            return eng.forward_rows(data, self.micro, process, ("log_probs",))["log_probs"]
+            return eng.forward_rows(data, self.micro, process, ("log_probs",), max_tokens=budget)["log_probs"]
         finally:
             if self.cfg.param_offload:
                 eng.offload()

@@ -24,7 +24,9 @@ _KEY = "reward_model.model.path"
 
 
 def _last_token_scores(values: torch.Tensor, mb: DataProto) -> dict[str, torch.Tensor]:
-    """values [b, s, 1] -> scores [b] at position prompt_len + response_len - 1."""
+    """values [b, s, 1] (or packed [1, T, 1]) -> scores [b] at each row's last token."""
+    if "last_index" in mb.batch:  # set by the engine, padded or packed layout alike
+        return {"scores": values.flatten(0, 1)[mb.batch["last_index"].to(values.device), 0].float()}
     last = (mb.batch["prompt_lens"] + mb.batch["response_lens"] - 1).clamp(min=0).to(values.device)
     return {"scores": values.squeeze(-1).gather(1, last[:, None]).squeeze(1).float()}
 
