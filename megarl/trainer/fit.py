@@ -194,6 +194,7 @@ class RLTrainer:
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length, self.cfg.data.max_prompt_length))
         metrics.update(compute_timing_metrics(batch, self.timings))
         metrics.update(compute_throughput_metrics(batch, self.timings["step"], self.ranks.world))
+        metrics.update(self.p.padding_metrics())
         metrics["training/bad_steps"] = self.bad_steps
         if tr.test_freq > 0 and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
             with self.timed("testing"):

@@ -35,6 +35,16 @@ class Parts:
     kl_ctrl: Any
     total_steps: int
 
+    def padding_metrics(self) -> dict:
+        """perf/padding_ratio: tokens the megatron roles computed / real tokens, over every pass
+        since the last call (log-probs, values, updates); 1.0 means no compute went to padding."""
+        computed = real = 0
+        for role in (self.actor, self.ref, self.critic, self.reward_model):
+            if role is not None and hasattr(role, "engine"):
+                c, r = role.engine.take_padding()
+                computed, real = computed + c, real + r
+        return {"perf/padding_ratio": computed / real} if real else {}
+
     def trainable_roles(self) -> dict:
         roles = {"actor": self.actor}
         if self.critic is not None:

@@ -1,0 +1,152 @@
+"""Packing, token-budget plans and the lean log-prob, on one process (no spawn).
+
+    python -m pytest -q tests/test_packing.py
+
+The distributed half (TP2 / PP2 equality with the padded path) is tests/test_packing_distributed.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.protocol import DataProto
+from megarl.workers import batching, packing
+from megarl.workers.logprob import linear_log_probs, token_log_probs
+
+
+def _batch(lens_p, lens_r, R=None, vocab=50, seed=0) -> DataProto:
+    g = torch.Generator().manual_seed(seed)
+    plen, rlen = torch.tensor(lens_p), torch.tensor(lens_r)
+    R = R or int(rlen.max())
+    S = int((plen + rlen).max()) + 1
+    ids = torch.zeros(len(lens_p), S, dtype=torch.long)
+    resp = torch.zeros(len(lens_p), R, dtype=torch.long)
+    for i in range(len(lens_p)):
+        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
+        ids[i, :len(toks)] = toks
+        resp[i, :rlen[i]] = toks[plen[i]:]
+    return DataProto.from_dict({"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp})
+
+
+# -- plans -----------------------------------------------------------------------------------------------
+def test_static_plan_is_todays_contiguous_split():
+    assert batching.plan([5] * 8, dp=2, micro=2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_dynamic_plan_fits_budget_agrees_across_ranks_and_covers_every_row(packed):
+    g = torch.Generator().manual_seed(1)
+    lengths = (torch.randint(5, 60, (48,), generator=g)).tolist()
+    lengths[7] = 100
+    for dp in (1, 2, 4):
+        plan = batching.plan(lengths, dp, micro=4, max_tokens=120, packed=packed)
+        assert len({len(rank) for rank in plan}) == 1                      # same count on every DP rank
+        rows = sorted(i for rank in plan for mb in rank for i in mb)
+        assert rows == list(range(48))                                     # each row exactly once
+        assert {len([i for mb in rank for i in mb]) for rank in plan} == {48 // dp}   # equal rows per rank
+        assert all(batching.micro_cost(mb, lengths, packed) <= 120 for rank in plan for mb in rank)
+    packed_count = len(batching.plan(lengths, 1, 4, 120, packed=True)[0])
+    assert packed_count == -(-sum(lengths) // 120) or packed_count == -(-sum(lengths) // 120) + 1
+
+
+def test_budget_below_longest_sequence_is_refused_naming_both():
+    with pytest.raises(ValueError, match="sequence of 100 tokens exceeds the micro-batch token budget 64"):
+        batching.plan([10, 100], 1, 1, max_tokens=64, packed=True)
+
+
+def test_split_to_keeps_budget():
+    bins = batching._split_to([[0, 1, 2, 3], [4]], 4, [9, 8, 7, 6, 5])
+    assert len(bins) == 4 and sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
+
+
+# -- layouts ------------------------------------------------------------------------------------------------
+def test_packed_input_positions_restart_and_index_the_right_tokens():
+    mb = _batch([3, 2, 4], [2, 3, 1], R=3)
+    inp = packing.packed_input(mb, length=20)
+    assert inp.input_ids.shape == (1, 20) and inp.computed_tokens == 20
+    assert inp.packed_seq_params.cu_seqlens_q.tolist() == [0, 5, 10, 15, 20]
+    assert inp.position_ids[0, :15].tolist() == [0, 1, 2, 3, 4] * 3
+    assert inp.packed_seq_params.max_seqlen_q == 5
+    flat = inp.input_ids[0]
+    # the token after each out_index position is the response token it predicts
+    for i in range(3):
+        for j in range(int(mb.batch["response_lens"][i])):
+            assert flat[inp.out_index[i, j] + 1] == mb.batch["responses"][i, j]
+        assert flat[inp.last_index[i]] == mb.batch["input_ids"][i, int(mb.batch["prompt_lens"][i] +
+                                                                   mb.batch["response_lens"][i]) - 1]
+
+
+def test_widths_and_computed_tokens():
+    lens = [[5, 3], [9], [2, 2, 2]]
+    assert packing.widths(lens, True, 9, common=False) == [8, 9, 6]
+    assert packing.widths(lens, True, 9, common=True, multiple=4) == [12, 12, 12]
+    assert packing.computed_tokens(lens, True, 9, common=False) == 23          # no padding at all
+    assert packing.computed_tokens(lens, False, 9, common=True) == 9 * 6       # today's: all rows at the longest
+    assert packing.computed_tokens(lens, False, 9, common=False) == 10 + 9 + 6
+
+
+def test_varlen_attention_equals_block_diagonal_mask():
+    from megarl.models.varlen import varlen_causal
+    g = torch.Generator().manual_seed(0)
+    seg = [4, 1, 6, 3]
+    T, H, KV, D = sum(seg), 4, 2, 8
+    q, k, v = (torch.randn(T, n, D, generator=g) for n in (H, KV, KV))
+    cu = torch.tensor([0, 4, 5, 11, 14], dtype=torch.int32)
+    got = varlen_causal(q, k, v, cu, max(seg), scale=0.3)
+    owner = torch.repeat_interleave(torch.arange(len(seg)), torch.tensor(seg))
+    allowed = (owner[:, None] == owner[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=allowed, scale=0.3).transpose(0, 1)
+    assert (got - ref).abs().max() < 1e-6
+
+
+# -- the lean log-prob --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_linear_log_probs_match_materialised_logits_values_and_grads(entropy_grad):
+    g = torch.Generator().manual_seed(0)
+    n, h, vocab, padded_vocab, T = 37, 16, 45, 48, 0.7
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).float()
+    weight = torch.randn(padded_vocab, h, generator=g) * 0.5
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def run(fn):
+        hd, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = fn(hd, w)
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy_grad else 0)
+        loss.backward()
+        return lp.detach(), ent.detach(), hd.grad, w.grad, ent.requires_grad
+
+    ref = run(lambda hd, w: token_log_probs((hd @ w.t()) / T, targets, 0, vocab))
+    got = run(lambda hd, w: linear_log_probs(hd, w, targets, 0, vocab, None, T, True, entropy_grad, chunk=8))
+    for a, b in zip(ref[:4], got[:4]):
+        assert (a - b).abs().max() < 1e-5
+    assert got[4] == entropy_grad                       # a metric-only entropy carries no gradient
+    assert (got[3][vocab:] == 0).all()                  # padded vocabulary rows get no gradient
+
+
+def test_lean_log_prob_peak_memory_is_at_least_2x_lower_at_152k_vocab():
+    """Peak bytes allocated by one forward+backward of the log-prob on [256 tokens, 152k vocab] fp32,
+    measured by torch's CPU memory profiler; the model's hidden states and the weight are inputs."""
+    g = torch.Generator().manual_seed(0)
+    n, h, V = 256, 16, 152064
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(V, h, generator=g) * 0.02).requires_grad_()
+    targets = torch.randint(0, V, (n,), generator=g)
+
+    def today():
+        logits = hidden @ weight.t()                       # what the output layer hands back today
+        lp, ent = token_log_probs(logits / 1.0, targets, 0, V)
+        (lp.sum() + ent.sum()).backward()
+
+    def lean():
+        lp, ent = linear_log_probs(hidden, weight, targets, 0, V, None, 1.0, True, False)
+        lp.sum().backward()
+
+    from benchmarks.update_memory import peak_alloc_bytes
+    peaks = {}
+    for name, fn in (("today", today), ("lean", lean)):
+        hidden.grad = weight.grad = None
+        peaks[name] = peak_alloc_bytes(fn)
+    assert peaks["today"] > 2 * peaks["lean"], peaks
