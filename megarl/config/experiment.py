@@ -198,6 +198,11 @@ class ExperimentConfig:
                     f"not divisible by ppo_micro_batch_size_per_gpu x DP = {micro} x {dp}; change one of them",
                     f"{role}.ppo_micro_batch_size_per_gpu")
         longest = ro.prompt_length + ro.response_length
+        if self.token_budgets() and actor.megatron.pipeline_model_parallel_size > 1 and not (
+                self.model.use_remove_padding and self.critic.model.use_remove_padding):
+            raise ConfigError("token-budget micro-batches under pipeline parallelism need packed sequences (padded "
+                              "ones of different row counts cannot share the pipeline's fixed shape); set it to true "
+                              "or turn off use_dynamic_bsz", "actor_rollout_ref.model.use_remove_padding")
         for key, budget in self.token_budgets():
             if budget < longest:
                 raise ConfigError(f"a token budget of {budget} is smaller than the longest sequence, prompt_length "

@@ -178,6 +178,10 @@ class MegatronEngine:
     # -- the pipeline schedule ----------------------------------------------------------------------
     def _columns(self, plan: list[list[list[int]]], lengths: list[int], seq: int, dynamic: bool) -> list[list[int]]:
         """Per DP rank, the columns of each micro-batch (packing.widths); counts the run's tokens."""
+        if dynamic and self.layout.pp > 1 and not self.packed:
+            raise ValueError("token-budget micro-batches under pipeline parallelism need packed sequences "
+                             "(model.use_remove_padding=true): padded ones of different row counts cannot share "
+                             "the pipeline's fixed shape")
         common = self.layout.pp > 1 or (not self.packed and not dynamic)  # fixed shapes between stages
         multiple = self.layout.tp if self.config.sequence_parallel else 1
         cols, computed = [], 0

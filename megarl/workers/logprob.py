@@ -25,6 +25,23 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group. (megatron's
+    copy_to_tensor_model_parallel_region all-reduces `grad.contiguous()` and returns `grad`, so a
+    non-contiguous gradient, e.g. through [s, b, h] -> [b, s, h], would go unsummed.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _sum(x: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
@@ -162,12 +179,13 @@ def hidden_to_head(output_layer, sequence_parallel: bool) -> None:
     layer would: gathered over sequence parallelism, or marked for the TP all-reduce of its
     gradient) so the log-prob code applies the head itself, chunk by chunk. Parameters keep their
     names, so checkpoints, conversion maps and the optimizer see no change."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                         gather_from_sequence_parallel_region)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     def forward(input_, weight=None, runtime_gather_output=None):
         if sequence_parallel:
             return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True), None
-        return copy_to_tensor_model_parallel_region(input_), None
+        group = parallel_state.get_tensor_model_parallel_group()
+        return (_CopyToGroup.apply(input_, group) if dist.get_world_size(group) > 1 else input_), None
 
     output_layer.forward = forward
