@@ -1,5 +1,29 @@
-"""placeholder"""
+"""Padded vs packed, static vs token-budget micro-batches: time, peak memory and padding ratio of
+the actor's compute_log_prob and update_policy, side by side, on a long-tailed length mix.
+
+    python benchmarks/update_memory.py                       # CPU, small default shape (~1 min idle)
+    python benchmarks/update_memory.py --vocab 152064        # the 152k-vocabulary memory figure
+    python benchmarks/update_memory.py --megarl /work/main   # the same run on another checkout (today's code)
+    python benchmarks/update_memory.py --device cuda         # where a GPU is lent
+
+Lengths: prompts uniform in [prompt/2, prompt], responses geometric with mean `--mean-response`,
+5% of them at `--response` (the cap), like GSM8K rollouts with a few runaway answers. One process
+(TP = PP = DP = 1). Time: median of `--repeats` after one warm-up. Peak memory: on CUDA
+torch.cuda.max_memory_allocated above the memory held before the call; on CPU the peak of live
+tensor bytes allocated during the call, from torch's profiler (profile_memory: each op's own
+allocations and frees summed in time order; the model and batch that exist before are not
+counted). Padding ratio: tokens the model computed / real tokens (perf/padding_ratio), over one
+compute_log_prob and one update_policy.
+"""
 from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
 
 
 def peak_alloc_bytes(fn) -> int:
@@ -14,3 +38,155 @@ def peak_alloc_bytes(fn) -> int:
         live += ev.self_cpu_memory_usage
         peak = max(peak, live)
     return peak
+
+
+def peak_bytes(fn, device: str) -> int:
+    import torch
+    if device != "cuda":
+        return peak_alloc_bytes(fn)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def make_batch(vocab: int, B: int, P: int, R: int, mean_r: float, seed: int = 0):
+    """Right-padded rows; responses geometric (mean `mean_r`), 5% at the cap R."""
+    import torch
+
+    from megarl.protocol import DataProto
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(max(1, P // 2), P + 1, (B,), generator=g)
+    u = torch.rand(B, generator=g).clamp(min=1e-12)
+    rlen = (torch.log(u) / torch.log(torch.tensor(1 - 1 / mean_r))).long() + 1    # geometric, support >= 1
+    capped = torch.randperm(B, generator=g)[:max(1, round(0.05 * B))]
+    rlen[capped] = R
+    rlen = rlen.clamp(1, R)
+    S = int((plen + rlen).max())
+    ids = torch.zeros(B, S, dtype=torch.long)
+    resp = torch.zeros(B, R, dtype=torch.long)
+    for i in range(B):
+        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
+        ids[i, :len(toks)] = toks
+        resp[i, :rlen[i]] = toks[plen[i]:]
+    mask = (torch.arange(R)[None] < rlen[:, None]).float()
+    return DataProto.from_dict({"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp,
+                                "response_mask": mask, "advantages": torch.randn(B, R, generator=g),
+                                "old_log_probs": torch.zeros(B, R)})
+
+
+def loss_fn(out, mb):
+    m = mb.batch["response_mask"]
+    loss = (-(out["log_probs"] * mb.batch["advantages"]) * m).sum() / mb.meta_info["global_tokens"]
+    return loss, {"actor/entropy": float((out["entropy"].detach() * m).sum() / m.sum().clamp(min=1))}
+
+
+# (name, use_remove_padding, use_dynamic_bsz). The offload helper (issue 13, items 1-2) adds rows
+# with weights / grads / optimizer state offloaded around rollout here, as (name, packed, dynamic, offload).
+ROWS = [("padded, static", False, False), ("padded, dynamic", False, True),
+        ("packed, static", True, False), ("packed, dynamic", True, True)]
+# --- offload rows go here -----------------------------------------------------------------------
+
+
+def run_row(path, a, row, data):
+    import torch
+
+    from megarl.workers.actor import ActorWorker
+    from megarl.workers.config import ActorConfig, ModelConfig, OptimConfig
+    name, packed, dynamic = row[:3]
+    extra = {}
+    if hasattr(ActorConfig, "use_dynamic_bsz"):
+        extra = {"use_dynamic_bsz": dynamic, "ppo_max_token_len_per_gpu": a.max_tokens}
+    elif dynamic or packed:
+        return None  # a checkout without these keys runs today's layout only
+    cfg = ActorConfig(ppo_mini_batch_size=a.batch, ppo_micro_batch_size_per_gpu=a.micro,
+                      optim=OptimConfig(lr=1e-6), **extra)
+    if extra:
+        actor = ActorWorker(ModelConfig(path=path, use_remove_padding=packed), cfg,
+                            log_prob_max_tokens=a.max_tokens if dynamic else None)
+    else:
+        actor = ActorWorker(ModelConfig(path=path), cfg)
+    eng = actor.engine
+    if hasattr(eng, "take_padding"):
+        eng.take_padding()
+    lp = lambda: actor.compute_log_prob(data)  # noqa: E731
+    up = lambda: actor.update_policy(data, loss_fn)  # noqa: E731
+    lp(), up()  # warm-up; also the padding-ratio sample
+    if hasattr(eng, "take_padding"):
+        computed, real = eng.take_padding()
+    else:  # today's code: every micro-batch right-padded to the batch's longest row, twice (log-prob, update)
+        lens = (data.batch["prompt_lens"] + data.batch["response_lens"])
+        computed, real = 2 * len(data) * int(lens.max()), 2 * int(lens.sum())
+    times = {"lp": [], "up": []}
+    for _ in range(a.repeats):
+        for key, fn in (("lp", lp), ("up", up)):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            times[key].append(time.perf_counter() - t)
+    mem = {"lp": peak_bytes(lp, a.device), "up": peak_bytes(up, a.device)}
+    del actor, eng
+    gc.collect()
+    from megarl.parallel import state
+    state.destroy_model_parallel()
+    return {"name": name, "lp_s": statistics.median(times["lp"]), "up_s": statistics.median(times["up"]),
+            "lp_mib": mem["lp"] / 2**20, "up_mib": mem["up"] / 2**20, "padding": computed / real}
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=48)
+    p.add_argument("--response", type=int, default=192)
+    p.add_argument("--mean-response", type=float, default=40.0)
+    p.add_argument("--max-tokens", type=int, default=512, help="token budget of the dynamic rows")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--megarl", default=None, help="import megarl from this checkout (e.g. /work/main: today's code)")
+    p.add_argument("--rows", default=None, help="comma-separated row numbers to run (default all)")
+    a = p.parse_args(argv)
+    root = a.megarl or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.abspath(root))
+    for mod in [m for m in sys.modules if m == "megarl" or m.startswith("megarl.")]:
+        del sys.modules[mod]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if a.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import megarl
+    from megarl.models.tiny import make_tiny_hf
+    print(f"megarl from {os.path.dirname(megarl.__file__)}; device {a.device}")
+    rows = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        heads = max(2, a.hidden // 32)
+        path = make_tiny_hf(os.path.join(tmp, "model"), "qwen2", vocab_size=a.vocab, hidden_size=a.hidden,
+                            intermediate_size=3 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=heads,
+                            num_key_value_heads=heads // 2, tokenizer=False)
+        data = make_batch(a.vocab, a.batch, a.prompt, a.response, a.mean_response)
+        lens = data.batch["prompt_lens"] + data.batch["response_lens"]
+        print(f"batch {a.batch} rows, lengths mean {lens.float().mean():.0f}, max {int(lens.max())}; "
+              f"vocab {a.vocab}, micro {a.micro} rows or {a.max_tokens} tokens")
+        for row in rows:
+            r = run_row(path, a, row, data)
+            if r is not None:
+                results.append(r)
+    print(f"{'layout':<18}{'log_prob s':>11}{'update s':>10}{'log_prob MiB':>14}{'update MiB':>12}{'padding':>9}")
+    for r in results:
+        print(f"{r['name']:<18}{r['lp_s']:>11.3f}{r['up_s']:>10.3f}{r['lp_mib']:>14.1f}{r['up_mib']:>12.1f}"
+              f"{r['padding']:>9.3f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

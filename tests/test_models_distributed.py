@@ -111,7 +111,8 @@ def hf_critic_reference(path: str, data: DataProto) -> dict:
 def _actor(path, tp, pp, micro, **optim):
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
-    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro,
+    # entropy_coeff: policy_loss has an entropy bonus, so the entropy must carry gradients.
+    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, entropy_coeff=0.01,
                       megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                       optim=OptimConfig(**{"lr": 1e-3, **optim}))
     return ActorWorker(ModelConfig(path=path), cfg)
@@ -145,7 +146,7 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
             r = {"logits": _diff(actor.engine.logits(data.batch["input_ids"], micro), ref["logits"])}
             lp, ent = actor.compute_log_prob(data, TEMP)
             r["log_probs"], r["entropy"] = _diff(lp, ref["log_probs"]), _diff(ent, ref["entropy"])
-            actor.engine.accumulate(data, micro, actor._process(TEMP, True), policy_loss)
+            actor.engine.accumulate(data, micro, actor._process(TEMP, True, True), policy_loss)
             r["grad"], r["grad_names"] = _grad_errors(actor.engine, ref["grads"])
             r["metrics"] = actor.update_policy(data, policy_loss, TEMP)
             r["moved"] = _diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])

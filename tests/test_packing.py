@@ -150,3 +150,25 @@ def test_lean_log_prob_peak_memory_is_at_least_2x_lower_at_152k_vocab():
         hidden.grad = weight.grad = None
         peaks[name] = peak_alloc_bytes(fn)
     assert peaks["today"] > 2 * peaks["lean"], peaks
+
+
+# -- config ---------------------------------------------------------------------------------------------------
+def test_token_budget_keys_take_the_actors_and_refuse_a_budget_below_the_longest_sequence():
+    from megarl.config import ConfigError, load_config
+    cfg = load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"])
+    ro, ref = cfg.rollout, cfg.actor_rollout_ref.ref
+    assert (ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu) == (True, 4096)
+    assert (ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu) == (True, 4096)
+    assert (cfg.critic.use_dynamic_bsz, cfg.critic.forward_max_token_len_per_gpu) == (True, 4096)
+    longest = ro.prompt_length + ro.response_length
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                           f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={longest - 1}"])
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu:")
+    assert f"budget of {longest - 1}" in msg and f"= {longest}" in msg
+    with pytest.raises(ConfigError, match="use_remove_padding: token-budget micro-batches under pipeline"):
+        load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true", "trainer.n_gpus_per_node=2",
+                           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                           "actor_rollout_ref.model.use_remove_padding=false"])

@@ -6,7 +6,8 @@
     actor.save_checkpoint("runs/x/step_10/actor"); actor.load_checkpoint(...)
 
 Every rank passes the same full batch and gets full-batch results back. `loss_fn(outputs,
-micro_batch) -> (loss, metrics)` gets outputs {"log_probs", "entropy"} [b, R] with gradients, and
+micro_batch) -> (loss, metrics)` gets outputs {"log_probs", "entropy"} [b, R] (the entropy with
+gradients only when actor.entropy_coeff != 0; otherwise it is a metric), and
 meta_info["global_tokens"] / ["global_seqs"] / ["global_micro_batches"] of its mini-batch to
 normalise by: the applied gradient is the sum of d(loss) over all micro-batches and DP ranks
 (megarl/workers/engine.py), so `(x * mask).sum() / global_tokens` is an exact token mean. Metrics
