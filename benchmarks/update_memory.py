@@ -8,11 +8,11 @@ the actor's compute_log_prob and update_policy, side by side, on a long-tailed l
 
 Lengths: prompts uniform in [prompt/2, prompt], responses geometric with mean `--mean-response`,
 5% of them at `--response` (the cap), like GSM8K rollouts with a few runaway answers. One process
-(TP = PP = DP = 1). Time: median of `--repeats` after one warm-up. Peak memory: on CUDA
-torch.cuda.max_memory_allocated above the memory held before the call; on CPU the peak of live
-tensor bytes allocated during the call, from torch's profiler (profile_memory: each op's own
-allocations and frees summed in time order; the model and batch that exist before are not
-counted). Padding ratio: tokens the model computed / real tokens (perf/padding_ratio), over one
+(TP = PP = DP = 1). Time: median of `--repeats` after one warm-up. Peak memory (compute_log_prob, and
+the update's forward + backward over the whole mini-batch): on CUDA torch.cuda.max_memory_allocated
+above the memory held before the call; on CPU the peak of live tensor bytes allocated during the
+call, from torch's profiler (profile_memory: each op's own allocations and frees summed in time
+order; the model and batch that exist before are not counted). Padding ratio: tokens the model computed / real tokens (perf/padding_ratio), over one
 compute_log_prob and one update_policy.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+# One process per run (it starts torch.distributed with world size 1): run it as a script.
 
 def peak_alloc_bytes(fn) -> int:
     """Peak bytes of tensors allocated (and not yet freed) while `fn()` runs, on CPU: torch's
@@ -129,7 +130,11 @@ def run_row(path, a, row, data):
             if a.device == "cuda":
                 torch.cuda.synchronize()
             times[key].append(time.perf_counter() - t)
-    mem = {"lp": peak_bytes(lp, a.device), "up": peak_bytes(up, a.device)}
+    # The update's activation peak: one mini-batch's forward + backward (the optimizer step's
+    # temporaries, the same in every row, are left out).
+    budget = {"max_tokens": a.max_tokens if dynamic else None} if extra else {}
+    fwd_bwd = lambda: eng.accumulate(data, a.micro, actor._process(1.0, True), loss_fn, **budget)  # noqa: E731
+    mem = {"lp": peak_bytes(lp, a.device), "up": peak_bytes(fwd_bwd, a.device)}
     del actor, eng
     gc.collect()
     from megarl.parallel import state
@@ -150,14 +155,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--megarl", default=None, help="import megarl from this checkout (e.g. /work/main: today's code)")
     p.add_argument("--rows", default=None, help="comma-separated row numbers to run (default all)")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
     a = p.parse_args(argv)
-    root = a.megarl or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.abspath(root))
-    for mod in [m for m in sys.modules if m == "megarl" or m.startswith("megarl.")]:
-        del sys.modules[mod]
+    sys.path.insert(0, os.path.abspath(a.megarl or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -181,10 +184,14 @@ def main(argv=None) -> list[dict]:
             r = run_row(path, a, row, data)
             if r is not None:
                 results.append(r)
-    print(f"{'layout':<18}{'log_prob s':>11}{'update s':>10}{'log_prob MiB':>14}{'update MiB':>12}{'padding':>9}")
+    print(f"{'layout':<18}{'log_prob s':>11}{'update s':>10}{'log_prob MiB':>14}{'fwd+bwd MiB':>12}{'padding':>9}")
     for r in results:
         print(f"{r['name']:<18}{r['lp_s']:>11.3f}{r['up_s']:>10.3f}{r['lp_mib']:>14.1f}{r['up_mib']:>12.1f}"
               f"{r['padding']:>9.3f}")
+    if a.json:
+        import json
+        with open(a.json, "w") as f:
+            json.dump(results, f)
     return results
 
 

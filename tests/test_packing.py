@@ -172,3 +172,21 @@ def test_token_budget_keys_take_the_actors_and_refuse_a_budget_below_the_longest
         load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true", "trainer.n_gpus_per_node=2",
                            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                            "actor_rollout_ref.model.use_remove_padding=false"])
+
+
+def test_update_memory_benchmark_runs_a_tiny_shape(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "update_memory.py"), "--batch", "4", "--micro",
+                    "2", "--prompt", "8", "--response", "24", "--mean-response", "6", "--max-tokens", "64", "--vocab",
+                    "512", "--hidden", "32", "--layers", "1", "--repeats", "1", "--json", str(out)],
+                   check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())
+    got = {r["name"]: r for r in rows}
+    assert len(rows) == 4
+    assert got["packed, static"]["padding"] == 1.0 < got["padded, static"]["padding"]
+    assert all(r["lp_mib"] > 0 and r["up_mib"] > 0 and r["up_s"] > 0 for r in rows)
