@@ -306,13 +306,20 @@ def test_bucket_handles_carry_names_and_rebuild(tmp_path):
 
 
 # -- the conformance suite against the fake -------------------------------------------------------------------------
+@pytest.mark.parametrize("snapshot", trtllm_fake.SNAPSHOTS)
 @pytest.mark.parametrize("check", conformance.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
-def test_conformance_on_the_1_3_fake(monkeypatch, dirs, check, record_property):
-    trtllm_fake.install(monkeypatch, V13)
+def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record_property):
+    """1.3+: every check passes. A version without logprobs_mode: every check is refused at start-up."""
+    snap = trtllm_fake.load_snapshot(snapshot)
+    trtllm_fake.install(monkeypatch, snapshot)
 
     def make(**overrides):
         return TRTLLMEngine(dirs["a"], engine_cfg(**{"prompt_length": None, "response_length": None, **overrides}),
                             device="cpu")
+    if snap["logprobs_modes"] is None:
+        with pytest.raises(ConfigError, match="rollouts need TensorRT-LLM >= 1.3"):
+            check(make, dirs)
+        return
     for key, value in check(make, dirs).items():
         record_property(key, value)
         assert value <= conformance.TOL
