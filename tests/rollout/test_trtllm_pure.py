@@ -323,3 +323,38 @@ def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record
     for key, value in check(make, dirs).items():
         record_property(key, value)
         assert value <= conformance.TOL
+
+
+def _tp2(rank, world, model_dir):
+    import sys
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    sys.modules.update(trtllm_fake.build(V13))
+    engine = TRTLLMEngine(model_dir, engine_cfg(tensor_model_parallel_size=2, load_format="dummy"),
+                          tp_group=dist.group.WORLD, device=f"cpu:{rank}")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    named = state_of(hf)
+    _sync(engine, named)                       # each rank's handles keyed by its UUID; every worker finds its own
+    sp = SamplingParams(n=2, max_tokens=6, temperature=1.3, seed=4)
+    groups = engine.generate(conformance.PROMPTS, sp)
+    err = conformance.Oracle(hf).max_error(groups, conformance.PROMPTS, 1.3)
+    engine.sleep()
+    _sync(engine, named)
+    engine.wake()
+    again = engine.generate(conformance.PROMPTS, sp)
+    workers = engine.llm.workers if engine.leader else None
+    return [[c.token_ids for c in g] for g in groups], [[c.token_ids for c in g] for g in again], err, workers
+
+
+@pytest.mark.timeout(300)
+def test_tp2_group_over_gloo(dirs):
+    """Two ranks: the leader's fake workers sit on both ranks' GPUs, the gathered handles reach each,
+    both ranks return the leader's completions, exact against transformers, across a sleep/sync/wake."""
+    from tests.distributed import run_ranks
+    (t0, a0, err, workers), (t1, a1, _, _) = run_ranks(2, _tp2, (dirs["a"],))
+    assert workers == ["GPU-fake-0", "GPU-fake-1"]
+    assert t0 == t1 and a0 == a1 and t0 == a0
+    assert err <= conformance.TOL
