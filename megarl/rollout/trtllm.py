@@ -150,10 +150,11 @@ def check_config(cfg: RolloutConfig, feats: Features) -> None:
         raise ConfigError(f"TensorRT-LLM {feats.version} has no sleep support (neither sleep_config nor enable_sleep); "
                           "set enable_sleep_mode=false and free_cache_engine=false", f"{_KEY}.enable_sleep_mode")
     if cfg.enable_sleep_mode and feats.sleep == "enable_sleep":
-        # 1.2's enable_sleep restores every tag with a host copy (PINNED): no control over what is kept.
-        raise ConfigError(f"TensorRT-LLM {feats.version} offers only enable_sleep (weights copied to host and back at "
-                          "every sleep); megarl needs SleepConfig(restore_modes) from TensorRT-LLM >= 1.3, or "
-                          "enable_sleep_mode=false and free_cache_engine=false", f"{_KEY}.enable_sleep_mode")
+        # enable_sleep alone has no per-tag restore modes: megarl could not keep the weights in place
+        # nor drop them without a host copy.
+        raise ConfigError(f"TensorRT-LLM {feats.version} offers only enable_sleep, without restore modes; megarl needs "
+                          "SleepConfig(restore_modes) (TensorRT-LLM >= 1.3), or set enable_sleep_mode=false and "
+                          "free_cache_engine=false", f"{_KEY}.enable_sleep_mode")
     logprob_mode(SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                 repetition_penalty=cfg.repetition_penalty, do_sample=cfg.do_sample))
 
@@ -401,17 +402,21 @@ class TRTLLMEngine(BaseRollout):
         self.llm = None
         self.released: set[str] = set()
         self.asleep = False
+        from tensorrt_llm.llmapi import llm_args
+        kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)  # every rank refuses alike
+        failure = None
         if self.leader:
-            from tensorrt_llm.llmapi import llm_args
-            kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)
             try:
                 with placement.only_devices(self.group_uuids):
                     self.llm = self.tllm.LLM(**kw)
                 placement.check_worker_devices(self.llm._collective_rpc("report_device_id"), self.group_uuids)
-            except BaseException:
+            except BaseException as err:
                 self.close()
+                self.comm.broadcast(f"{type(err).__name__}: {err}")   # the other ranks must not wait forever
                 raise
-        self.comm.barrier()
+        failure = self.comm.broadcast(failure)
+        if failure:
+            raise RuntimeError(f"the rollout TP group's leader could not start TensorRT-LLM: {failure}")
 
     def close(self) -> None:
         """Shut the LLM down, and with it the Ray instance it started (leader only; idempotent)."""
@@ -466,6 +471,8 @@ class TRTLLMEngine(BaseRollout):
     def sleep(self) -> None:
         if not self.cfg_sleep:
             raise RuntimeError("this trtllm engine was built with enable_sleep_mode=false: it cannot sleep")
+        if self.asleep:
+            return
         tags = [KV_TAG] + ([t for t in self.features.memory_tags if t != KV_TAG]
                            if self.sleep_weights == "drop" else [])
         self._rpc("sleep", tags)
