@@ -24,9 +24,10 @@ the fix; the generation logits are never requested (no full-vocabulary transfer,
 
 Layout: rank 0 of the rollout TP group owns `tensorrt_llm.LLM`, whose Ray workers megarl places on
 exactly the group's GPUs and checks by device UUID (megarl/rollout/trtllm_placement.py). Every
-rank calls generate(); rank 0 generates and broadcasts. A weight bucket: each rank puts the full tensors on its own GPU, makes CUDA-IPC
-handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
-`update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.
+rank calls generate(); rank 0 generates and broadcasts. A weight bucket: each rank puts the full
+tensors on its own GPU, makes CUDA-IPC handles keyed by its device UUID; rank 0 gathers them and
+calls the worker extension's `update_weights(handles)`; `finalize_weights` calls it with None once
+every tensor has arrived.
 
 Sleep (only with enable_sleep_mode=True; free_cache_engine=True without it is refused): the KV
 cache is released (restore mode NONE); the weights stay on the GPU (load_format=auto) or are
@@ -36,6 +37,7 @@ the refit, so the two are never resident together with a bucket in flight.
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import dataclasses
 import inspect
@@ -218,7 +220,8 @@ def logprob_mode(sp: SamplingParams) -> str:
         return "processed"
     raise ConfigError(f"temperature={sp.temperature} together with top_k={sp.top_k}/top_p={sp.top_p}/"
                       f"repetition_penalty={sp.repetition_penalty}: TensorRT-LLM reports log-probs before temperature "
-                      "(raw) or after top-k/top-p and penalties (processed), never the trainer's log_softmax(logits/T); "
+                      "(raw) or after top-k/top-p and penalties (processed), never the trainer's "
+                      "log_softmax(logits/T); "
                       "set temperature=1.0, or drop top_k/top_p/repetition_penalty, or use rollout.name=native",
                       f"{_KEY}.temperature")
 
@@ -403,7 +406,8 @@ class TRTLLMEngine(BaseRollout):
         self.released: set[str] = set()
         self.asleep = False
         from tensorrt_llm.llmapi import llm_args
-        kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)  # every rank refuses alike
+        # Built on every rank, so a bad engine_kwargs key stops every rank alike.
+        kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)
         failure = None
         if self.leader:
             try:
@@ -414,6 +418,8 @@ class TRTLLMEngine(BaseRollout):
                 self.close()
                 self.comm.broadcast(f"{type(err).__name__}: {err}")   # the other ranks must not wait forever
                 raise
+        if self.llm is not None:
+            atexit.register(self.close)      # the Ray instance TensorRT-LLM started goes with the process
         failure = self.comm.broadcast(failure)
         if failure:
             raise RuntimeError(f"the rollout TP group's leader could not start TensorRT-LLM: {failure}")
