@@ -408,21 +408,17 @@ class TRTLLMEngine(BaseRollout):
         from tensorrt_llm.llmapi import llm_args
         # Built on every rank, so a bad engine_kwargs key stops every rank alike.
         kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)
-        failure = None
-        if self.leader:
+
+        def start():
             try:
                 with placement.only_devices(self.group_uuids):
                     self.llm = self.tllm.LLM(**kw)
                 placement.check_worker_devices(self.llm._collective_rpc("report_device_id"), self.group_uuids)
-            except BaseException as err:
+            except BaseException:
                 self.close()
-                self.comm.broadcast(f"{type(err).__name__}: {err}")   # the other ranks must not wait forever
                 raise
-        if self.llm is not None:
             atexit.register(self.close)      # the Ray instance TensorRT-LLM started goes with the process
-        failure = self.comm.broadcast(failure)
-        if failure:
-            raise RuntimeError(f"the rollout TP group's leader could not start TensorRT-LLM: {failure}")
+        self._on_leader(start)
 
     def close(self) -> None:
         """Shut the LLM down, and with it the Ray instance it started (leader only; idempotent)."""
@@ -430,29 +426,40 @@ class TRTLLMEngine(BaseRollout):
             llm, self.llm = self.llm, None
             llm.shutdown()
 
-    def _rpc(self, method: str, *args) -> None:
+    def _on_leader(self, fn):
+        """Run fn on the leader; every rank gets its result, or an error if it failed, so no rank is
+        left waiting in a collective. Also a barrier: IPC handles stay valid until consumed."""
         if self.leader:
-            self.llm._collective_rpc(method, args)
-        self.comm.barrier()                  # handles stay valid (tensors alive) until consumed
+            try:
+                result = fn()
+            except BaseException as err:
+                self.comm.broadcast((None, f"{type(err).__name__}: {err}"))
+                raise
+        result, failure = self.comm.broadcast((result, None) if self.leader else (None, None))
+        if failure:
+            raise RuntimeError(f"the rollout TP group's leader failed in TensorRT-LLM: {failure}")
+        return result
+
+    def _rpc(self, method: str, *args) -> None:
+        self._on_leader(lambda: self.llm._collective_rpc(method, args))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling)
-        groups = None
-        if self.leader:
-            mode_enum = _logprob_mode_enum()
-            params = []
-            for p in prompts:
-                kw = sampling_kwargs(sampling, self.features, response_budget(sampling, len(p), self.max_len),
-                                     self.pad_token_id)
-                if mode_enum is not None:
-                    kw["logprobs_mode"] = mode_enum(kw["logprobs_mode"])
-                params.append(self.tllm.SamplingParams(**kw))
-            outputs = self.llm.generate(prompts, params)
-            groups = [[completion_from_output(o) for o in out.outputs] for out in outputs]
-            if sampling.greedy and sampling.n > 1:
-                groups = [[dataclasses.replace(g[0], token_ids=list(g[0].token_ids), log_probs=list(g[0].log_probs))
-                           for _ in range(sampling.n)] for g in groups]
-        return self.comm.broadcast(groups)
+        # On every rank (same prompts everywhere), so a refusal stops every rank alike.
+        kws = [sampling_kwargs(sampling, self.features, response_budget(sampling, len(p), self.max_len),
+                               self.pad_token_id) for p in prompts]
+        return self._on_leader(lambda: self._generate(prompts, kws, sampling))
+
+    def _generate(self, prompts, kws, sampling: SamplingParams) -> list[list[Completion]]:
+        mode_enum = _logprob_mode_enum()
+        if mode_enum is not None:
+            kws = [{**kw, "logprobs_mode": mode_enum(kw["logprobs_mode"])} for kw in kws]
+        outputs = self.llm.generate(prompts, [self.tllm.SamplingParams(**kw) for kw in kws])
+        groups = [[completion_from_output(o) for o in out.outputs] for out in outputs]
+        if sampling.greedy and sampling.n > 1:
+            groups = [[dataclasses.replace(g[0], token_ids=list(g[0].token_ids), log_probs=list(g[0].log_probs))
+                       for _ in range(sampling.n)] for g in groups]
+        return groups
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         weight_tags = [t for t in self.released if t != KV_TAG]

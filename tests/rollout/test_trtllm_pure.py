@@ -346,15 +346,27 @@ def _tp2(rank, world, model_dir):
     engine.wake()
     again = engine.generate(conformance.PROMPTS, sp)
     workers = engine.llm.workers if engine.leader else None
-    return [[c.token_ids for c in g] for g in groups], [[c.token_ids for c in g] for g in again], err, workers
+    if engine.leader:                          # a failure inside TensorRT-LLM on the leader only
+        engine.llm.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory"))
+    try:
+        engine.generate(conformance.PROMPTS, sp)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    return ([[c.token_ids for c in g] for g in groups], [[c.token_ids for c in g] for g in again], err, workers,
+            raised)
 
 
 @pytest.mark.timeout(300)
 def test_tp2_group_over_gloo(dirs):
     """Two ranks: the leader's fake workers sit on both ranks' GPUs, the gathered handles reach each,
-    both ranks return the leader's completions, exact against transformers, across a sleep/sync/wake."""
+    both ranks return the leader's completions, exact against transformers, across a sleep/sync/wake;
+    a failure on the leader reaches the other rank."""
     from tests.distributed import run_ranks
-    (t0, a0, err, workers), (t1, a1, _, _) = run_ranks(2, _tp2, (dirs["a"],))
+    (t0, a0, err, workers, raised0), (t1, a1, _, _, raised1) = run_ranks(2, _tp2, (dirs["a"],))
     assert workers == ["GPU-fake-0", "GPU-fake-1"]
+    assert raised0 == "CUDA error: out of memory"
+    assert raised1 == "the rollout TP group's leader failed in TensorRT-LLM: RuntimeError: CUDA error: out of memory", \
+        "the other rank gets the leader's error instead of waiting forever"
     assert t0 == t1 and a0 == a1 and t0 == a0
     assert err <= conformance.TOL
