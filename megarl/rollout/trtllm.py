@@ -13,6 +13,9 @@ Versions, by feature detection (never by version string; `detect_features`):
                                        sampled token, and nothing else in 1.2's LLM API returns
                                        the sampled token's log-prob short of the full generation
                                        logits (V floats per token): 1.2 is refused for rollouts.
+                                       (verl on 1.2 reads sampler_type="TRTLLMSampler" dicts; how
+                                       that C++ sampler's values treat temperature and top-k could
+                                       not be verified from the source, so it is not relied on.)
   SamplingParams.logprobs_simple_format one float per token (the sampled token's) where it exists
   LLM arg sleep_config / enable_sleep  1.3+ SleepConfig(restore_modes) / 1.2's switch
 
