@@ -41,7 +41,10 @@ def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(model_dir, tmp_path
                           "actor_rollout_ref.actor.use_kl_loss=true",
                           "reward_model.launch_reward_fn_async=true", "reward_model.num_workers=2",
                           "reward_model.timeout_s=2", "reward_model.failure_score=0.0",
-                          "custom_reward_function.path=tests/assets/flaky_reward.py"))
+                          "custom_reward_function.path=tests/assets/flaky_reward.py",
+                          # token-budget micro-batches for every pass (actor, reference, critic), packed
+                          "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=48"))
     assert code == 0, out[-4000:]
     rows = read_metrics(str(tmp_path / "ppo"))
     assert [r["step"] for r in rows] == [1, 2]
@@ -50,6 +53,7 @@ def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(model_dir, tmp_path
                     "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/values",
                     "timing_s/ref", "timing_s/update_critic", "reward/failures", "reward/timeouts"):
             assert key in r, key
+        assert r["perf/padding_ratio"] == 1.0   # packed at TP2 x PP1: no compute on padding
     assert sum(r["reward/failures"] for r in rows) > 0     # the raising samples were counted,
     assert sum(r["reward/timeouts"] for r in rows) > 0     # the hanging ones cut off and counted
     assert "megarl: training layout: TP 2 x PP 1 x DP 1 (actor, reference, critic)" in out

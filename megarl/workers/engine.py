@@ -176,8 +176,10 @@ class MegatronEngine:
             yield from megatron_to_hf(name, shards, self.spec, self.es.head)
 
     # -- the pipeline schedule ----------------------------------------------------------------------
-    def _columns(self, plan: list[list[list[int]]], lengths: list[int], seq: int, dynamic: bool) -> list[list[int]]:
-        """Per DP rank, the columns of each micro-batch (packing.widths); counts the run's tokens."""
+    def _columns(self, plan: list[list[list[int]]], lengths: list[int], seq: int, dynamic: bool,
+                 real_rows: int | None = None) -> list[list[int]]:
+        """Per DP rank, the columns of each micro-batch (packing.widths); counts the run's tokens
+        (rows past `real_rows` are repeats that only even out the shapes: computed, not real)."""
         if dynamic and self.layout.pp > 1 and not self.packed:
             raise ValueError("token-budget micro-batches under pipeline parallelism need packed sequences "
                              "(model.use_remove_padding=true): padded ones of different row counts cannot share "
@@ -190,7 +192,7 @@ class MegatronEngine:
             cols.append(packing.widths(lens, self.packed, seq, common, multiple))
             computed += packing.computed_tokens(lens, self.packed, seq, common, multiple)
         self.tokens[0] += computed
-        self.tokens[1] += sum(lengths[i] for rank in plan for mb in rank for i in mb)
+        self.tokens[1] += sum(lengths[:real_rows])
         return cols
 
     def _run(self, micro: list[DataProto], cols: list[int], process: Process, loss_fn: LossFn | None) -> list[dict]:
@@ -242,7 +244,7 @@ class MegatronEngine:
         padded, n = batching.pad_rows(data, lay.dp * (1 if max_tokens else micro))
         lengths = batching.row_tokens(padded)
         plan = batching.plan(lengths, lay.dp, micro, max_tokens, self.packed)
-        cols = self._columns(plan, lengths, batching.seq_len(padded), max_tokens is not None)
+        cols = self._columns(plan, lengths, batching.seq_len(padded), max_tokens is not None, n)
         for c in self.chunks:
             c.eval()
         got = self._run([padded[idx] for idx in plan[lay.dp_rank]], cols[lay.dp_rank], process, None)
