@@ -19,6 +19,7 @@ from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.config import ActorConfig, ModelConfig
 from megarl.workers.engine import EngineShardView, EngineSpec, MegatronEngine
+from megarl.workers.offload import RoleMemory, offload_plan
 from megarl.workers.outputs import log_prob_outputs
 
 
@@ -39,12 +40,13 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         timeout_s=timeout_s, seed=mc.seed, role=role)
 
 
-class ActorWorker(EngineShardView):
+class ActorWorker(EngineShardView, RoleMemory):
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0):
         self.cfg = actor
         self.rollout_n = rollout_n
         self.engine = MegatronEngine(engine_spec(model, actor, trainable=True, optim=actor.optim, dtype=actor.dtype,
                                                  timeout_s=timeout_s, role="actor_rollout_ref.actor"))
+        self.offload_kw = offload_plan(actor.megatron, "actor_rollout_ref.actor", True, self.engine.device)
 
     @classmethod
     def from_config(cls, cfg) -> "ActorWorker":
