@@ -17,7 +17,7 @@ from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.mfu import MFUMeter, PhaseWork, resolve_peak_flops, table_peak_tflops
 from megarl.workers.offload import HostStash
 from tests.distributed import run_ranks
-from tests.worker_checks import check_device_and_offload
+from tests.worker_checks import check_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,13 +138,15 @@ def test_trainer_handoff_moves_every_trainable_role():
 
 
 @pytest.mark.timeout(300)
-def test_device_placement_and_offload_cycle_on_gloo(tmp_path):
+def test_device_placement_offload_cycle_and_weight_sync_on_gloo(tmp_path):
     from megarl.models.tiny import make_tiny_hf
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2", seed=5, tokenizer=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = run_ranks(2, check_device_and_offload, (path, "cpu"))
-    assert got[0]["moved_bytes"] > 0 and got[0]["metrics"] == got[1]["metrics"]
+        got = run_ranks(2, check_all, (path, "cpu"))
+    off = [g["offload"] for g in got]
+    assert off[0]["moved_bytes"] > 0 and off[0]["metrics"] == off[1]["metrics"]
+    assert got[0]["sync"]["sync"]["weight_sync/seconds"] > 0
 
 
 def test_gpu_check_report_plumbing_on_cpu(tmp_path):
