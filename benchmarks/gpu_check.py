@@ -151,7 +151,7 @@ def markdown(rep: dict) -> str:
             continue
         r = s["result"]
         if s["name"] == "matmul":
-            lines.append(f"| matmul {r['dtype']} {r['n']}^3 | {r['tflops']:.1f} TFLOP/s |")
+            lines.append(f"| matmul {r['dtype']} {r['n']}^3 | {r['tflops']:.3g} TFLOP/s |")
         elif s["name"] == "tests":
             lines.append(f"| tests/gpu | {r['summary']} (exit {r['returncode']}) |")
             for name, fig in r["figures"].items():
@@ -164,8 +164,8 @@ def markdown(rep: dict) -> str:
             for k in ("update_policy", "compute_log_prob"):
                 mfu = r.get(f"{k}_mfu")
                 lines.append(f"| {k} MFU (micro {r['micro']}, {r['shape']}) | "
-                             + (f"{mfu:.3f}" if mfu is not None else "n/a")
-                             + f" ({r[k + '_s']:.3f} s, {r[k + '_tflops']:.1f} TFLOP/s) |")
+                             + (f"{mfu:.3g}" if mfu is not None else "n/a")
+                             + f" ({r[k + '_s']:.3f} s, {r[k + '_tflops']:.3g} TFLOP/s) |")
             w = r["weight_sync"]
             lines.append(f"| weight sync (micro {r['micro']} run) | {w['seconds']:.3f} s, {w['gb_per_s']:.2f} GB/s |")
             mem = ", ".join(f"{k.split('/')[1]} {val:.2f}" for k, val in r["memory"].items())

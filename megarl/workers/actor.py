@@ -35,9 +35,17 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size, head=head,
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
-        use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=mc.sequence_parallel,
+        use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel,
         recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
         timeout_s=timeout_s, seed=mc.seed, role=role)
+
+
+def _distributed_optimizer(mc) -> bool:
+    """verl's default: the distributed optimizer wherever megatron's optimizer runs (CUDA)."""
+    if mc.use_distributed_optimizer is None:
+        import torch
+        return torch.cuda.is_available()
+    return mc.use_distributed_optimizer
 
 
 class ActorWorker(EngineShardView, RoleMemory):
