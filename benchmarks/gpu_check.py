@@ -139,6 +139,10 @@ def derived(sections: list[dict]) -> list[dict]:
             {"name": "offload", "ok": bool(off), "result": {"runs": off, "target_held_ratio": OFFLOAD_TARGET}}]
 
 
+def verdict(best: float, r: dict) -> str:
+    return f"{best:.3f}: " + ("met" if r["meets_target"] else f"short by {r['target'] - best:.3f}")
+
+
 def markdown(rep: dict) -> str:
     d, v = rep["device"], rep["versions"]
     lines = [f"# megarl gpu check, {rep['date']}", "",
@@ -177,8 +181,7 @@ def markdown(rep: dict) -> str:
         elif s["name"] == "mfu":
             best = r["best_update_policy_mfu"]
             lines.append(f"| update_policy MFU vs target {r['target']} | "
-                         + (f"{best:.3f}: {'met' if r['meets_target'] else 'short by ' + format(r['target'] - best, '.3f')}"
-                            if best is not None else "n/a") + " |")
+                         + (verdict(best, r) if best is not None else "n/a") + " |")
         elif s["name"] == "offload":
             for name, o in r["runs"].items():
                 lines.append(f"| offload ({name}) | trainer state on device {o['resident_gb_before']:.2f} -> "

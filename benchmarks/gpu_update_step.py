@@ -116,7 +116,8 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     before = eng.resident_bytes()
     moved = eng.offload(params=True, grads=True, optimizer=True)
     after = eng.resident_bytes()
-    out["offload"] = {"resident_gb_before": before / 2**30, "resident_gb_after": after / 2**30, "moved_gb": moved / 2**30,
+    out["offload"] = {"resident_gb_before": before / 2**30, "resident_gb_after": after / 2**30,
+                      "moved_gb": moved / 2**30,
                       "allocated_gb_before": alloc / 2**30 if cuda else None,
                       "allocated_gb_after": torch.cuda.memory_allocated(dev) / 2**30 if cuda else None}
     t_on = _timed(dev, eng.onload)
@@ -130,7 +131,8 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     sync = build_checkpoint_engine(ecfg, actor, engine, None)
     runs = [sync.sync() for _ in range(1 + a.repeats)][1:]
     secs = statistics.median(r["weight_sync/seconds"] for r in runs)
-    out["weight_sync"] = {"seconds": secs, "gb": runs[0]["weight_sync/gb"], "gb_per_s": runs[0]["weight_sync/gb"] / secs}
+    gb = runs[0]["weight_sync/gb"]
+    out["weight_sync"] = {"seconds": secs, "gb": gb, "gb_per_s": gb / secs}
     return out
 
 
@@ -143,7 +145,8 @@ def run(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--recompute", action="store_true", help="full activation recompute (FLOPs x4/3)")
-    ap.add_argument("--no-dist-opt", action="store_true", help="megatron's plain optimizer instead of the distributed one")
+    ap.add_argument("--no-dist-opt", action="store_true",
+                    help="megatron's plain optimizer instead of the distributed one")
     ap.add_argument("--peak-tflops", type=float, default=None, help="one device's peak (default: by GPU name)")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -174,7 +177,8 @@ def main() -> None:
         print(f"  {k:17s} {r[k + '_s']:.3f} s  {r[k + '_tflops']:.1f} TFLOP/s  MFU "
               + (f"{mfu:.3f} (peak {r['peak_tflops']:g} TFLOP/s)" if mfu is not None else f"n/a ({r['peak_source']})"))
     o = r["offload"]
-    print(f"  offload: trainer state on the device {o['resident_gb_before']:.2f} GB -> {o['resident_gb_after']:.2f} GB; "
+    print(f"  offload: trainer state on the device {o['resident_gb_before']:.2f} GB -> "
+          f"{o['resident_gb_after']:.2f} GB; "
           f"onload {o['onload_s']:.3f} s")
     w = r["weight_sync"]
     print(f"  weight sync -> native engine: {w['seconds']:.3f} s, {w['gb_per_s']:.2f} GB/s ({w['gb']:.2f} GB)")

@@ -170,8 +170,9 @@ def check_weight_sync(rank: int, world: int, path: str, want_device: str) -> dic
     expected = {k: v.to(dev) for k, v in full_export(actor).items()}
     worst, untouched = engine_mismatch(engine, expected)
     assert worst == 0.0 and untouched == [], (worst, untouched[:3])
+    # every rank passes the same batch (seed 0): compute_log_prob gathers rows over DP
     batch = DataProto(non_tensor_batch={"prompt_token_ids": [list(p) * 4 for p in PROMPTS]},
-                      meta_info={"sampling": SamplingParams(n=4, max_tokens=24, temperature=TEMP, seed=0)})  # every rank: the same batch
+                      meta_info={"sampling": SamplingParams(n=4, max_tokens=24, temperature=TEMP, seed=0)})
     out = engine.generate_sequences(batch)
     lp, _ = actor.compute_log_prob(out, temperature=TEMP, with_entropy=False)
     mism = rollout_mismatch_metrics(lp, out.batch["rollout_log_probs"], out.batch["response_mask"])

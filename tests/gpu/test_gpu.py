@@ -130,3 +130,20 @@ def test_sigkill_then_resume_is_identical(addition_model_dir, tmp_path):
                     if stable(rows[step]).get(k) != v} for step in (5, 6)}
     report("resume", {"differing_metrics": diffs})
     assert diffs == {5: {}, 6: {}}, diffs
+
+
+@pytest.mark.timeout(900)
+def test_multi_turn_tool_use(tmp_path):
+    """configs/tool_use.yaml (multi-turn GRPO with a calculator tool) for 3 steps on one GPU."""
+    import subprocess
+    import sys
+    model = tmp_path / "model"
+    cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/tool_use.yaml", "trainer.device=cuda",
+           "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3", "trainer.test_freq=-1",
+           "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}",
+           f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={model / 'tokenizer'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("multiturn/tool_errors" in r and "perf/mfu/actor" in r for r in rows), sorted(rows[-1])
