@@ -179,3 +179,12 @@ def test_gpu_check_without_cuda_says_so():
     lines = [line for line in proc.stdout.strip().splitlines() + proc.stderr.strip().splitlines()
              if line.startswith("gpu_check")]
     assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stdout + proc.stderr
+
+
+def test_distributed_optimizer_default_follows_the_device():
+    from megarl.workers.actor import _distributed_optimizer
+    from megarl.workers.config import MegatronConfig
+    # null: megatron's distributed optimizer wherever megatron's optimizer runs (CUDA); CPU runs CPUAdamW
+    assert _distributed_optimizer(MegatronConfig()) is torch.cuda.is_available()
+    assert _distributed_optimizer(MegatronConfig(use_distributed_optimizer=False)) is False
+    assert _distributed_optimizer(MegatronConfig(use_distributed_optimizer=True)) is True
