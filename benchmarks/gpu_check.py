@@ -93,19 +93,21 @@ def update_step(device: str, dry: bool, micro: int) -> dict:
     from benchmarks.gpu_update_step import run
     args = ["--device", device, "--micro", str(micro), "--json", os.devnull]
     args += ["--shape", "tiny", "--log-prob-micro", "4", "--repeats", "1", "--warmup", "0", "--peak-tflops", "0.1"] \
-        if dry else ["--shape", "0.86b"]
+        if dry else ["--shape", "0.86b", "--model-dir", "/tmp/megarl_gpu_check_0.86b"]
     return run(args)
 
 
-def rollout(device: str, dry: bool) -> dict:
+def rollout(device: str, dry: bool, out: str) -> dict:
     from benchmarks.rollout_throughput import main
     if dry:
-        args = ["--device", device, "--layers", "2", "--hidden", "64", "--vocab-size", "512", "--prompts", "2",
+        args = ["--device", device, "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab-size", "512",
+                "--prompts", "2",
                 "--n", "2", "--max-tokens", "8", "--shortest", "4", "--longest", "8", "--repeats", "1",
-                "--model-dir", "/tmp/megarl_gpu_check_rollout_dry"]
+                "--model-dir", os.path.join(out, "rollout_model_dry")]
     else:
-        args = ["--device", device, "--dtype", "bfloat16", "--layers", "16", "--hidden", "2048", "--vocab-size",
-                "32768", "--prompts", "64", "--n", "4", "--max-tokens", "256", "--repeats", "3",
+        # the 0.86B benchmark shape (the toy tokenizer's vocabulary is what it trains to, <= 32768)
+        args = ["--device", device, "--dtype", "bfloat16", "--layers", "16", "--hidden", "2048", "--heads", "16",
+                "--kv-heads", "4", "--intermediate", "5632", "--vocab-size", "32768", "--prompts", "64", "--n", "4", "--max-tokens", "256", "--repeats", "3",
                 "--model-dir", "/tmp/megarl_gpu_check_rollout"]
     return {"tokens_per_s": main(args), "args": args}
 
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
         secs.append(section("tests", run_tests, a.out))
     for micro in ((2,) if a.dry_run else (4, 8)):
         secs.append(section(f"update_step_micro{micro}", update_step, a.device, a.dry_run, micro))
-    secs.append(section("rollout", rollout, a.device, a.dry_run))
+    secs.append(section("rollout", rollout, a.device, a.dry_run, a.out))
     secs.extend(derived(secs))
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)

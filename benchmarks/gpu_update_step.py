@@ -126,7 +126,8 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     # weight sync into the built-in engine on the same device
     engine = NativeEngine(read_hf_config(path), comm=TPComm(None), device=dev, dtype="auto", kv_cache_gb=1.0)
     ecfg = load_config(None, [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=1",
-                              f"trainer.device={a.device}", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                              f"trainer.device={a.device}", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "data.train_batch_size=4"])
     sync = build_checkpoint_engine(ecfg, actor, engine, None)
     runs = [sync.sync() for _ in range(1 + a.repeats)][1:]
