@@ -40,6 +40,7 @@ class ChunkedGeneration:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
         self.sampling, self.chunk = sampling, chunk_tokens
         self.n = sampling.n
+        self.prompts = [list(p) for p in prompts]
         self.seqs = [_Seq(list(p)) for p in prompts for _ in range(sampling.n)]
         self.chunks_done = 0
 
@@ -54,6 +55,14 @@ class ChunkedGeneration:
             return 0
         sp = self.sampling
         budget = sp.max_tokens
+        if self.chunks_done == 0:
+            # First chunk: the n samples of a prompt still share it, so the engine gets n per
+            # prompt (engines share the prompt's prefill across them).
+            seed = None if sp.seed is None else step_seed(sp.seed, 0)
+            out = engine.generate(self.prompts, sp.with_(max_tokens=min(self.chunk, budget), seed=seed))
+            comps = [c for group in out for c in group]
+            self.chunks_done += 1
+            return sum(self._extend(s, c, version, min(self.chunk, budget)) for s, c in zip(self.seqs, comps))
         # Sequences with the same remaining budget share a call; usually one call per chunk.
         by_len: dict[int, list[_Seq]] = {}
         for s in live:
@@ -62,22 +71,23 @@ class ChunkedGeneration:
         for k, (max_new, seqs) in enumerate(sorted(by_len.items())):
             seed = None if sp.seed is None else step_seed(sp.seed, self.chunks_done, stream=k)
             out = engine.generate([s.prompt + s.tokens for s in seqs], sp.with_(n=1, max_tokens=max_new, seed=seed))
-            for s, group in zip(seqs, out):
-                c: Completion = group[0]
-                if len(c.log_probs) != len(c.token_ids):
-                    raise ValueError(f"engine returned {len(c.log_probs)} log-probs for {len(c.token_ids)} tokens")
-                s.tokens += c.token_ids
-                s.log_probs += c.log_probs
-                s.versions += [version] * len(c.token_ids)
-                added += len(c.token_ids)
-                if c.finish_reason == "stop" or c.finish_reason == "abort":
-                    s.finish = c.finish_reason
-                elif len(s.tokens) >= budget:
-                    s.finish = "length"
-                elif c.finish_reason == "length" and len(c.token_ids) < max_new:
-                    s.finish = "length"          # the engine's own context limit ended it
+            added += sum(self._extend(s, group[0], version, max_new) for s, group in zip(seqs, out))
         self.chunks_done += 1
         return added
+
+    def _extend(self, s: _Seq, c: Completion, version: int, max_new: int) -> int:
+        if len(c.log_probs) != len(c.token_ids):
+            raise ValueError(f"engine returned {len(c.log_probs)} log-probs for {len(c.token_ids)} tokens")
+        s.tokens += c.token_ids
+        s.log_probs += c.log_probs
+        s.versions += [version] * len(c.token_ids)
+        if c.finish_reason in ("stop", "abort"):
+            s.finish = c.finish_reason
+        elif len(s.tokens) >= self.sampling.max_tokens:
+            s.finish = "length"
+        elif c.finish_reason == "length" and len(c.token_ids) < max_new:
+            s.finish = "length"                  # the engine's own context limit ended it
+        return len(c.token_ids)
 
     def completions(self) -> tuple[list[list[Completion]], list[list[int]]]:
         if not self.done:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -66,6 +67,7 @@ class AsyncRLTrainer(RLTrainer):
                 self.extra.update(staleness_metrics(batch.batch["token_versions"], batch.batch["response_mask"],
                                                     self.step - 1))
                 self.extra.update({f"async/{k}": v for k, v in batch.meta_info.get("async_metrics", {}).items()})
+                self.extra.update({f"timing_s/rollout_{k}": v for k, v in batch.meta_info.get("rollout_timing", {}).items()})
                 rewards = self.launch_rewards(batch)
                 with self.timed("old_log_prob"):
                     self.compute_old_log_probs(batch)
@@ -127,6 +129,7 @@ class RolloutWorker:
         self.version = 0
         self.val: dict[int, dict] = {}
         self.total = parts.total_steps
+        self.timing: dict[str, float] = {"gen": 0.0, "wait_update": 0.0, "sync": 0.0}
 
     def run(self) -> None:
         try:
@@ -146,15 +149,18 @@ class RolloutWorker:
             self._validate(0)
         t = start["step"] + 1 + int(start["inflight"])
         while True:
-            batch, extra = None, {}
+            batch, self.timing = None, {"gen": 0.0, "wait_update": 0.0, "sync": 0.0}
             if t <= self.total:
                 prompts = self.p.train_loader.next_batch()
+                start = time.perf_counter()
                 batch = self.generate(prompts, t)
+                self.timing["gen"] = time.perf_counter() - start - self.timing["sync"] - self.timing["wait_update"]
             while self.version < t - 1:            # the trainer syncs version t-1 before it needs batch t
                 self._take_update()
             if batch is not None:
                 batch, extra = self.enforce_staleness(batch, prompts, t)
                 batch.meta_info["async_metrics"] = extra
+                batch.meta_info["rollout_timing"] = self.timing
             if self.ranks.rank == 0:
                 handoff(self.ranks, {"batch": batch, "val": self.val,
                                      "loader": self.p.train_loader.sampler.state_dict()})
@@ -211,8 +217,12 @@ class RolloutWorker:
 
     # -- weight updates, validation, staleness ---------------------------------------------------
     def _take_update(self) -> None:
+        start = time.perf_counter()
         version = self.signal.take()
+        self.timing["wait_update"] += time.perf_counter() - start
+        start = time.perf_counter()
         self.p.weight_sync.sync()
+        self.timing["sync"] += time.perf_counter() - start
         self.version = version
         tr = self.cfg.trainer
         if tr.test_freq > 0 and (version % tr.test_freq == 0 or version == self.total):
