@@ -71,6 +71,12 @@ def test_async_mode_and_placement_rules():
                            "actor_rollout_ref.rollout.disaggregated_ranks=1", "algorithm.filter_groups.enable=true"])
     with pytest.raises(ConfigError, match="stale_samples"):
         load_config(None, ["async_training.max_staleness=0", "async_training.stale_samples=drop"])
+    with pytest.raises(ConfigError, match="checkpoint_engine.backend.*distributed transport"):
+        load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
+                           "actor_rollout_ref.rollout.disaggregated_ranks=1",
+                           "actor_rollout_ref.rollout.checkpoint_engine.backend=colocated"])
+    with pytest.raises(ConfigError, match="keep_previous_weights.*distributed transport"):
+        load_config(None, ["actor_rollout_ref.rollout.checkpoint_engine.keep_previous_weights=false"])
     cfg = load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=3",
                              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true"])
     assert cfg.train_world_size == 2 and cfg.async_training.max_staleness == 1

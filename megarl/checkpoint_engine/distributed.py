@@ -15,10 +15,11 @@ bucket over group (t, p) = {that trainer rank} + every engine rank. The T broadc
 run at once, on different groups, so engine ranks receive from T senders in parallel; the next
 bucket is posted before the engine loads this one. DP replicas other than 0 send nothing.
 
-How a job uses it: trainer ranks are [0, N) with megatron's layout over them, engine ranks
-[N, world). megarl's trainer initialises megatron over the whole world today, so wiring this
-into megarl.train needs megatron's groups built over the first N ranks only (the lead's call);
-the transport itself takes any rank numbering through `trainer_rank(t, dp, p)`.
+How a job uses it (rollout.placement=disaggregated, megarl/trainer/ranks.py): trainer ranks are
+[0, N) with megatron's layout over them only, engine ranks [N, world); the groups are created
+over the whole world before each side takes its own default group. The transport itself takes
+any rank numbering through `trainer_rank(t, dp, p)`. With `keep_previous` the receiver holds the
+last complete weights and reloads them when a sync fails (the engine keeps generating on them).
 """
 from __future__ import annotations
 

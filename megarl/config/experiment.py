@@ -137,6 +137,13 @@ class ExperimentConfig:
                 if on:
                     raise ConfigError(f"is not supported with rollout.placement=disaggregated ({why}); set it "
                                       "to false or use placement=colocated", key)
+            if ro.checkpoint_engine.backend not in ("auto", "distributed"):
+                raise ConfigError(f"is {ro.checkpoint_engine.backend}, but placement=disaggregated moves weights over "
+                                  "the distributed transport; set backend=auto or distributed",
+                                  "actor_rollout_ref.rollout.checkpoint_engine.backend")
+        elif ro.checkpoint_engine.keep_previous_weights is not None:
+            raise ConfigError("applies to the distributed transport (placement=disaggregated) only; remove it",
+                              "actor_rollout_ref.rollout.checkpoint_engine.keep_previous_weights")
         elif self.async_training.partial_rollout:
             raise ConfigError("needs actor_rollout_ref.rollout.placement=disaggregated (the colocated loop is "
                               "synchronous)", "async_training.partial_rollout")

@@ -131,7 +131,7 @@ def build_rollout_parts(cfg, ranks, log) -> Parts:
     receiver = DisaggregatedReceiver(engine, spec, ranks.sync_groups, info["dtype"],
                                      int(cfg.rollout.checkpoint_engine.bucket_size_mb * 2**20), head=info["head"],
                                      device=ranks.device, overlap=cfg.rollout.checkpoint_engine.overlap,
-                                     keep_previous=cfg.rollout.checkpoint_engine.keep_previous_weights)
+                                     keep_previous=cfg.rollout.checkpoint_engine.keep_previous_weights is not False)
     reward = build_reward_manager(cfg, tokenizer) if ranks.is_main and val_loader is not None else None
     return Parts(tokenizer=tokenizer, pad_token_id=pad, train_loader=train_loader, val_loader=val_loader,
                  actor=None, ref=None, critic=None, rollout=engine, weight_sync=receiver, reward=reward,

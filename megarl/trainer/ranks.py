@@ -56,8 +56,10 @@ class Ranks:
         t, ro = self.train, cfg.rollout
         dev = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if self.device.type == "cuda" else (
             f"CPU ({torch.get_num_threads()} threads per rank)")
+        count = (f"{self.world}" if self.role == "colocated" else
+                 f"{self.n_trainers} training + {self.rollout_tp * self.rollout_dp} rollout")
         lines = [
-            f"ranks: {self.world} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}), "
+            f"ranks: {count} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}), "
             f"backend {dist.get_backend()}, devices: {dev}",
             f"training layout: TP {t.tp} x PP {t.pp} x DP {t.dp} (actor, reference"
             + (", critic" if cfg.critic.enable else "") + ")",
