@@ -1,7 +1,7 @@
 """Synchronous colocated vs disaggregated one-step off-policy vs partial rollout, on the
 quickstart's addition task: same model, steps, seed and batch for the three.
 
-    python benchmarks/async_speedup.py [--steps 40] [--test-freq 10] [--out runs/bench/async]
+    python benchmarks/async_speedup.py [--steps 30] [--test-freq 10] [--rounds 2] [--out runs/bench/async]
     python benchmarks/async_speedup.py --model-only --gen 1.2 --train 0.9 --sync 0.05   # the 64-GPU model
 
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
@@ -43,9 +43,9 @@ MODES = {
 }
 
 
-def run_mode(name: str, args) -> tuple[list[dict], float]:
+def run_mode(name: str, args, round_: int = 0) -> tuple[list[dict], float]:
     from megarl.trainer.metrics import read_metrics
-    out = os.path.join(args.out, name)
+    out = os.path.join(args.out, f"{name}_{round_}")
     cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml",
            f"trainer.default_local_dir={out}", f"trainer.total_training_steps={args.steps}",
            f"trainer.test_freq={args.test_freq}", "trainer.save_freq=-1", "trainer.resume_mode=disable",
@@ -112,13 +112,14 @@ def plot(results: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--test-freq", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model", default="runs/models/addition-qwen2")
     ap.add_argument("--out", default="runs/bench/async")
     ap.add_argument("--modes", nargs="+", default=list(MODES))
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every mode")
     ap.add_argument("--model-only", action="store_true")
     ap.add_argument("--gen", type=float)
@@ -132,10 +133,24 @@ def main() -> None:
                 print(f"alpha {alpha:.1f} tail {tail:.1f}: {s:.2f}x with {r} of 64 devices generating")
         return
     os.makedirs(args.out, exist_ok=True)
-    results = {name: run_mode(name, args) for name in args.modes}
-    summary = {name: summarise(rows, args.warmup) for name, (rows, _) in results.items()}
+    # The modes alternate, round after round, so a load change on the machine hits each alike.
+    runs = {name: [] for name in args.modes}
+    for k in range(args.rounds):
+        for name in args.modes:
+            runs[name].append(run_mode(name, args, k))
+    results = {name: r[0] for name, r in runs.items()}
+    summary = {}
+    for name, rs in runs.items():
+        per_round = [summarise(rows, args.warmup) for rows, _ in rs]
+        summary[name] = per_round[0]
+        summary[name]["step_s"] = statistics.median(x["step_s"] for x in per_round)
+        summary[name]["steps_per_hour"] = 3600 / summary[name]["step_s"]
+        summary[name]["step_s_per_round"] = [x["step_s"] for x in per_round]
+        summary[name]["final_val_per_round"] = [x["val"].get(args.steps) for x in per_round]
     base = summary.get("sync")
-    print(f"{args.steps} steps, {os.cpu_count()} CPU cores (shared machine: timings are noisy)")
+    print(f"{args.steps} steps x {args.rounds} round(s), modes alternated; {os.cpu_count()} CPU cores "
+          "(shared machine: timings are noisy); steps/h from the median over rounds of each run's median "
+          "step time (validation steps left out)")
     print(f"{'mode':10s} {'steps/h':>8s} {'speedup':>8s} {'staleness':>9s} {'mixed':>6s}  val accuracy by step | "
           "median phase seconds")
     for name, s in summary.items():
@@ -144,6 +159,8 @@ def main() -> None:
         phases = " ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
         print(f"{name:10s} {s['steps_per_hour']:8.0f} {speed:>8s} {s['staleness_mean']:9.2f} "
               f"{s['mixed_version_fraction']:6.2f}  {val} | {phases}")
+        print(f"{'':10s} step seconds per round {' '.join(f'{x:.2f}' for x in s['step_s_per_round'])}; "
+              f"final accuracy per round {' '.join(f'{x:.3f}' for x in s['final_val_per_round'] if x is not None)}")
     if base:
         p = base["phases"]
         train = p.get("old_log_prob", 0) + p.get("update_actor", 0)
