@@ -7,6 +7,8 @@ quickstart's addition task: same model, steps, seed and batch for the three.
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
     sync      rollout.placement=colocated, actor TP 2 (the quickstart's layout); each step
               generates, then trains
+    sync_dp2  the same with actor TP 1 x DP 2 (the trainer layout the async modes use, per rank),
+              to tell the overlap's gain from the layout's
     one_step  placement=disaggregated: rank 0 trains (TP 1), rank 1 generates batch k+1 meanwhile
     partial   the same with async_training.partial_rollout=true (chunks of 4 tokens)
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
@@ -33,6 +35,7 @@ import time
 
 MODES = {
     "sync": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+    "sync_dp2": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"],
     "one_step": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
                  "actor_rollout_ref.rollout.disaggregated_ranks=1",
                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"],
