@@ -45,11 +45,11 @@ class UpdateSignal:
     def __init__(self, ranks):
         self.ranks = ranks
         self._recv = None
-        self._buf = torch.zeros(1, dtype=torch.long)
+        self._buf = torch.zeros(1, dtype=torch.long, device=ranks.device)   # NCCL needs device tensors
 
     def send(self, version: int) -> None:          # trainer rank 0
         r = self.ranks
-        works = [dist.isend(torch.tensor([version]), dst=g, group=r.world_group)
+        works = [dist.isend(torch.tensor([version], device=r.device), dst=g, group=r.world_group)
                  for g in range(r.n_trainers, r.n_trainers + r.rollout_tp * r.rollout_dp)]
         for w in works:
             w.wait()

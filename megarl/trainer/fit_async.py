@@ -193,7 +193,7 @@ class RolloutWorker:
         while True:
             if not gen.done:
                 gen.step(self.p.rollout, self.version)
-            flags = torch.tensor([float(not gen.done), float(self.signal.arrived())])
+            flags = torch.tensor([float(not gen.done), float(self.signal.arrived())], device=r.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[1] > 0:
                 self._take_update()                # interrupts every unfinished sequence here
