@@ -6,7 +6,7 @@
 Messages, all on groups created by setup_ranks before each side took its own default group:
     start      trainer rank 0 -> every rank (world_group): step to start from, data position,
                whether the checkpoint carried the in-flight batch
-    update     trainer rank 0 -> each rollout rank (world_group, point to point): "version v is
+    update     trainer rank 0 -> the rollout ranks (a key in the job's store): "version v is
                ready", so a partial rollout can stop between chunks; then the weight sync itself
                (checkpoint_engine.distributed: bucketed, all-or-nothing)
     hand-off   first rollout rank -> trainer ranks (handoff_group): the next batch, tagged with
@@ -14,7 +14,8 @@ Messages, all on groups created by setup_ranks before each side took its own def
 """
 from __future__ import annotations
 
-import torch
+import time
+
 import torch.distributed as dist
 
 from megarl.config.experiment import read_hf_config
@@ -39,31 +40,28 @@ def handoff(ranks, payload: dict | None) -> dict:
 
 
 class UpdateSignal:
-    """Trainer rank 0 tells each rollout rank that weights `version` are about to be synced.
-    The rollout side polls it between chunks without blocking (irecv + is_completed)."""
+    """Trainer rank 0 tells the rollout ranks that weights `version` are about to be synced.
+    It goes through the job's key-value store (torchrun's / the launcher's TCPStore), which the
+    rollout side can poll between chunks without blocking; a gloo irecv would not do (its
+    completion shows only in wait()). The sync itself is the collective that lines both sides up."""
 
     def __init__(self, ranks):
-        self.ranks = ranks
-        self._recv = None
-        self._buf = torch.zeros(1, dtype=torch.long, device=ranks.device)   # NCCL needs device tensors
+        self.store = ranks.store
+
+    @staticmethod
+    def _key(version: int) -> str:
+        return f"megarl/async/update/{version}"
 
     def send(self, version: int) -> None:          # trainer rank 0
-        r = self.ranks
-        works = [dist.isend(torch.tensor([version], device=r.device), dst=g, group=r.world_group)
-                 for g in range(r.n_trainers, r.n_trainers + r.rollout_tp * r.rollout_dp)]
-        for w in works:
-            w.wait()
+        self.store.set(self._key(version), "1")
 
-    def arrived(self) -> bool:                     # rollout ranks
-        if self._recv is None:
-            self._recv = dist.irecv(self._buf, src=0, group=self.ranks.world_group)
-        return self._recv.is_completed()
+    def arrived(self, version: int) -> bool:       # rollout ranks
+        return self.store.check([self._key(version)])
 
-    def take(self) -> int:                         # rollout ranks: block until it arrives
-        self.arrived()
-        self._recv.wait()
-        self._recv = None
-        return int(self._buf.item())
+    def take(self, version: int) -> int:           # rollout ranks: wait until it arrives
+        while not self.arrived(version):
+            time.sleep(0.002)
+        return version
 
 
 def _ensure_model(cfg, ranks) -> dict:

@@ -193,7 +193,8 @@ class RolloutWorker:
         while True:
             if not gen.done:
                 gen.step(self.p.rollout, self.version)
-            flags = torch.tensor([float(not gen.done), float(self.signal.arrived())], device=r.device)
+            flags = torch.tensor([float(not gen.done), float(self.signal.arrived(self.version + 1))],
+                                 device=r.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[1] > 0:
                 self._take_update()                # interrupts every unfinished sequence here
@@ -218,7 +219,7 @@ class RolloutWorker:
     # -- weight updates, validation, staleness ---------------------------------------------------
     def _take_update(self) -> None:
         start = time.perf_counter()
-        version = self.signal.take()
+        version = self.signal.take(self.version + 1)
         self.timing["wait_update"] += time.perf_counter() - start
         start = time.perf_counter()
         self.p.weight_sync.sync()

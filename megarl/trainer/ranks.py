@@ -46,6 +46,7 @@ class Ranks:
     handoff_group: Any = None              # disaggregated: the trainer ranks + the first rollout rank
     sync_groups: Any = None                # disaggregated: checkpoint_engine DisaggregatedGroups
     n_trainers: int = 0                    # disaggregated: trainer ranks are [0, n_trainers)
+    store: Any = None                      # disaggregated: the job's key-value store (both sides)
 
     @property
     def is_main(self) -> bool:
@@ -109,7 +110,7 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
 
 
 def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
-    from torch.distributed.distributed_c10d import _get_default_group, _update_default_pg
+    from torch.distributed.distributed_c10d import _get_default_group, _get_default_store, _update_default_pg
 
     from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
 
@@ -121,6 +122,7 @@ def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
     rtp = cfg.rollout.tensor_model_parallel_size
     # Collective on the whole world, in one order on every rank: every group either side needs.
     world_group = _get_default_group()    # kept: destroy() makes it the default again
+    store = _get_default_store()
     trainers, rollouts = dist.new_group(list(range(N))), dist.new_group(list(range(N, world)))
     handoff = dist.new_group(list(range(N + 1)))
     sync_groups = DisaggregatedGroups.create(tp, pp, lambda t, d, p: megatron_rank(t, d, p, tp, dp),
@@ -134,7 +136,7 @@ def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
     is_trainer = rank < N
     # From here on, each side's default group is its own ranks (see the module docstring).
     _update_default_pg(trainers if is_trainer else rollouts)
-    common = dict(global_rank=rank, world_group=world_group, handoff_group=handoff, sync_groups=sync_groups,
+    common = dict(global_rank=rank, world_group=world_group, store=store, handoff_group=handoff, sync_groups=sync_groups,
                   n_trainers=N, rollout_tp=rtp, rollout_dp=R // rtp, rollout_group=group, local_rank=env.local_rank,
                   device=state.device())
     if is_trainer:
