@@ -1,7 +1,7 @@
 """Disaggregated placement on 3 real gloo ranks through megarl's own setup (setup_ranks):
 ranks 0-1 train (megatron TP 2, its groups over those two only), rank 2 runs a native engine.
 A real megatron actor's weights cross to the engine over the checkpoint engine's distributed
-transport; a sync that fails part-way on the engine raises on every rank and leaves the engine
+transport; the update signal is seen by polling, without blocking; a sync that fails part-way on the engine raises on every rank and leaves the engine
 on its previous weights, generating; the next sync brings the new ones."""
 from __future__ import annotations
 
@@ -50,8 +50,16 @@ def check_placement(rank, world, path):
         dist.broadcast_object_list(box, src=0, group=ranks.world_group)
         return box[0]
 
+    from megarl.trainer.disaggregated import UpdateSignal
+    signal = UpdateSignal(ranks)
+    if ranks.role == "rollout":
+        r["signal_before"] = signal.arrived(1)      # the trainer sends only after this sync
     side.sync()
-    old = export()
+    if ranks.global_rank == 0:
+        signal.send(1)
+    old = export()                                  # after the send on rank 0
+    if ranks.role == "rollout":
+        r["signal_after"] = (signal.arrived(1), signal.arrived(2), signal.take(1))
     if ranks.role == "rollout":
         r["first"] = engine_mismatch(engine, old)
         r["buckets"] = len(side.plan.buckets)
@@ -95,6 +103,7 @@ def test_disaggregated_placement_and_failed_sync_keeps_old_weights(small):
     assert "on this rank" in out[2]["failure"] and "reloaded its previous weights" in out[2]["failure"]
     assert "on another rank" in out[0]["failure"]
     e = out[2]
+    assert e["signal_before"] is False and e["signal_after"] == (True, False, 1)   # polled without blocking
     assert e["buckets"] > 2 and e["first"] == (0.0, [])
     assert e["kept_old"] == (0.0, []) and e["same_output"]  # never a mix: the old weights, generating
     assert e["recovered"] == (0.0, [])
