@@ -152,9 +152,10 @@ class RolloutWorker:
             batch, self.timing = None, {"gen": 0.0, "wait_update": 0.0, "sync": 0.0}
             if t <= self.total:
                 prompts = self.p.train_loader.next_batch()
-                start = time.perf_counter()
+                began = time.perf_counter()
                 batch = self.generate(prompts, t)
-                self.timing["gen"] = time.perf_counter() - start - self.timing["sync"] - self.timing["wait_update"]
+                # a partial rollout's syncs (and waits) happen inside generate: not generation time
+                self.timing["gen"] = time.perf_counter() - began - self.timing["sync"] - self.timing["wait_update"]
             while self.version < t - 1:            # the trainer syncs version t-1 before it needs batch t
                 self._take_update()
             if batch is not None:
