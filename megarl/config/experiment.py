@@ -133,7 +133,11 @@ class ExperimentConfig:
                                  (ro.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
                                   "multi-turn rollouts are not wired into the rollout ranks' loop yet"),
                                  (self.reward_model.enable, "reward_model.enable",
-                                  "a model reward runs on the trainer ranks' megatron layout, not wired here yet")):
+                                  "a model reward runs on the trainer ranks' megatron layout, not wired here yet"),
+                                 *((getattr(role.megatron, k), f"{name}.megatron.{k}",
+                                    "offload frees device memory for a colocated engine; the trainer ranks host none")
+                                   for name, role in (("actor_rollout_ref.actor", actor), ("critic", self.critic))
+                                   for k in ("param_offload", "grad_offload", "optimizer_offload"))):
                 if on:
                     raise ConfigError(f"is not supported with rollout.placement=disaggregated ({why}); set it "
                                       "to false or use placement=colocated", key)
