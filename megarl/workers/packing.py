@@ -46,10 +46,10 @@ def padded_input(mb: DataProto, seq: int) -> MicroInput:
     if ids.shape[1] < seq:
         ids = torch.nn.functional.pad(ids, (0, seq - ids.shape[1]))
     ids = ids[:, :seq]
-    b = ids.shape[0]
+    b, dev = ids.shape[0], ids.device
     R = mb.batch["responses"].shape[1]
-    pos = torch.arange(seq).unsqueeze(0).expand(b, -1)
-    base = torch.arange(b) * seq
+    pos = torch.arange(seq, device=dev).unsqueeze(0).expand(b, -1)
+    base = torch.arange(b, device=dev) * seq
     index = response_positions(mb.batch["prompt_lens"], R, seq) + base.unsqueeze(1)
     last = (mb.batch["prompt_lens"] + mb.batch["response_lens"] - 1).clamp(0, seq - 1) + base
     return MicroInput(ids, pos, None, index, last, b * seq)
@@ -65,24 +65,25 @@ def packed_input(mb: DataProto, length: int | None = None) -> MicroInput:
     from megatron.core.packed_seq_params import PackedSeqParams
     plen, rlen = mb.batch["prompt_lens"], mb.batch["response_lens"]
     lens = (plen + rlen).clamp(min=1)
+    dev = plen.device
     total = int(lens.sum())
     length = total if length is None else length
     if length < total:
         raise ValueError(f"a packed micro-batch of {total} tokens does not fit length {length}")
     ids = mb.batch["input_ids"]
-    rows = [ids[i, :int(n)] for i, n in enumerate(lens)]
     seg = lens.tolist()
+    rows = [ids[i, :n] for i, n in enumerate(seg)]
     if length > total:
-        rows.append(torch.zeros(length - total, dtype=ids.dtype))
+        rows.append(torch.zeros(length - total, dtype=ids.dtype, device=ids.device))
         seg.append(length - total)
     cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(seg).cumsum(0)
-    pos = torch.cat([torch.arange(n) for n in seg])
+    pos = torch.cat([torch.arange(n, device=dev) for n in seg])
     # megatron's THD RoPE (rope_utils._apply_rotary_pos_emb_thd) reads the table by absolute pack
     # offset when its length equals the pack's (one segment): then offset and position coincide.
     # With two or more segments max_seqlen < T, and each segment restarts at position 0.
     R = mb.batch["responses"].shape[1]
-    starts = cu[:-1][:len(lens)].long()
+    starts = cu[:-1][:len(lens)].long().to(dev)  # cu_seqlens stays on the host until MicroInput.to
     index = starts.unsqueeze(1) + response_positions(plen, R, 1 << 62)
     # Padding columns (j >= response_lens) point inside their own row (their values are masked).
     index = torch.minimum(index, (starts + lens - 1).unsqueeze(1))
