@@ -22,6 +22,7 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
+from megarl.config.refused import check_refused
 from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
 from megarl.data.config import DataConfig
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -96,6 +97,13 @@ class ExperimentConfig:
             crit.ppo_epochs = self.actor.ppo_epochs
         if crit.model.path is None and crit.model.init_from == "actor":
             crit.model.path = self.model.path
+        if ro.log_prob_micro_batch_size_per_gpu is not None:
+            # verl keeps the old-log-prob micro batch under rollout; megarl's actor computes them.
+            if self.actor.log_prob_micro_batch_size_per_gpu not in (None, ro.log_prob_micro_batch_size_per_gpu):
+                raise ConfigError(f"conflicts with actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu="
+                                  f"{self.actor.log_prob_micro_batch_size_per_gpu}; set only one",
+                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
+            self.actor.log_prob_micro_batch_size_per_gpu = ro.log_prob_micro_batch_size_per_gpu
         ref = self.actor_rollout_ref.ref
         if ref.megatron is None:
             ref.megatron = self.actor.megatron
@@ -163,8 +171,10 @@ class ExperimentConfig:
                     f"a mini batch holds ppo_mini_batch_size x rollout.n = {mini} x {ro.n} = {seqs} sequences, "
                     f"not divisible by ppo_micro_batch_size_per_gpu x DP = {micro} x {dp}; change one of them",
                     f"{role}.ppo_micro_batch_size_per_gpu")
-        if ro.prompt_length > data.max_prompt_length or ro.response_length > data.max_response_length:
-            pass  # the rollout may allow more than the data keeps; the data side filters first
+        if ro.max_model_len is not None and ro.prompt_length + ro.response_length > ro.max_model_len:
+            raise ConfigError(f"{ro.max_model_len} is less than prompt {ro.prompt_length} + response "
+                              f"{ro.response_length} tokens; raise it or lower data.max_prompt_length / "
+                              "data.max_response_length", "actor_rollout_ref.rollout.max_model_len")
 
     # -- model-dependent rules (need the HF config.json) ----------------------------------------
     def check_model(self, hf_config: dict) -> None:
@@ -184,6 +194,15 @@ class ExperimentConfig:
             if layers % pp:
                 raise ConfigError(f"PP {pp} must divide the model's {layers} layers; use a divisor of {layers}",
                                   f"{role}.megatron.pipeline_model_parallel_size")
+        positions = hf_config.get("max_position_embeddings")
+        ro = self.rollout
+        if positions and ro.prompt_length + ro.response_length > positions:
+            room = positions - ro.prompt_length
+            fix = (f"lower data.max_response_length to at most {room}" if room >= 1 else
+                   f"lower data.max_prompt_length below {positions} and leave room for a response")
+            raise ConfigError(f"prompt {ro.prompt_length} + response {ro.response_length} tokens = "
+                              f"{ro.prompt_length + ro.response_length} exceed the model's {positions} positions "
+                              f"(max_position_embeddings); {fix}", "data.max_response_length")
         rtp = self.rollout.tensor_model_parallel_size
         if heads % rtp or kv % rtp:
             raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
@@ -234,8 +253,9 @@ def check_known_keys(raw: dict) -> None:
 
 def build_config(raw: dict) -> ExperimentConfig:
     check_known_keys(raw)
-    merged = deep_merge(defaults_of(ExperimentConfig), raw)
-    return build(ExperimentConfig, resolve(merged))
+    merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
+    check_refused(merged)
+    return build(ExperimentConfig, merged)
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

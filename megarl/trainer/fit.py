@@ -83,13 +83,18 @@ class RLTrainer:
             self.p.rollout.sleep()   # the trainer's passes get the KV cache's memory back
         return batch
 
+    @property
+    def sampling_seed(self) -> int:
+        """rollout.seed when set (verl's key for the engine's sampling), else trainer.seed."""
+        return self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.trainer.seed
+
     def _sample(self, prompts: DataProto) -> DataProto:
-        sampling = self.sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step))
+        sampling = self.sampling.with_(seed=step_seed(self.sampling_seed, self.step))
         if not self.cfg.algorithm.filter_groups.enable:
             return self._generate(prompts, sampling)
         buf = DynamicSampler(len(prompts), self.cfg.algorithm.filter_groups)
         for round_ in range(10**9):
-            batch = self._generate(prompts, sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step, round_)))
+            batch = self._generate(prompts, sampling.with_(seed=step_seed(self.sampling_seed, self.step, round_)))
             self.collect_rewards(batch, self.launch_rewards(batch))
             if buf.add(batch):
                 break
@@ -165,7 +170,7 @@ class RLTrainer:
     def validate(self) -> dict:
         if self.p.val_loader is None:
             return {}
-        sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
+        sampling = self.val_sampling.with_(seed=step_seed(self.sampling_seed, 0, stream=1))
         return validate(self.p, self.ranks, sampling)
 
     # -- bookkeeping ---------------------------------------------------------------------------------

@@ -12,6 +12,13 @@ from megarl.config import ConfigError
 from megarl.trainer.metrics import MetricsLogger
 
 
+def tell_launcher(err: BaseException) -> None:
+    """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
+    none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    ErrorHandler().record_exception(err)   # a no-op unless torchrun set TORCHELASTIC_ERROR_FILE
+
+
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
     from megarl.trainer.fit import BadStepLimit, RLTrainer
     from megarl.trainer.parts import build_parts, write_run_dir
@@ -47,6 +54,7 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     except ConfigError as err:
         print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
               file=sys.stderr, flush=True)
+        tell_launcher(err)
         return 2
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
