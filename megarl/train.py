@@ -1,6 +1,6 @@
 """megarl-train: run an RL experiment from a YAML config.
 
-    megarl-train --config configs/quickstart.yaml [section.key=value ...] [--print-config]
+    megarl-train --config configs/quickstart.yaml [section.key=value ...] [--print-config | --check] [--verbose]
     python -m megarl.train ...                      (the same)
     torchrun --nproc_per_node 2 -m megarl.train ...  (what launch/ scripts run)
 
@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", "-c", help="experiment YAML (may name a `base:`)")
     parser.add_argument("--print-config", action="store_true",
                         help="validate, print the resolved config and exit without starting anything")
+    parser.add_argument("--check", action="store_true",
+                        help="run every check a launch runs (files, model, lengths, engine, reward, run dir) and exit")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="show every warning (megatron's notices about optional NVIDIA packages included)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
@@ -124,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         die_with_parent()                      # a rank never outlives the launcher that started it
     try:
-        cfg = load_checked(args.config, args.overrides)
+        # --print-config shows the typed tree (defaults included) without looking at files.
+        cfg = load_checked(args.config, args.overrides, check_all=not args.print_config)
         if args.print_config:
             print(cfg.to_yaml(), end="")
+            return 0
+        if args.check:
+            print("megarl: config and inputs check out; nothing was started")
             return 0
         if not launched:
             if cfg.trainer.nnodes > 1:
