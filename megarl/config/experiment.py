@@ -114,6 +114,14 @@ class ExperimentConfig:
             self.actor.log_prob_micro_batch_size_per_gpu = self.actor.ppo_micro_batch_size_per_gpu
         if self.model.tokenizer_path is None:
             self.model.tokenizer_path = self.model.path
+        rm = self.reward_model
+        if rm.batch_deadline_s is None:
+            rm.batch_deadline_s = 0.8 * self.trainer.collective_timeout_s
+        elif rm.batch_deadline_s >= self.trainer.collective_timeout_s:
+            raise ConfigError(f"{rm.batch_deadline_s:g}s is not below trainer.collective_timeout_s="
+                              f"{self.trainer.collective_timeout_s:g}s: the other ranks, waiting for the rewards, "
+                              "would time out first; lower it or raise the collective timeout",
+                              "reward_model.batch_deadline_s")
         total = self.trainer.total_training_steps
         for optim in (self.actor.optim, self.critic.optim):
             if optim.total_training_steps < 0 and total is not None:

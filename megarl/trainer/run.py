@@ -9,6 +9,7 @@ import sys
 import torch.distributed as dist
 
 from megarl.config import ConfigError
+from megarl.reward.manager import RewardFailure
 from megarl.trainer.metrics import MetricsLogger
 
 
@@ -56,6 +57,10 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
               file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
+    except RewardFailure as err:  # a deadline breach or too many failed samples: one line, the cause
+        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+        tell_launcher(err)
+        return 3
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3
