@@ -219,7 +219,7 @@ class RLTrainer:
 
     def save(self) -> None:
         checkpointing.save(self.cfg.trainer.default_local_dir, self.step, self.p.trainable_roles(),
-                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep)
+                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep, say=self.log.info)
         self.log.info(f"megarl: saved step {self.step} to {checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 
     def resume(self) -> None:
@@ -227,6 +227,9 @@ class RLTrainer:
         if self.ranks.is_main:
             for name in checkpointing.clean_partial(root):
                 self.log.info(f"megarl: removed an incomplete save: {name}")
+            for step in checkpointing.incomplete_steps(root):
+                self.log.info(f"megarl: skipped {checkpointing.step_dir(root, step)}: no trainer_state.pt, an "
+                              "incomplete save (kept; a new save of that step moves it aside)")
         path = checkpointing.resume_dir(self.cfg)
         if path is None:
             if self.ranks.is_main:
