@@ -48,9 +48,10 @@ def slowest_samples(samples: list[Sample], seconds: dict[int, float], running: s
                      + (" still running" if i in running else "") for i in order) or "none started"
 
 
-def deadline_error(what: str, deadline_s: float, n: int, detail: str) -> RewardDeadline:
+def deadline_error(what: str, deadline_s: float, n: int, done: int | None, slowest: str) -> RewardDeadline:
+    scored = f"{done} of {n} scored; " if done is not None else ""
     return RewardDeadline(f"the reward step passed reward_model.batch_deadline_s={deadline_s:g}s on a batch of {n} "
-                          f"samples, scoring with {what}; slowest: {detail}; fix the function (or give it "
+                          f"samples, scoring with {what}; {scored}slowest: {slowest}; fix the function (or give it "
                           "reward_model.launch_reward_fn_async=true, whose workers are killed at timeout_s) or raise "
                           "the deadline")
 
@@ -175,16 +176,14 @@ class RewardManager:
         for i, sample in enumerate(samples):
             left = None if self.deadline_s is None else self.deadline_s - (time.monotonic() - begin)
             if left is not None and left <= 0:
-                raise deadline_error(self.scorer, self.deadline_s, len(samples),
-                                     f"{i} of {len(samples)} scored; " + slowest_samples(samples, seconds, set()))
+                raise deadline_error(self.scorer, self.deadline_s, len(samples), i, slowest_samples(samples, seconds, set()))
             limit = self.timeout_s if left is None else min(self.timeout_s or left, left)
             t0 = time.monotonic()
             out.append(call_in_process(self.fn, sample, self.spec.kwargs, limit))
             seconds[i] = time.monotonic() - t0
             if out[-1].timed_out and left is not None and limit == left:
-                raise deadline_error(self.scorer, self.deadline_s, len(samples),
-                                     f"{i + 1} of {len(samples)} scored; "
-                                     + slowest_samples(samples, seconds, {i}))
+                raise deadline_error(self.scorer, self.deadline_s, len(samples), i,
+                                     slowest_samples(samples, seconds, {i}))
         return out
 
     def result(self, handle: RewardFuture) -> RewardResult:
@@ -193,8 +192,8 @@ class RewardManager:
             # A little slack: the pool raises its own, more detailed, deadline error first.
             what, value = handle.future.result(timeout=None if left is None else max(left, 0) + 5.0)
         except cf.TimeoutError:
-            raise deadline_error(self.scorer, self.deadline_s, len(handle.batch),
-                                 "one call for the whole batch, still running") from None
+            raise deadline_error(self.scorer, self.deadline_s, len(handle.batch), None,
+                                 "the call for the whole batch, still running") from None
         batch = handle.batch
         if what == "outcomes":
             res = self._from_outcomes(batch, value)

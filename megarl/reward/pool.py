@@ -85,8 +85,8 @@ class RayScoringPool:
                         ray.kill(self.workers[w], no_restart=True)
                         self._replace(w, starting)
                     done = sum(o is not None for o in out)
-                    raise deadline_error(scorer, deadline - begin, len(samples), f"{done} of {len(samples)} scored; "
-                                         + slowest_samples(samples, {**seconds, **late}, set(late)))
+                    raise deadline_error(scorer, deadline - begin, len(samples), done,
+                                         slowest_samples(samples, {**seconds, **late}, set(late)))
                 wait = deadline - now if wait is None else min(wait, deadline - now)
             ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=wait)
             for ref in ready:
