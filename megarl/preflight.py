@@ -116,7 +116,8 @@ def check_model_paths(cfg) -> None:
     else:
         hf = read_json(config_json, key)
         cfg.check_model(hf)   # layout against heads/layers; lengths against positions
-    if m.tokenizer_path and m.tokenizer_path != m.path and not os.path.exists(m.tokenizer_path):
+    bootstrapping = not os.path.isfile(config_json)  # the bootstrap may write the tokenizer too
+    if m.tokenizer_path and m.tokenizer_path != m.path and not bootstrapping and not os.path.exists(m.tokenizer_path):
         raise ConfigError(f"{m.tokenizer_path} does not exist; point it at a tokenizer directory or remove it "
                           "(the model's own is used)", "actor_rollout_ref.model.tokenizer_path")
     crit = cfg.critic
