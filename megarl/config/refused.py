@@ -57,8 +57,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
                     "remove actor_rollout_ref.rollout.server")
        for leaf, default in (("timeout", 60.0), ("max_attempts", 3), ("max_connections", 1000))},
     "actor_rollout_ref.rollout.quantization": (
-        (None,), "the native and hf engines run unquantized weights; for TensorRT-LLM pass "
-                 "actor_rollout_ref.rollout.engine_kwargs.trtllm.quant_config"),
+        (None,), "quantized rollout is not supported: every engine runs the trainer's own (bf16/fp32) weights, "
+                 "synced each step; remove the key"),
     "trainer.max_critic_ckpt_to_keep": (
         (None,), "one step directory holds every role's checkpoint, so trainer.max_actor_ckpt_to_keep prunes them "
                  "all; set that instead"),
