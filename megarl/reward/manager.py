@@ -190,7 +190,7 @@ class RewardManager:
         left = None if self.deadline_s is None else self.deadline_s - (time.perf_counter() - handle.started)
         try:
             # A little slack: the pool raises its own, more detailed, deadline error first.
-            what, value = handle.future.result(timeout=None if left is None else max(left, 0) + 5.0)
+            what, value = handle.future.result(timeout=None if left is None else max(left, 0) + 1.0)
         except cf.TimeoutError:
             raise deadline_error(self.scorer, self.deadline_s, len(handle.batch), None,
                                  "the call for the whole batch, still running") from None
