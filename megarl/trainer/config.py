@@ -42,6 +42,9 @@ class TrainerConfig:
     # Bad steps: a NaN/inf loss or grad norm skips that update; the run stops after this many.
     max_bad_steps: int = 3
 
+    # MFU (perf/mfu/<role>): one device's peak TFLOP/s; null: looked up by GPU name (megarl/trainer/mfu.py)
+    peak_tflops: float | None = None
+
     def __post_init__(self):
         if isinstance(self.logger, str):
             self.logger = [self.logger]
@@ -58,6 +61,8 @@ class TrainerConfig:
         require(self.resume_mode != "resume_path" or bool(self.resume_from_path), "resume_from_path",
                 "resume_mode=resume_path needs resume_from_path=<checkpoint step directory>")
         require(self.max_bad_steps >= 0, "max_bad_steps", "must be >= 0")
+        require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
+                "must be > 0 (TFLOP/s of one device) or null")
         require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 seconds")
 
     @property
