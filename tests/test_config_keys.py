@@ -37,7 +37,6 @@ GENERIC = {
 # Being made to act by other wave-2 helpers right now (issues 13, 14, 17); delete an entry when its
 # branch is merged and the key is read. Each must still be a real key.
 IN_FLIGHT = {
-    "param_offload", "grad_offload", "optimizer_offload",                               # issue 13 (memory)
     "use_remove_padding", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",  # issue 13 (packing)
     "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
     "sequence_parallel", "context_parallel_size", "virtual_pipeline_model_parallel_size",  # issue 14
