@@ -68,3 +68,25 @@ class TrainerConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """`async_training.*`: used with `actor_rollout_ref.rollout.placement=disaggregated`, where the
+    engine on its own ranks generates batch k+1 while the trainer updates on batch k
+    (megarl/trainer/fit_async.py). Names after verl's fully-async recipe where it has one."""
+    # A sample is stale when its oldest token was sampled more than this many policy versions
+    # before the weights the trainer updates (AReaL's max_head_offpolicyness). One-step off-policy
+    # produces staleness <= 1.
+    max_staleness: int = 1
+    stale_samples: Literal["regenerate", "drop"] = "regenerate"  # drop: whole prompt groups leave the batch
+    # verl's key: a weight update interrupts generation between token chunks; unfinished responses
+    # keep their tokens and continue under the new weights (each token records its version).
+    partial_rollout: bool = False
+    partial_chunk_tokens: int = 4          # tokens per chunk: how often generation checks for an update
+
+    def __post_init__(self):
+        require(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: every batch is regenerated on-policy)")
+        require(not (self.max_staleness == 0 and self.stale_samples == "drop"), "stale_samples",
+                "drop with max_staleness=0 drops every one-step-off-policy batch; use regenerate or max_staleness >= 1")
+        require(self.partial_chunk_tokens >= 1, "partial_chunk_tokens", "must be >= 1")
