@@ -26,13 +26,8 @@ CONFIG_MODULES = {"config.py", "typed.py", "loader.py", "experiment.py", "refuse
 
 # Keys read through a generic path the AST check cannot see, each with the reason.
 GENERIC = {
-    "actor_rollout_ref.rollout.disaggregated_ranks":
-        "read by ExperimentConfig.train_world_size / data_parallel_size (megarl/config/experiment.py), "
-        "which the rank setup and the loop use",
     "actor_rollout_ref.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
     "critic.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
-    "actor_rollout_ref.rollout.max_model_len":
-        "bounds prompt + response in ExperimentConfig (refused when they do not fit) and sizes the trtllm engine",
 }
 # Being made to act by other wave-2 helpers right now (issues 13, 14, 17); delete an entry when its
 # branch is merged and the key is read. Each must still be a real key.
@@ -41,7 +36,6 @@ IN_FLIGHT = {
     "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
     "sequence_parallel", "context_parallel_size", "virtual_pipeline_model_parallel_size",  # issue 14
     "expert_model_parallel_size",
-    "mode", "placement",                                                                 # issue 17
 }
 
 
