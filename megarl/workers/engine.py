@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.build import build_gpt, transformer_config
+from megarl.models.context_parallel import gather_sequence, split_sequence
 from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
 from megarl.models.hf_checkpoint import HFCheckpoint
-from megarl.parallel import cpu_compat, state
+from megarl.parallel import cpu_compat, sequence, state
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
@@ -48,8 +49,13 @@ class EngineShardView:
 
     @property
     def model_chunks(self) -> list:
-        """This rank's unwrapped GPTModel stage(s)."""
-        return [self.engine.model]
+        """This rank's unwrapped GPTModel stage(s): one per virtual-pipeline chunk."""
+        return self.engine.models
+
+    @property
+    def layer_offsets(self) -> list[int]:
+        """Global index of each chunk's first layer."""
+        return self.engine.offsets
 
     @property
     def layer_offset(self) -> int:
@@ -67,18 +73,16 @@ class MegatronEngine:
     @cpu_compat.scoped
     def _build(self, ckpt: HFCheckpoint | None) -> None:
         es = self.es
-        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed)
+        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, cp=es.cp, vpp=es.vpp)
         self.device = state.device()
         self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
-                                         recompute=es.recompute, overrides=es.transformer_overrides)
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-        self.layer_offset = get_transformer_layer_offset(self.config)
-        self.model = build_gpt(self.spec, self.config, self.layout.is_first_stage, self.layout.is_last_stage, es.head)
-        self.model.to(self.device)
+                                         recompute=es.recompute, overrides=es.transformer_overrides,
+                                         cp=es.cp, vpp=es.vpp)
+        self.models, self.offsets = self._build_chunks()
         self._check_names()
         if ckpt is not None:
             self.load_hf(ckpt)
-        self.chunks = [self._wrap(self.model)]
+        self.chunks = [self._wrap(m) for m in self.models]
         self.optimizer = None
         self.sched_step = 0
         if es.trainable:
@@ -88,7 +92,7 @@ class MegatronEngine:
             if self.dtype == torch.float16:
                 self.config.grad_scale_func = self.optimizer.scale_loss
         else:
-            for p in self.model.parameters():
+            for p in self.parameters():
                 p.requires_grad_(False)
         self.offloaded = False
         if es.dist_checkpoint:
@@ -96,6 +100,43 @@ class MegatronEngine:
             load_checkpoint(es.dist_checkpoint, self, with_optimizer=False)
 
     # -- construction helpers ----------------------------------------------------------------------
+    def _build_chunks(self) -> tuple[list, list[int]]:
+        """This rank's model: one GPTModel per virtual-pipeline chunk (one without VPP), each
+        with the global index of its first layer. Chunk v of stage p holds the layers of virtual
+        stage v*PP + p (megatron's interleaved order)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        models, offsets = [], []
+        for v in range(self.layout.vpp):
+            vp = v if self.layout.vpp > 1 else None
+            first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+            model = build_gpt(self.spec, self.config, first, last, self.es.head, vp_stage=vp)
+            models.append(model.to(self.device))
+            offsets.append(get_transformer_layer_offset(self.config, vp_stage=vp))
+        return models, offsets
+
+    @property
+    def model(self):
+        """The model of this rank when it holds one chunk (no virtual pipeline)."""
+        if len(self.models) != 1:
+            raise RuntimeError("this engine holds several virtual-pipeline chunks; use engine.models")
+        return self.models[0]
+
+    @property
+    def layer_offset(self) -> int:
+        return self.offsets[0]
+
+    def parameters(self):
+        for m in self.models:
+            yield from m.parameters()
+
+    def named_global_parameters(self):
+        """(global megatron name, parameter) over every chunk of this rank."""
+        for m, off in zip(self.models, self.offsets):
+            for local, p in m.named_parameters():
+                yield to_global(local, off), p
+
     def _wrap(self, model):
         from megatron.core.transformer.module import Float16Module
         if self.dtype != torch.float32:
@@ -109,23 +150,25 @@ class MegatronEngine:
 
     def _check_names(self) -> None:
         """The model's parameters are exactly the ones convert.py maps (guards a megatron change)."""
-        got = {to_global(n, self.layer_offset) for n, _ in self.model.named_parameters()}
-        want = set(megatron_names(self.spec, self.layers, self.layout.is_first_stage, self.layout.is_last_stage,
-                                  self.es.head))
+        got = {n for n, _ in self.named_global_parameters()}
+        want = set()
+        for model, off in zip(self.models, self.offsets):
+            layers = range(off, off + len(model.decoder.layers))
+            want |= set(megatron_names(self.spec, layers, model.pre_process, model.post_process, self.es.head))
         if got != want:
             raise RuntimeError(f"megatron parameter names differ from megarl's map: extra {sorted(got - want)[:3]}, "
                                f"missing {sorted(want - got)[:3]}")
 
     @property
-    def layers(self) -> range:
-        return range(self.layer_offset, self.layer_offset + self.config.num_layers // self.layout.pp)
+    def layers(self) -> list[int]:
+        """Global indices of the layers on this rank (every chunk)."""
+        return [off + i for m, off in zip(self.models, self.offsets) for i in range(len(m.decoder.layers))]
 
     def load_hf(self, ckpt: HFCheckpoint) -> None:
         """Copy this rank's slices of the HF checkpoint into its shard (reads only those bytes)."""
         head = self.es.head
         with torch.no_grad():
-            for local, param in self.model.named_parameters():
-                name = to_global(local, self.layer_offset)
+            for name, param in self.named_global_parameters():
                 if head == "value" and name == "output_layer.weight" and not self.es.head_from_checkpoint:
                     param.zero_()  # a fresh value head predicts 0 until the critic learns
                     continue
@@ -145,8 +188,7 @@ class MegatronEngine:
 
     def _hf_named(self, value):
         group = state.tp_group()
-        for local, param in self.model.named_parameters():
-            name = to_global(local, self.layer_offset)
+        for name, param in self.named_global_parameters():
             mine = value(param).contiguous()
             shards = [mine]
             if self.layout.tp > 1:
@@ -160,19 +202,34 @@ class MegatronEngine:
         the last stage, one dict per micro-batch (outputs, or loss metrics); [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        lay = self.layout
+        padded = sequence.padded_length(seq, lay.tp if self.config.sequence_parallel else 1, lay.cp)
+        cp_group = state.cp_group() if lay.cp > 1 else None
+
         def forward_step(it, model):
             mb = next(it)
-            ids = mb.batch["input_ids"][:, :seq].to(self.device)
-            pos = torch.arange(seq, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
-            return model(ids, pos, None), partial(self._last_stage, mb, process, loss_fn)
+            # Right padding up to what SP / CP split evenly: causal attention keeps it out of every
+            # real position, and the output is cut back to `seq` before anything reads it.
+            ids = sequence.pad_columns(mb.batch["input_ids"][:, :seq], padded).to(self.device)
+            pos = torch.arange(padded, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
+            if lay.cp > 1:
+                ids, pos = (split_sequence(t, lay.cp_rank, lay.cp, dim=1) for t in (ids, pos))
+            out = model(ids, pos, None)
+            return out, partial(self._last_stage, mb, process, loss_fn, seq, cp_group)
 
+        # The interleaved (virtual pipeline) schedule reads one iterator per model chunk.
+        data = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
-            num_microbatches=len(micro), seq_length=seq, micro_batch_size=len(micro[0]),
+            forward_step_func=forward_step, data_iterator=data, model=self.chunks,
+            num_microbatches=len(micro), seq_length=padded, micro_batch_size=len(micro[0]),
             forward_only=loss_fn is None)
 
     @staticmethod
-    def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, output: torch.Tensor):
+    def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, seq: int, cp_group,
+                    output: torch.Tensor):
+        # output [b, s, ...]: under CP this rank's two sequence chunks; every CP rank then computes
+        # the loss over the whole sequence, and each keeps the gradient of its own positions.
+        output = gather_sequence(output, cp_group, dim=1, sum_grads=False)[:, :seq]
         outs = process(output, mb)
         if loss_fn is None:
             return torch.zeros((), device=output.device), torch.ones((), dtype=torch.int), \
@@ -329,7 +386,7 @@ class MegatronEngine:
         if self.offloaded or self.device.type == "cpu":
             self.offloaded = True
             return
-        for p in self.model.parameters():
+        for p in self.parameters():
             p.data = p.data.to("cpu", non_blocking=True).pin_memory()
         torch.cuda.synchronize()
         self.offloaded = True
@@ -339,7 +396,7 @@ class MegatronEngine:
         if not self.offloaded:
             return
         if self.device.type != "cpu":
-            for p in self.model.parameters():
+            for p in self.parameters():
                 p.data = p.data.to(self.device, non_blocking=True)
             torch.cuda.synchronize()
         self.offloaded = False
