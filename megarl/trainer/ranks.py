@@ -46,7 +46,9 @@ class Ranks:
         lines = [
             f"ranks: {self.world} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}), "
             f"backend {dist.get_backend()}, devices: {dev}",
-            f"training layout: TP {t.tp} x PP {t.pp} x DP {t.dp} (actor, reference"
+            f"training layout: TP {t.tp}{' (SP)' if cfg.actor.megatron.sequence_parallel else ''}"
+            + (f" x CP {t.cp}" if t.cp > 1 else "") + f" x PP {t.pp}" + (f" (VPP {t.vpp})" if t.vpp > 1 else "")
+            + f" x DP {t.dp} (actor, reference"
             + (", critic" if cfg.critic.enable else "") + ")",
             f"rollout: engine '{ro.name}', {ro.placement}, TP {self.rollout_tp} x DP {self.rollout_dp}, "
             f"dtype {ro.dtype}, n={ro.n}, temperature {ro.temperature}",
@@ -79,7 +81,8 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
     state.init_distributed(cfg.trainer.collective_timeout_s)
     layout = cfg.actor.megatron
     lay = state.init_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                                    seed=layout.seed)
+                                    seed=layout.seed, cp=layout.context_parallel_size,
+                                    vpp=layout.virtual_pipeline_model_parallel_size)
     rtp = cfg.rollout.tensor_model_parallel_size
     world, rank = dist.get_world_size(), dist.get_rank()
     group = None

@@ -249,7 +249,8 @@ class MegatronEngine:
         batching.check_batch(data)
         self.onload()
         lay = self.layout
-        padded, n = batching.pad_rows(data, lay.dp * micro)
+        # The interleaved (VPP) schedule needs a multiple of PP micro-batches.
+        padded, n = batching.pad_rows(data, lay.dp * micro * (lay.pp if lay.vpp > 1 else 1))
         local = batching.dp_slice(padded, lay.dp_rank, lay.dp)
         seq = batching.seq_len(padded)
         for c in self.chunks:
@@ -308,6 +309,10 @@ class MegatronEngine:
         if mini % (lay.dp * micro):
             raise ValueError(f"a mini-batch of {mini} sequences does not split into DP {lay.dp} x micro-batches of "
                              f"{micro}; change ppo_micro_batch_size_per_gpu")
+        if lay.vpp > 1 and (mini // (lay.dp * micro)) % lay.pp:
+            raise ValueError(f"virtual pipeline: {mini // (lay.dp * micro)} micro-batches per mini-batch is not a "
+                             f"multiple of PP {lay.pp} (megatron's interleaved schedule); change "
+                             "ppo_micro_batch_size_per_gpu")
         seq = batching.seq_len(data)
         for c in self.chunks:
             c.train()
