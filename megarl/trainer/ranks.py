@@ -46,7 +46,7 @@ class Ranks:
         lines = [
             f"ranks: {self.world} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}), "
             f"backend {dist.get_backend()}, devices: {dev}",
-            f"training layout: TP {t.tp}{' (SP)' if cfg.actor.megatron.sequence_parallel else ''}"
+            f"training layout: TP {t.tp}{' (SP)' if cfg.actor.megatron.sequence_parallel_on else ''}"
             + (f" x CP {t.cp}" if t.cp > 1 else "") + f" x PP {t.pp}" + (f" (VPP {t.vpp})" if t.vpp > 1 else "")
             + f" x DP {t.dp} (actor, reference"
             + (", critic" if cfg.critic.enable else "") + ")",

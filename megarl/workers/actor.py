@@ -30,7 +30,7 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size, head=head,
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
-        use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=bool(mc.sequence_parallel),
+        use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=mc.sequence_parallel_on,
         cp=mc.context_parallel_size, vpp=mc.virtual_pipeline_model_parallel_size,
         recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
         timeout_s=timeout_s, seed=mc.seed, role=role)

@@ -63,8 +63,13 @@ class MegatronConfig:
         require(not (self.sequence_parallel and self.tensor_model_parallel_size == 1), "sequence_parallel",
                 "true needs tensor_model_parallel_size > 1 (it splits the sequence over TP ranks); set it to "
                 "null (on whenever TP > 1) or raise tensor_model_parallel_size")
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """`sequence_parallel`, with null meaning on exactly when TP > 1."""
         if self.sequence_parallel is None:
-            self.sequence_parallel = self.tensor_model_parallel_size > 1
+            return self.tensor_model_parallel_size > 1
+        return bool(self.sequence_parallel)
         require(self.expert_model_parallel_size == 1, "expert_model_parallel_size",
                 "MoE models are not supported yet; set it to 1")
 
