@@ -115,3 +115,9 @@ def test_virtual_pipeline_layer_maps():
     assert "decoder.layers.4.mlp.linear_fc1.weight" in with_vpp[0] and "embedding.word_embeddings.weight" in with_vpp[0]
     plan = build_plan(spec, 2, 2, 1 << 20, 4, (), vpp=2)
     assert {e.name for b in plan.buckets if b.stage == 1 for e in b.entries} == set(with_vpp[1])
+
+
+def test_megatron_core_has_what_megarl_uses():
+    from megarl.models import mcore
+    assert mcore.missing() == [] and mcore.version() >= (0, 16, 1)
+    mcore.require()

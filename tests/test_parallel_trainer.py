@@ -31,7 +31,7 @@ def test_trainer_runs_with_virtual_pipeline(tmp_path):
         # the weights, so step 2's rollout runs on weights synced from the VPP chunks.
         "actor_rollout_ref.actor.entropy_coeff=0.01"]))
     assert code == 0, out[-3000:]
-    assert "training layout: TP 1 x PP 2 (VPP 2) x DP 1" in out
+    assert "training layout: TP 1 x PP 2 x DP 1 (actor, reference); virtual pipeline 2 chunks per stage" in out
     records = read_metrics(str(run))
     steps = [r for r in records if "actor/grad_norm" in r]
     assert len(steps) == 2 and all(r["actor/skipped_steps"] == 0 and r["actor/grad_norm"] > 0 for r in steps)

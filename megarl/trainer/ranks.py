@@ -46,10 +46,10 @@ class Ranks:
         lines = [
             f"ranks: {self.world} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}), "
             f"backend {dist.get_backend()}, devices: {dev}",
-            f"training layout: TP {t.tp}{' (SP)' if cfg.actor.megatron.sequence_parallel_on else ''}"
-            + (f" x CP {t.cp}" if t.cp > 1 else "") + f" x PP {t.pp}" + (f" (VPP {t.vpp})" if t.vpp > 1 else "")
-            + f" x DP {t.dp} (actor, reference"
-            + (", critic" if cfg.critic.enable else "") + ")",
+            f"training layout: TP {t.tp}" + (f" x CP {t.cp}" if t.cp > 1 else "") + f" x PP {t.pp} x DP {t.dp} "
+            f"(actor, reference" + (", critic" if cfg.critic.enable else "") + ")"
+            + ("; sequence parallel" if cfg.actor.megatron.sequence_parallel_on else "")
+            + (f"; virtual pipeline {t.vpp} chunks per stage" if t.vpp > 1 else ""),
             f"rollout: engine '{ro.name}', {ro.placement}, TP {self.rollout_tp} x DP {self.rollout_dp}, "
             f"dtype {ro.dtype}, n={ro.n}, temperature {ro.temperature}",
             f"algorithm: {cfg.algorithm.adv_estimator}, policy loss {cfg.actor.policy_loss.loss_mode}, "

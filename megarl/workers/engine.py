@@ -23,6 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megarl.models import mcore
 from megarl.models.build import build_gpt, transformer_config
 from megarl.models.context_parallel import gather_sequence, split_sequence
 from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
@@ -73,6 +74,7 @@ class MegatronEngine:
     @cpu_compat.scoped
     def _build(self, ckpt: HFCheckpoint | None) -> None:
         es = self.es
+        mcore.require()
         self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, cp=es.cp, vpp=es.vpp)
         self.device = state.device()
         self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
