@@ -92,6 +92,11 @@ class ValueHead(MegatronModule):
         self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype, device=device))
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.config.sequence_parallel:
+            # hidden is split over TP along the sequence; every TP rank computes every value
+            # (the head is replicated), so the backward keeps this rank's slice instead of summing.
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight), None  # [s, b, 1]
 
 
