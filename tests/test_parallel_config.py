@@ -42,10 +42,10 @@ def test_context_and_virtual_pipeline_layout_rules():
     assert "x CP 3" in str(err) and err.key.endswith("tensor_model_parallel_size")
     err = refused(f"{A}.megatron.virtual_pipeline_model_parallel_size=2")
     assert err.key.endswith("virtual_pipeline_model_parallel_size") and "pipeline_model_parallel_size=2" in str(err)
-    # 8 sequences per mini batch / (micro 2 x DP 2) = 2 micro-batches: not a multiple of PP... it is;
-    # micro 4 gives 1, which the interleaved schedule refuses, naming a micro size that works.
-    err = refused(f"{A}.megatron.pipeline_model_parallel_size=2", f"{A}.megatron.virtual_pipeline_model_parallel_size=2",
-                  f"{A}.ppo_micro_batch_size_per_gpu=4")
+    # 8 sequences per mini batch at DP 2: micro 2 gives 2 micro-batches (a multiple of PP 2), micro 4
+    # gives 1, which the interleaved schedule refuses; the error names a micro size that works.
+    err = refused(f"{A}.megatron.pipeline_model_parallel_size=2",
+                  f"{A}.megatron.virtual_pipeline_model_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4")
     assert err.key.endswith("ppo_micro_batch_size_per_gpu") and "ppo_micro_batch_size_per_gpu=2" in str(err)
     ok = cfg(f"{A}.megatron.pipeline_model_parallel_size=2", f"{A}.megatron.virtual_pipeline_model_parallel_size=2")
     ok.check_model({"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4})

@@ -1,7 +1,8 @@
 """The trainer loop (`python -m megarl.train`, 2 gloo ranks) under a virtual pipeline: the
 quickstart's model with 4 layers at PP2 x VPP2, two GRPO steps with a checkpoint and a weight
-sync per step; the trainer's log-probs must match the rollout engine's after the sync. Sequence parallelism is on in every quickstart run (TP2: sequence_parallel defaults
-to on when TP > 1), so tests/test_trainer_e2e.py exercises SP through the same loop.
+sync per step; the trainer's log-probs must match the rollout engine's after the sync.
+Sequence parallelism is on in every quickstart run (TP2: sequence_parallel defaults to on when
+TP > 1), so tests/test_trainer_e2e.py exercises SP through the same loop.
 """
 from __future__ import annotations
 

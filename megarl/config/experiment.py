@@ -128,11 +128,13 @@ class ExperimentConfig:
                              ("critic", self.critic.megatron), ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)):
             if role == "critic" and not self.critic.enable:
                 continue
-            tp, pp, cp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size
+            tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+            cp = layout.context_parallel_size
             if self.train_world_size % (tp * pp * cp):
                 cp_text = f" x CP {cp}" if cp > 1 else ""
                 raise ConfigError(
-                    f"TP {tp} x PP {pp}{cp_text} = {tp * pp * cp} does not divide the {self.train_world_size} training ranks "
+                    f"TP {tp} x PP {pp}{cp_text} = {tp * pp * cp} does not divide the {self.train_world_size} "
+                    "training ranks "
                     f"(trainer.nnodes x trainer.n_gpus_per_node{' minus rollout.disaggregated_ranks' if ro.placement == 'disaggregated' else ''}); "
                     f"so TP x PP x CP x DP cannot equal the world size: change the layout or the rank count",
                     f"{role}.megatron.tensor_model_parallel_size")
