@@ -41,9 +41,9 @@ class MegatronConfig:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     # null: on exactly when TP > 1 (as verl defaults it). It splits norm/residual activations over
-    # TP for the same communication volume and the same results (tests/test_parallel_sp_cp_vpp.py).
+    # TP for the same communication volume and the same results (tests/test_parallel_layouts.py).
     sequence_parallel: bool | None = None
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool | None = None  # None: on with CUDA (megatron's); CPU has none, off there
     param_offload: bool = False            # move weights to host memory while the role is idle
     grad_offload: bool = False
     optimizer_offload: bool = False
