@@ -77,7 +77,8 @@ class ExperimentConfig:
 
     def data_parallel_size(self, layout: MegatronConfig | None = None) -> int:
         layout = layout or self.actor.megatron
-        return self.train_world_size // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size)
+        return self.train_world_size // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+                                         * layout.context_parallel_size)
 
     # -- rules ---------------------------------------------------------------------------------
     def _fill_defaults_across_sections(self) -> None:
@@ -141,6 +142,11 @@ class ExperimentConfig:
         if ro.placement == "disaggregated" and ro.disaggregated_ranks >= tr.world_size:
             raise ConfigError(f"gives all {tr.world_size} ranks to the engine; leave some for training or "
                               "raise trainer.n_gpus_per_node", "actor_rollout_ref.rollout.disaggregated_ranks")
+        if ro.placement == "disaggregated" and (actor.megatron.context_parallel_size > 1
+                                                or (actor.megatron.virtual_pipeline_model_parallel_size or 1) > 1):
+            raise ConfigError("the disaggregated weight sync addresses trainer ranks by TP x PP x DP only; use "
+                              "context_parallel_size=1 and virtual_pipeline_model_parallel_size=null with it, or "
+                              "placement=colocated", "actor_rollout_ref.rollout.placement")
         if ro.placement == "disaggregated":
             # The async loop (megarl/trainer/fit_async.py) hands whole batches over; these need the
             # engine inside the trainer's step.
@@ -172,22 +178,25 @@ class ExperimentConfig:
             if role == "critic" and not self.critic.enable:
                 continue
             tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-            if self.train_world_size % (tp * pp):
+            cp = layout.context_parallel_size
+            if self.train_world_size % (tp * pp * cp):
+                cp_text = f" x CP {cp}" if cp > 1 else ""
                 raise ConfigError(
-                    f"TP {tp} x PP {pp} = {tp * pp} does not divide the {self.train_world_size} training ranks "
+                    f"TP {tp} x PP {pp}{cp_text} = {tp * pp * cp} does not divide the {self.train_world_size} "
+                    "training ranks "
                     f"(trainer.nnodes x trainer.n_gpus_per_node{' minus rollout.disaggregated_ranks' if ro.placement == 'disaggregated' else ''}); "
-                    f"so TP x PP x DP cannot equal the world size: change the layout or the rank count",
+                    f"so TP x PP x CP x DP cannot equal the world size: change the layout or the rank count",
                     f"{role}.megatron.tensor_model_parallel_size")
         # megatron's parallel_state is process-global: every role in a process shares one layout.
-        actor_layout = (actor.megatron.tensor_model_parallel_size, actor.megatron.pipeline_model_parallel_size)
+        actor_layout = _shared_layout(actor.megatron)
         for role, layout in (("critic", self.critic.megatron if self.critic.enable else None),
                              ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)):
-            if layout is not None and (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size) != actor_layout:
+            if layout is not None and _shared_layout(layout) != actor_layout:
+                theirs = _shared_layout(layout)
                 raise ConfigError(
-                    f"TP {layout.tensor_model_parallel_size} x PP {layout.pipeline_model_parallel_size} differs from the "
-                    f"actor's TP {actor_layout[0]} x PP {actor_layout[1]}; roles share one megatron layout, so {role} "
-                    "must use the actor's layout (remove its tensor/pipeline_model_parallel_size)",
-                    f"{role}.megatron.tensor_model_parallel_size")
+                    f"TP x PP x CP x VPP {theirs} differs from the actor's {actor_layout}; roles share one megatron "
+                    f"layout, so {role} must use the actor's layout (remove its tensor/pipeline/context/"
+                    "virtual_pipeline sizes)", f"{role}.megatron.tensor_model_parallel_size")
         dp = self.data_parallel_size()
         rollout_ranks = ro.disaggregated_ranks if ro.placement == "disaggregated" else tr.world_size
         if rollout_ranks % ro.tensor_model_parallel_size:
@@ -206,6 +215,14 @@ class ExperimentConfig:
                 raise ConfigError(
                     f"a mini batch holds ppo_mini_batch_size x rollout.n = {mini} x {ro.n} = {seqs} sequences, "
                     f"not divisible by ppo_micro_batch_size_per_gpu x DP = {micro} x {dp}; change one of them",
+                    f"{role}.ppo_micro_batch_size_per_gpu")
+            lay = actor.megatron if role != "critic" else self.critic.megatron
+            vpp, pp = lay.virtual_pipeline_model_parallel_size or 1, lay.pipeline_model_parallel_size
+            if vpp > 1 and (seqs // (micro * dp)) % pp:
+                raise ConfigError(
+                    f"under virtual pipeline (VPP {vpp}) megatron's interleaved schedule needs the micro-batches "
+                    f"per mini batch, {seqs} / (micro {micro} x DP {dp}) = {seqs // (micro * dp)}, to be a multiple "
+                    f"of PP {pp}; e.g. ppo_micro_batch_size_per_gpu={_vpp_micro(seqs, dp, pp) or 'smaller'}",
                     f"{role}.ppo_micro_batch_size_per_gpu")
         if ro.max_model_len is not None and ro.prompt_length + ro.response_length > ro.max_model_len:
             raise ConfigError(f"{ro.max_model_len} is less than prompt {ro.prompt_length} + response "
@@ -230,6 +247,13 @@ class ExperimentConfig:
             if layers % pp:
                 raise ConfigError(f"PP {pp} must divide the model's {layers} layers; use a divisor of {layers}",
                                   f"{role}.megatron.pipeline_model_parallel_size")
+            vpp = layout.virtual_pipeline_model_parallel_size
+            if vpp and vpp > 1 and layers % (pp * vpp):
+                fits = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
+                raise ConfigError(f"the model's {layers} layers do not split into PP {pp} x VPP {vpp} equal chunks; "
+                                  f"pick a VPP with PP x VPP dividing {layers} "
+                                  f"({'e.g. ' + str(fits[0]) if fits else 'here: null'})",
+                                  f"{role}.megatron.virtual_pipeline_model_parallel_size")
         positions = hf_config.get("max_position_embeddings")
         ro = self.rollout
         if positions and ro.prompt_length + ro.response_length > positions:
@@ -249,6 +273,17 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def _shared_layout(m: MegatronConfig) -> tuple:
+    """What megatron's process-global parallel_state fixes: (TP, PP, CP, VPP)."""
+    return (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size,
+            m.virtual_pipeline_model_parallel_size or 1)
+
+
+def _vpp_micro(seqs: int, dp: int, pp: int) -> int | None:
+    """The largest micro-batch size whose micro-batch count per mini batch is a multiple of PP."""
+    return next((m for m in range(seqs // (dp * pp), 0, -1) if seqs % (m * dp * pp) == 0), None)
 
 
 def _leaf_paths(node: dict, prefix: str = "") -> list[str]:
