@@ -34,7 +34,6 @@ GENERIC = {
 IN_FLIGHT = {
     "use_remove_padding", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",  # issue 13 (packing)
     "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
-    "sequence_parallel", "context_parallel_size", "virtual_pipeline_model_parallel_size",  # issue 14
     "expert_model_parallel_size",
 }
 
