@@ -19,7 +19,9 @@ KNOWN_NOISE = (
     (r"Apex is not installed", UserWarning, False, "megatron uses torch's norm; optional NVIDIA package"),
     (r"full scope is deprecated", UserWarning, False,
      "megatron's own default for cuda_graph_scope, not set by the user"),
-    (r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, False,
+     "megatron's sequence-parallel gathers call torch's older collective names; megarl's own use the new ones"),
+    (r".*it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning, True, "a CUDA stream setting; meaningless on CPU (on GPUs it is shown)"),
 )
 

@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             lock = RunDirLock(cfg.trainer.default_local_dir).acquire()
     except ConfigError as err:
         return config_error(err)
+    # Megatron's TP/SP overlap orders its kernels by relying on one hardware queue; it must be
+    # set before CUDA starts. The user's own value wins.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import torch
     quiet_known_noise(cpu=cfg.trainer.device == "cpu" or not torch.cuda.is_available())
     from torch.distributed.elastic.multiprocessing.errors import record
