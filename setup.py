@@ -16,7 +16,9 @@ setup(
     package_data={"megarl": ["py.typed", "**/*.yaml", "**/*.jinja", "**/*.json", "**/*.jsonl"]},
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.17",     # 0.16.1 is the newest for Python 3.11
+        # 0.16.1 is the newest for Python 3.11 (CI); 0.17-0.19 need Python >= 3.12. megarl checks
+        # the features it uses (megarl/models/mcore.py) instead of pinning one version.
+        "megatron-core>=0.16.1,<0.20",
         "transformers>=4.56",
         "tokenizers>=0.21",
         "safetensors>=0.4",

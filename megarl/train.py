@@ -1,21 +1,26 @@
 """megarl-train: run an RL experiment from a YAML config.
 
-    megarl-train --config configs/quickstart.yaml [section.key=value ...] [--print-config]
+    megarl-train --config configs/quickstart.yaml [section.key=value ...] [--print-config | --check] [--verbose]
     python -m megarl.train ...                      (the same)
     torchrun --nproc_per_node 2 -m megarl.train ...  (what launch/ scripts run)
 
-Started without torchrun/srun and with trainer.nnodes x trainer.n_gpus_per_node > 1 on one node,
-it starts that many local processes itself through torch.distributed.run.
+Started without torchrun/srun, it checks everything it can (megarl/preflight.py: a bad input is one
+line and exit code 2), locks the run directory, then starts trainer.n_gpus_per_node local processes
+(through torch.distributed.run when more than one) and copies their output to <run dir>/logs/.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
+from megarl.logs import VERBOSE_ENV, quiet_known_noise
+from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -23,13 +28,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", "-c", help="experiment YAML (may name a `base:`)")
     parser.add_argument("--print-config", action="store_true",
                         help="validate, print the resolved config and exit without starting anything")
+    parser.add_argument("--check", action="store_true",
+                        help="run every check a launch runs (files, model, lengths, engine, reward, run dir) and exit")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show every warning (megatron's notices about optional NVIDIA packages included)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
     return parser.parse_args(argv)
 
 
-def load_checked(config: str | None, overrides: list[str]) -> ExperimentConfig:
+def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
+    """The config, validated; with `check_all`, also everything megarl.preflight can check
+    (files, model, lengths, engine, reward, run directory) before any process starts."""
     cfg = load_config(config, overrides)
-    if cfg.model.path:
+    if check_all:
+        from megarl.preflight import preflight
+        preflight(cfg)
+    elif cfg.model.path:
         hf = read_hf_config(cfg.model.path)
         if hf is not None:
             cfg.check_model(hf)
@@ -40,47 +54,109 @@ def _launched_by_a_launcher() -> bool:
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ and "MEGARL_SLURM_TASK_PER_RANK" in os.environ
 
 
-def relaunch_locally(cfg: ExperimentConfig, argv: list[str]) -> int:
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
+    """Start this node's ranks (torchrun for several, one child for one), holding the run
+    directory's lock for them, and copy their output to <run dir>/logs/megarl-*.log."""
     nproc = cfg.trainer.n_gpus_per_node
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "megarl.train", *argv]
-    print(f"megarl: starting {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "megarl.train", *argv]
+        # torchrun's banner about OMP_NUM_THREADS appears only when it is unset; launch/torchrun.sh's rule.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    else:
+        cmd = [sys.executable, "-m", "megarl.train", *argv]
+        env.update(single_process_env())
+    run_dir = cfg.trainer.default_local_dir
+    lock = RunDirLock(run_dir).acquire()
+    env[LOCK_HELD_ENV] = lock.path
+    log_dir = os.path.join(run_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"megarl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    print(f"megarl: starting {nproc} process{'es' if nproc > 1 else ''}; log {log_path}", flush=True)
+    try:
+        with open(log_path, "ab") as log:
+            # The child gets SIGTERM if this process dies (torchrun then stops its ranks).
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    preexec_fn=child_dies_with_us())
+            try:
+                while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+                    log.write(chunk)
+                    log.flush()
+                return proc.wait()
+            except KeyboardInterrupt:
+                proc.send_signal(signal.SIGINT)
+                return proc.wait()
+    finally:
+        lock.release()
 
 
-def single_process_env() -> None:
-    """The variables torchrun would set, for a one-process run started bare."""
+def single_process_env() -> dict[str, str]:
+    """The variables torchrun would set, for a one-process run."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def config_error(err: ConfigError) -> int:
+    """One line on stderr (from rank 0 only, when ranks run it), exit code 2."""
+    if _rank() == 0:
+        print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
+    if _launched_by_a_launcher() and "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from megarl.trainer.run import tell_launcher
+        tell_launcher(err)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"          # ranks inherit it
+    launched = _launched_by_a_launcher()
+    if launched:
+        die_with_parent()                      # a rank never outlives the launcher that started it
     try:
-        cfg = load_checked(args.config, args.overrides)
+        # --print-config shows the typed tree (defaults included) without looking at files.
+        cfg = load_checked(args.config, args.overrides, check_all=not args.print_config)
+        if args.print_config:
+            print(cfg.to_yaml(), end="")
+            return 0
+        if args.check:
+            print("megarl: config and inputs check out; nothing was started")
+            return 0
+        if not launched:
+            if cfg.trainer.nnodes > 1:
+                raise ConfigError("trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch or torchrun on "
+                                  "every node")
+            return spawn_ranks(cfg, argv)
+        lock = None
+        if _rank() == 0 and LOCK_HELD_ENV not in os.environ:  # started by torchrun/srun directly
+            lock = RunDirLock(cfg.trainer.default_local_dir).acquire()
     except ConfigError as err:
-        print(f"megarl: config error: {err}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(cfg.to_yaml(), end="")
-        return 0
-    if not _launched_by_a_launcher():
-        if cfg.trainer.nnodes > 1:
-            print("megarl: config error: trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch "
-                  "or torchrun on every node", file=sys.stderr)
-            return 2
-        if cfg.trainer.world_size > 1:
-            return relaunch_locally(cfg, argv)
-        single_process_env()
+        return config_error(err)
+    # Megatron's TP/SP overlap orders its kernels by relying on one hardware queue; it must be
+    # set before CUDA starts. The user's own value wins.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    import torch
+    quiet_known_noise(cpu=cfg.trainer.device == "cpu" or not torch.cuda.is_available())
     from torch.distributed.elastic.multiprocessing.errors import record
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
-    return record(run)(cfg, config_path=args.config, overrides=args.overrides)
+    try:
+        return record(run)(cfg, config_path=args.config, overrides=args.overrides)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

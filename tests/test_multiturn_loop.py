@@ -15,8 +15,9 @@ from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import MultiTurnConfig, RolloutConfig
 from megarl.rollout.multiturn import AgentLoop, build_agent_loop, load_tools, multiturn_metrics
 from megarl.rollout.multiturn.loop import turn_seed
-from megarl.rollout.trtllm import llm_kwargs
+from megarl.rollout.trtllm import detect_features, llm_kwargs
 from tests.multiturn_helpers import ScriptedEngine, fake_log_prob, prompt_batch, rows
+from tests.rollout import trtllm_fake
 
 TOK = build_tokenizer()
 TOK_SPELLED = build_tokenizer(tool_tokens=False)     # </tool_call> is 12 tokens here
@@ -209,7 +210,7 @@ def test_simulated_user_turns(tmp_path):
     check_alignment(r)
 
 
-def test_config_entry_point_with_seed_keys(tmp_path):
+def test_config_entry_point_with_seed_keys(tmp_path, monkeypatch):
     path = tmp_path / "tools.yaml"
     path.write_text("tools:\n  - name: calculator\n    description: Add two numbers together\n    parameters:\n"
                     "      - {name: a, type: number, description: First number}\n"
@@ -227,7 +228,9 @@ def test_config_entry_point_with_seed_keys(tmp_path):
         build_agent_loop(load_config(None, [f"actor_rollout_ref.rollout.tools={path}",
                                             "actor_rollout_ref.rollout.interactions=[chatbot]"]), engine, TOK)
     # TensorRT-LLM must accept continuation prompts (prompt + response so far)
-    kw = llm_kwargs(RolloutConfig(prompt_length=100, response_length=28, tools=str(path)), "/m", lambda **k: k)
+    tllm = trtllm_fake.install(monkeypatch, "trtllm-1.3.0rc21.json")   # the strict fake of 1.3's LLM args
+    kw = llm_kwargs(RolloutConfig(prompt_length=100, response_length=28, tools=str(path)), "/m",
+                    detect_features(tllm), tllm.llmapi.llm_args)
     assert kw["max_input_len"] == 128
     with pytest.raises(ConfigError, match="set format=hermes"):
         load_config(None, ["actor_rollout_ref.rollout.multi_turn.format=json"])

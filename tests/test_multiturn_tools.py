@@ -89,9 +89,7 @@ def test_openai_and_verl_forms_and_implementations(tmp_path):
               description: Upper-case a text
               parameters: {type: object, properties: {text: {type: string}}, required: [text]}
             implementation: impls.py:shout
-          - class_name: verl.tools.gsm8k_tool.Gsm8kTool
-            config: {type: native}
-            tool_schema:
+          - tool_schema:
               type: function
               function:
                 name: calc_gsm8k_reward
@@ -103,7 +101,7 @@ def test_openai_and_verl_forms_and_implementations(tmp_path):
         ''')
     tools = load_tools(path)
     assert tools["shout"].fn(text="hi") == "HI" and tools["shout"].implementation.endswith("impls.py:shout")
-    assert tools["calc_gsm8k_reward"].fn is None           # verl classes are not run; warned
+    assert tools["calc_gsm8k_reward"].fn is None           # verl's schema form, no implementation: warned
     assert tools["calculate"].implementation == "builtin:calculate"
     assert tools["calculate"].parameters["properties"]["expression"]["type"] == "string"   # `str` alias
 
@@ -117,6 +115,8 @@ BAD = {
                            "tools[0] ('calc'): parameters[0] needs a name"),
     "bad type": ("tools: [{name: calc, parameters: [{name: a, type: float64}]}]", "has type 'float64'; use one of"),
     "unknown key": ("tools: [{name: calc, implementaton: x.py:f}]", "unknown key 'implementaton'"),
+    "verl tool class": ("tools: [{class_name: verl.tools.gsm8k_tool.Gsm8kTool, tool_schema: {name: calc}}]",
+                        "is a verl tool class, which megarl does not run; add `implementation:"),
     "bad impl form": ("tools: [{name: calc, implementation: just_a_name}]", "implementation must be"),
     "missing file": ("tools: [{name: calc, implementation: nowhere.py:f}]", "tools[0] ('calc').implementation"),
     "missing function": ("tools: [{name: calc, implementation: 'impls.py:nope'}]", "has no function named 'nope'"),

@@ -96,14 +96,15 @@ class ColocatedSync:
         spec, head = source.spec, source.head
         self.want = takes_shards(engine)
         want = self.want or (lambda name: ShardSlice())
-        names = [n for p in range(source.pp) for n in stage_names(spec, source.pp, p, head)]
-        mine = local_names(spec, source.tp, source.tp_rank, source.pp, want, head)
+        names = [n for p in range(source.pp) for n in stage_names(spec, source.pp, p, head, source.vpp)]
+        mine = local_names(spec, source.tp, source.tp_rank, source.pp, want, head, source.vpp)
         # A tensor skips the all-gather only if it may on every rank (collectives must agree).
         flags = torch.tensor([int(n in mine) for n in names], dtype=torch.int32, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
         local = {n for n, f in zip(names, flags.tolist()) if f}
-        self.plan = build_plan(spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, local, head)
+        self.plan = build_plan(spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, local, head,
+                               vpp=source.vpp)
         self.stage_src = [source.stage_rank(p) for p in range(source.pp)]
         self._buffers: _Buffers | None = None
         self._check_same_plan()

@@ -64,7 +64,8 @@ class DiskSync:
         self.src, self.dir, self.keep, self.aux_from, self.group = source, os.path.abspath(disk_dir), keep, aux_from, group
         self.dtype, self.device = source.dtype, source.device
         self.out_dtype = source.hf_dtype or self.dtype
-        self.plan = build_plan(source.spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, (), source.head)
+        self.plan = build_plan(source.spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, (), source.head,
+                               vpp=source.vpp)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # Numbering continues after the exports already there (a resumed run); rank 0 decides.
         last = [_exports(self.dir)[-1][0] if self.rank == 0 and _exports(self.dir) else 0]

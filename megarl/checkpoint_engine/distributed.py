@@ -85,6 +85,9 @@ def _check_same(plan: TransferPlan, dtype: torch.dtype, group) -> None:
 
 class DisaggregatedSender:
     def __init__(self, source: ShardSource, groups: DisaggregatedGroups, bucket_bytes: int = 512 << 20):
+        if source.vpp > 1:
+            raise ValueError("the disaggregated sync plans stages without virtual-pipeline chunks; train with "
+                             "virtual_pipeline_model_parallel_size=null or use the colocated sync")
         if (source.tp, source.pp) != (groups.tp, groups.pp):
             raise ValueError(f"groups were built for TP {groups.tp} x PP {groups.pp}, the shards are "
                              f"TP {source.tp} x PP {source.pp}")

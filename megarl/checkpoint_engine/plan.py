@@ -27,7 +27,7 @@ import torch
 
 from megarl.models.convert import (EMBED, OUTPUT, Slice, hf_names, hf_shapes, hf_slices, megatron_names,
                                    megatron_to_hf, shard_shape, tp_dim)
-from megarl.models.spec import ModelSpec, layer_offset
+from megarl.models.spec import ModelSpec, stage_layers
 from megarl.rollout.base import ShardSlice
 
 
@@ -82,12 +82,11 @@ class TransferPlan:
 
 
 # -- names per stage ------------------------------------------------------------------------------
-def stage_names(spec: ModelSpec, pp: int, stage: int, head: str = "lm") -> list[str]:
-    """The megatron tensors a sync reads from pipeline stage `stage`. A tied LM's last-stage copy
-    of the embedding (output_layer under PP > 1) is skipped: the first stage sends it."""
-    per = spec.num_layers // pp
-    first = layer_offset(spec, stage, pp)
-    names = megatron_names(spec, range(first, first + per), stage == 0, stage == pp - 1, head)
+def stage_names(spec: ModelSpec, pp: int, stage: int, head: str = "lm", vpp: int = 1) -> list[str]:
+    """The megatron tensors a sync reads from pipeline stage `stage` (all its virtual-pipeline
+    chunks). A tied LM's last-stage copy of the embedding (output_layer under PP > 1) is skipped:
+    the first stage sends it."""
+    names = megatron_names(spec, stage_layers(spec, stage, pp, vpp), stage == 0, stage == pp - 1, head)
     if head == "lm" and spec.tie_word_embeddings:
         names = [n for n in names if n != OUTPUT]
     return names
@@ -112,12 +111,12 @@ def narrow_to(piece: torch.Tensor, outer: Slice, inner: ShardSlice) -> torch.Ten
 
 
 def local_names(spec: ModelSpec, tp: int, tp_rank: int, pp: int, want: Callable[[str], ShardSlice],
-                head: str = "lm") -> set[str]:
+                head: str = "lm", vpp: int = 1) -> set[str]:
     """Megatron tensors (of every stage: other stages' shards reach this rank by broadcast) whose
     TP shard `tp_rank` holds this rank's engine part of each of its HF tensors."""
     out = set()
     for stage in range(pp):
-        for name in stage_names(spec, pp, stage, head):
+        for name in stage_names(spec, pp, stage, head, vpp):
             if all(contains(s, want(s.hf_name)) for s in hf_slices(name, spec, tp_rank, tp, head)):
                 out.add(name)
     return out
@@ -130,7 +129,8 @@ def is_vocab(name: str, head: str = "lm") -> bool:
 
 
 def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_size: int,
-               local: Collection[str] = (), head: str = "lm", gather_all: bool = False) -> TransferPlan:
+               local: Collection[str] = (), head: str = "lm", gather_all: bool = False,
+               vpp: int = 1) -> TransferPlan:
     """Buckets of at most `bucket_bytes` (counting gathered entries at their full size; a tensor
     larger than that gets a bucket of its own), stage by stage in megatron's parameter order.
     `local`: split tensors that need no all-gather; replicated ones never do. `gather_all`: every
@@ -148,7 +148,7 @@ def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_siz
                 buckets.append(Bucket(len(buckets), stage, tuple(entries), g_off, l_off))
             entries, g_off, l_off, size = [], 0, 0, 0
 
-        for name in stage_names(spec, pp, stage, head):
+        for name in stage_names(spec, pp, stage, head, vpp):
             shape = shard_shape(name, spec, tp, head)
             gather = gather_all or (tp > 1 and tp_dim(name, head) is not None and name not in local)
             n = math.prod(shape)

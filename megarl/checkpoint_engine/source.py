@@ -31,21 +31,24 @@ class ShardSource:
     tp_group: Any = None                   # megatron's TP group (None when TP = 1)
     pp_group: Any = None                   # megatron's PP group (None when PP = 1)
     hf_dtype: torch.dtype | None = None    # the HF checkpoint's dtype (what disk exports write)
+    vpp: int = 1                           # virtual-pipeline chunks per stage (params hold them all)
 
     @classmethod
     def from_actor(cls, actor) -> "ShardSource":
-        """The actor's live shards (`model_chunks`, `layer_offset`) and megatron's groups."""
+        """The actor's live shards (`model_chunks`, one `layer_offsets` entry each) and megatron's groups."""
         from megarl.parallel import state
         eng = actor.engine
         lay = eng.layout
         params = {}
-        for chunk in actor.model_chunks:
+        offsets = getattr(actor, "layer_offsets", None) or [actor.layer_offset]
+        for chunk, offset in zip(actor.model_chunks, offsets, strict=True):
             for local, p in chunk.named_parameters():
-                params[to_global(local, actor.layer_offset)] = p.data
+                params[to_global(local, offset)] = p.data
         return cls(spec=actor.spec, tp=lay.tp, pp=lay.pp, tp_rank=lay.tp_rank, pp_rank=lay.pp_rank,
                    dp_rank=lay.dp_rank, params=params, head=eng.es.head,
                    tp_group=state.tp_group() if lay.tp > 1 else None,
-                   pp_group=state.pp_group() if lay.pp > 1 else None, hf_dtype=getattr(eng, "hf_dtype", None))
+                   pp_group=state.pp_group() if lay.pp > 1 else None, hf_dtype=getattr(eng, "hf_dtype", None),
+                   vpp=getattr(lay, "vpp", 1))
 
     @property
     def dtype(self) -> torch.dtype:

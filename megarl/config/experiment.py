@@ -23,6 +23,7 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
+from megarl.config.refused import check_refused
 from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
 from megarl.data.config import DataConfig
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -76,7 +77,8 @@ class ExperimentConfig:
 
     def data_parallel_size(self, layout: MegatronConfig | None = None) -> int:
         layout = layout or self.actor.megatron
-        return self.train_world_size // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size)
+        return self.train_world_size // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+                                         * layout.context_parallel_size)
 
     # -- rules ---------------------------------------------------------------------------------
     def _fill_defaults_across_sections(self) -> None:
@@ -98,6 +100,13 @@ class ExperimentConfig:
             crit.ppo_epochs = self.actor.ppo_epochs
         if crit.model.path is None and crit.model.init_from == "actor":
             crit.model.path = self.model.path
+        if ro.log_prob_micro_batch_size_per_gpu is not None:
+            # verl keeps the old-log-prob micro batch under rollout; megarl's actor computes them.
+            if self.actor.log_prob_micro_batch_size_per_gpu not in (None, ro.log_prob_micro_batch_size_per_gpu):
+                raise ConfigError(f"conflicts with actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu="
+                                  f"{self.actor.log_prob_micro_batch_size_per_gpu}; set only one",
+                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
+            self.actor.log_prob_micro_batch_size_per_gpu = ro.log_prob_micro_batch_size_per_gpu
         ref = self.actor_rollout_ref.ref
         if ref.megatron is None:
             ref.megatron = self.actor.megatron
@@ -109,6 +118,14 @@ class ExperimentConfig:
         if self.model.tokenizer_path is None:
             self.model.tokenizer_path = self.model.path
         self._fill_token_budgets()
+        rm = self.reward_model
+        if rm.batch_deadline_s is None:
+            rm.batch_deadline_s = 0.8 * self.trainer.collective_timeout_s
+        elif rm.batch_deadline_s >= self.trainer.collective_timeout_s:
+            raise ConfigError(f"{rm.batch_deadline_s:g}s is not below trainer.collective_timeout_s="
+                              f"{self.trainer.collective_timeout_s:g}s: the other ranks, waiting for the rewards, "
+                              "would time out first; lower it or raise the collective timeout",
+                              "reward_model.batch_deadline_s")
         total = self.trainer.total_training_steps
         for optim in (self.actor.optim, self.critic.optim):
             if optim.total_training_steps < 0 and total is not None:
@@ -159,6 +176,11 @@ class ExperimentConfig:
         if ro.placement == "disaggregated" and ro.disaggregated_ranks >= tr.world_size:
             raise ConfigError(f"gives all {tr.world_size} ranks to the engine; leave some for training or "
                               "raise trainer.n_gpus_per_node", "actor_rollout_ref.rollout.disaggregated_ranks")
+        if ro.placement == "disaggregated" and (actor.megatron.context_parallel_size > 1
+                                                or (actor.megatron.virtual_pipeline_model_parallel_size or 1) > 1):
+            raise ConfigError("the disaggregated weight sync addresses trainer ranks by TP x PP x DP only; use "
+                              "context_parallel_size=1 and virtual_pipeline_model_parallel_size=null with it, or "
+                              "placement=colocated", "actor_rollout_ref.rollout.placement")
         if ro.placement == "disaggregated":
             # The async loop (megarl/trainer/fit_async.py) hands whole batches over; these need the
             # engine inside the trainer's step.
@@ -190,22 +212,25 @@ class ExperimentConfig:
             if role == "critic" and not self.critic.enable:
                 continue
             tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-            if self.train_world_size % (tp * pp):
+            cp = layout.context_parallel_size
+            if self.train_world_size % (tp * pp * cp):
+                cp_text = f" x CP {cp}" if cp > 1 else ""
                 raise ConfigError(
-                    f"TP {tp} x PP {pp} = {tp * pp} does not divide the {self.train_world_size} training ranks "
+                    f"TP {tp} x PP {pp}{cp_text} = {tp * pp * cp} does not divide the {self.train_world_size} "
+                    "training ranks "
                     f"(trainer.nnodes x trainer.n_gpus_per_node{' minus rollout.disaggregated_ranks' if ro.placement == 'disaggregated' else ''}); "
-                    f"so TP x PP x DP cannot equal the world size: change the layout or the rank count",
+                    f"so TP x PP x CP x DP cannot equal the world size: change the layout or the rank count",
                     f"{role}.megatron.tensor_model_parallel_size")
         # megatron's parallel_state is process-global: every role in a process shares one layout.
-        actor_layout = (actor.megatron.tensor_model_parallel_size, actor.megatron.pipeline_model_parallel_size)
+        actor_layout = _shared_layout(actor.megatron)
         for role, layout in (("critic", self.critic.megatron if self.critic.enable else None),
                              ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)):
-            if layout is not None and (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size) != actor_layout:
+            if layout is not None and _shared_layout(layout) != actor_layout:
+                theirs = _shared_layout(layout)
                 raise ConfigError(
-                    f"TP {layout.tensor_model_parallel_size} x PP {layout.pipeline_model_parallel_size} differs from the "
-                    f"actor's TP {actor_layout[0]} x PP {actor_layout[1]}; roles share one megatron layout, so {role} "
-                    "must use the actor's layout (remove its tensor/pipeline_model_parallel_size)",
-                    f"{role}.megatron.tensor_model_parallel_size")
+                    f"TP x PP x CP x VPP {theirs} differs from the actor's {actor_layout}; roles share one megatron "
+                    f"layout, so {role} must use the actor's layout (remove its tensor/pipeline/context/"
+                    "virtual_pipeline sizes)", f"{role}.megatron.tensor_model_parallel_size")
         dp = self.data_parallel_size()
         rollout_ranks = ro.disaggregated_ranks if ro.placement == "disaggregated" else tr.world_size
         if rollout_ranks % ro.tensor_model_parallel_size:
@@ -225,19 +250,34 @@ class ExperimentConfig:
                     f"a mini batch holds ppo_mini_batch_size x rollout.n = {mini} x {ro.n} = {seqs} sequences, "
                     f"not divisible by ppo_micro_batch_size_per_gpu x DP = {micro} x {dp}; change one of them",
                     f"{role}.ppo_micro_batch_size_per_gpu")
+            lay = actor.megatron if role != "critic" else self.critic.megatron
+            vpp, pp = lay.virtual_pipeline_model_parallel_size or 1, lay.pipeline_model_parallel_size
+            if vpp > 1 and (seqs // (micro * dp)) % pp:
+                raise ConfigError(
+                    f"under virtual pipeline (VPP {vpp}) megatron's interleaved schedule needs the micro-batches "
+                    f"per mini batch, {seqs} / (micro {micro} x DP {dp}) = {seqs // (micro * dp)}, to be a multiple "
+                    f"of PP {pp}; e.g. ppo_micro_batch_size_per_gpu={_vpp_micro(seqs, dp, pp) or 'smaller'}",
+                    f"{role}.ppo_micro_batch_size_per_gpu")
+        if ro.max_model_len is not None and ro.prompt_length + ro.response_length > ro.max_model_len:
+            raise ConfigError(f"{ro.max_model_len} is less than prompt {ro.prompt_length} + response "
+                              f"{ro.response_length} tokens; raise it or lower data.max_prompt_length / "
+                              "data.max_response_length", "actor_rollout_ref.rollout.max_model_len")
         longest = ro.prompt_length + ro.response_length
         if self.token_budgets() and actor.megatron.pipeline_model_parallel_size > 1 and not (
                 self.model.use_remove_padding and self.critic.model.use_remove_padding):
             raise ConfigError("token-budget micro-batches under pipeline parallelism need packed sequences (padded "
                               "ones of different row counts cannot share the pipeline's fixed shape); set it to true "
                               "or turn off use_dynamic_bsz", "actor_rollout_ref.model.use_remove_padding")
+        vpp = actor.megatron.virtual_pipeline_model_parallel_size or 1
+        if self.token_budgets() and vpp > 1:
+            raise ConfigError(f"token-budget micro-batches vary in count, but the interleaved schedule (VPP {vpp}) "
+                              "needs a multiple of PP; turn off use_dynamic_bsz or virtual pipelining",
+                              "actor_rollout_ref.actor.use_dynamic_bsz")
         for key, budget in self.token_budgets():
             if budget < longest:
                 raise ConfigError(f"a token budget of {budget} is smaller than the longest sequence, prompt_length "
                                   f"{ro.prompt_length} + response_length {ro.response_length} = {longest}; raise it to "
                                   f"at least {longest}", key)
-        if ro.prompt_length > data.max_prompt_length or ro.response_length > data.max_response_length:
-            pass  # the rollout may allow more than the data keeps; the data side filters first
 
     # -- model-dependent rules (need the HF config.json) ----------------------------------------
     def check_model(self, hf_config: dict) -> None:
@@ -257,6 +297,22 @@ class ExperimentConfig:
             if layers % pp:
                 raise ConfigError(f"PP {pp} must divide the model's {layers} layers; use a divisor of {layers}",
                                   f"{role}.megatron.pipeline_model_parallel_size")
+            vpp = layout.virtual_pipeline_model_parallel_size
+            if vpp and vpp > 1 and layers % (pp * vpp):
+                fits = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
+                raise ConfigError(f"the model's {layers} layers do not split into PP {pp} x VPP {vpp} equal chunks; "
+                                  f"pick a VPP with PP x VPP dividing {layers} "
+                                  f"({'e.g. ' + str(fits[0]) if fits else 'here: null'})",
+                                  f"{role}.megatron.virtual_pipeline_model_parallel_size")
+        positions = hf_config.get("max_position_embeddings")
+        ro = self.rollout
+        if positions and ro.prompt_length + ro.response_length > positions:
+            room = positions - ro.prompt_length
+            fix = (f"lower data.max_response_length to at most {room}" if room >= 1 else
+                   f"lower data.max_prompt_length below {positions} and leave room for a response")
+            raise ConfigError(f"prompt {ro.prompt_length} + response {ro.response_length} tokens = "
+                              f"{ro.prompt_length + ro.response_length} exceed the model's {positions} positions "
+                              f"(max_position_embeddings); {fix}", "data.max_response_length")
         rtp = self.rollout.tensor_model_parallel_size
         if heads % rtp or kv % rtp:
             raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
@@ -267,6 +323,17 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def _shared_layout(m: MegatronConfig) -> tuple:
+    """What megatron's process-global parallel_state fixes: (TP, PP, CP, VPP)."""
+    return (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size,
+            m.virtual_pipeline_model_parallel_size or 1)
+
+
+def _vpp_micro(seqs: int, dp: int, pp: int) -> int | None:
+    """The largest micro-batch size whose micro-batch count per mini batch is a multiple of PP."""
+    return next((m for m in range(seqs // (dp * pp), 0, -1) if seqs % (m * dp * pp) == 0), None)
 
 
 def _leaf_paths(node: dict, prefix: str = "") -> list[str]:
@@ -307,8 +374,9 @@ def check_known_keys(raw: dict) -> None:
 
 def build_config(raw: dict) -> ExperimentConfig:
     check_known_keys(raw)
-    merged = deep_merge(defaults_of(ExperimentConfig), raw)
-    return build(ExperimentConfig, resolve(merged))
+    merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
+    check_refused(merged)
+    return build(ExperimentConfig, merged)
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

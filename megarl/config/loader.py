@@ -6,6 +6,8 @@
 
 Bases merge first (left to right), then the file itself, then `a.b.c=value` overrides.
 Mappings merge key by key; lists and scalars replace. A value of `null` clears a key.
+A key written twice in one mapping is an error (YAML would keep the last one silently).
+Relative input paths in a file resolve against that file's directory (megarl/config/paths.py).
 """
 from __future__ import annotations
 
@@ -16,8 +18,33 @@ from typing import Any
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.paths import resolve_file_paths
 
 BASE_KEY = "base"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key repeated within one mapping, naming both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen and key != "<<":
+                raise ConfigError(f"{self.name}: key {key!r} appears twice (lines {seen[key] + 1} and "
+                                  f"{key_node.start_mark.line + 1}); keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(stream, name: str = "<string>"):
+    """yaml.safe_load, except that a duplicate key is a ConfigError."""
+    loader = _UniqueKeyLoader(stream)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def deep_merge(into: dict, new: dict) -> dict:
@@ -40,13 +67,14 @@ def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError(f"config file not found: {path}; check the --config path")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = load_yaml_text(f, path) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    resolve_file_paths(data, os.path.dirname(path))
     bases = data.pop(BASE_KEY, None) or []
     if isinstance(bases, str):
         bases = [bases]

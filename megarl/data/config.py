@@ -29,6 +29,9 @@ class DataConfig:
     # Malformed rows are skipped and reported with their line numbers; above this fraction
     # of a file the load stops with an error instead.
     max_bad_row_fraction: float = 0.05
+    # Validation rows dropped (malformed or over max_prompt_length) above this fraction of the
+    # validation set stop the run: a metric over a silently smaller set is not the same metric.
+    max_val_dropped_fraction: float = 0.0
     dataloader_num_workers: int = 0
     return_raw_chat: bool = False
     custom_cls: dict[str, Any] = field(default_factory=dict)  # {path, name}: a user's dataset class
@@ -43,3 +46,4 @@ class DataConfig:
         require(self.train_batch_size >= 1, "train_batch_size", "must be >= 1")
         require(self.val_batch_size is None or self.val_batch_size >= 1, "val_batch_size", "must be >= 1 or null")
         require(0.0 <= self.max_bad_row_fraction <= 1.0, "max_bad_row_fraction", "must be within [0, 1]")
+        require(0.0 <= self.max_val_dropped_fraction <= 1.0, "max_val_dropped_fraction", "must be within [0, 1]")

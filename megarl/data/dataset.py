@@ -5,7 +5,9 @@
     ds.report -> {"rows", "kept", "malformed", "filtered_overlong", "truncated"}
 
 Row format (verl's): `prompt` (data.prompt_key) is a string or a list of chat messages
-({role, content}; a multi-turn history is the prompt as a whole); the ground truth is
+({role, content}; a multi-turn history is the prompt as a whole, except that a list ending with an
+assistant message follows verl's convention: all but the last message form the prompt and the
+last one is the expected response, used as ground truth when the row has none); the ground truth is
 `reward_model.ground_truth`, else a top-level `ground_truth` or `answer`; `data_source`
 (data.reward_fn_key) picks the reward rule; `extra_info` is passed to the reward function.
 """
@@ -69,9 +71,29 @@ class RLDataset:
         self.report = {"rows": 0, "kept": 0, "malformed": 0, "filtered_overlong": 0, "truncated": 0}
         for path in files:
             self._load(path, key)
+        self._check_val_drops(files)
         if not self.items:
             raise ValueError(f"no usable {split} prompts in {', '.join(files)} (report: {self.report}); "
                              "check data.prompt_key and data.max_prompt_length")
+
+    def summary(self) -> str:
+        """One line for the start-up log: what was kept, dropped and truncated."""
+        r = self.report
+        return (f"{self.split} data: {r['kept']} of {r['rows']} rows kept; dropped {r['malformed']} malformed, "
+                f"{r['filtered_overlong']} over data.max_prompt_length={self.config.max_prompt_length}; "
+                f"truncated {r['truncated']}")
+
+    def _check_val_drops(self, files: list[str]) -> None:
+        if self.split != "val":
+            return
+        dropped = self.report["malformed"] + self.report["filtered_overlong"]
+        limit = self.config.max_val_dropped_fraction
+        if dropped and dropped / max(self.report["rows"], 1) > limit:
+            raise ConfigError(f"{dropped} of {self.report['rows']} validation rows would be dropped "
+                              f"({self.report['filtered_overlong']} over max_prompt_length={self.config.max_prompt_length}, "
+                              f"{self.report['malformed']} malformed), more than data.max_val_dropped_fraction={limit}; "
+                              "raise data.max_prompt_length, fix the rows, or raise that fraction knowingly",
+                              "data.val_files")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -98,6 +120,17 @@ class RLDataset:
             if problem:
                 bad.append(BadRow(path, where, problem))
                 continue
+            if isinstance(row[cfg.prompt_key], list) and row[cfg.prompt_key][-1]["role"] == "assistant":
+                # verl's convention: all but the last message form the prompt, the last one is the
+                # expected response (the ground truth unless the row gives one).
+                *prompt, answer = row[cfg.prompt_key]
+                if not prompt:
+                    bad.append(BadRow(path, where, f"'{cfg.prompt_key}' holds only an assistant message; "
+                                                   "the prompt is all messages but the last"))
+                    continue
+                row = {**row, cfg.prompt_key: prompt}
+                if ground_truth(row) is None:
+                    row["ground_truth"] = answer["content"]
             text = render_prompt(self.tokenizer, row[cfg.prompt_key], self.template, cfg.apply_chat_template)
             good.append((where, row, text))
         self._account_bad(path, bad, got.total)

@@ -16,16 +16,20 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.models.attention import SDPACoreAttention
+from megarl.models.context_parallel import CPCoreAttention
 from megarl.models.convert import tp_dim
+from megarl.models.norm import Norm, norm_class
 from megarl.models.spec import ModelSpec
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32,
                        cpu_init: bool | None = None, sequence_parallel: bool = False,
-                       recompute: bool = False, overrides: dict[str, Any] | None = None) -> TransformerConfig:
+                       recompute: bool = False, overrides: dict[str, Any] | None = None,
+                       cp: int = 1, vpp: int | None = None) -> TransformerConfig:
     """The TransformerConfig of `spec` under (TP, PP). Weights are loaded afterwards, so megatron's
     random initialisation is skipped. `calculate_per_token_loss=True` turns off megatron's own loss
     scaling (division by micro-batch count, DDP averaging): megarl's loss functions normalise
@@ -40,23 +44,43 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel and tp > 1,
+        context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=cpu_init, perform_initialization=False,
         calculate_per_token_loss=True, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
         deallocate_pipeline_outputs=False,
+        # megarl builds megatron's local spec; `transformer_engine` (an override) swaps in TE's norm.
+        transformer_impl="local",
     )
+    if vpp and vpp > 1:
+        # Under the interleaved schedule with PP=2 a stage's previous and next stage are the same
+        # rank, and megatron's batched p2p then matches a forward send with a backward receive
+        # (same shapes, wrong data). Its unbatched path orders the two directions apart.
+        kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=False)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec) -> ModuleSpec:
-    """megatron's local (no Transformer Engine) layer spec with RMSNorm and SDPA core attention."""
+def layer_spec(spec: ModelSpec, config: TransformerConfig | None = None) -> ModuleSpec:
+    """megatron's local (no Transformer Engine) layer spec with SDPA core attention (its
+    context-parallel form when CP > 1) and megarl's norm, which supports sequence parallelism."""
     out = get_gpt_layer_local_spec(normalization="RMSNorm")
-    out.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    cp = config.context_parallel_size if config is not None else 1
+    out.submodules.self_attention.submodules.core_attention = CPCoreAttention if cp > 1 else SDPACoreAttention
+    norm = norm_class(config) if config is not None else Norm
+    out.submodules.input_layernorm = norm
+    out.submodules.pre_mlp_layernorm = norm
     return out
+
+
+def block_spec(spec: ModelSpec, config: TransformerConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The layers of one pipeline stage (or virtual-pipeline chunk) and the final norm: megatron
+    would otherwise build the final norm with its own torch norm, which refuses SP."""
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(spec, config)] * layers, layer_norm=norm_class(config))
 
 
 class ValueHead(MegatronModule):
@@ -68,18 +92,24 @@ class ValueHead(MegatronModule):
         self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype, device=device))
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.config.sequence_parallel:
+            # hidden is split over TP along the sequence; every TP rank computes every value
+            # (the head is replicated), so the backward keeps this rank's slice instead of summing.
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight), None  # [s, b, 1]
 
 
 def build_gpt(spec: ModelSpec, config: TransformerConfig, pre_process: bool, post_process: bool,
-              head: str = "lm") -> GPTModel:
-    """One pipeline stage of the model (all of it when PP=1). The LM head's vocabulary is padded
-    (ModelSpec.padded_vocab); padded logits are dropped by the log-prob code."""
+              head: str = "lm", vp_stage: int | None = None) -> GPTModel:
+    """One pipeline stage of the model (all of it when PP=1), or with virtual pipelining one
+    chunk `vp_stage` of it. The LM head's vocabulary is padded (ModelSpec.padded_vocab); padded
+    logits are dropped by the log-prob code."""
     if head not in ("lm", "value"):
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
     tie = spec.tie_word_embeddings and head == "lm"
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec),
+        config=config, transformer_layer_spec=block_spec(spec, config, vp_stage), vp_stage=vp_stage,
         vocab_size=spec.padded_vocab(config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,

@@ -171,3 +171,10 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
 def layer_offset(spec: ModelSpec, pp_rank: int, pp: int) -> int:
     """Global index of the first layer on pipeline stage `pp_rank` (stages hold equal layer counts)."""
     return pp_rank * (spec.num_layers // pp)
+
+
+def stage_layers(spec: ModelSpec, pp_rank: int, pp: int, vpp: int = 1) -> list[int]:
+    """Global layers of pipeline stage `pp_rank`, chunk by chunk. With a virtual pipeline of `vpp`
+    chunks, chunk v of stage p is virtual stage v*PP + p (megatron's interleaved order)."""
+    per = spec.num_layers // (pp * vpp)
+    return [(v * pp + pp_rank) * per + i for v in range(vpp) for i in range(per)]

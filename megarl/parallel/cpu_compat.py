@@ -14,6 +14,10 @@ What it replaces, and why (megatron-core assumes a CUDA device in these places):
     counters), DDP grad buffers and `finalize_model_grads` write such literals. The mode costs a
     few microseconds per torch call, so it is scoped to megatron work and does not slow the rest
     of the process (a CPU rollout engine, reward code).
+  * inside `scope()`: `pin_memory=True` in tensor factories -> False (context-parallel RoPE).
+  * the backward of megatron's tensor-parallel autograd functions runs under the same mapping
+    (autograd calls it outside the mode; SP allocates CUDA-literal buffers there).
+  * megatron's CUDA RNG tracker `fork()` -> a no-op context (sequence parallelism forks it).
   * `torch.cuda.synchronize`, `torch.cuda.empty_cache` -> no-ops.
   * `torch.cuda.current_stream()/default_stream()/stream()` -> a stand-in whose `wait_stream` /
     `synchronize` do nothing (DDP and p2p call them even without overlap).
@@ -60,6 +64,8 @@ class _CudaToCpu(TorchFunctionMode):
         dev = kwargs.get("device")
         if dev is not None and _is_cuda(dev):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA (megatron's CP RoPE asks for one)
+            kwargs = {**kwargs, "pin_memory": False}
         if func in _TO and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)) and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
@@ -103,8 +109,33 @@ def install() -> bool:
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.default_stream = lambda *a, **k: _NullStream()
     cuda.stream = lambda *a, **k: _NullStream()
+    # Sequence parallelism forks megatron's CUDA RNG tracker around dropout; without CUDA there
+    # is no CUDA generator to swap, and dropout draws from torch's CPU generator anyway.
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    _map_in_backward()
     _INSTALLED = True
     return True
+
+
+def _map_in_backward() -> None:
+    """Run the backward of megatron's tensor-parallel autograd functions under the CUDA->CPU
+    mapping: autograd calls them outside any active TorchFunctionMode, and under sequence
+    parallelism they allocate `device=torch.cuda.current_device()` buffers there."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            with _CudaToCpu():
+                return backward(ctx, *grads)
+        return staticmethod(run)
+
+    for module in (layers, mappings):
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj):
+                obj.backward = wrap(vars(obj)["backward"].__func__ if isinstance(vars(obj)["backward"], staticmethod)
+                                    else vars(obj)["backward"])
 
 
 @contextlib.contextmanager

@@ -86,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--by", default="the launcher")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    from megarl.preflight import preflight
     from megarl.train import load_checked  # the exact checks megarl-train applies
     try:
-        cfg = load_checked(args.config, args.overrides)
+        cfg = load_checked(args.config, args.overrides, check_all=False)
         check_launch(cfg, args.nnodes, args.nproc_per_node, by=args.by)
+        preflight(cfg)  # after the layout check: it creates the run directory
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
     init_distributed(timeout_s=cfg.trainer.collective_timeout_s)   # NCCL on CUDA, gloo on CPU
     lay = init_model_parallel(tp=2, pp=2)                           # megatron parallel_state
-    lay.tp_rank, lay.pp_rank, lay.dp_rank, lay.is_last_stage ...
+    lay = init_model_parallel(tp=1, pp=2, cp=2, vpp=2)              # context / virtual pipeline
+    lay.tp_rank, lay.pp_rank, lay.dp_rank, lay.cp_rank, lay.is_last_stage ...
 
 Ranks come from the environment torchrun, srun (megarl's launch scripts export RANK/WORLD_SIZE)
 or tests/distributed.py set. Megatron's parallel_state is process-global, so every role in a
@@ -55,6 +56,9 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp: int = 1          # context parallel: ranks of one DP replica that split the sequence
+    cp_rank: int = 0
+    vpp: int = 1         # virtual pipeline: model chunks per pipeline stage
 
     @property
     def is_first_stage(self) -> bool:
@@ -66,21 +70,26 @@ class Layout:
 
 
 @cpu_compat.scoped
-def init_model_parallel(tp: int, pp: int, seed: int = 42) -> Layout:
-    """Set up megatron's parallel_state for (TP, PP) over all ranks; DP = world / (TP x PP).
-    Calling again with the same layout is a no-op; another layout is refused."""
+def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int | None = None) -> Layout:
+    """Set up megatron's parallel_state for (TP, CP, PP, virtual PP) over all ranks;
+    DP = world / (TP x CP x PP). Calling again with the same layout is a no-op; another is refused."""
     from megatron.core import parallel_state as ps
 
+    vpp = vpp if vpp and vpp > 1 else None
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the {world} ranks; change the layout")
+    if world % (tp * cp * pp):
+        raise ValueError(f"TP {tp} x CP {cp} x PP {pp} = {tp * cp * pp} does not divide the {world} ranks; "
+                         "change the layout")
     if ps.model_parallel_is_initialized():
-        cur = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if cur != (tp, pp):
-            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]}; every megarl role in one "
-                             f"process must share that layout (asked for TP={tp} PP={pp})")
+        cur = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_context_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size())
+        if cur != (tp, pp, cp, vpp):
+            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]} CP={cur[2]} VPP={cur[3]}; "
+                             f"every megarl role in one process must share that layout (asked for TP={tp} PP={pp} "
+                             f"CP={cp} VPP={vpp})")
         return layout()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp,
                                  create_gloo_process_groups=torch.cuda.is_available())
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
@@ -93,7 +102,9 @@ def layout() -> Layout:
 
     return Layout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+                  cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                  vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
 
 
 def destroy_model_parallel() -> None:
@@ -105,6 +116,11 @@ def destroy_model_parallel() -> None:
 def tp_group():
     from megatron.core import parallel_state as ps
     return ps.get_tensor_model_parallel_group()
+
+
+def cp_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_context_parallel_group()
 
 
 def pp_group():

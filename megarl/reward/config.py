@@ -29,6 +29,10 @@ class RewardModelConfig:
     launch_reward_fn_async: bool = False
     num_workers: int = 2                   # Ray pool size for async scoring
     timeout_s: float = 10.0                # per-sample limit (in process: SIGALRM, Python code only)
+    # The whole reward step of one batch. Past it the run stops with one line naming the reward
+    # function and the slowest samples (before the other ranks' collective timeout would fire
+    # with no word of the reward). None: 0.8 x trainer.collective_timeout_s.
+    batch_deadline_s: float | None = None
     # A sample whose reward function raises or times out gets this score and is counted
     # (reward/failures, reward/timeouts); the run goes on unless more than max_failure_fraction
     # of one batch failed, which usually means a broken function: then it stops with the first error.
@@ -41,5 +45,6 @@ class RewardModelConfig:
 
     def __post_init__(self):
         require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
+        require(self.batch_deadline_s is None or self.batch_deadline_s > 0, "batch_deadline_s", "must be > 0 seconds")
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
         require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction", "must be within [0, 1]")

@@ -19,6 +19,7 @@ A batch that already holds `rm_scores` (a reward model's output, [B] or [B, R]) 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,39 @@ from megarl.reward.scoring import Outcome, Sample, call_in_process, normalise
 
 class RewardFailure(RuntimeError):
     """Too many samples of a batch failed to score; the run stops with this one-line message."""
+
+
+class RewardDeadline(RewardFailure):
+    """The reward step of one batch passed reward_model.batch_deadline_s."""
+
+
+def slowest_samples(samples: list[Sample], seconds: dict[int, float], running: set[int], k: int = 3) -> str:
+    """'#12 (data_source gsm8k) 31.0s still running, #3 (gsm8k) 2.1s' for the k slowest samples."""
+    order = sorted(seconds, key=lambda i: (i not in running, -seconds[i]))[:k]
+    return ", ".join(f"#{i} (data_source {samples[i].data_source}) {seconds[i]:.1f}s"
+                     + (" still running" if i in running else "") for i in order) or "none started"
+
+
+def deadline_error(what: str, deadline_s: float, n: int, done: int | None, slowest: str) -> RewardDeadline:
+    scored = f"{done} of {n} scored; " if done is not None else ""
+    return RewardDeadline(f"the reward step passed reward_model.batch_deadline_s={deadline_s:g}s on a batch of {n} "
+                          f"samples, scoring with {what}; {scored}slowest: {slowest}; fix the function (or give it "
+                          "reward_model.launch_reward_fn_async=true, whose workers are killed at timeout_s) or raise "
+                          "the deadline")
+
+
+def _in_daemon_thread(fn) -> cf.Future:
+    """Run fn() in a daemon thread: a reward call stuck past the deadline must not keep the
+    process alive at exit (a ThreadPoolExecutor's threads are joined at interpreter exit)."""
+    fut: cf.Future = cf.Future()
+
+    def work() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as err:  # handed to the waiting thread
+            fut.set_exception(err)
+    threading.Thread(target=work, name="megarl-reward", daemon=True).start()
+    return fut
 
 
 @dataclass
@@ -86,7 +120,7 @@ class RewardManager:
                  custom: Any = None, reward_fn_key: str = "data_source", failure_score: float = 0.0,
                  max_failure_fraction: float = 0.9, timeout_s: float | None = 10.0, pool: Any = None,
                  format_kind: str = "none", format_score: float = 0.0, overlong: Any = None,
-                 max_response_length: int | None = None):
+                 max_response_length: int | None = None, deadline_s: float | None = None):
         self.tokenizer, self.kind, self.custom = tokenizer, kind, custom
         self.spec = fn_spec or RewardFnSpec()
         self.fn = self.spec.load() if custom is None else None
@@ -97,8 +131,17 @@ class RewardManager:
         if overlong is not None and overlong.enable and not max_response_length:
             raise ConfigError("overlong_buffer needs the response budget (data.max_response_length)",
                               "algorithm.overlong_buffer.enable")
-        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-reward")
+        self.deadline_s = deadline_s
         self.totals = {"failures": 0, "timeouts": 0}
+
+    @property
+    def scorer(self) -> str:
+        """What scores, for error lines: the user's function or class, or the built-in rules."""
+        if self.custom is not None:
+            return f"reward_model.reward_manager {type(self.custom).__module__}.{type(self.custom).__name__}"
+        if self.spec.is_default:
+            return "megarl's built-in rules (megarl/reward/rules.py)"
+        return f"custom_reward_function {self.spec.path}:{self.spec.name}"
 
     # -- the API the loop calls -------------------------------------------------------------------
     def __call__(self, batch) -> RewardResult:
@@ -113,21 +156,44 @@ class RewardManager:
             fut: cf.Future = cf.Future()
             fut.set_result(("rm", batch.batch["rm_scores"]))
         elif self.custom is not None:
-            fut = self._executor.submit(lambda: ("custom", self.custom(self._with_text(batch))))
+            fut = _in_daemon_thread(lambda: ("custom", self.custom(self._with_text(batch))))
         else:
             samples = self._samples(batch)
             if self.kind == "batch":
-                fut = cf.Future()
-                fut.set_result(("outcomes", self._score_batched(samples)))
+                fut = _in_daemon_thread(lambda: ("outcomes", self._score_batched(samples)))
             elif self.pool is not None:
-                fut = self._executor.submit(lambda: ("outcomes", self.pool.score(samples)))
+                deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
+                fut = _in_daemon_thread(lambda: ("outcomes", self.pool.score(samples, deadline=deadline,
+                                                                             scorer=self.scorer)))
             else:
                 fut = cf.Future()
-                fut.set_result(("outcomes", [call_in_process(self.fn, s, self.spec.kwargs, self.timeout_s) for s in samples]))
+                fut.set_result(("outcomes", self._score_in_process(samples)))
         return RewardFuture(fut, batch, started)
 
+    def _score_in_process(self, samples: list[Sample]) -> list[Outcome]:
+        """One sample after another, each bounded by timeout_s and by what is left of the deadline."""
+        begin, seconds, out = time.monotonic(), {}, []
+        for i, sample in enumerate(samples):
+            left = None if self.deadline_s is None else self.deadline_s - (time.monotonic() - begin)
+            if left is not None and left <= 0:
+                raise deadline_error(self.scorer, self.deadline_s, len(samples), i, slowest_samples(samples, seconds, set()))
+            limit = self.timeout_s if left is None else min(self.timeout_s or left, left)
+            t0 = time.monotonic()
+            out.append(call_in_process(self.fn, sample, self.spec.kwargs, limit))
+            seconds[i] = time.monotonic() - t0
+            if out[-1].timed_out and left is not None and limit == left:
+                raise deadline_error(self.scorer, self.deadline_s, len(samples), i,
+                                     slowest_samples(samples, seconds, {i}))
+        return out
+
     def result(self, handle: RewardFuture) -> RewardResult:
-        what, value = handle.future.result()
+        left = None if self.deadline_s is None else self.deadline_s - (time.perf_counter() - handle.started)
+        try:
+            # A little slack: the pool raises its own, more detailed, deadline error first.
+            what, value = handle.future.result(timeout=None if left is None else max(left, 0) + 1.0)
+        except cf.TimeoutError:
+            raise deadline_error(self.scorer, self.deadline_s, len(handle.batch), None,
+                                 "the call for the whole batch, still running") from None
         batch = handle.batch
         if what == "outcomes":
             res = self._from_outcomes(batch, value)
@@ -140,7 +206,6 @@ class RewardManager:
         return res
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             self.pool.close()
 
@@ -261,7 +326,8 @@ def build_reward_manager(cfg, tokenizer, pool: Any = None) -> RewardManager:
     rm, algo = cfg.reward_model, cfg.algorithm
     common = dict(reward_fn_key=cfg.data.reward_fn_key, failure_score=rm.failure_score,
                   max_failure_fraction=rm.max_failure_fraction, timeout_s=rm.timeout_s, format_kind=rm.format_reward,
-                  format_score=rm.format_score, overlong=algo.overlong_buffer, max_response_length=cfg.data.max_response_length)
+                  format_score=rm.format_score, overlong=algo.overlong_buffer, max_response_length=cfg.data.max_response_length,
+                  deadline_s=rm.batch_deadline_s)
     kind = rm.reward_manager
     if kind not in ("naive", "batch"):
         cls = load_class(kind, "reward_model.reward_manager")

@@ -58,9 +58,15 @@ class RayScoringPool:
     def _spawn(self):
         return self._actor_cls.remote(self.spec)
 
-    def score(self, samples: list[Sample]) -> list[Outcome]:
+    def score(self, samples: list[Sample], deadline: float | None = None, scorer: str = "the reward function") -> list[Outcome]:
+        """Outcomes in order. Past `deadline` (time.monotonic()) the running samples' workers are
+        killed and RewardDeadline names the slowest samples."""
         import ray
         from ray.exceptions import RayActorError
+
+        from megarl.reward.manager import deadline_error, slowest_samples
+        begin = time.monotonic()
+        seconds: dict[int, float] = {}
         out: list[Outcome | None] = [None] * len(samples)
         pending = deque(range(len(samples)))
         idle = list(range(len(self.workers)))
@@ -72,12 +78,23 @@ class RayScoringPool:
                 running[self.workers[w].score.remote(samples[i].kwargs())] = (w, i, time.monotonic())
             now = time.monotonic()
             wait = max(0.0, min(s + self.timeout_s for _, _, s in running.values()) - now) if running else None
+            if deadline is not None:
+                if now >= deadline:
+                    late = {i: now - start for _, i, start in running.values()}
+                    for w, _, _ in running.values():   # the pool stays whole for whoever handles the error
+                        ray.kill(self.workers[w], no_restart=True)
+                        self._replace(w, starting)
+                    done = sum(o is not None for o in out)
+                    raise deadline_error(scorer, deadline - begin, len(samples), done,
+                                         slowest_samples(samples, {**seconds, **late}, set(late)))
+                wait = deadline - now if wait is None else min(wait, deadline - now)
             ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=wait)
             for ref in ready:
                 if ref in starting:
                     idle.append(starting.pop(ref))
                     continue
-                w, i, _ = running.pop(ref)
+                w, i, start = running.pop(ref)
+                seconds[i] = time.monotonic() - start
                 try:
                     score, info, err = ray.get(ref)
                     out[i] = Outcome(score, info or {}, err)

@@ -150,6 +150,8 @@ class RolloutConfig:
         require(self.pipeline_model_parallel_size == 1, "pipeline_model_parallel_size",
                 "rollout engines here shard by TP only; set it to 1 and raise tensor_model_parallel_size")
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        for key in ("prompt_length", "response_length", "max_response_length", "max_model_len"):
+            require(getattr(self, key) is None or getattr(self, key) >= 1, key, "must be >= 1 token (or null)")
         if self.max_response_length is not None:
             require(self.response_length in (None, self.max_response_length), "max_response_length",
                     f"conflicts with response_length={self.response_length}; set only one")

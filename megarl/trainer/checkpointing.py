@@ -48,6 +48,14 @@ def complete_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
+def incomplete_steps(root: str) -> list[int]:
+    """Step directories without trainer_state.pt: a save that never finished (or was damaged)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(root))
+                  if m and not os.path.isfile(os.path.join(root, m.group(0), "trainer_state.pt")))
+
+
 def latest_step_dir(root: str) -> str | None:
     """The directory of the newest complete checkpoint under `root`, or None."""
     pointer = os.path.join(root, POINTER)
@@ -73,8 +81,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None) -> str:
-    """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir)."""
+def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
+    """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir).
+    An existing global_step_N is never replaced in silence: an incomplete one is moved aside to
+    global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`)."""
     final = step_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
@@ -87,7 +97,15 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
     _barrier()
     if rank == 0:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # written last: marks completeness
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.isdir(final):
+            if os.path.isfile(os.path.join(final, "trainer_state.pt")):
+                (say or print)(f"megarl: replacing the earlier run's checkpoint {final}")
+                shutil.rmtree(final, ignore_errors=True)
+            else:
+                aside = final + ".incomplete"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                (say or print)(f"megarl: {final} had no trainer_state.pt (an incomplete save); moved it to {aside}")
         os.replace(tmp, final)
         pointer_tmp = os.path.join(root, POINTER + ".tmp")
         with open(pointer_tmp, "w") as f:
@@ -131,15 +149,30 @@ def resume_dir(cfg) -> str | None:
 
 
 def load(path: str, roles: dict, rank: int, world: int) -> dict:
-    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state."""
+    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. A file that
+    cannot be read is one line naming the step, the file and trainer.resume_mode."""
     for name, worker in roles.items():
         sub = os.path.join(path, name)
         if not os.path.isdir(sub):
             raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
                               "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
-        worker.load_checkpoint(sub)
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        _reading(path, sub, lambda: worker.load_checkpoint(sub))
+    state = _reading(path, os.path.join(path, "trainer_state.pt"),
+                     lambda: torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False))
     rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
     if state.get("world") == world and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(_reading(path, rng_file, lambda: torch.load(rng_file, weights_only=False)))
     return state
+
+
+def _reading(step_path: str, what: str, fn):
+    try:
+        return fn()
+    except ConfigError:
+        raise
+    except Exception as err:  # megatron's CheckpointException runs to hundreds of lines: keep the first
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        raise ConfigError(f"cannot resume from {os.path.basename(step_path)}: reading {what} failed "
+                          f"({type(err).__name__}: {first[:300]}); the checkpoint is damaged: start over with "
+                          "trainer.resume_mode=disable, or pick an earlier one with trainer.resume_mode=resume_path "
+                          "trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode") from None

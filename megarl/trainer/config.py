@@ -35,7 +35,7 @@ class TrainerConfig:
     # Validation and logging.
     test_freq: int = -1
     val_before_train: bool = True
-    logger: list[str] = field(default_factory=lambda: ["console"])  # console, tensorboard, wandb
+    logger: str | list[str] = field(default_factory=lambda: ["console"])  # console, tensorboard, wandb (one or a list)
     log_dir: str | None = None             # None: <default_local_dir>
     plot_reward_curve: bool = True
 

@@ -88,13 +88,18 @@ class RLTrainer:
         self.handoff("trainer")
         return batch
 
+    @property
+    def sampling_seed(self) -> int:
+        """rollout.seed when set (verl's key for the engine's sampling), else trainer.seed."""
+        return self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.trainer.seed
+
     def _sample(self, prompts: DataProto) -> DataProto:
-        sampling = self.sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step))
+        sampling = self.sampling.with_(seed=step_seed(self.sampling_seed, self.step))
         if not self.cfg.algorithm.filter_groups.enable:
             return self._generate(prompts, sampling)
         buf = DynamicSampler(len(prompts), self.cfg.algorithm.filter_groups)
         for round_ in range(10**9):
-            batch = self._generate(prompts, sampling.with_(seed=step_seed(self.cfg.trainer.seed, self.step, round_)))
+            batch = self._generate(prompts, sampling.with_(seed=step_seed(self.sampling_seed, self.step, round_)))
             self.collect_rewards(batch, self.launch_rewards(batch))
             if buf.add(batch):
                 break
@@ -171,7 +176,7 @@ class RLTrainer:
     def validate(self) -> dict:
         if self.p.val_loader is None:
             return {}
-        sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
+        sampling = self.val_sampling.with_(seed=step_seed(self.sampling_seed, 0, stream=1))
         return validate(self.p, self.ranks, sampling)
 
     def handoff(self, to: str) -> None:
@@ -238,7 +243,7 @@ class RLTrainer:
     def save(self) -> None:
         self.handoff("trainer")
         checkpointing.save(self.cfg.trainer.default_local_dir, self.step, self.p.trainable_roles(),
-                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep)
+                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep, say=self.log.info)
         self.handoff("engine")
         self.log.info(f"megarl: saved step {self.step} to {checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 
@@ -247,6 +252,9 @@ class RLTrainer:
         if self.ranks.is_main:
             for name in checkpointing.clean_partial(root):
                 self.log.info(f"megarl: removed an incomplete save: {name}")
+            for step in checkpointing.incomplete_steps(root):
+                self.log.info(f"megarl: skipped {checkpointing.step_dir(root, step)}: no trainer_state.pt, an "
+                              "incomplete save (kept; a new save of that step moves it aside)")
         path = checkpointing.resume_dir(self.cfg)
         if path is None:
             if self.ranks.is_main:

@@ -104,6 +104,10 @@ def build_parts(cfg, ranks, log) -> Parts:
     tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_loader, val_loader = build_loaders(cfg.data, tokenizer)
+    for loader in (train_loader, val_loader):
+        summary = getattr(getattr(loader, "dataset", None), "summary", None)
+        if summary is not None:
+            log.info(f"megarl: {summary()}")
     steps = total_steps(cfg, train_loader)
     for optim in (cfg.actor.optim, cfg.critic.optim):
         if optim.total_training_steps < 0:

@@ -62,8 +62,10 @@ class Ranks:
         lines = [
             f"ranks: {count} ({cfg.trainer.nnodes} node(s) x {cfg.trainer.n_gpus_per_node}), "
             f"backend {dist.get_backend()}, devices: {dev}",
-            f"training layout: TP {t.tp} x PP {t.pp} x DP {t.dp} (actor, reference"
-            + (", critic" if cfg.critic.enable else "") + ")",
+            f"training layout: TP {t.tp}" + (f" x CP {t.cp}" if t.cp > 1 else "") + f" x PP {t.pp} x DP {t.dp} "
+            f"(actor, reference" + (", critic" if cfg.critic.enable else "") + ")"
+            + ("; sequence parallel" if cfg.actor.megatron.sequence_parallel_on else "")
+            + (f"; virtual pipeline {t.vpp} chunks per stage" if t.vpp > 1 else ""),
             f"rollout: engine '{ro.name}', {ro.placement}"
             + (f" (ranks {self.n_trainers}-{self.n_trainers + self.rollout_tp * self.rollout_dp - 1})"
                if self.role != "colocated" else "") + f", TP {self.rollout_tp} x DP {self.rollout_dp}, "
@@ -95,7 +97,8 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
         return _setup_disaggregated(cfg, env)
     layout = cfg.actor.megatron
     lay = state.init_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                                    seed=layout.seed)
+                                    seed=layout.seed, cp=layout.context_parallel_size,
+                                    vpp=layout.virtual_pipeline_model_parallel_size)
     rtp = cfg.rollout.tensor_model_parallel_size
     world, rank = dist.get_world_size(), dist.get_rank()
     group = None

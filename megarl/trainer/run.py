@@ -7,7 +7,15 @@ from __future__ import annotations
 import sys
 
 from megarl.config import ConfigError
+from megarl.reward.manager import RewardFailure
 from megarl.trainer.metrics import MetricsLogger
+
+
+def tell_launcher(err: BaseException) -> None:
+    """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
+    none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    ErrorHandler().record_exception(err)   # a no-op unless torchrun set TORCHELASTIC_ERROR_FILE
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
@@ -52,7 +60,12 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     except ConfigError as err:
         print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
               file=sys.stderr, flush=True)
+        tell_launcher(err)
         return 2
+    except RewardFailure as err:  # a deadline breach or too many failed samples: one line, the cause
+        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+        tell_launcher(err)
+        return 3
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3

@@ -28,17 +28,17 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
                 timeout_s: float = 600.0, head_from_checkpoint: bool = False, role: str) -> EngineSpec:
     from megarl.workers.config import MegatronConfig
     mc = role_cfg.megatron or MegatronConfig()
-    if mc.virtual_pipeline_model_parallel_size not in (None, 1):
-        from megarl.config.errors import ConfigError
-        raise ConfigError("virtual pipeline parallelism is not supported yet; leave it null",
-                          f"{role}.megatron.virtual_pipeline_model_parallel_size")
     return EngineSpec(
         model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size, head=head,
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
-        use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel,
-        recompute=model.enable_gradient_checkpointing, packing=model.use_remove_padding,
-        transformer_overrides=dict(mc.override_transformer_config), timeout_s=timeout_s, seed=mc.seed, role=role)
+        use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel_on,
+        cp=mc.context_parallel_size, vpp=mc.virtual_pipeline_model_parallel_size,
+        recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
+        # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
+        # splits padded rows only, so CP runs padded.
+        packing=model.use_remove_padding and mc.context_parallel_size == 1,
+        timeout_s=timeout_s, seed=mc.seed, role=role)
 
 
 def _distributed_optimizer(mc) -> bool:

@@ -40,15 +40,15 @@ def _meta(engine) -> dict:
     spec = engine.spec
     return {"hf_config": spec.hf_config, "head": engine.es.head, "padded_vocab": spec.padded_vocab(engine.layout.tp),
             "sched_step": engine.sched_step, "hf_dtype": str(engine.hf_dtype).replace("torch.", ""),
-            "saved_layout": [engine.layout.tp, engine.layout.pp]}
+            "saved_layout": [engine.layout.tp, engine.layout.pp], "saved_cp_vpp": [engine.layout.cp, engine.layout.vpp]}
 
 
 @cpu_compat.scoped
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     from megatron.core import dist_checkpointing
     engine.onload()
-    model_sd = engine.model.sharded_state_dict()
-    sd = {"model": model_sd, META: _meta(engine)}
+    model_sd = _model_state(engine)
+    sd = {**model_sd, META: _meta(engine)}
     if with_optimizer and engine.optimizer is not None:
         sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd)
     if dist.get_rank() == 0:
@@ -71,14 +71,17 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
         raise ValueError(f"{path}: padded vocabulary {meta['padded_vocab']} differs from {pv} at TP={engine.layout.tp} "
                          "(saved with a TP that is not a power of two); load it with the TP it was saved with")
     engine.onload()
-    model_sd = engine.model.sharded_state_dict()
-    sd = {"model": model_sd}
+    model_sd = _model_state(engine)
+    sd = dict(model_sd)
     load_optim = with_optimizer and engine.optimizer is not None and _has_optimizer(path)
     if load_optim:
         sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True)
     loaded = dist_checkpointing.load(sd, path)
-    missing, unexpected = engine.model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing, unexpected = [], []
+    for key, model in zip(model_sd, engine.models):
+        m, u = model.load_state_dict(loaded[key], strict=False)
+        missing += [k for k in m if not k.endswith("_extra_state")]
+        unexpected += u
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
@@ -86,6 +89,15 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.sched_step = int(meta["sched_step"])
         apply_schedule(engine.optimizer, engine.sched_step, engine.es.optim)
+
+
+def _model_state(engine) -> dict:
+    """{"model": ...}, or one entry per virtual-pipeline chunk ("model0", "model1", ... as
+    Megatron-LM names them). Tensors are keyed by their global names inside, so a checkpoint
+    saved with chunks loads without them and the other way round."""
+    if len(engine.models) == 1:
+        return {"model": engine.models[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(engine.models)}
 
 
 def _has_optimizer(path: str) -> bool:

@@ -33,13 +33,18 @@ class ModelConfig:
 
 @dataclass
 class MegatronConfig:
-    """How one role's model is sharded. TP x PP x DP must equal the number of ranks."""
+    """How one role's model is sharded. TP x CP x PP x DP must equal the number of ranks."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Model chunks per pipeline stage (megatron's interleaved 1F1B); null or 1: none. The layers
+    # must divide by PP x VPP, and each mini-batch's micro-batch count by PP.
     virtual_pipeline_model_parallel_size: int | None = None
+    # Ranks that split each sequence (load-balanced 2 x CP chunks; megarl/models/context_parallel.py).
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
-    sequence_parallel: bool = False
+    # null: on exactly when TP > 1 (as verl defaults it). It splits norm/residual activations over
+    # TP for the same communication volume and the same results (tests/test_parallel_layouts.py).
+    sequence_parallel: bool | None = None
     use_distributed_optimizer: bool | None = None  # None: on with CUDA (megatron's); CPU has none, off there
     param_offload: bool = False            # move weights to host memory while the role is idle
     grad_offload: bool = False
@@ -52,8 +57,21 @@ class MegatronConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                     "expert_model_parallel_size"):
             require(getattr(self, key) >= 1, key, "must be >= 1")
-        require(self.context_parallel_size == 1, "context_parallel_size",
-                "context parallelism is not supported yet; set it to 1")
+        vpp = self.virtual_pipeline_model_parallel_size
+        require(vpp is None or vpp >= 1, "virtual_pipeline_model_parallel_size", "must be null or >= 1")
+        require(vpp in (None, 1) or self.pipeline_model_parallel_size > 1, "virtual_pipeline_model_parallel_size",
+                f"{vpp} needs pipeline_model_parallel_size > 1 (chunks interleave over pipeline stages); "
+                "set it to null, or use e.g. pipeline_model_parallel_size=2 with it")
+        require(not (self.sequence_parallel and self.tensor_model_parallel_size == 1), "sequence_parallel",
+                "true needs tensor_model_parallel_size > 1 (it splits the sequence over TP ranks); set it to "
+                "null (on whenever TP > 1) or raise tensor_model_parallel_size")
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """`sequence_parallel`, with null meaning on exactly when TP > 1."""
+        if self.sequence_parallel is None:
+            return self.tensor_model_parallel_size > 1
+        return bool(self.sequence_parallel)
         require(self.expert_model_parallel_size == 1, "expert_model_parallel_size",
                 "MoE models are not supported yet; set it to 1")
 

@@ -29,10 +29,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megarl.models import mcore
 from megarl.models.build import build_gpt, transformer_config
+from megarl.models.context_parallel import gather_sequence, split_sequence
 from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
 from megarl.models.hf_checkpoint import HFCheckpoint
-from megarl.parallel import cpu_compat, state
+from megarl.parallel import cpu_compat, sequence, state
 from megarl.protocol import DataProto
 from megarl.workers import batching, packing
 from megarl.workers.logprob import hidden_to_head
@@ -55,9 +57,15 @@ class EngineShardView:
 
     @property
     def model_chunks(self) -> list:
-        """This rank's unwrapped GPTModel stage(s), with their weights on the device."""
+        """This rank's unwrapped GPTModel stage(s), one per virtual-pipeline chunk, with their
+        weights on the device."""
         self.engine.onload()
-        return [self.engine.model]
+        return self.engine.models
+
+    @property
+    def layer_offsets(self) -> list[int]:
+        """Global index of each chunk's first layer."""
+        return self.engine.offsets
 
     @property
     def layer_offset(self) -> int:
@@ -75,22 +83,22 @@ class MegatronEngine:
     @cpu_compat.scoped
     def _build(self, ckpt: HFCheckpoint | None) -> None:
         es = self.es
-        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed)
+        mcore.require()
+        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, cp=es.cp, vpp=es.vpp)
         self.device = state.device()
         self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
-                                         recompute=es.recompute, overrides=es.transformer_overrides)
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-        self.layer_offset = get_transformer_layer_offset(self.config)
-        self.model = build_gpt(self.spec, self.config, self.layout.is_first_stage, self.layout.is_last_stage, es.head)
-        self.model.to(self.device)
-        if es.head == "lm" and self.layout.is_last_stage:
-            hidden_to_head(self.model.output_layer, self.config.sequence_parallel)
-        self.packed = es.packing
+                                         recompute=es.recompute, overrides=es.transformer_overrides,
+                                         cp=es.cp, vpp=es.vpp)
+        self.models, self.offsets = self._build_chunks()
+        for m in self.models:  # the LM head is applied by the log-prob code (logprob.linear_log_probs)
+            if es.head == "lm" and m.post_process:
+                hidden_to_head(m.output_layer, self.config.sequence_parallel)
+        self.packed = es.packing and es.cp == 1   # CP attention splits padded rows only
         self.tokens = [0, 0]  # (computed, real) since the last take_padding()
         self._check_names()
         if ckpt is not None:
             self.load_hf(ckpt)
-        self.chunks = [self._wrap(self.model)]
+        self.chunks = [self._wrap(m) for m in self.models]
         self.optimizer = None
         self.sched_step = 0
         if es.trainable:
@@ -100,7 +108,7 @@ class MegatronEngine:
             if self.dtype == torch.float16:
                 self.config.grad_scale_func = self.optimizer.scale_loss
         else:
-            for p in self.model.parameters():
+            for p in self.parameters():
                 p.requires_grad_(False)
         self.offloaded, self.stash = False, None
         if es.dist_checkpoint:
@@ -108,6 +116,43 @@ class MegatronEngine:
             load_checkpoint(es.dist_checkpoint, self, with_optimizer=False)
 
     # -- construction helpers ----------------------------------------------------------------------
+    def _build_chunks(self) -> tuple[list, list[int]]:
+        """This rank's model: one GPTModel per virtual-pipeline chunk (one without VPP), each
+        with the global index of its first layer. Chunk v of stage p holds the layers of virtual
+        stage v*PP + p (megatron's interleaved order)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        models, offsets = [], []
+        for v in range(self.layout.vpp):
+            vp = v if self.layout.vpp > 1 else None
+            first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+            model = build_gpt(self.spec, self.config, first, last, self.es.head, vp_stage=vp)
+            models.append(model.to(self.device))
+            offsets.append(get_transformer_layer_offset(self.config, vp_stage=vp))
+        return models, offsets
+
+    @property
+    def model(self):
+        """The model of this rank when it holds one chunk (no virtual pipeline)."""
+        if len(self.models) != 1:
+            raise RuntimeError("this engine holds several virtual-pipeline chunks; use engine.models")
+        return self.models[0]
+
+    @property
+    def layer_offset(self) -> int:
+        return self.offsets[0]
+
+    def parameters(self):
+        for m in self.models:
+            yield from m.parameters()
+
+    def named_global_parameters(self):
+        """(global megatron name, parameter) over every chunk of this rank."""
+        for m, off in zip(self.models, self.offsets):
+            for local, p in m.named_parameters():
+                yield to_global(local, off), p
+
     def _wrap(self, model):
         from megatron.core.transformer.module import Float16Module
         if self.dtype != torch.float32:
@@ -121,16 +166,18 @@ class MegatronEngine:
 
     def _check_names(self) -> None:
         """The model's parameters are exactly the ones convert.py maps (guards a megatron change)."""
-        got = {to_global(n, self.layer_offset) for n, _ in self.model.named_parameters()}
-        want = set(megatron_names(self.spec, self.layers, self.layout.is_first_stage, self.layout.is_last_stage,
-                                  self.es.head))
+        got = {n for n, _ in self.named_global_parameters()}
+        want = set()
+        for model, off in zip(self.models, self.offsets):
+            layers = range(off, off + len(model.decoder.layers))
+            want |= set(megatron_names(self.spec, layers, model.pre_process, model.post_process, self.es.head))
         if got != want:
             raise RuntimeError(f"megatron parameter names differ from megarl's map: extra {sorted(got - want)[:3]}, "
                                f"missing {sorted(want - got)[:3]}")
 
     def head_weight(self) -> torch.Tensor:
         """This TP rank's vocabulary rows of the LM head (the embedding when tied), last stage."""
-        m = self.model
+        m = self.models[-1]  # the last (virtual) stage holds the head
         return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
 
     def take_padding(self) -> tuple[int, int]:
@@ -139,15 +186,15 @@ class MegatronEngine:
         return out
 
     @property
-    def layers(self) -> range:
-        return range(self.layer_offset, self.layer_offset + self.config.num_layers // self.layout.pp)
+    def layers(self) -> list[int]:
+        """Global indices of the layers on this rank (every chunk)."""
+        return [off + i for m, off in zip(self.models, self.offsets) for i in range(len(m.decoder.layers))]
 
     def load_hf(self, ckpt: HFCheckpoint) -> None:
         """Copy this rank's slices of the HF checkpoint into its shard (reads only those bytes)."""
         head = self.es.head
         with torch.no_grad():
-            for local, param in self.model.named_parameters():
-                name = to_global(local, self.layer_offset)
+            for name, param in self.named_global_parameters():
                 if head == "value" and name == "output_layer.weight" and not self.es.head_from_checkpoint:
                     param.zero_()  # a fresh value head predicts 0 until the critic learns
                     continue
@@ -168,8 +215,7 @@ class MegatronEngine:
     def _hf_named(self, value):
         self.onload()
         group = state.tp_group()
-        for local, param in self.model.named_parameters():
-            name = to_global(local, self.layer_offset)
+        for name, param in self.named_global_parameters():
             mine = value(param).contiguous()
             shards = [mine]
             if self.layout.tp > 1:
@@ -187,15 +233,21 @@ class MegatronEngine:
                              "(model.use_remove_padding=true): padded ones of different row counts cannot share "
                              "the pipeline's fixed shape")
         common = self.layout.pp > 1 or (not self.packed and not dynamic)  # fixed shapes between stages
-        multiple = self.layout.tp if self.config.sequence_parallel else 1
         cols, computed = [], 0
         for rank in plan:
             lens = [[lengths[i] for i in mb] for mb in rank]
-            cols.append(packing.widths(lens, self.packed, seq, common, multiple))
-            computed += packing.computed_tokens(lens, self.packed, seq, common, multiple)
+            widths = self._round(packing.widths(lens, self.packed, seq, common))
+            cols.append(widths)
+            computed += sum(w if self.packed else w * len(ls) for w, ls in zip(widths, lens))
         self.tokens[0] += computed
         self.tokens[1] += sum(lengths[:real_rows])
         return cols
+
+    def _round(self, widths: list[int]) -> list[int]:
+        """Widths rounded up to what sequence / context parallelism split evenly (the tail is
+        padding no real position attends to)."""
+        lay = self.layout
+        return [sequence.padded_length(w, lay.tp if self.config.sequence_parallel else 1, lay.cp) for w in widths]
 
     def _share(self, data: DataProto, rank_plan: list[list[int]]) -> list[DataProto]:
         """This DP rank's micro-batches: its rows move to the model's device once, then are cut
@@ -214,31 +266,43 @@ class MegatronEngine:
         the last stage, one dict per micro-batch (outputs, or loss metrics); [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        lay = self.layout
         for mb in micro:
             batching.check_device(mb, self.device)
         if isinstance(cols, int):
             lens = [batching.row_tokens(mb) for mb in micro]
-            cols = packing.widths(lens, self.packed, cols, common=True)
+            cols = self._round(packing.widths(lens, self.packed, cols, common=True))
         inputs = packing.micro_inputs(micro, self.packed, cols)
         for mb, inp in zip(micro, inputs):  # where the outputs for each row sit (outputs.py reads them)
             mb.batch["out_index"], mb.batch["last_index"] = inp.out_index, inp.last_index
         # Float16Module would upcast the whole [b, s, h] output to fp32; the log-prob code upcasts per chunk.
         extra = {"fp32_output": False} if self.dtype != torch.float32 else {}
+        cp_group = state.cp_group() if lay.cp > 1 else None
 
         def forward_step(it, model):
             mb, inp = next(it)
             inp = inp.to(self.device)
-            out = model(inp.input_ids, inp.position_ids, None, packed_seq_params=inp.packed_seq_params, **extra)
-            return out, partial(self._last_stage, mb, process, loss_fn)
+            ids, pos = inp.input_ids, inp.position_ids
+            if lay.cp > 1:  # padded rows only (packing is off under CP)
+                ids, pos = (split_sequence(t, lay.cp_rank, lay.cp, dim=1) for t in (ids, pos))
+            out = model(ids, pos, None, packed_seq_params=inp.packed_seq_params, **extra)
+            return out, partial(self._last_stage, mb, process, loss_fn, cp_group)
 
+        # The interleaved (virtual pipeline) schedule reads one iterator per model chunk.
+        pairs = list(zip(micro, inputs))
+        data = [iter(pairs) for _ in self.chunks] if len(self.chunks) > 1 else iter(pairs)
         first = inputs[0].input_ids.shape
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(list(zip(micro, inputs))), model=self.chunks,
+            forward_step_func=forward_step, data_iterator=data, model=self.chunks,
             num_microbatches=len(micro), seq_length=first[1], micro_batch_size=first[0],
             forward_only=loss_fn is None)
 
     @staticmethod
-    def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, output: torch.Tensor):
+    def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, cp_group, output: torch.Tensor):
+        # output [b, s, ...]: under CP this rank's two sequence chunks; every CP rank then computes
+        # the loss over the whole sequence, and each keeps the gradient of its own positions.
+        # (mb.batch["out_index"] addresses the whole padded width, so nothing is cut here.)
+        output = gather_sequence(output, cp_group, dim=1, sum_grads=False)
         outs = process(output, mb)
         one = torch.ones((), dtype=torch.int, device=output.device)
         if loss_fn is None:
@@ -260,7 +324,8 @@ class MegatronEngine:
         batching.check_batch(data)
         self.onload()
         lay = self.layout
-        padded, n = batching.pad_rows(data, lay.dp * (1 if max_tokens else micro))
+        # The interleaved (VPP) schedule needs a multiple of PP micro-batches.
+        padded, n = batching.pad_rows(data, lay.dp * (1 if max_tokens else micro * (lay.pp if lay.vpp > 1 else 1)))
         lengths = batching.row_tokens(padded)
         plan = batching.plan(lengths, lay.dp, micro, max_tokens, self.packed)
         cols = self._columns(plan, lengths, batching.seq_len(padded), max_tokens is not None, n)
@@ -326,6 +391,10 @@ class MegatronEngine:
         if mini % (lay.dp * (1 if max_tokens else micro)):
             raise ValueError(f"a mini-batch of {mini} sequences does not split into DP {lay.dp} x micro-batches of "
                              f"{micro}; change ppo_micro_batch_size_per_gpu")
+        if lay.vpp > 1 and (mini // (lay.dp * micro)) % lay.pp:
+            raise ValueError(f"virtual pipeline: {mini // (lay.dp * micro)} micro-batches per mini-batch is not a "
+                             f"multiple of PP {lay.pp} (megatron's interleaved schedule); change "
+                             "ppo_micro_batch_size_per_gpu")
         seq = batching.seq_len(data)
         for c in self.chunks:
             c.train()
@@ -404,7 +473,7 @@ class MegatronEngine:
     # -- memory -------------------------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
         # DDP's flat param buffers (distributed optimizer) share storage with the params: one copy moves
-        return [p for p in self.model.parameters()]
+        return list(self.parameters())
 
     def grad_tensors(self) -> list[torch.Tensor]:
         if not self.es.trainable:

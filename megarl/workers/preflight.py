@@ -31,6 +31,8 @@ class EngineSpec:
     dist_checkpoint: str | None = None      # load weights from a megatron distributed checkpoint
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    cp: int = 1                             # context parallel size
+    vpp: int | None = None                  # virtual pipeline chunks per stage (None: 1)
     recompute: bool = False
     packing: bool = True                    # THD-packed micro-batches (model.use_remove_padding)
     transformer_overrides: dict = field(default_factory=dict)
@@ -75,6 +77,17 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         ckpt.validate(spec, head=need)
         hf_dtype = ckpt.dtype("model.embed_tokens.weight")
     check_layout(spec, es.tp, es.pp)
+    check_chunks(spec, es.pp, es.vpp, es.role)
     return spec, ckpt, hf_dtype
+
+
+def check_chunks(spec: ModelSpec, pp: int, vpp: int | None, role: str = "actor_rollout_ref.actor") -> None:
+    """Virtual pipeline: every chunk holds the same number of layers."""
+    if vpp and vpp > 1 and spec.num_layers % (pp * vpp):
+        fits = [v for v in range(2, spec.num_layers // pp + 1) if spec.num_layers % (pp * v) == 0]
+        raise ConfigError(f"the model's {spec.num_layers} layers do not split into PP {pp} x VPP {vpp} equal "
+                          f"chunks; pick a VPP with PP x VPP dividing {spec.num_layers} "
+                          f"({'e.g. ' + str(fits[0]) if fits else 'here: null'})",
+                          f"{role}.megatron.virtual_pipeline_model_parallel_size")
 
 

@@ -59,12 +59,12 @@ def _load(ref: str, key: str, config: dict | None = None) -> Callable[..., Any]:
 
 
 def _from_file(path: str) -> dict[str, Callable[..., Any]]:
-    import yaml
+    from megarl.config.loader import load_yaml_text
     key = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
     if not os.path.isfile(path):
         raise ConfigError(f"{path} does not exist", key)
     with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+        raw = load_yaml_text(f, path) or {}
     entries = raw.get("interaction") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise ConfigError(f"{path} must hold `interaction:` with a list of {{name, class_name, config}}", key)

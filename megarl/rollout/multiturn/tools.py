@@ -97,11 +97,13 @@ def load_tools(path: str, key: str = TOOLS_KEY) -> dict[str, Tool]:
     """Read and check a tools.yaml; implementations are imported now, so a bad one stops the run here."""
     import yaml
 
+    from megarl.config.loader import load_yaml_text
+
     if not os.path.isfile(path):
         raise ConfigError(f"tools file {path} does not exist; give the path of a tools.yaml", key)
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = load_yaml_text(f, path)  # a repeated key is an error, not "last one wins"
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
@@ -164,8 +166,9 @@ def _parse_entry(entry: Any, i: int, path: str, base: str, key: str) -> Tool:
         tool.fn = load_implementation(tool.implementation, f"{where}.implementation", key)
         _check_signature(tool, where, key)
     elif "class_name" in entry:
-        log.warning("%s: class_name %r (a verl tool class) is not run by megarl; add `implementation: "
-                    "pkg.module:function`", where, entry["class_name"])
+        # A verl BaseTool class needs verl's async tool runtime; accepting it would fail every call.
+        raise ConfigError(f"{where}: class_name {entry['class_name']!r} is a verl tool class, which megarl does not "
+                          "run; add `implementation: pkg.module:function` (a function taking the tool's arguments)", key)
     elif name in builtins.BUILTINS:
         fn = builtins.BUILTINS[name]
         if set(inspect.signature(fn).parameters) == set(parameters.get("properties") or {}):

@@ -21,6 +21,9 @@ import torch.distributed as dist
 from megarl.rollout.base import ShardSlice
 from megarl.rollout.native.model import LocalSizes, ModelArgs
 
+# torch >= 2.12 renames all_gather_into_tensor (the old name warns); older torch has only the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class TPComm:
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -41,7 +44,7 @@ class TPComm:
         x = x.contiguous()
         if self._nccl:
             out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x, group=self.group)
+            _all_gather(out, x, group=self.group)
             parts = list(out.unbind(0))
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)]

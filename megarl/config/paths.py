@@ -1,0 +1,56 @@
+"""Which config keys hold paths, and how a relative one is resolved.
+
+A relative path written in a config file means "next to this file": it is made absolute against
+the file's directory when the file is read (bases too, each against its own directory), so a
+config runs the same from any working directory. A path given on the command line is relative to
+the working directory, as every shell tool's is. Output directories (trainer.default_local_dir,
+trainer.log_dir) are where a run writes, not inputs: they stay relative to the working directory.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+# Keys whose values are input files or directories (or lists of them).
+INPUT_PATH_KEYS = (
+    "data.train_files", "data.val_files", "data.custom_cls.path",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
+    "critic.model.path", "critic.model.tokenizer_path",
+    "reward_model.model.path", "reward_model.model.tokenizer_path",
+    "custom_reward_function.path",
+    "actor_rollout_ref.rollout.tools", "actor_rollout_ref.rollout.interactions",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
+    "actor_rollout_ref.rollout.custom_cls_path",
+    "trainer.resume_from_path",
+    *(f"{role}.megatron.dist_checkpointing_path" for role in ROLES),
+)
+# Keys that may name a module instead of a file: resolved only when they look like a file path.
+MODULE_OR_FILE = {"custom_reward_function.path", "actor_rollout_ref.rollout.custom_cls_path", "data.custom_cls.path"}
+
+
+def _looks_like_file(value: str) -> bool:
+    return value.endswith(".py") or os.sep in value or value.startswith(".")
+
+
+def _resolve_one(value: Any, base: str, key: str) -> Any:
+    if isinstance(value, list):
+        return [_resolve_one(v, base, key) for v in value]
+    if not isinstance(value, str) or not value or "${" in value or value.startswith("~"):
+        return value  # references resolve later; `~` is the user's home, not the file's folder
+    if os.path.isabs(value) or (key in MODULE_OR_FILE and not _looks_like_file(value)):
+        return value
+    return os.path.normpath(os.path.join(base, value))
+
+
+def resolve_file_paths(data: dict, base: str) -> dict:
+    """`data` (one file's mapping, in place) with its relative input paths made absolute against `base`."""
+    for key in INPUT_PATH_KEYS:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = _resolve_one(node[leaf], base, key)
+    return data

@@ -1,0 +1,94 @@
+"""verl keys megarl accepts only at their default, and keys that are other keys' aliases.
+
+A verl command line carries over unchanged where megarl implements a key. Where it does not, the
+key is still recognised (so a typo check does not call it unknown), but any value other than the
+accepted ones stops the run with one line saying so and naming what to use in megarl instead.
+Nothing is accepted and then ignored: tests/test_config_keys.py walks every leaf of the typed
+config and requires it to be read by the code outside the config modules, refused here, or an
+alias here whose target changes when it is set.
+
+    REFUSED["data.dataloader_num_workers"] = ((0,), "why and what to use instead")
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.config.errors import ConfigError
+
+ROLES = ("actor_rollout_ref.actor", "critic")
+
+# dotted key -> (accepted values, the rest of the one-line error)
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "data.dataloader_num_workers": (
+        (0,), "megarl tokenizes the whole dataset once at start, so batches need no loader workers; remove the key"),
+    "data.return_raw_chat": (
+        (False,), "megarl always keeps each row's chat messages (raw_prompt) with the batch, which is what true "
+                  "asks for; remove the key"),
+    "actor_rollout_ref.hybrid_engine": (
+        (True,), "megarl's engine shares the training ranks unless actor_rollout_ref.rollout.placement="
+                 "disaggregated gives it ranks of its own; set that instead"),
+    **{f"{role}.strategy": (
+        ("megatron",), "megarl trains with megatron-core only (TP x PP x DP, see the README's layout table); "
+                       "remove the key or set megatron") for role in ROLES},
+    "actor_rollout_ref.actor.ppo_micro_batch_size": (
+        (None,), "verl's deprecated global micro batch is not used; set "
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
+        (None,), "verl's deprecated global micro batch is not used; set "
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.actor.use_torch_compile": (
+        (False,), "megarl's actor runs megatron-core's own kernels, not torch.compile; remove the key"),
+    "actor_rollout_ref.actor.checkpoint": (
+        ({},), "megarl saves and loads model, optimizer and trainer state together every trainer.save_freq steps; "
+               "remove actor_rollout_ref.actor.checkpoint"),
+    "actor_rollout_ref.rollout.over_sample_rate": (
+        (0, 0.0), "megarl does not over-sample and cancel rollouts; to refill batches with informative groups use "
+                  "algorithm.filter_groups.enable=true (DAPO dynamic sampling)"),
+    "actor_rollout_ref.rollout.enforce_eager": (
+        (True,), "the native and hf engines have no CUDA-graph mode; for TensorRT-LLM pass "
+                 "actor_rollout_ref.rollout.engine_kwargs.trtllm.cuda_graph_config"),
+    "actor_rollout_ref.rollout.data_parallel_size": (
+        (1,), "rollout data parallelism is the rollout ranks / actor_rollout_ref.rollout.tensor_model_parallel_size; "
+              "remove the key"),
+    "actor_rollout_ref.rollout.expert_parallel_size": (
+        (1,), "MoE rollout is not supported; remove the key"),
+    **{f"actor_rollout_ref.rollout.server.{leaf}": (
+        (default,), "megarl's engines run inside the training processes, not behind an HTTP server; "
+                    "remove actor_rollout_ref.rollout.server")
+       for leaf, default in (("timeout", 60.0), ("max_attempts", 3), ("max_connections", 1000))},
+    "actor_rollout_ref.rollout.quantization": (
+        (None,), "quantized rollout is not supported: every engine runs the trainer's own (bf16/fp32) weights, "
+                 "synced each step; remove the key"),
+    "trainer.max_critic_ckpt_to_keep": (
+        (None,), "one step directory holds every role's checkpoint, so trainer.max_actor_ckpt_to_keep prunes them "
+                 "all; set that instead"),
+}
+
+# Keys whose value the config module moves into another key (verl spellings): alias -> target.
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+    "critic.grad_clip": "critic.optim.clip_grad",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.checkpoint_engine.bucket_size_mb",
+    "actor_rollout_ref.rollout.max_response_length": "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu":
+        "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.tools": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+}
+
+
+def _get(node: Any, dotted: str) -> tuple[bool, Any]:
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def check_refused(merged: dict) -> None:
+    """Stop at the first refused value in the merged config (defaults included), as one line."""
+    for key, (accepted, why) in REFUSED.items():
+        present, value = _get(merged, key)
+        # `== ok` alone would let 1 pass for True (and 0 for False); a bool must match a bool.
+        if present and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+            raise ConfigError(f"{value!r} is not supported: {why}", key)

@@ -1,0 +1,94 @@
+"""Process lifetime: ranks that die with their launcher, and one writer per run directory.
+
+    die_with_parent()                 # in a rank: SIGKILL when the process that started it dies
+    lock = RunDirLock(run_dir)        # raises ConfigError naming the holder's pid and host
+    lock.acquire(); ...; lock.release()
+
+torchrun (and `megarl-train`'s own launch) start ranks in new sessions, so a `kill -9` of the
+launcher used to leave them running, finishing a run while a restarted one wrote into the same
+directory. The parent-death signal ends them instead; the lock stops a second writer at once.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from megarl.config.errors import ConfigError
+
+PR_SET_PDEATHSIG = 1
+LOCK_NAME = ".megarl.lock"
+# Set by a launcher that holds the lock for the ranks it starts (they must not take it again).
+LOCK_HELD_ENV = "MEGARL_RUN_LOCK_HELD"
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> str:
+    """Ask the kernel to send `sig` to this process when its parent exits (Linux prctl), else
+    watch the parent's pid from a daemon thread. Returns which mechanism is in place."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os.kill(os.getpid(), sig)
+            return "prctl"
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="megarl-parent-watch", daemon=True).start()
+    return "watchdog"
+
+
+def child_dies_with_us(sig: int = signal.SIGTERM):
+    """A subprocess preexec_fn: the child gets `sig` when this process dies (Linux; else None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    return preexec
+
+
+class RunDirLock:
+    """An exclusive flock on <run_dir>/.megarl.lock, which holds "pid host" of the holder.
+    The kernel drops it when the holder exits, however it exits (no stale locks after kill -9).
+    flock is per host on some network filesystems; the pid/host text still names the holder."""
+
+    def __init__(self, run_dir: str, key: str = "trainer.default_local_dir"):
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.key = key
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        import fcntl
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").split()
+            os.close(fd)
+            pid, host = (holder + ["?", "?"])[:2]
+            raise ConfigError(f"{os.path.dirname(self.path)} is in use by another run (pid {pid} on host {host}); "
+                              "wait for it or stop it, or give this run its own trainer.default_local_dir",
+                              self.key) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        os.environ[LOCK_HELD_ENV] = self.path
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock; the file stays (its text is only informative)
+            self.fd = None
+            os.environ.pop(LOCK_HELD_ENV, None)

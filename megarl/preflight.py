@@ -1,0 +1,204 @@
+"""Everything that can be checked before a process is spawned, a model bootstrapped or loaded.
+
+    megarl-train runs `preflight(cfg)` right after the config loads; a problem is one
+    `megarl: config error: <key>: <what>; <fix>` line and exit code 2, with no rank started.
+
+What it checks, cheapest first, reading only small files (no torch, no model weights):
+- data files exist, parse and hold rows; the model path exists (or a bootstrap creates it);
+- prompt + response fit the model's positions (and rollout.max_model_len);
+- the rollout engine is known and importable; a custom class or tools file loads;
+- the reward function (or manager) imports and has the right signature;
+- model.external_lib imports; the run directory is writable.
+The layout is checked by the config itself (ExperimentConfig) and against the model here.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import tempfile
+
+from megarl.config.errors import ConfigError
+
+# Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
+ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
+NOT_INTEGRATED = ("vllm", "sglang")
+_RO = "actor_rollout_ref.rollout"
+
+
+def preflight(cfg) -> None:
+    """Raise ConfigError (one line) for the first problem found; return quietly otherwise."""
+    check_data(cfg)
+    check_model_paths(cfg)
+    check_engine(cfg)
+    check_reward(cfg)
+    check_imports(cfg)
+    check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    if cfg.trainer.log_dir:
+        check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
+
+
+# -- data ----------------------------------------------------------------------------------------------
+def check_data(cfg) -> None:
+    for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
+        key = f"data.{split}_files"
+        if split == "train" and not files:
+            raise ConfigError("no training data; set data.train_files=<file.jsonl|.json|.parquet>", key)
+        for path in files:
+            rows = count_rows(path, key)
+            if rows == 0:
+                raise ConfigError(f"{path} holds no rows; give a file with prompts", key)
+
+
+def count_rows(path: str, key: str) -> int:
+    """Rows in a data file, reading only what is needed to know that it parses and is not empty."""
+    if not os.path.isfile(path):
+        hint = " (relative paths in a config file are taken from that file's folder)" if not os.path.isabs(path) else ""
+        raise ConfigError(f"data file not found: {path}{hint}", key)
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as err:
+            raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})", key) from None
+    if ext not in (".jsonl", ".json"):
+        raise ConfigError(f"{path}: unsupported file type {ext or '(none)'}; use .jsonl, .json or .parquet", key)
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 16)
+        if ext == ".json" and head.lstrip().startswith("["):
+            try:
+                items = json.loads(head + f.read())
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})", key) from None
+            return len(items) if isinstance(items, list) else 1
+        f.seek(0)
+        rows = good = 0
+        for line in f:  # malformed lines are the dataset's business (counted, with a threshold)
+            if line.strip():
+                rows += 1
+                if good == 0:
+                    try:
+                        json.loads(line)
+                        good = 1
+                    except json.JSONDecodeError:
+                        pass
+                elif rows > 1000:  # parsed one good row and counted enough to know it is not empty
+                    break
+        if rows and not good:
+            raise ConfigError(f"{path}: no line of the first {rows} is valid JSON; give one JSON object per line", key)
+        return rows
+
+
+# -- model -----------------------------------------------------------------------------------------------
+def read_json(path: str, key: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read ({type(err).__name__}: {err})", key) from None
+
+
+def check_model_paths(cfg) -> None:
+    m, key = cfg.model, "actor_rollout_ref.model.path"
+    if not m.path:
+        raise ConfigError("no model: set it to an HF checkpoint directory (config.json + *.safetensors), or set "
+                          "actor_rollout_ref.model.bootstrap to a function that creates one", key)
+    config_json = os.path.join(m.path, "config.json")
+    if not os.path.isfile(config_json):
+        if not m.bootstrap:
+            what = "does not exist" if not os.path.exists(m.path) else "holds no config.json"
+            raise ConfigError(f"{m.path} {what}; point it at an HF checkpoint directory (relative paths in a config "
+                              "file are taken from that file's folder), or set model.bootstrap", key)
+        check_import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")
+        check_run_dir(os.path.dirname(os.path.abspath(m.path)), key)
+    else:
+        hf = read_json(config_json, key)
+        cfg.check_model(hf)   # layout against heads/layers; lengths against positions
+    bootstrapping = not os.path.isfile(config_json)  # the bootstrap may write the tokenizer too
+    if m.tokenizer_path and m.tokenizer_path != m.path and not bootstrapping and not os.path.exists(m.tokenizer_path):
+        raise ConfigError(f"{m.tokenizer_path} does not exist; point it at a tokenizer directory or remove it "
+                          "(the model's own is used)", "actor_rollout_ref.model.tokenizer_path")
+    crit = cfg.critic
+    if crit.enable and crit.model.init_from == "path" and not os.path.isfile(os.path.join(crit.model.path or "", "config.json")):
+        raise ConfigError(f"{crit.model.path} holds no config.json; critic.model.init_from=path needs an HF "
+                          "checkpoint (or use init_from=actor)", "critic.model.path")
+    if cfg.reward_model.enable:
+        rm_path = (cfg.reward_model.model or {}).get("path")
+        if not rm_path or not os.path.isfile(os.path.join(rm_path, "config.json")):
+            raise ConfigError(f"{rm_path} holds no config.json; reward_model.enable=true needs reward_model.model.path "
+                              "set to an HF checkpoint with a score head", "reward_model.model.path")
+    if cfg.trainer.resume_mode == "resume_path" and not os.path.isdir(cfg.trainer.resume_from_path):
+        raise ConfigError(f"{cfg.trainer.resume_from_path} is not a directory; give a global_step_N directory",
+                          "trainer.resume_from_path")
+
+
+# -- engine, reward, user imports ----------------------------------------------------------------------
+def check_engine(cfg) -> None:
+    ro, key = cfg.rollout, f"{_RO}.name"
+    if ro.name in NOT_INTEGRATED:
+        raise ConfigError(f"{ro.name} is not integrated in megarl; use rollout.name=native (built in, any device) or "
+                          "rollout.name=trtllm (TensorRT-LLM on NVIDIA GPUs)", key)
+    if ro.name not in ENGINE_MODULES:
+        raise ConfigError(f"unknown engine {ro.name!r}; choose one of {', '.join(ENGINE_MODULES)}", key)
+    module = ENGINE_MODULES[ro.name]
+    if module and importlib.util.find_spec(module) is None:
+        raise ConfigError(f"rollout.name={ro.name} needs the {module!r} package, which is not installed here; "
+                          "install it or use rollout.name=native", key)
+    if ro.name == "custom":
+        from megarl.rollout.custom import load_user_class
+        load_user_class(ro.custom_cls_path, ro.custom_cls_name)
+    if ro.multi_turn.enable and ro.multi_turn.tool_config_path:
+        from megarl.rollout.multiturn.tools import load_tools
+        load_tools(ro.multi_turn.tool_config_path)
+
+
+def check_reward(cfg) -> None:
+    from megarl.reward.loading import RewardFnSpec, load_class, load_reward_fn
+    kind = cfg.reward_model.reward_manager
+    crf = cfg.custom_reward_function
+    if kind in ("naive", "batch"):
+        load_reward_fn(crf, batched=kind == "batch")
+    else:
+        load_class(kind, "reward_model.reward_manager")
+        RewardFnSpec(crf.path, crf.name, dict(crf.reward_kwargs)).load()
+
+
+def check_import_path(ref: str, key: str) -> None:
+    """`pkg.module:function` or `file.py:function` resolves to something callable."""
+    from megarl.reward.loading import get_attr, import_path
+    if ":" not in ref:
+        raise ConfigError(f"{ref!r} is not an import path; write 'pkg.module:function' or 'file.py:function'", key)
+    path, name = ref.rsplit(":", 1)
+    if not callable(get_attr(import_path(path, key), name, key, "function")):
+        raise ConfigError(f"{ref} is not callable", key)
+
+
+def import_external_libs(cfg) -> None:
+    """model.external_lib (verl's key): a module imported before any model is built, e.g. one that
+    registers a custom architecture with transformers. Run in the launcher and on every rank."""
+    for key, lib in (("actor_rollout_ref.model.external_lib", cfg.model.external_lib),
+                     ("critic.model.external_lib", cfg.critic.model.external_lib)):
+        if lib:
+            try:
+                importlib.import_module(lib)
+            except Exception as err:
+                raise ConfigError(f"cannot import {lib!r}: {type(err).__name__}: {err}; give a module on "
+                                  "PYTHONPATH or remove the key", key) from None
+
+
+def check_imports(cfg) -> None:
+    import_external_libs(cfg)
+
+
+# -- outputs --------------------------------------------------------------------------------------------
+def check_run_dir(path: str, key: str) -> None:
+    """`path` can be created and written (creating it now, as the run would)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot write to {os.path.abspath(path)} ({err.strerror}); choose a writable directory",
+                          key) from None

@@ -1,0 +1,151 @@
+"""Every key the typed config accepts acts: it is read by code outside the config modules, or it
+is refused (megarl/config/refused.py) with a tested one-line error, or it is an alias whose
+target changes when it is set. A key added later without a reader fails here.
+
+The read check is mechanical: an attribute read `x.<leaf>` (or getattr(x, "<leaf>")) in megarl/
+outside the config modules. It is by leaf name, so it cannot tell two keys with one leaf name
+apart (e.g. `rollout.seed` and `trainer.seed`); such keys get behavioural tests of their own.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+import typing
+
+import pytest
+
+from megarl.config import ConfigError, ExperimentConfig, load_config
+from megarl.config.refused import ALIASES, REFUSED
+from megarl.config.typed import all_keys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "megarl"
+# Files that define or validate config; a read there does not make a key act.
+CONFIG_MODULES = {"config.py", "typed.py", "loader.py", "experiment.py", "refused.py", "paths.py", "interpolate.py",
+                  "errors.py", "preflight.py"}
+
+# Keys read through a generic path the AST check cannot see, each with the reason.
+GENERIC = {
+    "actor_rollout_ref.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
+    "critic.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
+}
+# Being made to act by other wave-2 helpers right now (issues 13, 14, 17); delete an entry when its
+# branch is merged and the key is read. Each must still be a real key.
+IN_FLIGHT = {
+    "use_remove_padding", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",  # issue 13 (packing)
+    "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+    "expert_model_parallel_size",
+}
+
+
+def _section(tp):
+    for cand in (tp, *typing.get_args(tp)):
+        if dataclasses.is_dataclass(cand):
+            return cand
+    return None
+
+
+def leaves(cls=ExperimentConfig, prefix: str = "") -> list[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        sub = _section(hints[f.name])
+        out.extend(leaves(sub, key) if sub else [key])
+    return out
+
+
+def attribute_reads() -> set[str]:
+    names: set[str] = set()
+    for path in ROOT.rglob("*.py"):
+        if path.name in CONFIG_MODULES or path.parent.name == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                names.add(node.attr)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                names.add(node.args[1].value)
+    return names
+
+
+def test_every_leaf_acts_or_is_refused():
+    reads = attribute_reads()
+    idle = [k for k in leaves()
+            if k.split(".")[-1] not in reads and k not in REFUSED and k not in ALIASES and k not in GENERIC
+            and k.split(".")[-1] not in IN_FLIGHT]
+    assert not idle, (f"accepted but never read outside the config modules: {idle}; read them where they act, "
+                      "or refuse them in megarl/config/refused.py")
+
+
+def test_lists_name_real_keys():
+    keys = set(all_keys(ExperimentConfig))
+    for key in (*REFUSED, *ALIASES, *ALIASES.values(), *GENERIC):
+        assert key in keys, key
+    leaf_names = {k.split(".")[-1] for k in keys}
+    assert IN_FLIGHT - {"use_dynamic_bsz", "ppo_max_token_len_per_gpu"} <= leaf_names
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_refused_key_accepts_its_default_and_refuses_the_rest(key):
+    accepted, why = REFUSED[key]
+    load_config(None, [f"{key}={_yaml(accepted[0])}"])
+    other = {bool: not accepted[0], int: 7, float: 0.5, str: "fsdp", type(None): "x", dict: "{a: 1}"}[type(accepted[0])]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={_yaml(other)}"])
+    assert str(err.value).startswith(f"{key}: ") and str(err.value).endswith(f"is not supported: {why}")
+    assert "\n" not in str(err.value)
+
+
+def _yaml(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return str(value)
+
+
+ALIAS_VALUES = {"actor_rollout_ref.actor.grad_clip": 0.3, "critic.grad_clip": 0.7,
+                "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": 64.0,
+                "actor_rollout_ref.rollout.max_response_length": 12,
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 3,
+                "actor_rollout_ref.rollout.tools": "/some/tools.yaml"}
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_alias_sets_its_target(alias):
+    value = ALIAS_VALUES[alias]
+    cfg = load_config(None, [f"{alias}={value}", "critic.enable=true"])
+    node = cfg
+    for part in ALIASES[alias].split("."):
+        node = getattr(node, part)
+    assert node == value
+
+
+def test_rollout_seed_is_the_sampling_seed():
+    from megarl.trainer.fit import RLTrainer
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.cfg = load_config(None, ["actor_rollout_ref.rollout.seed=123", "trainer.seed=5"])
+    assert trainer.sampling_seed == 123
+    trainer.cfg = load_config(None, ["trainer.seed=5"])
+    assert trainer.sampling_seed == 5
+
+
+def test_engine_list_matches_the_registry():
+    from megarl.preflight import ENGINE_MODULES, NOT_INTEGRATED
+    from megarl.rollout import registry
+    assert set(ENGINE_MODULES) == set(registry.ENGINES) and set(NOT_INTEGRATED) == set(registry.NOT_INTEGRATED)
+
+
+def test_the_issue_command_line_is_refused_not_ignored():
+    """Issue 18's first command: each of these used to run with baseline metrics."""
+    for override, words in [("actor_rollout_ref.rollout.quantization=fp8", "quantized rollout is not supported"),
+                            ("actor_rollout_ref.rollout.max_model_len=8", "is less than prompt"),
+                            ("actor_rollout_ref.rollout.over_sample_rate=0.1", "filter_groups"),
+                            ("actor_rollout_ref.actor.use_torch_compile=true", "torch.compile"),
+                            ("data.dataloader_num_workers=8", "loader workers")]:
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/quickstart.yaml", [override])
+        assert words in str(err.value), override
