@@ -35,7 +35,8 @@ def _actor(path, tp, cp, pp, vpp, sp, micro, **optim):
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
     mc = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp)
-    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, megatron=mc,
+    # entropy_coeff: policy_loss has an entropy bonus, so the entropy must carry gradients.
+    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, megatron=mc, entropy_coeff=0.01,
                       optim=OptimConfig(**{"lr": 1e-3, **optim}))
     return ActorWorker(ModelConfig(path=path), cfg)
 
@@ -57,7 +58,7 @@ def check_layouts(rank, world, path: str, ref: dict, ckpt_dir: str):
         r["logits_raw"] = logits
         lp, ent = actor.compute_log_prob(data, TEMP)
         r["log_probs"], r["entropy"] = _diff(lp, ref["log_probs"]), _diff(ent, ref["entropy"])
-        eng.accumulate(data, micro, actor._process(TEMP, True), policy_loss)
+        eng.accumulate(data, micro, actor._process(TEMP, True, True), policy_loss)
         r["grad"], r["grad_names"] = _grad_errors(eng, ref["grads"])
         r["grads_raw"] = _hf_grads(eng) if key in ("tp2", "tp2_sp", "cp2_pp2_vpp2", "pp2_vpp2") else None
         if key == "tp2":  # the SP-off twin: logits and gradients are all it is for

@@ -69,7 +69,8 @@ class ActorWorker(EngineShardView, RoleMemory):
         eng = self.engine
         group = state.tp_group()
         return lambda out, mb: log_prob_outputs(out, mb, eng.head_weight(), eng.spec.vocab_size, eng.layout.tp_rank,
-                                                group, temperature, with_entropy, entropy_grad)
+                                                group, temperature, with_entropy, entropy_grad,
+                                                1.0 / eng.layout.cp)
 
     # -- the contract -------------------------------------------------------------------------------
     def compute_log_prob(self, data: DataProto, temperature: float = 1.0, with_entropy: bool = True):

@@ -92,7 +92,7 @@ def chunk_tokens(vocab_local: int) -> int:
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, valid, group, temperature, with_entropy, entropy_grad,
-                chunk):
+                chunk, weight_grad_scale):
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         mean_z = torch.empty_like(lse)
@@ -119,7 +119,7 @@ class _LinearLogProbs(torch.autograd.Function):
             target_z[a:a + chunk] = sums[1] - log_sum                          # log p(target)
             mean_z[a:a + chunk] = peak + sums[2] / sums[0]                     # E_p[z]
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
-        ctx.args = (vocab_start, valid, temperature, entropy_grad, chunk)
+        ctx.args = (vocab_start, valid, temperature, entropy_grad, chunk, weight_grad_scale)
         entropy = lse - mean_z if with_entropy else None
         if with_entropy and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -128,7 +128,7 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, mean_z = ctx.saved_tensors
-        vocab_start, valid, temperature, entropy_grad, chunk = ctx.args
+        vocab_start, valid, temperature, entropy_grad, chunk, weight_grad_scale = ctx.args
         w = weight[:valid]
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # fp32 accumulation across chunks, like one matmul's; cast to the weight's dtype once.
@@ -154,24 +154,27 @@ class _LinearLogProbs(torch.autograd.Function):
             if grad_w is not None:
                 grad_w[:valid] += (gz.t() @ h).float()
         if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+            grad_w = (grad_w * weight_grad_scale if weight_grad_scale != 1 else grad_w).to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                      vocab_size: int, group=None, temperature: float = 1.0, with_entropy: bool = True,
-                     entropy_grad: bool = True, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = True, chunk: int | None = None,
+                     weight_grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [n, h] (this rank's full hidden states at the positions to score), weight [V_local, h]
     (this TP rank's vocabulary rows of the LM head), targets [n] global ids -> (log p(target) [n],
     entropy [n] or None) of softmax(hidden @ weight.T / temperature), fp32. The same numbers as
     token_log_probs on the materialised logits. The entropy carries gradients only when
     `entropy_grad` (an entropy bonus); otherwise it is a detached metric. Under TP the caller
     passes hidden through megatron's copy-to-TP-region (all-reduce of its gradient), as the
-    output layer does."""
+    output layer does. `weight_grad_scale` scales the head weight's gradient (1/CP under context
+    parallelism: every CP rank scores the whole gathered sequence, and megatron sums weight
+    gradients over the CP ranks)."""
     valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
     chunk = chunk or chunk_tokens(valid)
     return _LinearLogProbs.apply(hidden, weight, targets, vocab_start, valid, group, temperature, with_entropy,
-                                 entropy_grad, chunk)
+                                 entropy_grad, chunk, weight_grad_scale)
 
 
 def hidden_to_head(output_layer, sequence_parallel: bool) -> None:

@@ -29,7 +29,7 @@ def _at_responses(out: torch.Tensor, mb: DataProto) -> torch.Tensor:
 
 def log_prob_outputs(hidden: torch.Tensor, mb: DataProto, weight: torch.Tensor, vocab_size: int, tp_rank: int,
                      group, temperature: float, with_entropy: bool = True,
-                     entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+                     entropy_grad: bool = True, weight_grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
     """hidden [b, s, h] final hidden states; weight [V_local, h]: this TP rank's LM-head rows
     (padding included). The entropy has gradients only with `entropy_grad` (an entropy bonus)."""
     if temperature <= 0:
@@ -37,7 +37,8 @@ def log_prob_outputs(hidden: torch.Tensor, mb: DataProto, weight: torch.Tensor, 
     picked = _at_responses(hidden, mb)                                   # [b, R, h]
     targets = mb.batch["responses"].to(hidden.device)
     lp, ent = linear_log_probs(picked.flatten(0, 1), weight, targets.flatten(), tp_rank * weight.shape[0],
-                               vocab_size, group, temperature, with_entropy, entropy_grad)
+                               vocab_size, group, temperature, with_entropy, entropy_grad,
+                               weight_grad_scale=weight_grad_scale)
     keep = valid_mask(mb.batch["response_lens"].to(hidden.device), targets.shape[1])
     out = {"log_probs": lp.view_as(targets) * keep}
     if ent is not None:
