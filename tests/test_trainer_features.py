@@ -53,7 +53,8 @@ def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(model_dir, tmp_path
                     "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/values",
                     "timing_s/ref", "timing_s/update_critic", "reward/failures", "reward/timeouts"):
             assert key in r, key
-        assert r["perf/padding_ratio"] == 1.0   # packed at TP2 x PP1: no compute on padding
+        # packed at TP2 x PP1: no compute on padding beyond rounding each pack to a multiple of TP (SP)
+        assert 1.0 <= r["perf/padding_ratio"] <= 1.05
     assert sum(r["reward/failures"] for r in rows) > 0     # the raising samples were counted,
     assert sum(r["reward/timeouts"] for r in rows) > 0     # the hanging ones cut off and counted
     assert "megarl: training layout: TP 2 x PP 1 x DP 1 (actor, reference, critic)" in out
