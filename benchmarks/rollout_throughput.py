@@ -76,6 +76,41 @@ def hf_plain(engine: HFEngine, prompts, sp: SamplingParams) -> int:
     return sum(next((k + 1 for k, t in enumerate(r) if t in stops), len(r)) for r in out)
 
 
+def quickstart_step(args) -> dict:
+    """The quickstart's shape (configs/quickstart.yaml): the 0.4M-parameter addition model, 32
+    prompts "a+b=" x n=8 = 256 rows, at most 8 new tokens, stop on EOS. The figure is seconds per
+    generate() call, i.e. the rollout's fixed cost per training step; a random model rarely picks
+    EOS, so most rows run the full 8 tokens (the worst case of the trained model)."""
+    import random
+
+    from megarl.examples.addition.model import build_model, build_tokenizer
+    tok = build_tokenizer()
+    os.makedirs(args.model_dir, exist_ok=True)
+    build_model(tok, seed=0).save_pretrained(args.model_dir)
+    n_params = sum(p.numel() for p in build_model(tok, seed=0).parameters())
+    rng = random.Random(0)
+    prompts = [tok(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=")["input_ids"] for _ in range(32)]
+    native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+    hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
+    sp = SamplingParams(n=8, max_tokens=8, temperature=1.0, seed=0, eos_token_ids=[tok.eos_token_id])
+    runs = {"native": lambda: native.generate(prompts, sp), "hf": lambda: hf.generate(prompts, sp)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()                                                  # warm-up
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"quickstart shape: {n_params / 1e6:.2f}M params, {args.device} {args.dtype}, {args.threads} threads; "
+          f"32 prompts x n=8 = 256 rows, max 8 new tokens, {args.repeats} timed runs each")
+    for k, v in times.items():
+        print(f"  {k:9s} {med[k]:.4f} s per generate (median; runs {', '.join(f'{x:.3f}' for x in v)})")
+    print(f"  ratio hf / native = {med['hf'] / med['native']:.2f}x")
+    return med
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default="/tmp/megarl_toy_bench")
@@ -94,9 +129,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=10, help="model depth (only when the model is built)")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer size (only when it is built)")
+    ap.add_argument("--shape", choices=["default", "quickstart"], default="default",
+                    help="quickstart: seconds per generate at configs/quickstart.yaml's shape instead")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.shape == "quickstart":
+        return quickstart_step(args)
     tok, n_params = build(args.model_dir, args.vocab_size, layers=args.layers, hidden=args.hidden)
     prompts = make_prompts(tok, args.prompts, args.shortest, args.longest)
     native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
