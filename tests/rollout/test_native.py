@@ -188,3 +188,35 @@ def test_sequence_distribution_equals_the_models(tmp_path):
         z = (count / total - p) / math.sqrt(p * (1 - p) / total)
         print(f"P(stop at step {step}): sampled {count / total:.4f}, exact {p:.4f}, z = {z:+.2f}")
         assert abs(z) < 4.5
+
+
+def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tmp_path):
+    """A prompt's samples are the same tokens (log-probs within 1e-5) whether it is prefilled in
+    one batched pass with the others or in chunks of one prompt (max_num_batched_tokens),
+    with slots sized from a memory budget (kv_cache_gb), or through the static-shape path that
+    CUDA graphs replay (batch padded to a bucket with parked rows, attention span rounded up),
+    here run eagerly on CPU. The log-probs stay the convention's (transformers within 1e-5)."""
+    model = save_model(str(tmp_path), seed=10)
+    prompts = PROMPTS + [[7, 7, 7], [60, 61, 62, 63], [5]]
+    sp = SamplingParams(n=3, max_tokens=9, seed=4, temperature=0.9, top_k=30, top_p=0.95,
+                        repetition_penalty=1.3, stop_token_ids=[5, 6, 7, 8])
+    ref = NativeEngine.from_pretrained(str(tmp_path))
+    want = ref.generate(prompts, sp)
+    assert ref.stats["prefill_batches"] == 1 and ref.stats["prefills"] == len(prompts)
+    assert Oracle(model).max_error(want, prompts, 0.9) <= 1e-5
+    assert len({c.finish_reason for g in want for c in g}) == 2, "want both stop and length endings"
+
+    chunked = NativeEngine.from_pretrained(str(tmp_path), max_num_batched_tokens=1, max_num_seqs=7)
+    padded = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=11)
+    padded.decode.static = True
+    per_slot = ref.cache.bytes_per_slot_token() * 64 + 4 * 8 + 9 * 12 + 96
+    budget = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=4.5 * per_slot / 2**30)
+    runs = {"chunked": chunked.generate(prompts, sp),
+            "padded": padded.generate(prompts, sp), "budget": budget.generate(prompts, sp)}
+    assert chunked.stats["prefill_batches"] == len(prompts)
+    assert budget.cache.slots == 4
+    flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
+    for name, got in runs.items():
+        assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want], name
+        assert [[c.finish_reason for c in g] for g in got] == [[c.finish_reason for c in g] for g in want], name
+        assert flat(got) == pytest.approx(flat(want), abs=1e-5), name

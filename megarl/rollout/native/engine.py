@@ -284,7 +284,7 @@ class _Scheduler:
     def _step(self) -> None:
         e, B = self.e, self.B
         longest = int(self.pos[:B].max()) + 1
-        if e.decode.graphs_on:               # static shapes: bucketed batch and attention span
+        if e.decode.static:                  # static shapes: bucketed batch and attention span
             Bb = batch_bucket(B, e.cache.slots)
             span = min(-(-longest // SPAN_UNIT) * SPAN_UNIT, e.cache.max_len)
         else:

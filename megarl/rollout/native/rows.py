@@ -93,6 +93,9 @@ class DecodeStep:
     def __init__(self, engine, graphs: bool):
         self.e = engine
         self.graphs_on = graphs and engine.device.type == "cuda"
+        # Static shapes (bucketed batch, rounded span, parked padding rows) go with graphs; a
+        # test may set this on CPU to run the padded path eagerly and compare it with the exact one.
+        self.static = self.graphs_on
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._sig: tuple = ()
         self.pool = None
