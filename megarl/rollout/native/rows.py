@@ -102,11 +102,12 @@ class DecodeStep:
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}
 
     def signature(self) -> tuple:
-        """Addresses a captured graph depends on."""
+        """Addresses and shapes a captured graph depends on."""
         e = self.e
-        rows = e.rows
+        rope = e.model.rope(1)
         return (e.cache.k.data_ptr(), e.cache.v.data_ptr(), e.cache.slots, e.cache.max_len,
-                tuple(t.data_ptr() for t in rows.tensors()), e.model.rope(1)[0].data_ptr(),
+                tuple((t.data_ptr(), t.shape) for t in e.rows.tensors()),
+                (rope[0].data_ptr(), rope[1].data_ptr(), rope[0].shape[0]),
                 tuple(p.data_ptr() for p in e.params.values()))
 
     def drop(self) -> None:
