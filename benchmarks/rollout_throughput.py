@@ -124,6 +124,28 @@ def vllm_runner(args, prompts, sp: SamplingParams):
     return run
 
 
+def load_baseline(root: str):
+    """NativeEngine from another megarl checkout at `root` (e.g. an older commit unpacked with
+    `git archive <commit> megarl | tar -x -C <root>`), imported beside this one so both run in
+    one process, alternated, under the same machine load. The rest of megarl is this checkout's."""
+    import importlib
+
+    import megarl.rollout as pkg
+    mine = {k: v for k, v in sys.modules.items() if k.startswith("megarl.rollout.native")}
+    for k in mine:
+        del sys.modules[k]
+    path = list(pkg.__path__)
+    pkg.__path__[:] = [os.path.join(root, "megarl", "rollout")]
+    try:
+        cls = importlib.import_module("megarl.rollout.native.engine").NativeEngine
+    finally:
+        pkg.__path__[:] = path
+        for k in [k for k in sys.modules if k.startswith("megarl.rollout.native")]:
+            del sys.modules[k]
+        sys.modules.update(mine)
+    return cls
+
+
 def quickstart_step(args) -> dict:
     """The quickstart's shape (configs/quickstart.yaml): the 0.4M-parameter addition model, 32
     prompts "a+b=" x n=8 = 256 rows, at most 8 new tokens, stop on EOS. The figure is seconds per
@@ -142,20 +164,27 @@ def quickstart_step(args) -> dict:
     hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
     sp = SamplingParams(n=8, max_tokens=8, temperature=1.0, seed=0, eos_token_ids=[tok.eos_token_id])
     runs = {"native": lambda: native.generate(prompts, sp), "hf": lambda: hf.generate(prompts, sp)}
+    if args.baseline:
+        base = load_baseline(args.baseline).from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+        runs["baseline"] = lambda: base.generate(prompts, sp)
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():
         fn()                                                  # warm-up
     for _ in range(args.repeats):
-        for name, fn in runs.items():
-            t = time.perf_counter()
+        for name, fn in runs.items():                         # alternate, so drift hits all alike
+            t, c = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"quickstart shape: {n_params / 1e6:.2f}M params, {args.device} {args.dtype}, {args.threads} threads; "
           f"32 prompts x n=8 = 256 rows, max 8 new tokens, {args.repeats} timed runs each")
     for k, v in times.items():
-        print(f"  {k:9s} {med[k]:.4f} s per generate (median; runs {', '.join(f'{x:.3f}' for x in v)})")
-    print(f"  ratio hf / native = {med['hf'] / med['native']:.2f}x")
+        print(f"  {k:9s} {med[k]:.4f} s per generate (median; runs {', '.join(f'{x:.3f}' for x in v)}; "
+              f"{statistics.median(cpu[k]):.4f} CPU-seconds, all threads)")
+    for k in [k for k in runs if k != "native"]:
+        print(f"  ratio {k} / native = {med[k] / med['native']:.2f}x seconds per generate")
     return med
 
 
@@ -178,6 +207,8 @@ def main(argv=None) -> dict:
                     help="add vLLM as a peer where it imports (--no-vllm: skip)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
     ap.add_argument("--enforce-eager", action="store_true", help="native: no CUDA graphs")
+    ap.add_argument("--baseline", default=None,
+                    help="a megarl checkout whose native engine runs beside this one (load_baseline)")
     ap.add_argument("--layers", type=int, default=10, help="model depth (only when the model is built)")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer size (only when it is built)")
@@ -195,6 +226,8 @@ def main(argv=None) -> dict:
     hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
     sp = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=0,
                         stop_token_ids=stop_ids(tok, args.stop_fraction))
+    base = (load_baseline(args.baseline).from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+            if args.baseline else None)
 
     def timed(fn) -> tuple[float, float, int]:
         if args.device.startswith("cuda"):
@@ -210,6 +243,8 @@ def main(argv=None) -> dict:
 
     runs = {"native": lambda: count(native.generate(prompts, sp)),
             "hf": lambda: count(hf.generate(prompts, sp))}
+    if base is not None:
+        runs["baseline"] = lambda: count(base.generate(prompts, sp))
     if not args.no_plain:
         runs["hf-plain"] = lambda: hf_plain(hf, prompts, sp)
     if args.vllm:

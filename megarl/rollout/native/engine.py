@@ -164,6 +164,8 @@ class NativeEngine(BaseRollout):
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling)
+        if not prompts:
+            return []
         seed = sampling.seed
         if seed is None:                          # one random seed that every TP rank agrees on
             seed = self.comm.agree(int(torch.randint(0, 2**62, ()).item()))
