@@ -209,7 +209,7 @@ def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tm
     chunked = NativeEngine.from_pretrained(str(tmp_path), max_num_batched_tokens=1, max_num_seqs=7)
     padded = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=11)
     padded.decode.static = True
-    per_slot = ref.cache.bytes_per_slot_token() * 64 + 4 * 8 + 9 * 12 + 96
+    per_slot = ref.cache.bytes_per_slot_token() * ref.cache.max_len + 4 * 8 + 9 * 12 + 96
     budget = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=4.5 * per_slot / 2**30)
     runs = {"chunked": chunked.generate(prompts, sp),
             "padded": padded.generate(prompts, sp), "budget": budget.generate(prompts, sp)}
@@ -220,3 +220,40 @@ def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tm
         assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want], name
         assert [[c.finish_reason for c in g] for g in got] == [[c.finish_reason for c in g] for g in want], name
         assert flat(got) == pytest.approx(flat(want), abs=1e-5), name
+
+
+class _NoHostSync:
+    """A dispatch mode that fails on every aten op that reads a tensor's value back to the host
+    (what a CUDA graph cannot capture): .item()/bool(), nonzero, masked_select, unique, equal."""
+    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::item", "aten::masked_select",
+             "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::nonzero_static"}
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = set()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name
+                assert name not in cls.READS, f"{name} reads back to the host inside a decode step"
+                self.ops.add(name)
+                return func(*args, **(kwargs or {}))
+        return Mode()
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(n=2, max_tokens=6, seed=1, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3),
+    SamplingParams(n=2, max_tokens=6, do_sample=False)], ids=["sampled", "greedy"])
+def test_decode_step_reads_nothing_back_to_the_host(tmp_path, sp):
+    """The step CUDA graphs capture (decode, sampling, recording; padded static shapes) runs
+    here on CPU under a mode that fails on any op reading a value back to the host."""
+    save_model(str(tmp_path), seed=12)
+    engine = NativeEngine.from_pretrained(str(tmp_path))
+    engine.generate(PROMPTS, sp)                          # allocates the cache and the row state
+    mode = _NoHostSync()
+    with mode:
+        engine.decode._run(engine.cache.slots, 32, sp)    # every slot (some parked), span 32
+    assert "aten::index_put_" in mode.ops and ("aten::argmax" if sp.greedy else "aten::searchsorted") in mode.ops
