@@ -160,13 +160,27 @@ def quickstart_step(args) -> dict:
     n_params = sum(p.numel() for p in build_model(tok, seed=0).parameters())
     rng = random.Random(0)
     prompts = [tok(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=")["input_ids"] for _ in range(32)]
-    native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+    native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype, sleep_level=2)
     hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
     sp = SamplingParams(n=8, max_tokens=8, temperature=1.0, seed=0, eos_token_ids=[tok.eos_token_id])
-    runs = {"native": lambda: native.generate(prompts, sp), "hf": lambda: hf.generate(prompts, sp)}
+    state = [(k, v.detach().clone()) for k, v in build_model(tok, seed=0).named_parameters()]
+
+    def step(engine):
+        """--sleep-cycle: what the trainer does per step around generate (free_cache_engine with
+        load_format=dummy): wake, the weight sync, generate, sleep (level 2: drop the weights)."""
+        if not args.sleep_cycle:
+            return engine.generate(prompts, sp)
+        engine.wake()
+        engine.update_weights(state)
+        engine.finalize_weights()
+        out = engine.generate(prompts, sp)
+        engine.sleep()
+        return out
+    runs = {"native": lambda: step(native), "hf": lambda: hf.generate(prompts, sp)}
     if args.baseline:
-        base = load_baseline(args.baseline).from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
-        runs["baseline"] = lambda: base.generate(prompts, sp)
+        base = load_baseline(args.baseline).from_pretrained(args.model_dir, device=args.device, dtype=args.dtype,
+                                                            sleep_level=2)
+        runs["baseline"] = lambda: step(base)
     times: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():
@@ -179,7 +193,8 @@ def quickstart_step(args) -> dict:
             cpu[name].append(time.process_time() - c)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"quickstart shape: {n_params / 1e6:.2f}M params, {args.device} {args.dtype}, {args.threads} threads; "
-          f"32 prompts x n=8 = 256 rows, max 8 new tokens, {args.repeats} timed runs each")
+          f"32 prompts x n=8 = 256 rows, max 8 new tokens, {args.repeats} timed runs each"
+          + ("; native engines timed over wake + weight sync + generate + sleep" if args.sleep_cycle else ""))
     for k, v in times.items():
         print(f"  {k:9s} {med[k]:.4f} s per generate (median; runs {', '.join(f'{x:.3f}' for x in v)}; "
               f"{statistics.median(cpu[k]):.4f} CPU-seconds, all threads)")
@@ -207,6 +222,8 @@ def main(argv=None) -> dict:
                     help="add vLLM as a peer where it imports (--no-vllm: skip)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
     ap.add_argument("--enforce-eager", action="store_true", help="native: no CUDA graphs")
+    ap.add_argument("--sleep-cycle", action="store_true",
+                    help="quickstart shape: time wake + weight sync + generate + sleep, as the trainer runs them")
     ap.add_argument("--baseline", default=None,
                     help="a megarl checkout whose native engine runs beside this one (load_baseline)")
     ap.add_argument("--layers", type=int, default=10, help="model depth (only when the model is built)")

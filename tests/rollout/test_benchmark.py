@@ -14,7 +14,8 @@ def test_benchmark_prints_both_figures_and_the_ratio(tmp_path, capsys):
 
 
 def test_benchmark_quickstart_shape(tmp_path, capsys):
-    med = main(["--shape", "quickstart", "--model-dir", str(tmp_path / "qs"), "--repeats", "1", "--threads", "1"])
+    med = main(["--shape", "quickstart", "--model-dir", str(tmp_path / "qs"), "--repeats", "1", "--threads", "1",
+                "--sleep-cycle"])
     out = capsys.readouterr().out
     assert set(med) == {"native", "hf"} and all(v > 0 for v in med.values())
-    assert "0.40M params" in out and "256 rows" in out and "s per generate" in out
+    assert "0.40M params" in out and "256 rows" in out and "s per generate" in out and "weight sync" in out
