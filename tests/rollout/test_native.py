@@ -255,5 +255,5 @@ def test_decode_step_reads_nothing_back_to_the_host(tmp_path, sp):
     engine.generate(PROMPTS, sp)                          # allocates the cache and the row state
     mode = _NoHostSync()
     with mode:
-        engine.decode._run(engine.cache.slots, 32, sp)    # every slot (some parked), span 32
+        engine.decode._run(engine.cache.slots, engine.cache.max_len, sp)   # every slot, some parked
     assert "aten::index_put_" in mode.ops and ("aten::argmax" if sp.greedy else "aten::searchsorted") in mode.ops
