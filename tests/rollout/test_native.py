@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
@@ -222,26 +223,21 @@ def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tm
         assert flat(got) == pytest.approx(flat(want), abs=1e-5), name
 
 
-class _NoHostSync:
-    """A dispatch mode that fails on every aten op that reads a tensor's value back to the host
-    (what a CUDA graph cannot capture): .item()/bool(), nonzero, masked_select, unique, equal."""
+class _NoHostSync(TorchDispatchMode):
+    """Fails on every aten op that reads a tensor's value back to the host (what a CUDA graph
+    cannot capture): .item()/bool(), nonzero, masked_select, unique, equal. Records the rest."""
     READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::item", "aten::masked_select",
              "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::nonzero_static"}
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
 
-        class Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.ops = set()
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func._schema.name
-                assert name not in cls.READS, f"{name} reads back to the host inside a decode step"
-                self.ops.add(name)
-                return func(*args, **(kwargs or {}))
-        return Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        assert name not in self.READS, f"{name} reads back to the host inside a decode step"
+        self.ops.add(name)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("sp", [

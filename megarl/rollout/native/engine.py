@@ -219,7 +219,8 @@ class _Scheduler:
     def __init__(self, engine: "NativeEngine", prompts, sampling: SamplingParams, seed: int, slots: int):
         self.e, self.prompts, self.sp, self.seed, self.slots = engine, prompts, sampling, seed, slots
         dev = engine.device
-        self.stops = torch.tensor(sorted(sampling.stop_ids), dtype=torch.long, device=dev) if sampling.stop_ids else None
+        stops = sorted(sampling.stop_ids)
+        self.stops = torch.tensor(stops, dtype=torch.long, device=dev) if stops else None
         self.out: list[list[Completion | None]] = [[None] * sampling.n for _ in prompts]
         # Host mirrors of slots 0..B-1: which (prompt, sample) each holds, its position, its step.
         self.prompt = np.zeros(slots, dtype=np.int64)

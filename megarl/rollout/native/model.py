@@ -201,8 +201,9 @@ class Layer(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)                                       # [N, hkv, P, hd]
         cache_k[dst, :, :P] = k[src]
         cache_v[dst, :, :P] = v[src]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
-        return self._out(attn.transpose(1, 2).flatten(2), x, comm)                        # [N, hq, P, hd] in
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
+                                              enable_gqa=True)                              # [N, hq, P, hd]
+        return self._out(attn.transpose(1, 2).flatten(2), x, comm)
 
     def decode(self, x, cos, sin, cache_k, cache_v, rows, pos, bias, comm):
         """x [B, 1, h]; cache_k/v [S, hkv, L, hd]; rows [B] = 0..B-1; pos [B] where the new token
