@@ -228,6 +228,9 @@ def main(argv=None) -> dict:
                     help="a megarl checkout whose native engine runs beside this one (load_baseline)")
     ap.add_argument("--layers", type=int, default=10, help="model depth (only when the model is built)")
     ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6, help="attention heads (only when the model is built)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=1152)
     ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer size (only when it is built)")
     ap.add_argument("--shape", choices=["default", "quickstart"], default="default",
                     help="quickstart: seconds per generate at configs/quickstart.yaml's shape instead")
@@ -236,7 +239,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     if args.shape == "quickstart":
         return quickstart_step(args)
-    tok, n_params = build(args.model_dir, args.vocab_size, layers=args.layers, hidden=args.hidden)
+    tok, n_params = build(args.model_dir, args.vocab_size, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                          kv_heads=args.kv_heads, intermediate=args.intermediate)
     prompts = make_prompts(tok, args.prompts, args.shortest, args.longest)
     native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype,
                                           max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)

@@ -38,7 +38,7 @@ class MegatronConfig:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool | None = None  # None: on with CUDA (megatron's); CPU has none, off there
     param_offload: bool = False            # move weights to host memory while the role is idle
     grad_offload: bool = False
     optimizer_offload: bool = False
