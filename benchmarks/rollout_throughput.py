@@ -2,6 +2,9 @@
 
     python benchmarks/rollout_throughput.py                      # CPU, defaults below
     python benchmarks/rollout_throughput.py --device cuda --dtype bfloat16
+    python benchmarks/rollout_throughput.py --device cuda --dtype bfloat16 --layers 24 --hidden 1024 \
+        --vocab-size 32000 --prompts 64 --n 8 --max-tokens 256      # issue 16's GPU shape
+    python benchmarks/rollout_throughput.py --shape quickstart      # seconds per generate, quickstart shape
 
 Same ~20M-parameter Qwen2-style model (random init, local BPE tokenizer: benchmarks/toy_model.py),
 same prompts (16 text snippets of 16..96 tokens), n=4 samples each, up to 128 new tokens,
@@ -12,7 +15,9 @@ Wall-clock tokens/s is the figure; tokens per CPU-second (process time, all thre
 beside it because on a shared machine other jobs steal wall time. Three engines: `native`
 (megarl's engine, with log-probs), `hf` (transformers' generate through the same contract, with
 log-probs from the raw logits: what rollout.name=hf does), and `hf-plain` (bare model.generate
-without any log-probs, less work than the other two).
+without any log-probs, less work than the other two); `vllm` joins where vllm imports (same
+prompts as token ids, n, lengths, stop ids, seed; logprobs=0). On CUDA the native engine's
+generate is also profiled once: the share of wall time the GPU spends in kernels.
 
 Response lengths: a randomly initialised model spreads its probability evenly, so it would
 almost never pick the one EOS id. The run therefore stops on EOS plus a fixed random 1/64 of
@@ -76,6 +81,128 @@ def hf_plain(engine: HFEngine, prompts, sp: SamplingParams) -> int:
     return sum(next((k + 1 for k, t in enumerate(r) if t in stops), len(r)) for r in out)
 
 
+def gpu_kernel_share(fn) -> tuple[float, float]:
+    """(share of wall time with a GPU kernel or copy running, wall seconds) over one call of fn,
+    from torch.profiler's device events (the union of their intervals, so overlapping kernels
+    count once). The profiler's own overhead lengthens the wall time a little: a lower bound."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:                                        # union of [start, end) in microseconds
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy / 1e6 / wall, wall
+
+
+def vllm_runner(args, prompts, sp: SamplingParams):
+    """vLLM as a peer where it imports: same model directory, prompts (token ids), n, lengths,
+    temperature, seed and stop ids; logprobs=0 asks for the sampled token's log-prob, as the
+    other two engines report it. None when vllm does not import."""
+    try:
+        from vllm import LLM
+        from vllm import SamplingParams as VSP
+    except Exception as err:                                  # noqa: BLE001 - any import failure means absent
+        print(f"  vllm: not run ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        return None
+    llm = LLM(model=args.model_dir, dtype=args.dtype, seed=0, gpu_memory_utilization=0.5,
+              max_model_len=max(map(len, prompts)) + sp.max_tokens)
+    vsp = VSP(n=sp.n, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=0,
+              stop_token_ids=sorted(sp.stop_ids), logprobs=0)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+
+    def run() -> int:
+        out = llm.generate(reqs, vsp, use_tqdm=False)
+        return sum(len(c.token_ids) for r in out for c in r.outputs)
+    return run
+
+
+def load_baseline(root: str):
+    """NativeEngine from another megarl checkout at `root` (e.g. an older commit unpacked with
+    `git archive <commit> megarl | tar -x -C <root>`), imported beside this one so both run in
+    one process, alternated, under the same machine load. The rest of megarl is this checkout's."""
+    import importlib
+
+    import megarl.rollout as pkg
+    mine = {k: v for k, v in sys.modules.items() if k.startswith("megarl.rollout.native")}
+    for k in mine:
+        del sys.modules[k]
+    path = list(pkg.__path__)
+    pkg.__path__[:] = [os.path.join(root, "megarl", "rollout")]
+    try:
+        cls = importlib.import_module("megarl.rollout.native.engine").NativeEngine
+    finally:
+        pkg.__path__[:] = path
+        for k in [k for k in sys.modules if k.startswith("megarl.rollout.native")]:
+            del sys.modules[k]
+        sys.modules.update(mine)
+    return cls
+
+
+def quickstart_step(args) -> dict:
+    """The quickstart's shape (configs/quickstart.yaml): the 0.4M-parameter addition model, 32
+    prompts "a+b=" x n=8 = 256 rows, at most 8 new tokens, stop on EOS. The figure is seconds per
+    generate() call, i.e. the rollout's fixed cost per training step; a random model rarely picks
+    EOS, so most rows run the full 8 tokens (the worst case of the trained model)."""
+    import random
+
+    from megarl.examples.addition.model import build_model, build_tokenizer
+    tok = build_tokenizer()
+    os.makedirs(args.model_dir, exist_ok=True)
+    build_model(tok, seed=0).save_pretrained(args.model_dir)
+    n_params = sum(p.numel() for p in build_model(tok, seed=0).parameters())
+    rng = random.Random(0)
+    prompts = [tok(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=")["input_ids"] for _ in range(32)]
+    native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype, sleep_level=2)
+    hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
+    sp = SamplingParams(n=8, max_tokens=8, temperature=1.0, seed=0, eos_token_ids=[tok.eos_token_id])
+    state = [(k, v.detach().clone()) for k, v in build_model(tok, seed=0).named_parameters()]
+
+    def step(engine):
+        """--sleep-cycle: what the trainer does per step around generate (free_cache_engine with
+        load_format=dummy): wake, the weight sync, generate, sleep (level 2: drop the weights)."""
+        if not args.sleep_cycle:
+            return engine.generate(prompts, sp)
+        engine.wake()
+        engine.update_weights(state)
+        engine.finalize_weights()
+        out = engine.generate(prompts, sp)
+        engine.sleep()
+        return out
+    runs = {"native": lambda: step(native), "hf": lambda: hf.generate(prompts, sp)}
+    if args.baseline:
+        base = load_baseline(args.baseline).from_pretrained(args.model_dir, device=args.device, dtype=args.dtype,
+                                                            sleep_level=2)
+        runs["baseline"] = lambda: step(base)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()                                                  # warm-up
+    for _ in range(args.repeats):
+        for name, fn in runs.items():                         # alternate, so drift hits all alike
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"quickstart shape: {n_params / 1e6:.2f}M params, {args.device} {args.dtype}, {args.threads} threads; "
+          f"32 prompts x n=8 = 256 rows, max 8 new tokens, {args.repeats} timed runs each"
+          + ("; native engines timed over wake + weight sync + generate + sleep" if args.sleep_cycle else ""))
+    for k, v in times.items():
+        print(f"  {k:9s} {med[k]:.4f} s per generate (median; runs {', '.join(f'{x:.3f}' for x in v)}; "
+              f"{statistics.median(cpu[k]):.4f} CPU-seconds, all threads)")
+    for k in [k for k in runs if k != "native"]:
+        print(f"  ratio {k} / native = {med[k] / med['native']:.2f}x seconds per generate")
+    return med
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default="/tmp/megarl_toy_bench")
@@ -91,22 +218,37 @@ def main(argv=None) -> dict:
     ap.add_argument("--stop-fraction", type=float, default=1 / 64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-plain", action="store_true", help="skip the bare model.generate figure")
+    ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
+                    help="add vLLM as a peer where it imports (--no-vllm: skip)")
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
+    ap.add_argument("--enforce-eager", action="store_true", help="native: no CUDA graphs")
+    ap.add_argument("--sleep-cycle", action="store_true",
+                    help="quickstart shape: time wake + weight sync + generate + sleep, as the trainer runs them")
+    ap.add_argument("--baseline", default=None,
+                    help="a megarl checkout whose native engine runs beside this one (load_baseline)")
     ap.add_argument("--layers", type=int, default=10, help="model depth (only when the model is built)")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6, help="attention heads (only when the model is built)")
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=1152)
     ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer size (only when it is built)")
+    ap.add_argument("--shape", choices=["default", "quickstart"], default="default",
+                    help="quickstart: seconds per generate at configs/quickstart.yaml's shape instead")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.shape == "quickstart":
+        return quickstart_step(args)
     tok, n_params = build(args.model_dir, args.vocab_size, layers=args.layers, hidden=args.hidden, heads=args.heads,
                           kv_heads=args.kv_heads, intermediate=args.intermediate)
     prompts = make_prompts(tok, args.prompts, args.shortest, args.longest)
-    native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+    native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype,
+                                          max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
     hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
     sp = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=0,
                         stop_token_ids=stop_ids(tok, args.stop_fraction))
+    base = (load_baseline(args.baseline).from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+            if args.baseline else None)
 
     def timed(fn) -> tuple[float, float, int]:
         if args.device.startswith("cuda"):
@@ -122,8 +264,14 @@ def main(argv=None) -> dict:
 
     runs = {"native": lambda: count(native.generate(prompts, sp)),
             "hf": lambda: count(hf.generate(prompts, sp))}
+    if base is not None:
+        runs["baseline"] = lambda: count(base.generate(prompts, sp))
     if not args.no_plain:
         runs["hf-plain"] = lambda: hf_plain(hf, prompts, sp)
+    if args.vllm:
+        vllm = vllm_runner(args, prompts, sp)
+        if vllm is not None:
+            runs["vllm"] = vllm
     rates: dict[str, list[float]] = {k: [] for k in runs}
     cpu_rates: dict[str, list[float]] = {k: [] for k in runs}
     lengths: dict[str, list[int]] = {k: [] for k in runs}
@@ -148,6 +296,10 @@ def main(argv=None) -> dict:
     for other in [k for k in runs if k != "native"]:
         print(f"  ratio native / {other:8s} = {med['native'] / med[other]:.2f}x tokens/s "
               f"({cpu_med['native'] / cpu_med[other]:.2f}x per CPU-second)")
+    if args.device.startswith("cuda"):
+        share, wall = gpu_kernel_share(runs["native"])
+        print(f"  native: GPU kernels busy {100 * share:.1f}% of wall time during one generate "
+              f"({wall:.2f} s under torch.profiler); CUDA graphs {native.decode.stats}")
     return med
 
 

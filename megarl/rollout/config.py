@@ -106,13 +106,15 @@ class RolloutConfig:
 
     dtype: str = "auto"                    # auto: bf16 on GPU, fp32 on CPU (exact log-probs)
     gpu_memory_utilization: float = 0.5
+    # native: True runs every decode step eagerly; False captures it in CUDA graphs (one per
+    # bucketed batch size, replayed each step; CUDA only). verl's default (True) is kept.
     enforce_eager: bool = True
     free_cache_engine: bool = True
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 8192    # native: padded prompt tokens per batched prefill pass
     max_model_len: int | None = None
     max_num_seqs: int = 1024
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
@@ -188,3 +189,67 @@ def test_sequence_distribution_equals_the_models(tmp_path):
         z = (count / total - p) / math.sqrt(p * (1 - p) / total)
         print(f"P(stop at step {step}): sampled {count / total:.4f}, exact {p:.4f}, z = {z:+.2f}")
         assert abs(z) < 4.5
+
+
+def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tmp_path):
+    """A prompt's samples are the same tokens (log-probs within 1e-5) whether it is prefilled in
+    one batched pass with the others or in chunks of one prompt (max_num_batched_tokens),
+    with slots sized from a memory budget (kv_cache_gb), or through the static-shape path that
+    CUDA graphs replay (batch padded to a bucket with parked rows, attention span rounded up),
+    here run eagerly on CPU. The log-probs stay the convention's (transformers within 1e-5)."""
+    model = save_model(str(tmp_path), seed=10)
+    prompts = PROMPTS + [[7, 7, 7], [60, 61, 62, 63], [5]]
+    sp = SamplingParams(n=3, max_tokens=9, seed=4, temperature=0.9, top_k=30, top_p=0.95,
+                        repetition_penalty=1.3, stop_token_ids=[5, 6, 7, 8])
+    ref = NativeEngine.from_pretrained(str(tmp_path))
+    want = ref.generate(prompts, sp)
+    assert ref.stats["prefill_batches"] == 1 and ref.stats["prefills"] == len(prompts)
+    assert Oracle(model).max_error(want, prompts, 0.9) <= 1e-5
+    assert len({c.finish_reason for g in want for c in g}) == 2, "want both stop and length endings"
+
+    chunked = NativeEngine.from_pretrained(str(tmp_path), max_num_batched_tokens=1, max_num_seqs=7)
+    padded = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=11)
+    padded.decode.static = True
+    per_slot = ref.cache.bytes_per_slot_token() * ref.cache.max_len + 4 * 8 + 9 * 12 + 96
+    budget = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=4.5 * per_slot / 2**30)
+    runs = {"chunked": chunked.generate(prompts, sp),
+            "padded": padded.generate(prompts, sp), "budget": budget.generate(prompts, sp)}
+    assert chunked.stats["prefill_batches"] == len(prompts)
+    assert budget.cache.slots == 4
+    flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
+    for name, got in runs.items():
+        assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want], name
+        assert [[c.finish_reason for c in g] for g in got] == [[c.finish_reason for c in g] for g in want], name
+        assert flat(got) == pytest.approx(flat(want), abs=1e-5), name
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on every aten op that reads a tensor's value back to the host (what a CUDA graph
+    cannot capture): .item()/bool(), nonzero, masked_select, unique, equal. Records the rest."""
+    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::item", "aten::masked_select",
+             "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::nonzero_static"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        assert name not in self.READS, f"{name} reads back to the host inside a decode step"
+        self.ops.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(n=2, max_tokens=6, seed=1, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3),
+    SamplingParams(n=2, max_tokens=6, do_sample=False)], ids=["sampled", "greedy"])
+def test_decode_step_reads_nothing_back_to_the_host(tmp_path, sp):
+    """The step CUDA graphs capture (decode, sampling, recording; padded static shapes) runs
+    here on CPU under a mode that fails on any op reading a value back to the host."""
+    save_model(str(tmp_path), seed=12)
+    engine = NativeEngine.from_pretrained(str(tmp_path))
+    engine.generate(PROMPTS, sp)                          # allocates the cache and the row state
+    mode = _NoHostSync()
+    with mode:
+        engine.decode._run(engine.cache.slots, engine.cache.max_len, sp)   # every slot, some parked
+    assert "aten::index_put_" in mode.ops and ("aten::argmax" if sp.greedy else "aten::searchsorted") in mode.ops

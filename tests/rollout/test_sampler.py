@@ -88,3 +88,24 @@ def test_sampling_frequencies_match_softmax(temperature):
     sigma = torch.sqrt(probs.double() * (1 - probs.double()) / len(keys))
     assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-3).all(), (freq, probs)
     assert math.isclose(freq.sum().item(), 1.0)
+
+
+def test_device_hash_equals_the_python_reference_bit_for_bit():
+    """The tensor splitmix64 (int64 wrapping arithmetic, masked shifts) that the engine runs on
+    the device gives exactly the Python reference's keys and uniforms, large seeds included."""
+    prompts = torch.arange(40).repeat_interleave(5)
+    samples = torch.arange(5).repeat(40)
+    steps = torch.arange(200) * 7919 + (1 << 40)
+    for seed in (0, 1, (1 << 63) + 5, (1 << 64) - 1, 123456789):
+        keys = sampler.sample_keys(seed, prompts, samples)
+        ref = [sampler.sample_key(seed, p, s) for p, s in zip(prompts.tolist(), samples.tolist())]
+        assert [k & ((1 << 64) - 1) for k in keys.tolist()] == ref
+        assert sampler.uniforms(keys, steps).tolist() == [sampler.uniform(k, t) for k, t in zip(ref, steps.tolist())]
+
+
+def test_inverse_cdf_falls_back_to_the_mode_without_reading_back():
+    """A target that rounds up to the total mass (u * total == total) lands on the zero-probability
+    tail; it is replaced by the mode in tensor ops (no host branch, so the step stays capturable)."""
+    probs = torch.tensor([[0.0, 0.7, 0.3, 0.0], [0.2, 0.0, 0.0, 0.0]])
+    tok = sampler.inverse_cdf(probs, torch.tensor([1.0, 0.999999], dtype=torch.float64))
+    assert tok.tolist() == [1, 0]

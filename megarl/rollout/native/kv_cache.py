@@ -1,9 +1,10 @@
 """Slot KV cache for continuous batching.
 
 One tensor per K and V: [layers, slots, kv_heads, max_len, head_dim]. Active sequences always
-occupy slots 0..B-1, so a decode step reads plain views (no gather); when a sequence finishes,
-the last active slot moves into its place (`move`, one copy of that slot's used prefix).
-The n samples of a prompt share one prefill: its K/V are copied into the other slots (`fork`).
+occupy slots 0..B-1, so a decode step reads plain views (no gather) and its shapes depend on B
+alone (what a CUDA graph needs). When sequences finish, the last active slots move into their
+places (`move`: one indexed copy for all of them). The n samples of a prompt share one prefill,
+whose K/V the model writes straight into the n slots.
 """
 from __future__ import annotations
 
@@ -41,14 +42,11 @@ class KVCache:
     def allocated(self) -> bool:
         return self.k is not None
 
-    def fork(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy slot `src`'s first `length` positions into each slot of `dsts` (shared prefill)."""
-        if not dsts:
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy slots `src` (their first `length` positions) into slots `dst`, pairwise; disjoint."""
+        if not src:
             return
-        idx = torch.tensor(dsts, device=self.device)
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
         for t in (self.k, self.v):
-            t[:, idx, :, :length] = t[:, src:src + 1, :, :length]
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        for t in (self.k, self.v):
-            t[:, dst, :, :length] = t[:, src, :, :length]
+            t[:, d, :, :length] = t[:, s, :, :length]

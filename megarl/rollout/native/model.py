@@ -5,8 +5,9 @@ optional per-head q/k norm (Qwen3), tied or untied embeddings. The model holds o
 rank's shard (sizes come from `ModelArgs.local(...)`); the two collectives it needs arrive as a
 `comm` object (megarl/rollout/native/tp.py), so no process-group code lives here.
 
-Two entry points share the layers: `prefill` (one prompt, causal over itself, written into
-one KV-cache slot) and `decode` (one new token for each of B slots, attending to its cache).
+Two entry points share the layers: `prefill` (N right-padded prompts in one pass, causal, each
+written into its samples' KV-cache slots) and `decode` (one new token for each of B slots,
+attending to its cache; static shapes, so the engine can capture it in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -190,29 +191,34 @@ class Layer(nn.Module):
         g, u = F.linear(rms_norm(x, self.mlp_norm, self.a.rms_eps), self.w13).chunk(2, dim=-1)
         return x + comm.all_reduce(F.linear(F.silu(g) * u, self.w2))
 
-    def prefill(self, x, cos, sin, cache_k, cache_v, comm):
-        """x [1, P, h]; cache_k/v [hkv, L, hd] (one slot), filled at [:, :P]."""
+    def prefill(self, x, cos, sin, cache_k, cache_v, dst, src, comm):
+        """x [N, P, h]: N prompts, right-padded; cache_k/v [S, hkv, L, hd]. Prompt src[m]'s K/V
+        go to slot dst[m] at [:P] (the n samples of a prompt: n slots, one computation).
+        Right padding keeps plain causal attention exact for the real positions (pads come after
+        them), so SDPA runs without a mask and may pick its flash / memory-efficient kernels."""
         q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
         P = x.shape[1]
-        cache_k[:, :P] = k[0].transpose(0, 1)
-        cache_v[:, :P] = v[0].transpose(0, 1)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, enable_gqa=True)          # [1, hq, P, hd]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                                       # [N, hkv, P, hd]
+        cache_k[dst, :, :P] = k[src]
+        cache_v[dst, :, :P] = v[src]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
+                                              enable_gqa=True)                              # [N, hq, P, hd]
         return self._out(attn.transpose(1, 2).flatten(2), x, comm)
 
-    def decode(self, x, cos, sin, cache_k, cache_v, rows, pos, valid, comm):
-        """x [B, 1, h]; cache_k/v [S, hkv, L, hd]; rows [B] slots; pos [B] where the new token goes;
-        valid [B, 1, 1, Lmax] keys each row may see."""
+    def decode(self, x, cos, sin, cache_k, cache_v, rows, pos, bias, comm):
+        """x [B, 1, h]; cache_k/v [S, hkv, L, hd]; rows [B] = 0..B-1; pos [B] where the new token
+        goes; bias [B, 1, 1, span] 0 for the keys a row may see, -inf after its position."""
         s, hd = self.s, self.a.head_dim
         q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
         cache_k[rows, :, pos] = k[:, 0]
         cache_v[rows, :, pos] = v[:, 0]
-        B, Lmax, g = x.shape[0], valid.shape[-1], s.heads // s.kv_heads
-        keys, vals = cache_k[:B, :, :Lmax], cache_v[:B, :, :Lmax]                         # [B, hkv, Lmax, hd]
+        B, span, g = x.shape[0], bias.shape[-1], s.heads // s.kv_heads
+        keys, vals = cache_k[:B, :, :span], cache_v[:B, :, :span]                         # [B, hkv, span, hd]
         # Grouped-query attention without copying K/V per query head: the g query heads that
-        # share a KV head become g query rows of that head.
+        # share a KV head become g query rows of that head. An additive float bias (not a
+        # boolean mask) keeps CUDA's memory-efficient kernel eligible.
         qg = q.view(B, s.kv_heads, g, hd)                                                # [B, hkv, g, hd]
-        attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=valid)          # [B, hkv, g, hd]
+        attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)           # [B, hkv, g, hd]
         return self._out(attn.reshape(B, 1, s.heads * hd), x, comm)
 
 
@@ -252,26 +258,31 @@ class Transformer(nn.Module):
         return full[..., :self.a.vocab_size]
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, cache, slot: int, comm: Comm) -> torch.Tensor:
-        """ids [P] -> logits of the last position [V]; the prompt's K/V land in `slot`."""
-        P = ids.shape[0]
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache, dst: torch.Tensor, src: torch.Tensor,
+                comm: Comm) -> torch.Tensor:
+        """ids [N, P] right-padded prompts of `lengths` [N] -> logits of each last real position
+        [N, V]; prompt src[m]'s K/V land in slot dst[m]."""
+        N, P = ids.shape
         cos, sin = self.rope(P)
         cos, sin = cos[:P, None], sin[:P, None]                                          # [P, 1, hd]
-        x = self.embed_tokens(ids[None], comm)                                           # [1, P, h]
+        x = self.embed_tokens(ids, comm)                                                 # [N, P, h]
         for i, layer in enumerate(self.layers):
-            x = layer.prefill(x, cos, sin, cache.k[i, slot], cache.v[i, slot], comm)
-        return self.logits(x[0, -1], comm)
+            x = layer.prefill(x, cos, sin, cache.k[i], cache.v[i], dst, src, comm)
+        last = x[torch.arange(N, device=ids.device), lengths - 1]                        # [N, h]
+        return self.logits(last, comm)
 
     @torch.inference_mode()
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, cache, comm: Comm) -> torch.Tensor:
-        """ids [B] last tokens of slots 0..B-1, pos [B] their positions -> logits [B, V]."""
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, cache, comm: Comm, span: int) -> torch.Tensor:
+        """ids [B] last tokens of slots 0..B-1, pos [B] their positions (< span) -> logits [B, V].
+        Shapes depend on (B, span) only and nothing is read back to the host: capturable."""
         B = ids.shape[0]
-        Lmax = int(pos.max()) + 1
-        cos, sin = self.rope(Lmax)
+        cos, sin = self.rope(span)
         cos, sin = cos[pos][:, None, None], sin[pos][:, None, None]                      # [B, 1, 1, hd]
-        valid = (torch.arange(Lmax, device=pos.device)[None, :] <= pos[:, None])[:, None, None]  # [B,1,1,Lmax]
+        keys = torch.arange(span, device=pos.device)
+        bias = torch.zeros(B, 1, 1, span, dtype=self.dtype, device=pos.device)
+        bias.masked_fill_((keys[None, :] > pos[:, None])[:, None, None], float("-inf"))  # [B, 1, 1, span]
         rows = torch.arange(B, device=pos.device)
         x = self.embed_tokens(ids[:, None], comm)                                        # [B, 1, h]
         for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cos, sin, cache.k[i], cache.v[i], rows, pos, valid, comm)
+            x = layer.decode(x, cos, sin, cache.k[i], cache.v[i], rows, pos, bias, comm)
         return self.logits(x[:, 0], comm)
