@@ -84,24 +84,27 @@ def loss_fn(out, mb):
     return loss, {"actor/entropy": float((out["entropy"].detach() * m).sum() / m.sum().clamp(min=1))}
 
 
-# (name, use_remove_padding, use_dynamic_bsz). The offload helper (issue 13, items 1-2) adds rows
-# with weights / grads / optimizer state offloaded around rollout here, as (name, packed, dynamic, offload).
-ROWS = [("padded, static", False, False), ("padded, dynamic", False, True),
-        ("packed, static", True, False), ("packed, dynamic", True, True)]
-# --- offload rows go here -----------------------------------------------------------------------
+# (name, use_remove_padding, use_dynamic_bsz, offload weights + grads + optimizer state around rollout)
+ROWS = [("padded, static", False, False, False), ("padded, dynamic", False, True, False),
+        ("packed, static", True, False, False), ("packed, dynamic", True, True, False),
+        ("packed, dyn, offload", True, True, True)]
 
 
 def run_row(path, a, row, data):
     import torch
 
     from megarl.workers.actor import ActorWorker
-    from megarl.workers.config import ActorConfig, ModelConfig, OptimConfig
-    name, packed, dynamic = row[:3]
+    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
+    name, packed, dynamic, offload = row
     extra = {}
     if hasattr(ActorConfig, "use_dynamic_bsz"):
         extra = {"use_dynamic_bsz": dynamic, "ppo_max_token_len_per_gpu": a.max_tokens}
     elif dynamic or packed:
         return None  # a checkout without these keys runs today's layout only
+    if offload:
+        if not hasattr(MegatronConfig, "optimizer_offload") or not hasattr(ActorWorker, "offload"):
+            return None  # a checkout whose offload keys do nothing
+        extra["megatron"] = MegatronConfig(param_offload=True, grad_offload=True, optimizer_offload=True)
     cfg = ActorConfig(ppo_mini_batch_size=a.batch, ppo_micro_batch_size_per_gpu=a.micro,
                       optim=OptimConfig(lr=1e-6), **extra)
     if extra:
@@ -135,12 +138,23 @@ def run_row(path, a, row, data):
     budget = {"max_tokens": a.max_tokens if dynamic else None} if extra else {}
     fwd_bwd = lambda: eng.accumulate(data, a.micro, actor._process(1.0, True), loss_fn, **budget)  # noqa: E731
     mem = {"lp": peak_bytes(lp, a.device), "up": peak_bytes(fwd_bwd, a.device)}
+    # What the trainer holds on the device while the engine would generate: weights, grad buffers
+    # and optimizer state, after the handoff the fit loop makes (offload acts on CUDA only: on CPU
+    # the device's memory is host memory and the keys say so once).
+    held, cycle_s = (eng.resident_bytes() if hasattr(eng, "resident_bytes") else None), None
+    if offload:
+        t = time.perf_counter()
+        actor.offload()
+        held = eng.resident_bytes()
+        actor.onload()
+        cycle_s = time.perf_counter() - t
     del actor, eng
     gc.collect()
     from megarl.parallel import state
     state.destroy_model_parallel()
     return {"name": name, "lp_s": statistics.median(times["lp"]), "up_s": statistics.median(times["up"]),
-            "lp_mib": mem["lp"] / 2**20, "up_mib": mem["up"] / 2**20, "padding": computed / real}
+            "lp_mib": mem["lp"] / 2**20, "up_mib": mem["up"] / 2**20, "padding": computed / real,
+            "held_mib": None if held is None else held / 2**20, "offload_cycle_s": cycle_s}
 
 
 def main(argv=None) -> list[dict]:
@@ -184,10 +198,16 @@ def main(argv=None) -> list[dict]:
             r = run_row(path, a, row, data)
             if r is not None:
                 results.append(r)
-    print(f"{'layout':<18}{'log_prob s':>11}{'update s':>10}{'log_prob MiB':>14}{'fwd+bwd MiB':>12}{'padding':>9}")
+    print(f"{'layout':<21}{'log_prob s':>11}{'update s':>10}{'log_prob MiB':>14}{'fwd+bwd MiB':>12}{'padding':>9}"
+          f"{'held in rollout MiB':>21}{'offload+onload s':>18}")
     for r in results:
-        print(f"{r['name']:<18}{r['lp_s']:>11.3f}{r['up_s']:>10.3f}{r['lp_mib']:>14.1f}{r['up_mib']:>12.1f}"
-              f"{r['padding']:>9.3f}")
+        held = "-" if r["held_mib"] is None else f"{r['held_mib']:.1f}"
+        cycle = "-" if r["offload_cycle_s"] is None else f"{r['offload_cycle_s']:.3f}"
+        print(f"{r['name']:<21}{r['lp_s']:>11.3f}{r['up_s']:>10.3f}{r['lp_mib']:>14.1f}{r['up_mib']:>12.1f}"
+              f"{r['padding']:>9.3f}{held:>21}{cycle:>18}")
+    if a.device == "cpu" and any(r["offload_cycle_s"] is not None for r in results):
+        print("offload acts on CUDA only (on CPU the device's memory is host memory): the offload row shows "
+              "what stays held here; run with --device cuda for the saving")
     if a.json:
         import json
         with open(a.json, "w") as f:

@@ -32,8 +32,6 @@ GENERIC = {
 # Being made to act by other wave-2 helpers right now (issues 13, 14, 17); delete an entry when its
 # branch is merged and the key is read. Each must still be a real key.
 IN_FLIGHT = {
-    "use_remove_padding", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",  # issue 13 (packing)
-    "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
     "expert_model_parallel_size",
 }
 
@@ -83,7 +81,7 @@ def test_lists_name_real_keys():
     for key in (*REFUSED, *ALIASES, *ALIASES.values(), *GENERIC):
         assert key in keys, key
     leaf_names = {k.split(".")[-1] for k in keys}
-    assert IN_FLIGHT - {"use_dynamic_bsz", "ppo_max_token_len_per_gpu"} <= leaf_names
+    assert IN_FLIGHT <= leaf_names
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
