@@ -208,3 +208,11 @@ def test_shipped_configs_validate():
     assert paths, "configs/ should hold experiment files"
     for path in paths:
         load_config(path)
+
+
+def test_enforce_eager_acts_for_native_and_is_refused_where_no_engine_captures_graphs():
+    assert load_config(None, []).rollout.enforce_eager is None          # native: graphs on CUDA
+    assert load_config(None, ["actor_rollout_ref.rollout.enforce_eager=true"]).rollout.enforce_eager is True
+    for name in ("hf", "trtllm"):
+        with pytest.raises(ConfigError, match="enforce_eager: false asks for CUDA graphs"):
+            load_config(None, [f"actor_rollout_ref.rollout.name={name}", "actor_rollout_ref.rollout.enforce_eager=false"])

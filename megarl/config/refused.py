@@ -44,14 +44,12 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "actor_rollout_ref.rollout.over_sample_rate": (
         (0, 0.0), "megarl does not over-sample and cancel rollouts; to refill batches with informative groups use "
                   "algorithm.filter_groups.enable=true (DAPO dynamic sampling)"),
-    "actor_rollout_ref.rollout.enforce_eager": (
-        (True,), "the native and hf engines have no CUDA-graph mode; for TensorRT-LLM pass "
-                 "actor_rollout_ref.rollout.engine_kwargs.trtllm.cuda_graph_config"),
     "actor_rollout_ref.rollout.data_parallel_size": (
         (1,), "rollout data parallelism is the rollout ranks / actor_rollout_ref.rollout.tensor_model_parallel_size; "
               "remove the key"),
     "actor_rollout_ref.rollout.expert_parallel_size": (
-        (1,), "MoE rollout is not supported; remove the key"),
+        (1,), "the native engine splits every expert over the rollout TP ranks instead of placing experts "
+              "on ranks of their own; remove the key and set actor_rollout_ref.rollout.tensor_model_parallel_size"),
     **{f"actor_rollout_ref.rollout.server.{leaf}": (
         (default,), "megarl's engines run inside the training processes, not behind an HTTP server; "
                     "remove actor_rollout_ref.rollout.server")

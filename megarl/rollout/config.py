@@ -106,9 +106,11 @@ class RolloutConfig:
 
     dtype: str = "auto"                    # auto: bf16 on GPU, fp32 on CPU (exact log-probs)
     gpu_memory_utilization: float = 0.5
-    # native: True runs every decode step eagerly; False captures it in CUDA graphs (one per
-    # bucketed batch size, replayed each step; CUDA only). verl's default (True) is kept.
-    enforce_eager: bool = True
+    # native: true runs every decode step eagerly; false or null captures it in CUDA graphs (one
+    # per bucketed batch size, replayed each step; CUDA only, CPU always runs eagerly). null is
+    # the default so the built-in engine is fast on GPU unless asked otherwise; hf has no graph
+    # mode and TensorRT-LLM takes engine_kwargs.trtllm.cuda_graph_config, so false is refused there.
+    enforce_eager: bool | None = None
     free_cache_engine: bool = True
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
@@ -148,6 +150,9 @@ class RolloutConfig:
     def __post_init__(self):
         check_sampling(self)
         require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 = off)")
+        require(self.enforce_eager is not False or self.name == "native", "enforce_eager",
+                f"false asks for CUDA graphs, which only the native engine captures (name={self.name}); for "
+                "TensorRT-LLM set engine_kwargs.trtllm.cuda_graph_config, for hf leave it unset")
         require(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
         require(self.pipeline_model_parallel_size == 1, "pipeline_model_parallel_size",
                 "rollout engines here shard by TP only; set it to 1 and raise tensor_model_parallel_size")

@@ -87,7 +87,7 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
         defaults = dict(dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, prompt_length=cfg.prompt_length,
                         prompt_truncation=cfg.prompt_truncation, sleep_level=2 if cfg.load_format == "dummy" else 1,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=cfg.enforce_eager)
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=bool(cfg.enforce_eager))
         engine = NativeEngine(read_hf_config(model_path), comm=comm, device=device, config=cfg,
                               **_options(NativeEngine, defaults, user, name))
         if cfg.load_format != "dummy":
