@@ -60,24 +60,28 @@ class RLTrainer:
             with self.timed("step"):
                 with self.timed("gen"):
                     batch = self.rollout(self.p.train_loader.next_batch())
-                rewards = self.launch_rewards(batch)
-                with self.timed("old_log_prob"):
-                    self.compute_old_log_probs(batch)
-                with self.timed("ref", self.p.ref):
-                    self.compute_ref_log_probs(batch)
-                with self.timed("values", self.p.critic):
-                    self.compute_values(batch)
-                with self.timed("reward"):
-                    self.collect_rewards(batch, rewards)
-                with self.timed("adv"):
-                    self.compute_advantages(batch)
-                with self.timed("update_critic", self.p.critic):
-                    self.update_critic(batch)
-                with self.timed("update_actor"):
-                    self.update_actor(batch)
+                self.train_on(batch)
                 with self.timed("sync"):
                     self.sync_weights()
             self.finish_step(batch)
+
+    def train_on(self, batch: DataProto) -> None:
+        """Everything between a rollout and the weight sync; the async loop (fit_async.py) shares it."""
+        rewards = self.launch_rewards(batch)
+        with self.timed("old_log_prob"):
+            self.compute_old_log_probs(batch)
+        with self.timed("ref", self.p.ref):
+            self.compute_ref_log_probs(batch)
+        with self.timed("values", self.p.critic):
+            self.compute_values(batch)
+        with self.timed("reward"):
+            self.collect_rewards(batch, rewards)
+        with self.timed("adv"):
+            self.compute_advantages(batch)
+        with self.timed("update_critic", self.p.critic):
+            self.update_critic(batch)
+        with self.timed("update_actor"):
+            self.update_actor(batch)
 
     # -- the steps -----------------------------------------------------------------------------------
     def rollout(self, prompts: DataProto) -> DataProto:

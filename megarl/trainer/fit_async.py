@@ -68,21 +68,7 @@ class AsyncRLTrainer(RLTrainer):
                                                     self.step - 1))
                 self.extra.update({f"async/{k}": v for k, v in batch.meta_info.get("async_metrics", {}).items()})
                 self.extra.update({f"timing_s/rollout_{k}": v for k, v in batch.meta_info.get("rollout_timing", {}).items()})
-                rewards = self.launch_rewards(batch)
-                with self.timed("old_log_prob"):
-                    self.compute_old_log_probs(batch)
-                with self.timed("ref", self.p.ref):
-                    self.compute_ref_log_probs(batch)
-                with self.timed("values", self.p.critic):
-                    self.compute_values(batch)
-                with self.timed("reward"):
-                    self.collect_rewards(batch, rewards)
-                with self.timed("adv"):
-                    self.compute_advantages(batch)
-                with self.timed("update_critic", self.p.critic):
-                    self.update_critic(batch)
-                with self.timed("update_actor"):
-                    self.update_actor(batch)
+                self.train_on(batch)
                 with self.timed("sync"):
                     self.sync_weights()
                 with self.timed("wait_rollout"):
