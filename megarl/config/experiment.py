@@ -184,10 +184,33 @@ class ExperimentConfig:
             if layers % pp:
                 raise ConfigError(f"PP {pp} must divide the model's {layers} layers; use a divisor of {layers}",
                                   f"{role}.megatron.pipeline_model_parallel_size")
+        self._check_model_spec(hf_config, layouts)
         rtp = self.rollout.tensor_model_parallel_size
         if heads % rtp or kv % rtp:
             raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
                               "groups", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+
+    def _check_model_spec(self, hf_config: dict, layouts) -> None:
+        """Expert-parallel layouts (MoE) and Mistral's sliding window, judged on megarl's ModelSpec."""
+        from megarl.models.spec import ModelSpec, check_experts, check_window
+        try:
+            spec = ModelSpec.from_hf_config(hf_config)
+        except ValueError:
+            return                             # the workers refuse the model itself, with its reason
+        for role, layout in layouts:
+            tp, pp, ep = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                          layout.expert_model_parallel_size)
+            try:
+                check_experts(spec, tp, pp, ep, layout.expert_tensor_parallel_size, self.train_world_size)
+            except ValueError as err:
+                raise ConfigError(str(err), f"{role}.megatron.expert_model_parallel_size") from None
+        ro, data = self.rollout, self.data
+        longest = max((ro.prompt_length or data.max_prompt_length) + (ro.response_length or data.max_response_length),
+                      data.max_prompt_length + data.max_response_length)
+        try:
+            check_window(spec, longest)
+        except ValueError as err:
+            raise ConfigError(str(err), "data.max_response_length") from None
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -53,6 +53,8 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1                            # expert parallel (MoE): over the DP ranks
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -64,21 +66,26 @@ class Layout:
 
 
 @cpu_compat.scoped
-def init_model_parallel(tp: int, pp: int, seed: int = 42) -> Layout:
-    """Set up megatron's parallel_state for (TP, PP) over all ranks; DP = world / (TP x PP).
-    Calling again with the same layout is a no-op; another layout is refused."""
+def init_model_parallel(tp: int, pp: int, seed: int = 42, ep: int = 1) -> Layout:
+    """Set up megatron's parallel_state for (TP, PP) over all ranks; DP = world / (TP x PP);
+    MoE experts split over EP ranks taken from DP (expert TP = TP). Calling again with the same
+    layout is a no-op; another layout is refused."""
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the {world} ranks; change the layout")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"EP {ep} must divide DP = {world // (tp * pp)} (world / TP x PP); change the layout")
     if ps.model_parallel_is_initialized():
-        cur = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if cur != (tp, pp):
-            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]}; every megarl role in one "
-                             f"process must share that layout (asked for TP={tp} PP={pp})")
+        cur = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size())
+        if cur != (tp, pp, ep):
+            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]} EP={cur[2]}; every megarl role "
+                             f"in one process must share that layout (asked for TP={tp} PP={pp} EP={ep})")
         return layout()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
                                  create_gloo_process_groups=torch.cuda.is_available())
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
@@ -91,7 +98,8 @@ def layout() -> Layout:
 
     return Layout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+                  ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank())
 
 
 def destroy_model_parallel() -> None:
@@ -118,6 +126,11 @@ def dp_group():
 def model_parallel_group():
     from megatron.core import parallel_state as ps
     return ps.get_model_parallel_group()
+
+
+def ep_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_model_parallel_group()
 
 
 def pp_last_rank() -> int:

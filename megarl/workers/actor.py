@@ -31,7 +31,8 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         raise ConfigError("virtual pipeline parallelism is not supported yet; leave it null",
                           f"{role}.megatron.virtual_pipeline_model_parallel_size")
     return EngineSpec(
-        model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size, head=head,
+        model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
+        ep=mc.expert_model_parallel_size, head=head,
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
         use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=mc.sequence_parallel,

@@ -36,7 +36,8 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1    # MoE: experts split over this many of the DP ranks
+    expert_tensor_parallel_size: int | None = None  # None: TP (the only value megarl supports)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     param_offload: bool = False            # move weights to host memory while the role is idle
@@ -52,8 +53,9 @@ class MegatronConfig:
             require(getattr(self, key) >= 1, key, "must be >= 1")
         require(self.context_parallel_size == 1, "context_parallel_size",
                 "context parallelism is not supported yet; set it to 1")
-        require(self.expert_model_parallel_size == 1, "expert_model_parallel_size",
-                "MoE models are not supported yet; set it to 1")
+        require(self.expert_tensor_parallel_size is None or
+                self.expert_tensor_parallel_size == self.tensor_model_parallel_size, "expert_tensor_parallel_size",
+                "must equal tensor_model_parallel_size (megarl shards experts over the TP group); leave it null")
 
 
 @dataclass

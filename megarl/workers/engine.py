@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.build import build_gpt, transformer_config
-from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
+from megarl.models.convert import assemble, expert_of, hf_slices, megatron_names, megatron_to_hf, to_global
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, state
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
+from megarl.workers.moe import moe_loss_scale, moe_metrics
 from megarl.workers.optim import apply_schedule, build_optimizer, optimizer_step
 
 log = logging.getLogger("megarl.workers")
@@ -67,10 +68,12 @@ class MegatronEngine:
     @cpu_compat.scoped
     def _build(self, ckpt: HFCheckpoint | None) -> None:
         es = self.es
-        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed)
+        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, ep=es.ep)
         self.device = state.device()
         self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
-                                         recompute=es.recompute, overrides=es.transformer_overrides)
+                                         recompute=es.recompute, overrides=es.transformer_overrides, ep=es.ep)
+        # MoE: this expert-parallel rank holds global experts [expert_offset, + num_experts / EP).
+        self.expert_offset = self.layout.ep_rank * (self.spec.num_experts // self.layout.ep)
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
         self.layer_offset = get_transformer_layer_offset(self.config)
         self.model = build_gpt(self.spec, self.config, self.layout.is_first_stage, self.layout.is_last_stage, es.head)
@@ -109,12 +112,21 @@ class MegatronEngine:
 
     def _check_names(self) -> None:
         """The model's parameters are exactly the ones convert.py maps (guards a megatron change)."""
-        got = {to_global(n, self.layer_offset) for n, _ in self.model.named_parameters()}
+        got = {self.global_name(n) for n, _ in self.model.named_parameters()}
         want = set(megatron_names(self.spec, self.layers, self.layout.is_first_stage, self.layout.is_last_stage,
-                                  self.es.head))
+                                  self.es.head, self.experts))
         if got != want:
             raise RuntimeError(f"megatron parameter names differ from megarl's map: extra {sorted(got - want)[:3]}, "
                                f"missing {sorted(want - got)[:3]}")
+
+    def global_name(self, local: str) -> str:
+        """megarl's global megatron name (whole-model layer and expert indices) of a local parameter."""
+        return to_global(local, self.layer_offset, self.expert_offset)
+
+    @property
+    def experts(self) -> range:
+        """The global experts this rank holds (MoE; empty for a dense model)."""
+        return range(self.expert_offset, self.expert_offset + self.spec.num_experts // self.layout.ep)
 
     @property
     def layers(self) -> range:
@@ -125,7 +137,7 @@ class MegatronEngine:
         head = self.es.head
         with torch.no_grad():
             for local, param in self.model.named_parameters():
-                name = to_global(local, self.layer_offset)
+                name = self.global_name(local)
                 if head == "value" and name == "output_layer.weight" and not self.es.head_from_checkpoint:
                     param.zero_()  # a fresh value head predicts 0 until the critic learns
                     continue
@@ -146,12 +158,23 @@ class MegatronEngine:
     def _hf_named(self, value):
         group = state.tp_group()
         for local, param in self.model.named_parameters():
-            name = to_global(local, self.layer_offset)
+            name = self.global_name(local)
             mine = value(param).contiguous()
             shards = [mine]
             if self.layout.tp > 1:
                 shards = [torch.empty_like(mine) for _ in range(self.layout.tp)]
                 dist.all_gather(shards, mine, group=group)
+            if self.layout.ep > 1 and expert_of(name) is not None:
+                # Every EP rank holds its experts under the same local names, in the same order:
+                # gather each over the EP group and yield all of them (rank r's is r * E/EP + i).
+                per = self.spec.num_experts // self.layout.ep
+                stacked = torch.stack(shards)
+                parts = [torch.empty_like(stacked) for _ in range(self.layout.ep)]
+                dist.all_gather(parts, stacked, group=state.ep_group())
+                for r, part in enumerate(parts):
+                    other = to_global(local, self.layer_offset, r * per)
+                    yield from megatron_to_hf(other, list(part.unbind(0)), self.spec, self.es.head)
+                continue
             yield from megatron_to_hf(name, shards, self.spec, self.es.head)
 
     # -- the pipeline schedule ----------------------------------------------------------------------
@@ -277,6 +300,7 @@ class MegatronEngine:
                             sums[k] = sums.get(k, 0.0) + v
                             counts[k] = counts.get(k, 0) + 1
         metrics = self._mean_metrics(sums, counts)
+        metrics.update(moe_metrics(self, prefix))
         metrics.update({f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                         f"{prefix}/lr": lr, f"{prefix}/skipped_steps": float(skipped)})
         self.sched_step += 1
@@ -297,7 +321,9 @@ class MegatronEngine:
             p.meta_info.update(meta)
         for c in self.chunks:
             c.zero_grad_buffer()
-        return self._run(parts, seq or batching.seq_len(mini_batch), process, loss_fn)
+        self.moe_calls = getattr(self, "moe_calls", 0) + len(parts)
+        with moe_loss_scale(self, meta["global_micro_batches"]):
+            return self._run(parts, seq or batching.seq_len(mini_batch), process, loss_fn)
 
     @cpu_compat.scoped
     def step(self, got: list[dict]) -> tuple[bool, float]:

@@ -22,6 +22,7 @@ class EngineSpec:
     model_path: str | None                  # HF directory (None when loading a dist checkpoint)
     tp: int = 1
     pp: int = 1
+    ep: int = 1                             # expert parallel (MoE models)
     head: str = "lm"                        # "lm" or "value"
     head_from_checkpoint: bool = False      # value head: read `score.weight` (else zeros)
     trainable: bool = True
@@ -73,7 +74,12 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
         ckpt.validate(spec, head=need)
         hf_dtype = ckpt.dtype("model.embed_tokens.weight")
-    check_layout(spec, es.tp, es.pp)
+    import os
+    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+    try:
+        check_layout(spec, es.tp, es.pp, es.ep, world=world)
+    except ValueError as err:
+        raise ConfigError(str(err), f"{es.role}.megatron") from None
     return spec, ckpt, hf_dtype
 
 
