@@ -204,6 +204,12 @@ class ExperimentConfig:
                 check_experts(spec, tp, pp, ep, layout.expert_tensor_parallel_size, self.train_world_size)
             except ValueError as err:
                 raise ConfigError(str(err), f"{role}.megatron.expert_model_parallel_size") from None
+            # megatron's MoE layer refuses to train under TP without SP: each TP rank's copy of a
+            # token would reach the experts (the reference only runs forward, which is exact).
+            if spec.is_moe and tp > 1 and not layout.sequence_parallel and role != "actor_rollout_ref.ref":
+                raise ConfigError(f"a MoE model trains at TP {tp} > 1 only with sequence parallelism (megatron's "
+                                  "rule): set sequence_parallel=true, or tensor_model_parallel_size=1",
+                                  f"{role}.megatron.sequence_parallel")
         ro, data = self.rollout, self.data
         longest = max((ro.prompt_length or data.max_prompt_length) + (ro.response_length or data.max_response_length),
                       data.max_prompt_length + data.max_response_length)

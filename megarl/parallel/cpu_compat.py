@@ -103,8 +103,29 @@ def install() -> bool:
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.default_stream = lambda *a, **k: _NullStream()
     cuda.stream = lambda *a, **k: _NullStream()
+    _scope_backwards()
     _INSTALLED = True
     return True
+
+
+def _scope_backwards() -> None:
+    """Run megatron's collective autograd Functions' backward inside the mode. A backward pass is
+    a single call intercepted by the mode, and a mode is switched off while it handles a call, so
+    backward code (e.g. the MoE dispatcher's gather, which allocates on current_device()) would
+    otherwise see real CUDA device arguments."""
+    import importlib
+    for module in ("megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.moe_utils"):
+        for obj in list(vars(importlib.import_module(module)).values()):
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj):
+                obj.backward = staticmethod(_in_mode(vars(obj)["backward"].__func__))
+
+
+def _in_mode(backward):
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        with _CudaToCpu():
+            return backward(ctx, *grads)
+    return run
 
 
 @contextlib.contextmanager
