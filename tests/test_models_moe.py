@@ -38,7 +38,7 @@ def _actor(path, tp, pp, ep, micro, override=None):
     return ActorWorker(ModelConfig(path=path, override_config=dict(override or {})), cfg)
 
 
-def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict):
+def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_dir: str):
     from tests.checkpoint_engine_helpers import (engine_mismatch, full_export, native_engine, perturb,
                                                  rollout_groups, rollout_vs_actor)
     from tests.test_checkpoint_engine_sync import experiment
@@ -59,6 +59,8 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict):
         lp, ent = actor.compute_log_prob(data, TEMP)
         r["log_probs"], r["entropy"] = diff(lp, ref["log_probs"]), diff(ent, ref["entropy"])
         out["layouts"][(family, tp, pp, ep)] = r
+        if (family, tp, pp, ep) == ("qwen2_moe", 1, 2, 2):  # a distributed checkpoint of the untrained model
+            actor.save_checkpoint(f"{ckpt_dir}/qwen2_moe")
         # megatron trains MoE at TP > 1 only with sequence parallelism (megarl refuses it without:
         # each TP rank's copy of a token would reach the experts, doubling their gradients)
         if not (family.endswith("_moe") and tp > 1):
@@ -71,10 +73,21 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict):
         del actor
         state.destroy_model_parallel()
 
+    # Resume across a layout change: saved at PP2 x EP2, loaded at EP4 (one expert per rank).
+    actor = _actor(models["qwen2_moe"], 1, 1, 4, 2, NO_AUX)
+    actor.load_checkpoint(f"{ckpt_dir}/qwen2_moe")
+    out["resumed_ep4"] = diff(actor.compute_log_prob(make_batch(301), TEMP)[0], refs["qwen2_moe"]["log_probs"])
+    del actor
+    state.destroy_model_parallel()
+
     # The aux loss as the HF config says (router_aux_loss_coef=0.01), and the weight sync under EP.
     path = models["qwen3_moe"]
     data = make_batch(301)
     actor = _actor(path, 1, 1, 2, 2)
+    for c in actor.engine.chunks:
+        c.train()                          # the router adds its loss in training mode only
+    actor.engine.accumulate(data, 2, actor._process(TEMP, True), policy_loss)
+    out["aux_grads"] = dict(actor.engine.hf_grads())
     out["aux_metrics"] = actor.update_policy(data, policy_loss, TEMP)
     del actor
     state.destroy_model_parallel()
@@ -97,25 +110,32 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict):
     return out
 
 
-def hf_aux_loss(path: str, data, micro: int, dp: int) -> float:
+def hf_aux_reference(path: str, data, micro: int, dp: int) -> tuple[float, dict]:
     """megatron's switch load-balancing loss per layer and micro-batch (unscaled by its
-    coefficient), from transformers' router logits, averaged: E / (k T^2) * sum_e P_e * n_e with
-    P_e the summed softmax probability and n_e the tokens routed to expert e."""
+    coefficient), from transformers' router logits: E / (k T^2) * sum_e P_e * n_e with P_e the
+    summed softmax probability and n_e the tokens routed to expert e, over the T real (not
+    padding) tokens. Returns its mean over layers
+    and micro-batches, and the gradient of the policy loss + coef * (sum over layers, mean over
+    micro-batches) of it, which is what megarl's update should apply."""
     from transformers import AutoModelForCausalLM
     from megarl.workers.batching import dp_slice, seq_len
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     E, k, S = model.config.num_local_experts, model.config.num_experts_per_tok, seq_len(data)
+    coef = model.config.router_aux_loss_coef
     values = []
     for r in range(dp):
         for mb in dp_slice(data, r, dp).split(micro):
-            with torch.no_grad():
-                logits = model(mb.batch["input_ids"][:, :S], output_router_logits=True).router_logits
+            logits = model(mb.batch["input_ids"][:, :S], output_router_logits=True).router_logits
+            valid = (torch.arange(S)[None] < (mb.batch["prompt_lens"] + mb.batch["response_lens"])[:, None]).flatten()
             for layer in logits:
-                probs = layer.float().softmax(-1)                                       # [T, E]
+                probs = layer[valid].float().softmax(-1)                                # [T real tokens, E]
                 counts = torch.zeros(E).index_add_(0, probs.topk(k, -1).indices.flatten(), torch.ones(probs.shape[0] * k))
                 T = probs.shape[0]
-                values.append(float((probs.sum(0) * counts).sum() * E / (k * T * T)))
-    return sum(values) / len(values)
+                values.append((probs.sum(0) * counts).sum() * E / (k * T * T))
+    micro_batches = len(values) // len(logits)
+    (coef * sum(values) / micro_batches).backward()
+    aux_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(sum(values).detach() / len(values)), per_expert(aux_grads)
 
 
 def per_expert(grads: dict) -> dict:
@@ -144,7 +164,7 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-def test_new_architectures_and_expert_parallel_match_transformers(tiny_models):
+def test_new_architectures_and_expert_parallel_match_transformers(tiny_models, tmp_path):
     from megarl.models.hf_checkpoint import HFCheckpoint
     refs, tensors = {}, {}
     for family, path in tiny_models.items():
@@ -156,7 +176,7 @@ def test_new_architectures_and_expert_parallel_match_transformers(tiny_models):
         refs[family]["grads"] = per_expert(refs[family]["grads"])
         ck = HFCheckpoint(path)
         tensors[family] = {n: ck.read_full(n) for n in ck.names()}
-    out = run_ranks(4, check_models, (tiny_models, refs, tensors))
+    out = run_ranks(4, check_models, (tiny_models, refs, tensors, str(tmp_path)))
     ranks, out = out, out[0]
     for key, r in out["layouts"].items():
         assert r["export_exact"], key
@@ -171,8 +191,20 @@ def test_new_architectures_and_expert_parallel_match_transformers(tiny_models):
         # coefficient 0: megatron computes no load-balancing loss, and none is reported
         assert "actor/moe_aux_loss" not in r["metrics"], key
     # TP1 x EP2 -> DP 4, micro-batches of 2 over a mini-batch of 8
-    want = hf_aux_loss(tiny_models["qwen3_moe"], make_batch(301), micro=2, dp=4)
+    want, aux_grads = hf_aux_reference(tiny_models["qwen3_moe"], make_batch(301), micro=2, dp=4)
     assert out["aux_metrics"]["actor/moe_aux_loss"] == pytest.approx(want, rel=1e-4)
+    # the gradient with the aux loss on = policy-loss gradient + coef x d(mean over micro-batches)
+    got = {n: g for rk in ranks for n, g in rk["aux_grads"].items()}
+    ref = refs["qwen3_moe"]["grads"]
+    assert sorted(got) == sorted(ref)
+    assert max((got[n] - ref[n] - aux_grads.get(n, 0)).abs().max().item() for n in got) < 1e-5
+    assert max(aux_grads[n].abs().max().item() for n in aux_grads) > 1e-4   # the aux term is not negligible
+    assert out["resumed_ep4"] < TOL
+    # the MoE distributed checkpoint exports back to the HF tensors, bit for bit
+    from checkpoints_tools.megatron_to_hf import export
+    from tests.test_models_distributed import assert_same_tensors
+    export(str(tmp_path / "qwen2_moe"), str(tmp_path / "qwen2_moe_hf"))
+    assert_same_tensors(tiny_models["qwen2_moe"], str(tmp_path / "qwen2_moe_hf"))
     for rtp, s in out["sync"].items():
         assert s["logprob"] < TOL and s["logprob_after"] < TOL, (rtp, s)
         assert s["exact"] == (0.0, []), (rtp, s["exact"])

@@ -371,10 +371,17 @@ def checkpoint_to_hf(tensors: Mapping[str, torch.Tensor], spec: ModelSpec,
             if value.shape[0] != spec.num_layers:
                 raise ValueError(f"checkpoint tensor {key} stacks {value.shape[0]} layers; the config has "
                                  f"{spec.num_layers}")
+            expert = suffix.startswith("mlp.experts.experts.")   # [layers, global experts, ...]
             for n in range(spec.num_layers):
+                if expert:
+                    leaf = suffix[len("mlp.experts.experts."):]
+                    for e in range(value.shape[1]):
+                        out += megatron_to_hf(f"decoder.layers.{n}.mlp.experts.local_experts.{e}.{leaf}",
+                                              [value[n][e]], spec, head)
+                    continue
                 out += megatron_to_hf(f"decoder.layers.{n}.{suffix}", [value[n]], spec, head)
         elif key in (EMBED, FINAL_NORM, OUTPUT):
             out += megatron_to_hf(key, [value], spec, head)
         else:
-            raise ValueError(f"checkpoint tensor {key} has no HF counterpart in the Llama/Qwen2 map")
+            raise ValueError(f"checkpoint tensor {key} has no HF counterpart in megarl's map")
     return out

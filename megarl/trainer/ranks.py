@@ -79,7 +79,7 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
     state.init_distributed(cfg.trainer.collective_timeout_s)
     layout = cfg.actor.megatron
     lay = state.init_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                                    seed=layout.seed)
+                                    seed=layout.seed, ep=layout.expert_model_parallel_size)
     rtp = cfg.rollout.tensor_model_parallel_size
     world, rank = dist.get_world_size(), dist.get_rank()
     group = None

@@ -187,6 +187,10 @@ class MegatronEngine:
             mb = next(it)
             ids = mb.batch["input_ids"][:, :seq].to(self.device)
             pos = torch.arange(seq, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
+            if self.spec.is_moe:       # right padding stays out of the router's aux/z losses (as HF's mask)
+                lens = (mb.batch["prompt_lens"] + mb.batch["response_lens"]).to(self.device)
+                pad = pos >= lens.unsqueeze(1)
+                return model(ids, pos, None, padding_mask=pad), partial(self._last_stage, mb, process, loss_fn)
             return model(ids, pos, None), partial(self._last_stage, mb, process, loss_fn)
 
         return get_forward_backward_func()(
