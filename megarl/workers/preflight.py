@@ -76,10 +76,7 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         hf_dtype = ckpt.dtype("model.embed_tokens.weight")
     import os
     world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
-    try:
-        check_layout(spec, es.tp, es.pp, es.ep, world=world)
-    except ValueError as err:
-        raise ConfigError(str(err), f"{es.role}.megatron") from None
+    check_layout(spec, es.tp, es.pp, es.ep, world=world)
     return spec, ckpt, hf_dtype
 
 
