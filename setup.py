@@ -28,7 +28,7 @@ setup(
         "matplotlib>=3.8",                 # the reward-curve PNG
     ],
     extras_require={
-        "trtllm": ["tensorrt-llm>=1.2"],
+        "trtllm": ["tensorrt-llm>=1.3"],
         "te": ["transformer-engine[pytorch]"],
         "logging": ["tensorboard", "wandb"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],

@@ -93,11 +93,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-plain", action="store_true", help="skip the bare model.generate figure")
     ap.add_argument("--layers", type=int, default=10, help="model depth (only when the model is built)")
     ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6, help="attention heads (only when the model is built)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=1152)
     ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer size (only when it is built)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    tok, n_params = build(args.model_dir, args.vocab_size, layers=args.layers, hidden=args.hidden)
+    tok, n_params = build(args.model_dir, args.vocab_size, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                          kv_heads=args.kv_heads, intermediate=args.intermediate)
     prompts = make_prompts(tok, args.prompts, args.shortest, args.longest)
     native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
     hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)

@@ -34,7 +34,7 @@ def test_seed_overrides_as_written():
 
 def test_every_verl_rollout_field_is_accepted():
     # The RolloutConfig fields of seed 003, plus the seed 000 keys.
-    fields = dict(name="sglang", mode="async", temperature=0.7, top_k=50, top_p=0.9, do_sample=True, n=4,
+    fields = dict(name="sglang", mode="sync", temperature=0.7, top_k=50, top_p=0.9, do_sample=True, n=4,
                   repetition_penalty=1.1, over_sample_rate=0.1, prompt_length=1024, response_length=2048,
                   dtype="bfloat16", gpu_memory_utilization=0.6, ignore_eos=False, enforce_eager=True,
                   free_cache_engine=True, data_parallel_size=1, expert_parallel_size=1,
@@ -55,9 +55,31 @@ def test_every_verl_rollout_field_is_accepted():
                   "actor_rollout_ref.rollout.max_response_length=2048"]
     cfg = load_config(None, overrides)
     ro = cfg.rollout
-    assert ro.mode == "async" and ro.top_k == 50 and ro.response_length == 2048
+    assert ro.mode == "sync" and ro.top_k == 50 and ro.response_length == 2048
     assert ro.multi_turn.enable and ro.multi_turn.tool_config_path == "tools.yaml"
     assert ro.checkpoint_engine.bucket_size_mb == 256 and ro.val_kwargs.temperature == 0.2
+
+
+def test_async_mode_and_placement_rules():
+    # verl's rollout.mode=async is its agent-loop server; megarl overlaps with placement=disaggregated.
+    with pytest.raises(ConfigError, match="rollout.mode.*placement=disaggregated"):
+        load_config(None, ["actor_rollout_ref.rollout.mode=async"])
+    with pytest.raises(ConfigError, match="partial_rollout.*placement=disaggregated"):
+        load_config(None, ["async_training.partial_rollout=true"])
+    with pytest.raises(ConfigError, match="filter_groups.*disaggregated"):
+        load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
+                           "actor_rollout_ref.rollout.disaggregated_ranks=1", "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match="stale_samples"):
+        load_config(None, ["async_training.max_staleness=0", "async_training.stale_samples=drop"])
+    with pytest.raises(ConfigError, match="checkpoint_engine.backend.*distributed transport"):
+        load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
+                           "actor_rollout_ref.rollout.disaggregated_ranks=1",
+                           "actor_rollout_ref.rollout.checkpoint_engine.backend=colocated"])
+    with pytest.raises(ConfigError, match="keep_previous_weights.*distributed transport"):
+        load_config(None, ["actor_rollout_ref.rollout.checkpoint_engine.keep_previous_weights=false"])
+    cfg = load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=3",
+                             "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true"])
+    assert cfg.train_world_size == 2 and cfg.async_training.max_staleness == 1
 
 
 def test_base_and_override_order(tmp_path):

@@ -20,8 +20,8 @@ import pytest
 from megarl.trainer.metrics import read_metrics
 
 # clocks and memory readings differ between any two runs
-VOLATILE = re.compile(r"^(time|timing_s/|timing_per_token_ms/|perf/(throughput|time_per_step)|reward/latency_s"
-                      r"|weight_sync/(seconds|gb_per_s|peak_extra_mb))")
+VOLATILE = re.compile(r"^(time|timing_s/|timing_per_token_ms/|perf/(throughput|time_per_step|mfu/)|reward/latency_s"
+                      r"|weight_sync/(seconds|gb_per_s|peak_extra_mb)|memory/)")
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,10 @@ class OverlongBufferConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """Rollout/trainer mismatch: truncated importance sampling from the rollout's log-probs."""
-    rollout_is: Literal["token", "sequence"] | None = None  # None: only log the mismatch
-    rollout_is_threshold: float = 2.0      # weights are truncated at this value
+    # None: only log the mismatch. token/sequence: truncated IS (verl's); masked_token/masked_sequence:
+    # masked IS; icepop: tokens whose ratio leaves [1/c, c] are masked (megarl/algos/rollout_correction.py).
+    rollout_is: Literal["token", "sequence", "masked_token", "masked_sequence", "icepop"] | None = None
+    rollout_is_threshold: float = 2.0      # c: weights are truncated (or masked) at this value
 
     def __post_init__(self):
         require(self.rollout_is_threshold >= 1.0, "rollout_is_threshold", "must be >= 1 (weights above it are truncated)")

@@ -17,7 +17,7 @@ import torch
 
 from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss, value_loss
-from megarl.algos.rollout_correction import rollout_is_weights
+from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights
 from megarl.algos.tensor_ops import masked_mean
 from megarl.config.errors import ConfigError
 
@@ -66,6 +66,8 @@ def make_actor_loss_fn(cfg) -> LossFn:
         loss = pg_loss
         if weights is not None:
             metrics["rollout_corr/rollout_is_mean"] = masked_mean(weights, mask)
+            if correction.rollout_is in MASKING:
+                metrics["rollout_corr/masked_token_fraction"] = torch.tensor(masked_token_fraction(weights, mask))
         metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights)
         entropy = outputs.get("entropy")
         if entropy is not None:

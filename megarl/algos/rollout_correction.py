@@ -1,10 +1,18 @@
-"""Rollout/trainer mismatch: diagnostics and truncated importance sampling (TIS).
+"""Rollout/trainer mismatch: diagnostics and importance-sampling corrections.
 
-The engine samples from pi_rollout (its kernels, maybe lower precision); the trainer's
-old_log_probs are pi_old on the same tokens. Their gap is logged every step; with
-`algorithm.rollout_correction.rollout_is` set, the policy loss is reweighted by
-w = min(pi_old / pi_rollout, threshold), per token or per sequence (product over its tokens).
-Metric names follow verl's `rollout_corr/*`.
+The engine samples from pi_rollout (its kernels, maybe lower precision, or older weights in
+async training); the trainer's old_log_probs are pi_old on the same tokens. Their gap is logged
+every step; with `algorithm.rollout_correction.rollout_is` set, the policy loss is reweighted,
+with r = pi_old / pi_rollout and c = rollout_is_threshold:
+
+    token            w = min(r, c)                      truncated IS per token (TIS)
+    sequence         w = min(prod r, c)                 truncated IS per sequence
+    masked_token     w = r if r <= c else 0             masked IS: outliers leave the loss
+    masked_sequence  w = prod r if prod r <= c else 0   ... the whole sequence leaves it
+    icepop           w = r if 1/c <= r <= c else 0      IcePop: two-sided token masking
+
+Metric names follow verl's `rollout_corr/*`; `rollout_corr/masked_token_fraction` is the share
+of response tokens a masking mode removed.
 """
 from __future__ import annotations
 
@@ -26,9 +34,29 @@ def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         w = log_w.clamp(max=cap).exp()
     elif level == "sequence":
         w = log_w.sum(-1, keepdim=True).clamp(max=cap).exp().expand_as(log_w)
+    elif level == "masked_token":
+        w = torch.where(log_w <= cap, log_w.clamp(max=cap).exp(), torch.zeros_like(log_w))
+    elif level == "masked_sequence":
+        seq = log_w.sum(-1, keepdim=True)
+        w = torch.where(seq <= cap, seq.clamp(max=cap).exp(), torch.zeros_like(seq)).expand_as(log_w)
+    elif level == "icepop":
+        keep = (log_w <= cap) & (log_w >= -cap)
+        w = torch.where(keep, log_w.clamp(-cap, cap).exp(), torch.zeros_like(log_w))
     else:
-        raise ValueError(f"algorithm.rollout_correction.rollout_is: unknown level {level!r}; use token or sequence")
+        raise ValueError(f"algorithm.rollout_correction.rollout_is: unknown level {level!r}; use token, sequence, "
+                         "masked_token, masked_sequence or icepop")
     return w * mask
+
+
+MASKING = ("masked_token", "masked_sequence", "icepop")
+
+
+@torch.no_grad()
+def masked_token_fraction(weights: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Share of response tokens a masking mode removed from the loss (weight exactly 0)."""
+    m = response_mask > 0
+    n = int(m.sum())
+    return float(((weights == 0) & m).sum()) / n if n else 0.0
 
 
 @torch.no_grad()
@@ -37,7 +65,7 @@ def rollout_is_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     """How the IS weights look before/after truncation (over the tokens or sequences they weight)."""
     mask = response_mask.to(old_log_probs.dtype)
     log_w = (old_log_probs - rollout_log_probs) * mask
-    if level == "sequence":
+    if level in ("sequence", "masked_sequence"):
         raw = log_w.sum(-1).clamp(-50, 50).exp()                                 # [B]
         sel = mask.sum(-1) > 0
         raw = raw[sel]
@@ -45,7 +73,11 @@ def rollout_is_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         raw = log_w.clamp(-50, 50).exp()[mask > 0]                              # [tokens]
     if raw.numel() == 0:
         return {}
-    w = raw.clamp(max=threshold)
+    if level in MASKING:
+        low = 1.0 / threshold if level == "icepop" else 0.0
+        w = torch.where((raw <= threshold) & (raw >= low), raw, torch.zeros_like(raw))
+    else:
+        w = raw.clamp(max=threshold)
     ess = (w.sum() ** 2 / (w ** 2).sum().clamp(min=1e-12) / w.numel()).item()
     return {"rollout_corr/rollout_is_mean": w.mean().item(), "rollout_corr/rollout_is_std": w.std(unbiased=False).item(),
             "rollout_corr/rollout_is_max": w.max().item(), "rollout_corr/rollout_is_min": w.min().item(),

@@ -7,7 +7,8 @@ Transports (`actor_rollout_ref.rollout.checkpoint_engine.backend`):
     colocated    engine on the training ranks (default): TP all-gather + PP broadcast in buckets
                  (colocated.py)
     distributed  engine on ranks of its own: the trainer's TP ranks broadcast buckets to the
-                 engine's ranks over groups spanning both (distributed.py; built directly, see there)
+                 engine's ranks over groups spanning both (distributed.py; placement=disaggregated,
+                 built by megarl/trainer/disaggregated.py)
     disk         HF safetensors + index in disk_dir/step_NNNNNN, written atomically (disk.py)
 The plan (plan.py) is computed once per engine_sync; metrics are
 {"weight_sync/seconds", "weight_sync/gb", "weight_sync/gb_per_s", "weight_sync/buckets",
@@ -41,10 +42,9 @@ def build_checkpoint_engine(cfg, actor, rollout=None, rollout_group=None):
     if backend == "auto":
         backend = "colocated" if ro.placement == "colocated" else "distributed"
     if backend == "distributed":
-        raise ConfigError("the disaggregated transport is not wired into the trainer yet: megatron's layout spans "
-                          "every rank. Build DisaggregatedSender / DisaggregatedReceiver "
-                          "(megarl/checkpoint_engine/distributed.py) directly, or use backend=colocated or disk",
-                          f"{_KEY}.backend")
+        raise ConfigError("the distributed transport needs the engine on ranks of its own: set "
+                          "actor_rollout_ref.rollout.placement=disaggregated (the trainer then builds it, "
+                          "megarl/trainer/disaggregated.py), or use backend=colocated or disk", f"{_KEY}.backend")
     source = ShardSource.from_actor(actor)
     bucket_bytes = int(ce.bucket_size_mb * 2**20)
     if backend == "disk":

@@ -18,6 +18,11 @@ class CheckpointEngineConfig:
     disk_dir: str | None = None            # backend=disk: where step_NNNNNN/ exports and `latest` go
     disk_keep: int = 2                     # backend=disk: newest exports kept (older ones are deleted)
     update_weights_bucket_megabytes: float | None = None  # verl's name for bucket_size_mb
+    # distributed only (null: true there): engine ranks keep the last complete weights in host
+    # memory (one model copy per engine rank) and reload them when a sync fails, so the engine goes
+    # on generating on its old weights. false: an in-place engine (native, hf) refuses to generate
+    # until a sync succeeds.
+    keep_previous_weights: bool | None = None
 
     def __post_init__(self):
         if self.update_weights_bucket_megabytes is not None:

@@ -15,10 +15,11 @@ bucket over group (t, p) = {that trainer rank} + every engine rank. The T broadc
 run at once, on different groups, so engine ranks receive from T senders in parallel; the next
 bucket is posted before the engine loads this one. DP replicas other than 0 send nothing.
 
-How a job uses it: trainer ranks are [0, N) with megatron's layout over them, engine ranks
-[N, world). megarl's trainer initialises megatron over the whole world today, so wiring this
-into megarl.train needs megatron's groups built over the first N ranks only (the lead's call);
-the transport itself takes any rank numbering through `trainer_rank(t, dp, p)`.
+How a job uses it (rollout.placement=disaggregated, megarl/trainer/ranks.py): trainer ranks are
+[0, N) with megatron's layout over them only, engine ranks [N, world); the groups are created
+over the whole world before each side takes its own default group. The transport itself takes
+any rank numbering through `trainer_rank(t, dp, p)`. With `keep_previous` the receiver holds the
+last complete weights and reloads them when a sync fails (the engine keeps generating on them).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_engine.base import conclude, metrics
+from megarl.checkpoint_engine.base import WeightSyncError, conclude, metrics
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.plan import TransferPlan, build_plan
 from megarl.checkpoint_engine.source import ShardSource
@@ -123,13 +124,30 @@ class DisaggregatedSender:
 
 
 class DisaggregatedReceiver:
+    """`keep_previous`: hold the last complete update's buckets in host memory; when a later sync
+    fails on any rank, every engine reloads them (no communication) and goes on generating on its
+    previous weights instead of refusing to (an in-place engine cannot otherwise undo a part-way
+    load)."""
+
     def __init__(self, engine: RolloutEngine, spec: ModelSpec, groups: DisaggregatedGroups, dtype: torch.dtype,
                  bucket_bytes: int = 512 << 20, head: str = "lm", device: torch.device | str = "cpu",
-                 overlap: bool = True):
+                 overlap: bool = True, keep_previous: bool = False):
         self.engine, self.g, self.dtype, self.device, self.overlap = engine, groups, dtype, torch.device(device), overlap
         self.plan = disaggregated_plan(spec, groups.tp, groups.pp, bucket_bytes, dtype, head)
         self.want = takes_shards(engine)
+        self.keep_previous = keep_previous
+        self.previous: list[torch.Tensor] | None = None   # one buffer per bucket, host memory
         _check_same(self.plan, dtype, groups.everyone)
+
+    def _restore(self) -> bool:
+        """Reload the previous complete weights into the engine (after a failed sync)."""
+        if self.previous is None:
+            return False
+        for bucket, buf in zip(self.plan.buckets, self.previous):
+            feed(self.engine, bucket_stream(self.plan, bucket, buf.to(self.device), 0, None, self.want),
+                 self.want is not None)
+        self.engine.finalize_weights()
+        return True
 
     def _start(self, bucket) -> tuple[torch.Tensor, list]:
         G = bucket.gather_numel
@@ -142,6 +160,7 @@ class DisaggregatedReceiver:
         buckets = self.plan.buckets
         error: BaseException | None = None
         wire = 0
+        kept: list[torch.Tensor] = []
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
             try:
@@ -153,6 +172,8 @@ class DisaggregatedReceiver:
                     wire += buf.numel() * buf.element_size()
                     if self.overlap and k + 1 < len(buckets):
                         nxt = self._start(buckets[k + 1])
+                    if self.keep_previous:
+                        kept.append(buf if self.device.type == "cpu" else buf.to("cpu"))
                     if error is None:      # after a failure, keep receiving so no sender hangs
                         try:
                             feed(self.engine, bucket_stream(self.plan, bucket, buf, 0, None, self.want),
@@ -165,6 +186,13 @@ class DisaggregatedReceiver:
             except BaseException:          # a broken group: no agreement is possible, stop here
                 self.engine.abort_weight_update()
                 raise
-        seconds, peak, wire = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb, float(wire)],
-                                       self.g.everyone, self.device)
+        try:
+            seconds, peak, wire = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb, float(wire)],
+                                           self.g.everyone, self.device)
+        except WeightSyncError as err:
+            if self.keep_previous and self._restore():
+                raise WeightSyncError(f"{err}; this engine reloaded its previous weights and generates on them") from None
+            raise
+        if self.keep_previous:
+            self.previous = kept
         return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)

@@ -7,6 +7,7 @@
     custom_reward_function  megarl/reward/config.py
     algorithm               megarl/algos/config.py
     trainer                 megarl/trainer/config.py (layout, checkpoints, logging)
+    async_training          megarl/trainer/config.py (disaggregated rollout: staleness, partial rollout)
 
 Each component validates its own fields; this module checks the rules that span components.
 """
@@ -26,7 +27,7 @@ from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys
 from megarl.data.config import DataConfig
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from megarl.rollout.config import RolloutConfig
-from megarl.trainer.config import TrainerConfig
+from megarl.trainer.config import AsyncTrainingConfig, TrainerConfig
 from megarl.workers.config import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, RefConfig
 
 
@@ -48,6 +49,7 @@ class ExperimentConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self):
         self._fill_defaults_across_sections()
@@ -123,6 +125,32 @@ class ExperimentConfig:
         if ro.placement == "disaggregated" and ro.disaggregated_ranks >= tr.world_size:
             raise ConfigError(f"gives all {tr.world_size} ranks to the engine; leave some for training or "
                               "raise trainer.n_gpus_per_node", "actor_rollout_ref.rollout.disaggregated_ranks")
+        if ro.placement == "disaggregated":
+            # The async loop (megarl/trainer/fit_async.py) hands whole batches over; these need the
+            # engine inside the trainer's step.
+            for on, key, why in ((algo.filter_groups.enable, "algorithm.filter_groups.enable",
+                                  "dynamic sampling regenerates inside the trainer's step"),
+                                 (ro.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
+                                  "multi-turn rollouts are not wired into the rollout ranks' loop yet"),
+                                 (self.reward_model.enable, "reward_model.enable",
+                                  "a model reward runs on the trainer ranks' megatron layout, not wired here yet"),
+                                 *((getattr(role.megatron, k), f"{name}.megatron.{k}",
+                                    "offload frees device memory for a colocated engine; the trainer ranks host none")
+                                   for name, role in (("actor_rollout_ref.actor", actor), ("critic", self.critic))
+                                   for k in ("param_offload", "grad_offload", "optimizer_offload"))):
+                if on:
+                    raise ConfigError(f"is not supported with rollout.placement=disaggregated ({why}); set it "
+                                      "to false or use placement=colocated", key)
+            if ro.checkpoint_engine.backend not in ("auto", "distributed"):
+                raise ConfigError(f"is {ro.checkpoint_engine.backend}, but placement=disaggregated moves weights over "
+                                  "the distributed transport; set backend=auto or distributed",
+                                  "actor_rollout_ref.rollout.checkpoint_engine.backend")
+        elif ro.checkpoint_engine.keep_previous_weights is not None:
+            raise ConfigError("applies to the distributed transport (placement=disaggregated) only; remove it",
+                              "actor_rollout_ref.rollout.checkpoint_engine.keep_previous_weights")
+        elif self.async_training.partial_rollout:
+            raise ConfigError("needs actor_rollout_ref.rollout.placement=disaggregated (the colocated loop is "
+                              "synchronous)", "async_training.partial_rollout")
         for role, layout in (("actor_rollout_ref.actor", actor.megatron),
                              ("critic", self.critic.megatron), ("actor_rollout_ref.ref", self.actor_rollout_ref.ref.megatron)):
             if role == "critic" and not self.critic.enable:

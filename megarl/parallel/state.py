@@ -42,7 +42,9 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         if key not in os.environ:
             raise RuntimeError(f"environment variable {key} is not set; start megarl with torchrun, srun "
                                "(launch/) or megarl-train, which set it")
-    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank and warns)
+    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device() if torch.cuda.is_available() else None)
 
 
 @dataclass(frozen=True)

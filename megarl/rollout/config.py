@@ -163,5 +163,8 @@ class RolloutConfig:
         if self.name == "custom":
             require(bool(self.custom_cls_path and self.custom_cls_name), "custom_cls_path",
                     "name=custom needs custom_cls_path=<file.py or module> and custom_cls_name=<class>")
+        require(self.mode == "sync", "mode",
+                "async is verl's agent-loop server mode, which megarl does not have; generation overlaps "
+                "training with placement=disaggregated (async_training.*); set mode=sync")
         require(self.placement == "colocated" or self.disaggregated_ranks >= 1, "disaggregated_ranks",
                 "placement=disaggregated needs disaggregated_ranks >= 1 (ranks given to the engine)")

@@ -42,6 +42,9 @@ class TrainerConfig:
     # Bad steps: a NaN/inf loss or grad norm skips that update; the run stops after this many.
     max_bad_steps: int = 3
 
+    # MFU (perf/mfu/<role>): one device's peak TFLOP/s; null: looked up by GPU name (megarl/trainer/mfu.py)
+    peak_tflops: float | None = None
+
     def __post_init__(self):
         if isinstance(self.logger, str):
             self.logger = [self.logger]
@@ -58,8 +61,32 @@ class TrainerConfig:
         require(self.resume_mode != "resume_path" or bool(self.resume_from_path), "resume_from_path",
                 "resume_mode=resume_path needs resume_from_path=<checkpoint step directory>")
         require(self.max_bad_steps >= 0, "max_bad_steps", "must be >= 0")
+        require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
+                "must be > 0 (TFLOP/s of one device) or null")
         require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 seconds")
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """`async_training.*`: used with `actor_rollout_ref.rollout.placement=disaggregated`, where the
+    engine on its own ranks generates batch k+1 while the trainer updates on batch k
+    (megarl/trainer/fit_async.py). Names after verl's fully-async recipe where it has one."""
+    # A sample is stale when its oldest token was sampled more than this many policy versions
+    # before the weights the trainer updates (AReaL's max_head_offpolicyness). One-step off-policy
+    # produces staleness <= 1.
+    max_staleness: int = 1
+    stale_samples: Literal["regenerate", "drop"] = "regenerate"  # drop: whole prompt groups leave the batch
+    # verl's key: a weight update interrupts generation between token chunks; unfinished responses
+    # keep their tokens and continue under the new weights (each token records its version).
+    partial_rollout: bool = False
+    partial_chunk_tokens: int = 4          # tokens per chunk: how often generation checks for an update
+
+    def __post_init__(self):
+        require(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: every batch is regenerated on-policy)")
+        require(not (self.max_staleness == 0 and self.stale_samples == "drop"), "stale_samples",
+                "drop with max_staleness=0 drops every one-step-off-policy batch; use regenerate or max_staleness >= 1")
+        require(self.partial_chunk_tokens >= 1, "partial_chunk_tokens", "must be >= 1")

@@ -23,6 +23,8 @@ from megarl.protocol import DataProto
 from megarl.rollout.sampling import train_sampling, val_sampling
 from megarl.trainer import checkpointing
 from megarl.trainer.generation import broadcast_object, generate, step_seed
+from megarl.trainer.memory import PhaseMemory
+from megarl.trainer.mfu import MFUMeter
 from megarl.trainer.parts import Parts
 from megarl.trainer.validation import validate
 
@@ -43,6 +45,8 @@ class RLTrainer:
         self.timings: dict[str, float] = {}
         self.extra: dict = {}      # metrics the steps add as they go; finish_step logs them
         self.step_was_bad = False  # an update of this step was skipped (NaN/inf)
+        self.memory = PhaseMemory(ranks.device)          # memory/<phase>_peak_gb, like timing_s/<phase>
+        self.mfu = MFUMeter.from_parts(cfg, parts, ranks.world, ranks.device)
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -81,6 +85,7 @@ class RLTrainer:
         batch = self._sample(prompts)
         if self.cfg.rollout.free_cache_engine:
             self.p.rollout.sleep()   # the trainer's passes get the KV cache's memory back
+        self.handoff("trainer")
         return batch
 
     def _sample(self, prompts: DataProto) -> DataProto:
@@ -159,6 +164,7 @@ class RLTrainer:
 
     def sync_weights(self) -> None:
         self.extra.update(self.p.weight_sync.sync())
+        self.handoff("engine")       # after the sync, which reads the weights on the device
         if self.cfg.rollout.free_cache_engine:
             self.p.rollout.wake()
 
@@ -168,12 +174,26 @@ class RLTrainer:
         sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
         return validate(self.p, self.ranks, sampling)
 
+    def handoff(self, to: str) -> None:
+        """Device memory to the rollout engine ("engine": the roles' megatron.*_offload state goes to
+        host memory) or back to the trainer ("trainer")."""
+        roles = self.p.trainable_roles().values()
+        if to == "trainer":
+            for role in roles:
+                role.onload()
+            return
+        moved = sum(role.offload() for role in roles)
+        if moved:
+            self.extra["memory/offloaded_gb"] = moved / 2**30
+
     # -- bookkeeping ---------------------------------------------------------------------------------
     @contextmanager
     def timed(self, name: str, enabled=True):
-        """Time a phase into timing_s/<name>; phases of absent roles are not reported."""
+        """Time a phase into timing_s/<name> and its peak memory into memory/<name>_*; phases of
+        absent roles are not reported."""
         start = time.perf_counter()
-        yield
+        with self.memory.phase(name if enabled else None):
+            yield
         if enabled:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
@@ -194,11 +214,13 @@ class RLTrainer:
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length, self.cfg.data.max_prompt_length))
         metrics.update(compute_timing_metrics(batch, self.timings))
         metrics.update(compute_throughput_metrics(batch, self.timings["step"], self.ranks.world))
+        metrics.update(self.mfu.metrics(batch, self.timings))
         metrics["training/bad_steps"] = self.bad_steps
         if tr.test_freq > 0 and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
             with self.timed("testing"):
                 metrics.update(self.validate())
             metrics["timing_s/testing"] = self.timings["testing"]
+        metrics.update(self.memory.metrics())
         self.log.log(self.step, metrics)
         if self.bad_steps > tr.max_bad_steps:
             raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms (more than "
@@ -213,8 +235,10 @@ class RLTrainer:
                 "kl_ctrl": self.p.kl_ctrl.state_dict()}
 
     def save(self) -> None:
+        self.handoff("trainer")
         checkpointing.save(self.cfg.trainer.default_local_dir, self.step, self.p.trainable_roles(),
                            self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep)
+        self.handoff("engine")
         self.log.info(f"megarl: saved step {self.step} to {checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 
     def resume(self) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed as dist
-
 from megarl.config import ConfigError
 from megarl.trainer.metrics import MetricsLogger
 
@@ -16,24 +14,31 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     from megarl.trainer.fit import BadStepLimit, RLTrainer
     from megarl.trainer.parts import build_parts, write_run_dir
     from megarl.trainer.plot import plot_reward_curve
-    from megarl.trainer.ranks import setup_ranks
+    from megarl.trainer.ranks import destroy, setup_ranks
 
     tr = cfg.trainer
-    rank = 0
+    rank, ranks = 0, None
     try:
         ranks = setup_ranks(cfg)
-        rank = ranks.rank
+        rank = ranks.global_rank if ranks.role != "colocated" else ranks.rank
+        if ranks.role == "rollout":
+            return _run_rollout(cfg, ranks)
         log = MetricsLogger(tr.log_dir or tr.default_local_dir, tr.logger, tr.project_name, tr.experiment_name,
                             config=cfg.to_dict(), enabled=ranks.is_main)
         if ranks.is_main:
             write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
             for line in ranks.describe(cfg):
                 log.info(f"megarl: {line}")
-        parts = build_parts(cfg, ranks, log)
+        if ranks.role == "trainer":
+            from megarl.trainer.disaggregated import build_trainer_parts
+            from megarl.trainer.fit_async import AsyncRLTrainer
+            parts = build_trainer_parts(cfg, ranks, log)
+        else:
+            parts = build_parts(cfg, ranks, log)
         log.total_steps = parts.total_steps
         log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
                  f"run dir {tr.default_local_dir}")
-        trainer = RLTrainer(cfg, ranks, parts, log)
+        trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
         try:
             trainer.fit()
         finally:
@@ -52,6 +57,20 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy(ranks)
+    return 0
+
+
+def _run_rollout(cfg, ranks) -> int:
+    """The rollout ranks of a disaggregated run (their errors reach the trainer side as a failed
+    collective; torchrun / srun then stop the job, naming the rank)."""
+    from megarl.trainer.disaggregated import build_rollout_parts
+    from megarl.trainer.fit_async import RolloutWorker
+
+    parts = build_rollout_parts(cfg, ranks, None)
+    try:
+        RolloutWorker(cfg, ranks, parts, None).run()
+    finally:
+        if parts.reward is not None:
+            parts.reward.close()
     return 0

@@ -19,6 +19,7 @@ from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.config import ActorConfig, ModelConfig
 from megarl.workers.engine import EngineShardView, EngineSpec, MegatronEngine
+from megarl.workers.offload import RoleMemory, offload_plan
 from megarl.workers.outputs import log_prob_outputs
 
 
@@ -35,17 +36,26 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         ep=mc.expert_model_parallel_size, head=head,
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
-        use_distributed_optimizer=mc.use_distributed_optimizer, sequence_parallel=mc.sequence_parallel,
+        use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel,
         recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
         timeout_s=timeout_s, seed=mc.seed, role=role)
 
 
-class ActorWorker(EngineShardView):
+def _distributed_optimizer(mc) -> bool:
+    """verl's default: the distributed optimizer wherever megatron's optimizer runs (CUDA)."""
+    if mc.use_distributed_optimizer is None:
+        import torch
+        return torch.cuda.is_available()
+    return mc.use_distributed_optimizer
+
+
+class ActorWorker(EngineShardView, RoleMemory):
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0):
         self.cfg = actor
         self.rollout_n = rollout_n
         self.engine = MegatronEngine(engine_spec(model, actor, trainable=True, optim=actor.optim, dtype=actor.dtype,
                                                  timeout_s=timeout_s, role="actor_rollout_ref.actor"))
+        self.offload_kw = offload_plan(actor.megatron, "actor_rollout_ref.actor", True, self.engine.device)
 
     @classmethod
     def from_config(cls, cfg) -> "ActorWorker":

@@ -78,5 +78,15 @@ def dp_slice(data: DataProto, dp_rank: int, dp: int) -> DataProto:
     return data[dp_rank * size:(dp_rank + 1) * size]
 
 
+def check_device(data: DataProto, device: torch.device) -> None:
+    """Refuse a micro-batch with a tensor off the model's device: the worker moves each step's
+    share once, before micro-batching, so a stray tensor here is a bug that would otherwise
+    surface as a cross-device error deep inside a loss function (or a silent host copy)."""
+    for key, value in data.batch.items():
+        if value.device != device:
+            raise RuntimeError(f"micro-batch tensor {key!r} is on {value.device} but the model is on {device}; "
+                               "the worker must move the batch with DataProto.to(device) before micro-batching")
+
+
 def micro_batches(data: DataProto, size: int) -> list[DataProto]:
     return data.split(size)

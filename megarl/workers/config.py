@@ -39,7 +39,7 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1    # MoE: experts split over this many of the DP ranks
     expert_tensor_parallel_size: int | None = None  # None: TP (the only value megarl supports)
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool | None = None  # None: on with CUDA (megatron's); CPU has none, off there
     param_offload: bool = False            # move weights to host memory while the role is idle
     grad_offload: bool = False
     optimizer_offload: bool = False

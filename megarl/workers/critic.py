@@ -14,10 +14,11 @@ from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
 from megarl.workers.config import CriticConfig
 from megarl.workers.engine import EngineShardView, MegatronEngine
+from megarl.workers.offload import RoleMemory, offload_plan
 from megarl.workers.outputs import value_outputs
 
 
-class CriticWorker(EngineShardView):
+class CriticWorker(EngineShardView, RoleMemory):
     def __init__(self, critic: CriticConfig, rollout_n: int = 1, timeout_s: float = 600.0, dtype: str = "auto",
                  log_prob_micro_batch_size: int | None = None):
         if critic.ppo_mini_batch_size is None or critic.ppo_micro_batch_size_per_gpu is None:
@@ -29,6 +30,7 @@ class CriticWorker(EngineShardView):
         self.engine = MegatronEngine(engine_spec(
             critic.model, critic, head="value", trainable=True, optim=critic.optim, dtype=dtype, timeout_s=timeout_s,
             head_from_checkpoint=critic.model.init_from == "path", role="critic"))
+        self.offload_kw = offload_plan(critic.megatron, "critic", True, self.engine.device)
 
     @classmethod
     def from_config(cls, cfg) -> "CriticWorker":

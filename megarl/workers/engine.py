@@ -49,7 +49,8 @@ class EngineShardView:
 
     @property
     def model_chunks(self) -> list:
-        """This rank's unwrapped GPTModel stage(s)."""
+        """This rank's unwrapped GPTModel stage(s), with their weights on the device."""
+        self.engine.onload()
         return [self.engine.model]
 
     @property
@@ -93,7 +94,7 @@ class MegatronEngine:
         else:
             for p in self.model.parameters():
                 p.requires_grad_(False)
-        self.offloaded = False
+        self.offloaded, self.stash = False, None
         if es.dist_checkpoint:
             from megarl.workers.checkpoint import load_checkpoint
             load_checkpoint(es.dist_checkpoint, self, with_optimizer=False)
@@ -156,6 +157,7 @@ class MegatronEngine:
         return self._hf_named(lambda p: p.detach())
 
     def _hf_named(self, value):
+        self.onload()
         group = state.tp_group()
         for local, param in self.model.named_parameters():
             name = self.global_name(local)
@@ -185,7 +187,8 @@ class MegatronEngine:
 
         def forward_step(it, model):
             mb = next(it)
-            ids = mb.batch["input_ids"][:, :seq].to(self.device)
+            batching.check_device(mb, self.device)
+            ids = mb.batch["input_ids"][:, :seq]
             pos = torch.arange(seq, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
             if self.spec.is_moe:       # right padding stays out of the router's aux/z losses (as HF's mask)
                 lens = (mb.batch["prompt_lens"] + mb.batch["response_lens"]).to(self.device)
@@ -201,12 +204,13 @@ class MegatronEngine:
     @staticmethod
     def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, output: torch.Tensor):
         outs = process(output, mb)
+        one = torch.ones((), dtype=torch.int, device=output.device)
         if loss_fn is None:
-            return torch.zeros((), device=output.device), torch.ones((), dtype=torch.int), \
-                {k: v.detach() for k, v in outs.items()}
+            return torch.zeros((), device=output.device), one, {k: v.detach() for k, v in outs.items()}
         loss, metrics = loss_fn(outs, mb)
-        metrics = {k: float(v) for k, v in (metrics or {}).items()}
-        return loss, torch.ones((), dtype=torch.int), {"_loss": float(loss.detach()), **metrics}
+        # detach first: float() of a tensor that requires grad warns on every micro-batch
+        metrics = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in (metrics or {}).items()}
+        return loss, one, {"_loss": float(loss.detach()), **metrics}
 
     # -- forward only -------------------------------------------------------------------------------
     @cpu_compat.scoped
@@ -220,7 +224,7 @@ class MegatronEngine:
         self.onload()
         lay = self.layout
         padded, n = batching.pad_rows(data, lay.dp * micro)
-        local = batching.dp_slice(padded, lay.dp_rank, lay.dp)
+        local = batching.dp_slice(padded, lay.dp_rank, lay.dp).to(self.device)  # once, before micro-batching
         seq = batching.seq_len(padded)
         for c in self.chunks:
             c.eval()
@@ -271,6 +275,7 @@ class MegatronEngine:
         if not self.es.trainable:
             raise RuntimeError("this model is frozen")
         batching.check_batch(data, need_mask=True)
+        self.onload()
         lay = self.layout
         if len(data) % mini:
             raise ValueError(f"{len(data)} sequences do not split into mini-batches of {mini} "
@@ -317,10 +322,12 @@ class MegatronEngine:
         """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
         rank's share in micro-batches through the schedule, DP-summed. Returns the last stage's
         per-micro-batch metrics."""
+        self.onload()
         lay = self.layout
         meta = {"global_tokens": float(mini_batch.batch["response_mask"].sum()), "global_seqs": len(mini_batch),
                 "global_micro_batches": len(mini_batch) // micro}
-        parts = batching.dp_slice(mini_batch, lay.dp_rank, lay.dp).split(micro)
+        # the whole share moves to the model's device once; every micro-batch (and the loss) sees device tensors
+        parts = batching.dp_slice(mini_batch, lay.dp_rank, lay.dp).to(self.device).split(micro)
         for p in parts:
             p.meta_info.update(meta)
         for c in self.chunks:
@@ -353,26 +360,60 @@ class MegatronEngine:
                 for k in keys}
 
     # -- memory -------------------------------------------------------------------------------------
+    def param_tensors(self) -> list[torch.Tensor]:
+        # DDP's flat param buffers (distributed optimizer) share storage with the params: one copy moves
+        return [p for p in self.model.parameters()]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        if not self.es.trainable:
+            return []
+        return [b.grad_data for c in self.chunks for b in c.buffers + c.expert_parallel_buffers
+                if b.grad_data is not None]
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """Adam moments and (mixed precision) fp32 master weights; with fp32 weights the masters
+        are the weights themselves, so they move with the optimizer."""
+        if self.optimizer is None:
+            return []
+        from megarl.workers.optim import CPUAdamW, _megatron_parts
+        parts = [self.optimizer.optimizer] if isinstance(self.optimizer, CPUAdamW) else \
+            [getattr(o, "optimizer", None) for o in _megatron_parts(self.optimizer)]
+        out = []
+        for opt in filter(None, parts):
+            out += [p for g in opt.param_groups for p in g["params"]]
+            out += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        return [t for t in out if t.device.type == self.device.type]
+
+    def resident_bytes(self) -> int:
+        """Device bytes this role holds now in weights, grad buffers and optimizer state."""
+        from megarl.workers.offload import resident_bytes
+        return resident_bytes(self.param_tensors() + self.grad_tensors() + self.optimizer_tensors(), self.device)
+
     @cpu_compat.scoped
-    def offload(self) -> None:
-        """Weights to host memory (pinned on CUDA) until the next forward."""
-        if self.offloaded or self.device.type == "cpu":
-            self.offloaded = True
-            return
-        for p in self.model.parameters():
-            p.data = p.data.to("cpu", non_blocking=True).pin_memory()
-        torch.cuda.synchronize()
-        self.offloaded = True
+    def offload(self, params: bool = True, grads: bool = False, optimizer: bool = False) -> int:
+        """Move the chosen state to host memory until `onload` (the next forward, update or save
+        calls it); returns the bytes moved. Gradient buffers are freed, not copied: every
+        mini-batch starts by zeroing them. On CUDA the caching allocator is emptied afterwards,
+        so the rollout engine can take the memory."""
+        from megarl.workers.offload import HostStash
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        stash = self.stash if self.offloaded else HostStash()
+        done: set[int] = set()
+        for on, tensors, keep in ((params, self.param_tensors, True), (optimizer, self.optimizer_tensors, True),
+                                  (grads, self.grad_tensors, False)):
+            if on:
+                done |= stash.offload(tensors(), keep=keep, skip=done)
+        self.stash, self.offloaded = stash, bool(stash)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return stash.nbytes
 
     @cpu_compat.scoped
     def onload(self) -> None:
-        if not self.offloaded:
-            return
-        if self.device.type != "cpu":
-            for p in self.model.parameters():
-                p.data = p.data.to(self.device, non_blocking=True)
-            torch.cuda.synchronize()
-        self.offloaded = False
+        if self.offloaded:
+            self.stash.onload()
+            self.offloaded = False
 
 
 def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):

@@ -3,16 +3,17 @@
     ref = ReferenceWorker.from_config(cfg)
     ref_log_prob = ref.compute_ref_log_prob(batch, temperature=1.0)     # [B, R]
 
-With ref.param_offload the weights wait in (pinned) host memory between calls; on CPU they are
-there already, so the flag changes nothing.
+With ref.param_offload (or ref.megatron.param_offload) the weights wait in pinned host memory
+between calls; on CPU they are there already, so the flag changes nothing (one warning says so).
 """
 from __future__ import annotations
 
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
-from megarl.workers.config import ModelConfig, RefConfig
+from megarl.workers.config import MegatronConfig, ModelConfig, RefConfig
 from megarl.workers.engine import MegatronEngine
+from megarl.workers.offload import offload_plan
 from megarl.workers.outputs import log_prob_outputs
 
 
@@ -23,8 +24,12 @@ class ReferenceWorker:
         self.micro = ref.log_prob_micro_batch_size_per_gpu or micro_batch_size
         self.engine = MegatronEngine(engine_spec(model, ref, trainable=False, dtype=dtype, timeout_s=timeout_s,
                                                  role="actor_rollout_ref.ref"))
-        if ref.param_offload:
-            self.engine.offload()
+        # a frozen role has only weights to move (its megatron section may be the actor's, grads and all)
+        wants = ref.param_offload or bool(ref.megatron and ref.megatron.param_offload)
+        mc = MegatronConfig(param_offload=wants)
+        self.offload_kw = offload_plan(mc, "actor_rollout_ref.ref", False, self.engine.device)
+        if self.offload_kw:
+            self.engine.offload(**self.offload_kw)
 
     @classmethod
     def from_config(cls, cfg) -> "ReferenceWorker":
@@ -41,5 +46,5 @@ class ReferenceWorker:
         try:
             return eng.forward_rows(data, self.micro, process, ("log_probs",))["log_probs"]
         finally:
-            if self.cfg.param_offload:
-                eng.offload()
+            if self.offload_kw:
+                eng.offload(**self.offload_kw)

@@ -1,201 +1,372 @@
-"""The TensorRT-LLM engine's pure parts, on CPU.
+"""The TensorRT-LLM engine on CPU, against conformance fakes built from TensorRT-LLM's signatures.
 
-FAKES: tensorrt_llm cannot be installed here (no CUDA; its wheel comes from NVIDIA's index), so
-these tests use stand-ins, named Fake*, for its result objects (CompletionOutput, Logprob),
-KvCacheConfig and, in the last test, a whole fake `tensorrt_llm` module whose LLM records the
-calls it gets. They check megarl's side of the API (arguments built, the sampled token's
-log-prob read, the update/finalize/sleep call sequence); they do not show that TensorRT-LLM
-itself behaves so. The real engine runs through tests/rollout/test_conformance.py wherever
-tensorrt_llm imports.
+FAKES: tensorrt_llm cannot be installed here (no CUDA; its wheel comes from NVIDIA's index). Each
+snapshot in tests/assets/trtllm (SamplingParams / LLM args / KvCacheConfig / SleepConfig fields,
+output fields, log-prob format, with its source commit and provenance) becomes a fake package
+(tests/rollout/trtllm_fake.py) that rejects anything outside the snapshot and generates real
+tokens with a transformers model. These tests show megarl's side of the API against those
+signatures; they do not show TensorRT-LLM itself behaves so. The real package runs the same
+conformance suite through tests/rollout/test_conformance.py wherever it imports.
 """
 from __future__ import annotations
 
 import base64
+import os
 import pickle
-import sys
-import types
-from dataclasses import dataclass, field
+import textwrap
 
 import pytest
 import torch
 
+from megarl.config.errors import ConfigError
+from megarl.rollout import trtllm_placement as placement
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.trtllm import (SLEEP_TAGS, TRTLLMEngine, bucket_handles, checkpoint_names,
-                                   completion_from_output, llm_kwargs, logprob_mode, sampling_kwargs)
-from tests.rollout.fixtures import save_model, state_of
+from megarl.rollout.trtllm import (TRTLLMEngine, bucket_handles, checkpoint_names, completion_from_output,
+                                   detect_features, llm_kwargs, logprob_mode, response_budget, sampling_kwargs)
+from tests.assets.trtllm import extract_snapshot
+from tests.rollout import conformance, trtllm_fake
+from tests.rollout.fixtures import model_dirs, save_model, state_of
+
+V12, V13 = "trtllm-1.2.0rc2.json", "trtllm-1.3.0rc21.json"
 
 
-@dataclass
-class FakeKvCacheConfig:
-    free_gpu_memory_fraction: float
-    enable_block_reuse: bool
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The fake steps a tiny model token by token: intra-op threads only contend (20x slower on a
+    loaded 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
-@dataclass
-class FakeLogprob:
-    logprob: float
-    rank: int
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return model_dirs(str(tmp_path_factory.mktemp("trtllm_models")))
 
 
-@dataclass
-class FakeCompletionOutput:
-    token_ids: list
-    logprobs: list
-    finish_reason: str = "length"
-    generation_logits: torch.Tensor | None = None
+def engine_cfg(**kw) -> RolloutConfig:
+    base = dict(name="trtllm", load_format="auto", prompt_length=16, response_length=12)
+    return RolloutConfig(**{**base, **kw})
 
 
-@dataclass
-class FakeRequestOutput:
-    outputs: list = field(default_factory=list)
+# -- snapshots and the fake ---------------------------------------------------------------------------
+def test_extractor_reads_the_fields_from_source(tmp_path):
+    files = {
+        "tensorrt_llm/version.py": '__version__ = "9.9.0"\n',
+        "tensorrt_llm/sampling_params.py": """
+            from dataclasses import dataclass, field
+            @dataclass(slots=True, kw_only=True)
+            class SamplingParams:
+                n: int = 1
+                _bad_word_ids: list = field(default=None, init=False, repr=False)
+                logprobs_mode: str = None
+                _return_log_probs: bool = False
+            class LogprobMode(str):
+                RAW = "raw"
+                PROCESSED = "processed"
+            """,
+        "tensorrt_llm/llmapi/llm_args.py": """
+            class StrictBaseModel: pass
+            class BaseLlmArgs(StrictBaseModel):
+                model: str
+                _private: int = PrivateAttr(0)
+            class TorchLlmArgs(BaseLlmArgs):
+                sleep_config: object = None
+            class KvCacheConfig(StrictBaseModel):
+                free_gpu_memory_fraction: float = 0.9
+            class SleepConfig(StrictBaseModel):
+                restore_modes: dict = None
+            class ExecutorMemoryType(str):
+                KV_CACHE = "kv_cache"
+                MODEL = "model"
+            """,
+        "tensorrt_llm/executor/result.py": """
+            class Logprob:
+                logprob: float
+                rank: int = None
+            class CompletionOutput:
+                index: int
+                token_ids: list = None
+                _last_text_len: int = field(default=0, init=False)
+            """,
+    }
+    for rel, text in files.items():
+        os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
+        (tmp_path / rel).write_text(textwrap.dedent(text))
+    snap = extract_snapshot.snapshot(extract_snapshot.reader(str(tmp_path), None), "abc123")
+    assert snap["version"] == "9.9.0" and snap["commit"] == "abc123"
+    assert snap["sampling_params_fields"] == ["n", "logprobs_mode", "_return_log_probs"], "init=False is no argument"
+    assert snap["llm_args_fields"] == ["model", "sleep_config"], "base fields in, private attributes out"
+    assert snap["kv_cache_config_fields"] == ["free_gpu_memory_fraction"]
+    assert snap["sleep_config_fields"] == ["restore_modes"] and snap["executor_memory_types"] == ["kv_cache", "model"]
+    assert snap["completion_output_fields"] == ["index", "token_ids"] and snap["logprob_fields"] == ["logprob", "rank"]
+    assert snap["logprobs_modes"] == ["raw", "processed"] and snap["logprobs_format"] == "sampled_plus_topk_dict"
 
 
-def test_llm_kwargs_from_config_and_verbatim_engine_kwargs():
-    cfg = RolloutConfig(tensor_model_parallel_size=2, prompt_length=100, response_length=28, max_num_seqs=64,
-                        gpu_memory_utilization=0.6, enable_prefix_caching=False,
-                        engine_kwargs={"trtllm": {"max_num_tokens": 4096, "enable_sleep": None,
-                                                  "cuda_graph_config": {"enable_padding": True}}})
-    kw = llm_kwargs(cfg, "/models/q", FakeKvCacheConfig)
-    assert kw["model"] == "/models/q" and kw["backend"] == "pytorch" and kw["tensor_parallel_size"] == 2
-    assert kw["max_seq_len"] == 128 and kw["max_input_len"] == 100 and kw["max_batch_size"] == 64
-    assert kw["load_format"] == "dummy" and kw["orchestrator_type"] == "ray"
-    assert kw["ray_worker_extension_cls"] == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
-    assert kw["kv_cache_config"] == FakeKvCacheConfig(0.6, False)
-    assert kw["max_num_tokens"] == 4096, "engine_kwargs.trtllm wins, verbatim"
-    assert kw["cuda_graph_config"] == {"enable_padding": True}
-    assert "enable_sleep" not in kw, "a null in engine_kwargs removes megarl's key"
-    assert llm_kwargs(RolloutConfig(load_format="auto"), "/m", FakeKvCacheConfig)["load_format"] == "auto"
+@pytest.mark.parametrize("name", trtllm_fake.SNAPSHOTS)
+def test_snapshot_records_its_source(name):
+    snap = trtllm_fake.load_snapshot(name)
+    assert snap["version"] in name and snap["provenance"], "each snapshot says where its fields come from"
+    for key in ("sampling_params_fields", "llm_args_fields", "kv_cache_config_fields", "completion_output_fields",
+                "executor_memory_types"):
+        assert snap[key], key
+    assert "kv_cache" in snap["executor_memory_types"]
+
+
+def test_the_fakes_are_as_strict_as_the_snapshots(monkeypatch, dirs):
+    t12 = trtllm_fake.install(monkeypatch, V12)
+    with pytest.raises(TypeError, match="logprobs_mode"):
+        t12.SamplingParams(logprobs=1, logprobs_mode="processed")      # PR #9675 is 1.3
+    with pytest.raises(ValueError, match="Greedy decoding"):
+        t12.SamplingParams(n=2, temperature=0.0)
+    with pytest.raises(ValueError, match="sleep_config"):
+        t12.LLM(model=dirs["a"], sleep_config=None)
+    with pytest.raises(ValueError, match="Extra inputs"):
+        t12.llmapi.KvCacheConfig(free_gpu_memory_fraction=0.5, gpu_memory_utilization=0.5)
+    # 1.2's top-K dicts: somewhere the sampled token is missing from them.
+    llm = t12.LLM(model=dirs["a"])
+    out = llm.generate([[3, 17, 42]], t12.SamplingParams(max_tokens=12, temperature=1.3, logprobs=1, seed=2))
+    comp = out[0].outputs[0]
+    assert any(tok not in entry for tok, entry in zip(comp.token_ids, comp.logprobs)), "pick a seed that shows it"
+    with pytest.raises(RuntimeError, match="lack the sampled token"):
+        completion_from_output(comp)
+    t13 = trtllm_fake.install(monkeypatch, V13)
+    with pytest.raises(ValueError, match="enable_sleep"):
+        t13.LLM(model=dirs["a"], enable_sleep=True)                    # replaced by sleep_config
+    with pytest.raises(ValueError, match="logprobs_mode must be"):
+        t13.SamplingParams(logprobs=1, logprobs_mode="logits")
+
+
+def test_feature_detection_reads_the_classes(monkeypatch):
+    f12 = detect_features(trtllm_fake.install(monkeypatch, V12))
+    assert not f12.logprobs_mode and not f12.simple_format and f12.sleep == "enable_sleep"
+    f13 = detect_features(trtllm_fake.install(monkeypatch, V13))
+    assert f13.logprobs_mode and f13.simple_format and f13.sleep == "sleep_config"
+    assert "logprobs_mode=True" in f13.summary() and f13.version == "1.3.0rc21"
+
+
+def test_1_2_is_refused_for_rollouts_in_one_line(monkeypatch, dirs):
+    trtllm_fake.install(monkeypatch, V12)
+    with pytest.raises(ConfigError, match=r"TensorRT-LLM >= 1\.3 \(SamplingParams\.logprobs_mode") as err:
+        TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu")
+    assert "\n" not in str(err.value)
+
+
+# -- arguments --------------------------------------------------------------------------------------------
+def test_llm_kwargs_fit_the_snapshot_and_sleep_keeps_or_drops_weights(monkeypatch, dirs):
+    tllm = trtllm_fake.install(monkeypatch, V13)
+    feats, args = detect_features(tllm), tllm.llmapi.llm_args
+    cfg = engine_cfg(tensor_model_parallel_size=2, max_num_seqs=64, gpu_memory_utilization=0.6,
+                     enable_prefix_caching=False, engine_kwargs={"trtllm": {"max_num_tokens": 4096,
+                                                                              "allreduce_strategy": None}})
+    kw = llm_kwargs(cfg, dirs["a"], feats, args, extension=placement.EXTENSION)
+    assert kw["tensor_parallel_size"] == 2 and kw["max_seq_len"] == 28 and kw["max_input_len"] == 16
+    assert kw["kv_cache_config"] == args.KvCacheConfig(free_gpu_memory_fraction=0.6, enable_block_reuse=False)
+    assert kw["max_num_tokens"] == 4096 and "allreduce_strategy" not in kw, "engine_kwargs wins; null removes"
+    assert kw["ray_worker_extension_cls"] == placement.EXTENSION and "enable_sleep" not in kw
+    keep = {m.value: v for m, v in kw["sleep_config"].restore_modes.items()}
+    assert keep == {"kv_cache": "NONE"}, "load_format=auto: the weights stay on the GPU, never PINNED"
+    drop = llm_kwargs(engine_cfg(load_format="dummy"), dirs["a"], feats, args)["sleep_config"].restore_modes
+    assert {m.value for m in drop} == set(feats.memory_tags) and set(drop.values()) == {"NONE"}
+    tllm.LLM(**llm_kwargs(engine_cfg(), dirs["a"], feats, args))   # the strict fake accepts every key
+    with pytest.raises(ConfigError, match=r"no argument\(s\) \['gpu_memory_utilisation'\]"):
+        llm_kwargs(engine_cfg(engine_kwargs={"trtllm": {"gpu_memory_utilisation": 0.5}}), dirs["a"], feats, args)
 
 
 @pytest.mark.parametrize("sp, mode", [
     (SamplingParams(do_sample=False, temperature=0.7, top_k=5), "raw"),      # greedy: T=1 by convention
     (SamplingParams(temperature=1.0, top_p=0.9, top_k=20), "raw"),           # T=1: raw == ours
     (SamplingParams(temperature=0.7), "processed"),                          # only temperature applies
-    (SamplingParams(temperature=0.7, top_p=0.9), "logits"),                  # processed would renormalise
-    (SamplingParams(temperature=0.7, repetition_penalty=1.2), "logits"),
+    (SamplingParams(temperature=0.7, top_p=0.9), None),                      # processed would renormalise
+    (SamplingParams(temperature=0.7, repetition_penalty=1.2), None),
 ])
-def test_logprob_mode_matches_the_trainer(sp, mode):
-    assert logprob_mode(sp) == mode
+def test_logprob_mode_matches_the_trainer_or_refuses(sp, mode):
+    if mode is None:
+        with pytest.raises(ConfigError, match="set temperature=1.0, or drop top_k/top_p"):
+            logprob_mode(sp)
+    else:
+        assert logprob_mode(sp) == mode
 
 
-def test_sampling_kwargs():
-    kw = sampling_kwargs(SamplingParams(n=4, max_tokens=32, temperature=0.7, seed=5, stop_token_ids=[9],
-                                        eos_token_ids=[2]), pad_token_id=0)
-    assert kw["n"] == 4 and kw["max_tokens"] == 32 and kw["temperature"] == 0.7 and kw["seed"] == 5
+def test_sampling_kwargs_budget_and_greedy_n(monkeypatch):
+    feats = detect_features(trtllm_fake.install(monkeypatch, V13))
+    sp = SamplingParams(n=4, max_tokens=32, temperature=0.7, seed=5, stop_token_ids=[9], eos_token_ids=[2])
+    kw = sampling_kwargs(sp, feats, max_tokens=20, pad_token_id=0)
+    assert kw["n"] == 4 and kw["max_tokens"] == 20 and kw["temperature"] == 0.7 and kw["seed"] == 5
     assert kw["stop_token_ids"] == [2, 9] and kw["end_id"] == -1 and kw["include_stop_str_in_output"]
-    assert kw["logprobs"] == 1 and kw["logprobs_mode"] == "processed" and not kw["return_generation_logits"]
-    assert "top_k" not in kw and "top_p" not in kw and "repetition_penalty" not in kw
-    kw = sampling_kwargs(SamplingParams(do_sample=False, eos_token_ids=[2], ignore_eos=True))
-    assert kw["temperature"] == 0.0 and "stop_token_ids" not in kw and kw["logprobs_mode"] == "raw"
-    kw = sampling_kwargs(SamplingParams(temperature=0.5, top_k=10, top_p=0.8))
-    assert kw["top_k"] == 10 and kw["top_p"] == 0.8 and kw["return_generation_logits"]
+    assert kw["logprobs"] == 1 and kw["logprobs_mode"] == "processed" and kw["logprobs_simple_format"]
+    assert "return_generation_logits" not in kw, "never a full-vocabulary transfer"
+    kw = sampling_kwargs(SamplingParams(n=3, do_sample=False, top_k=5), feats, max_tokens=4)
+    assert kw["n"] == 1 and kw["temperature"] == 0.0 and "top_k" not in kw, "greedy asks one, the engine copies"
+    assert response_budget(SamplingParams(max_tokens=12), 20, 28) == 8
+    assert response_budget(SamplingParams(max_tokens=12), 3, 28) == 12
+    with pytest.raises(ValueError, match="no room in max_model_len=28"):
+        response_budget(SamplingParams(max_tokens=12), 28, 28)
 
 
-def test_the_sampled_tokens_log_prob_is_read_not_the_first_entry():
-    # At position 1 the sampled token (7) is not the top-1 (3): the dict's first entry is 3's.
-    out = FakeCompletionOutput(token_ids=[5, 7], finish_reason="stop", logprobs=[
-        {5: FakeLogprob(-0.2, 1)},
-        {3: FakeLogprob(-0.1, 1), 7: FakeLogprob(-2.5, 4)}])
-    c = completion_from_output(out, SamplingParams(temperature=1.0))
-    assert c.token_ids == [5, 7] and c.log_probs == [-0.2, -2.5] and c.finish_reason == "stop"
-    flat = FakeCompletionOutput(token_ids=[5, 7], logprobs=[-0.2, -2.5])      # list[float] format
-    assert completion_from_output(flat, SamplingParams()).log_probs == [-0.2, -2.5]
-    missing = FakeCompletionOutput(token_ids=[5, 7], logprobs=[{5: FakeLogprob(-0.2, 1)}, {3: FakeLogprob(-0.1, 1)}])
-    with pytest.raises(RuntimeError, match="lack the sampled token 7"):
-        completion_from_output(missing, SamplingParams())
-    with pytest.raises(RuntimeError, match="1 log-prob entries for 2 tokens"):
-        completion_from_output(FakeCompletionOutput([5, 7], [{5: FakeLogprob(-0.2, 1)}]), SamplingParams())
-    assert completion_from_output(FakeCompletionOutput([1], [-1.0], "cancelled"), SamplingParams()).finish_reason \
-        == "abort"
+def test_config_refusals(monkeypatch, dirs):
+    trtllm_fake.install(monkeypatch, V13)
+    with pytest.raises(ConfigError, match="free_cache_engine=true needs enable_sleep_mode=true"):
+        TRTLLMEngine(dirs["a"], engine_cfg(enable_sleep_mode=False), device="cpu")
+    with pytest.raises(ConfigError, match="temperature=0.6 together with top_k=-1/top_p=0.9"):
+        TRTLLMEngine(dirs["a"], engine_cfg(temperature=0.6, top_p=0.9), device="cpu")
+    engine = TRTLLMEngine(dirs["a"], engine_cfg(enable_sleep_mode=False, free_cache_engine=False), device="cpu")
+    with pytest.raises(RuntimeError, match="enable_sleep_mode=false: it cannot sleep"):
+        engine.sleep()
 
 
-def test_logits_mode_computes_the_convention_from_generation_logits():
-    logits = torch.randn(3, 11)
-    sp = SamplingParams(temperature=0.6, top_p=0.9)
-    c = completion_from_output(FakeCompletionOutput([4, 0, 10], [], generation_logits=logits), sp)
-    ref = torch.log_softmax(logits / 0.6, -1)[torch.arange(3), torch.tensor([4, 0, 10])]
-    assert torch.allclose(torch.tensor(c.log_probs), ref)
+# -- placement ------------------------------------------------------------------------------------------------
+def test_placement_checks():
+    assert placement.group_devices([("h", "GPU-a"), ("h", "GPU-b")], 2) == ["GPU-a", "GPU-b"]
+    with pytest.raises(RuntimeError, match="spans hosts"):
+        placement.group_devices([("h1", "GPU-a"), ("h2", "GPU-b")], 2)
+    with pytest.raises(RuntimeError, match="share a GPU"):
+        placement.group_devices([("h", "GPU-a"), ("h", "GPU-a")], 2)
+    with pytest.raises(RuntimeError, match="got 1 rank"):
+        placement.group_devices([("h", "GPU-a")], 2)
+    placement.check_worker_devices(["GPU-b", "GPU-a"], ["GPU-a", "GPU-b"])
+    with pytest.raises(RuntimeError, match=r"run on GPUs \['GPU-a', 'GPU-c'\] but .* hold \['GPU-a', 'GPU-b'\]"):
+        placement.check_worker_devices(["GPU-a", "GPU-c"], ["GPU-a", "GPU-b"])
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with placement.only_devices(["GPU-x", "GPU-y"]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-x,GPU-y"
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+def test_workers_land_on_the_groups_gpu_or_start_up_stops(monkeypatch, dirs):
+    trtllm_fake.install(monkeypatch, V13)
+    engine = TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu:3")      # this rank holds GPU-fake-3
+    assert engine.llm.workers == ["GPU-fake-3"] and engine.group_uuids == ["GPU-fake-3"]
+    engine.close()
+    assert engine.llm is None
+    # Without the visibility restriction the worker lands on GPU 0: the UUID check stops start-up.
+    monkeypatch.setattr(placement, "only_devices", lambda uuids: __import__("contextlib").nullcontext())
+    with pytest.raises(RuntimeError, match="TP workers run on GPUs \\['GPU-fake-0'\\]"):
+        TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu:3")
+    assert trtllm_fake.sys.modules["tensorrt_llm"].LLM.instances[-1].shut, "a failed start shuts the LLM down"
+
+
+# -- sleep, refit, memory ---------------------------------------------------------------------------------------
+def _sync(engine, named):
+    for bucket in (named[:6], named[6:]):
+        engine.update_weights(bucket)
+    engine.finalize_weights()
+
+
+def test_sleep_drops_weights_and_the_kv_cache_wakes_after_the_refit(monkeypatch, dirs):
+    trtllm_fake.install(monkeypatch, V13)
+    named = state_of(dirs["model_a"])
+    engine = TRTLLMEngine(dirs["a"], engine_cfg(load_format="dummy"), device="cpu")
+    llm = engine.llm
+    _sync(engine, named)
+    greedy = SamplingParams(n=2, max_tokens=6, do_sample=False)
+    ref = engine.generate([[3, 17, 42]], greedy)
+    assert ref[0][0].token_ids == ref[0][1].token_ids, "greedy n=2 works: one request, copied"
+    engine.sleep()
+    assert llm.released == set(engine.features.memory_tags), "dummy: weights dropped with the KV cache"
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate([[3, 17, 42]], greedy)
+    mark = len(llm.events)
+    _sync(engine, named)                          # the trainer's sync while asleep
+    during = llm.events[mark:]
+    assert ("resume kv_cache", llm.weight_bytes + trtllm_fake.KV_BYTES) not in during
+    assert max(b for _, b in during) < llm.weight_bytes + trtllm_fake.KV_BYTES, "KV never resident during the refit"
+    assert llm.released == {"kv_cache"}
+    engine.wake()
+    assert not llm.released and llm.events[-1][0] == "resume kv_cache"
+    assert not any(e[0] == "host copy model" for e in llm.events), "no PINNED host round trip"
+    assert engine.generate([[3, 17, 42]], greedy)[0][0].token_ids == ref[0][0].token_ids
+    engine.sleep()
+    engine.wake()                                  # woken without a sync: dropped weights are refused
+    with pytest.raises(RuntimeError, match="sync weights before generating"):
+        engine.generate([[3, 17, 42]], greedy)
+
+
+def test_sleep_keeps_weights_on_the_gpu_when_they_do_not_come_from_syncs(monkeypatch, dirs):
+    trtllm_fake.install(monkeypatch, V13)
+    engine = TRTLLMEngine(dirs["a"], engine_cfg(load_format="auto"), device="cpu")
+    ref = engine.generate([[5, 6]], SamplingParams(max_tokens=5, do_sample=False))
+    engine.sleep()
+    assert engine.llm.released == {"kv_cache"}
+    engine.wake()
+    assert engine.generate([[5, 6]], SamplingParams(max_tokens=5, do_sample=False)) == ref
 
 
 def test_bucket_handles_carry_names_and_rebuild(tmp_path):
     named = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(2, 3))]
     handles = bucket_handles(named, "GPU-fake-uuid")
-    assert list(handles) == ["GPU-fake-uuid"]
     decoded = pickle.loads(base64.b64decode(handles["GPU-fake-uuid"]))
     assert [n for n, _ in decoded] == ["model.norm.weight", "lm_head.weight"]
     for (name, (rebuild, args)), (_, original) in zip(decoded, named):
         assert torch.equal(rebuild(*args), original)      # CPU handles rebuild in-process
-    save_model(str(tmp_path), seed=0)
-    assert set(checkpoint_names(str(tmp_path))) == {n for n, _ in state_of(save_model(str(tmp_path), seed=0))}
-
-
-class FakeLLM:
-    """Stands in for tensorrt_llm.LLM: records kwargs and RPCs, answers generate() with a fixed
-    pattern whose dicts put a non-sampled token first."""
-    instances: list = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.rpcs, self.loaded = kwargs, [], []
-        FakeLLM.instances.append(self)
-
-    def _collective_rpc(self, method, args):
-        self.rpcs.append((method, args[0] if args[0] is None or method != "update_weights" else "handles"))
-        if method == "update_weights" and args[0] is not None:
-            for blob in args[0].values():
-                self.loaded += [n for n, _ in pickle.loads(base64.b64decode(blob))]
-
-    def generate(self, prompts, params):
-        outs = []
-        for p in prompts:
-            comps = []
-            for j in range(params.kwargs["n"]):
-                toks = [(p[-1] + j + k) % 90 + 1 for k in range(params.kwargs["max_tokens"])]
-                lps = [{0: FakeLogprob(-0.01, 1), t: FakeLogprob(-t / 100, 2)} for t in toks]
-                comps.append(FakeCompletionOutput(toks, lps, "length"))
-            outs.append(FakeRequestOutput(comps))
-        return outs
-
-
-@pytest.fixture
-def fake_tensorrt_llm(monkeypatch):
-    mod = types.ModuleType("tensorrt_llm")
-    mod.LLM = FakeLLM
-    mod.SamplingParams = lambda **kw: types.SimpleNamespace(kwargs=kw)
-    llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.KvCacheConfig = FakeKvCacheConfig
-    utils = types.ModuleType("tensorrt_llm._torch.utils")
-    utils.get_device_uuid = lambda index: f"GPU-fake-{index}"
-    for name, m in {"tensorrt_llm": mod, "tensorrt_llm.llmapi": llmapi, "tensorrt_llm._torch": types.ModuleType("x"),
-                    "tensorrt_llm._torch.utils": utils}.items():
-        monkeypatch.setitem(sys.modules, name, m)
-    FakeLLM.instances.clear()
-    return FakeLLM
-
-
-def test_engine_call_sequence_against_a_fake_llm(tmp_path, fake_tensorrt_llm):
     model = save_model(str(tmp_path), seed=0)
-    cfg = RolloutConfig(name="trtllm", prompt_length=16, response_length=8,
-                        engine_kwargs={"trtllm": {"max_num_tokens": 512}})
-    engine = TRTLLMEngine(str(tmp_path), cfg, device="cpu")
-    llm = fake_tensorrt_llm.instances[0]
-    assert llm.kwargs["max_num_tokens"] == 512 and llm.kwargs["model"] == str(tmp_path)
-    with pytest.raises(RuntimeError, match="no weights yet"):
-        engine.generate([[1, 2]], SamplingParams())
-    named = state_of(model)
-    engine.update_weights(named[:5])
-    engine.update_weights(named[5:-1])
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        engine.finalize_weights()
-    assert ("update_weights", None) not in llm.rpcs, "an incomplete sync must not be finalised"
-    llm.loaded.clear()
-    engine.update_weights(named[:10])                     # a refused sync is redone in full
-    engine.update_weights(named[10:])
-    engine.finalize_weights()
-    assert llm.rpcs[-1] == ("update_weights", None) and sorted(llm.loaded) == sorted(n for n, _ in named)
-    groups = engine.generate([[1, 2], [30]], SamplingParams(n=2, max_tokens=3))
-    assert groups[1][0].token_ids == [31, 32, 33]
-    assert groups[1][0].log_probs == [-0.31, -0.32, -0.33], "the sampled token's entry, not the dict's first"
+    assert set(checkpoint_names(str(tmp_path))) == {n for n, _ in state_of(model)}
+
+
+# -- the conformance suite against the fake -------------------------------------------------------------------------
+@pytest.mark.parametrize("snapshot", trtllm_fake.SNAPSHOTS)
+@pytest.mark.parametrize("check", conformance.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record_property):
+    """1.3+: every check passes. A version without logprobs_mode: every check is refused at start-up."""
+    snap = trtllm_fake.load_snapshot(snapshot)
+    trtllm_fake.install(monkeypatch, snapshot)
+
+    def make(**overrides):
+        return TRTLLMEngine(dirs["a"], engine_cfg(**{"prompt_length": None, "response_length": None, **overrides}),
+                            device="cpu")
+    if snap["logprobs_modes"] is None:
+        with pytest.raises(ConfigError, match="rollouts need TensorRT-LLM >= 1.3"):
+            check(make, dirs)
+        return
+    for key, value in check(make, dirs).items():
+        record_property(key, value)
+        assert value <= conformance.TOL
+
+
+def _tp2(rank, world, model_dir):
+    import sys
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    sys.modules.update(trtllm_fake.build(V13))
+    engine = TRTLLMEngine(model_dir, engine_cfg(tensor_model_parallel_size=2, load_format="dummy"),
+                          tp_group=dist.group.WORLD, device=f"cpu:{rank}")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    named = state_of(hf)
+    _sync(engine, named)                       # each rank's handles keyed by its UUID; every worker finds its own
+    sp = SamplingParams(n=2, max_tokens=6, temperature=1.3, seed=4)
+    groups = engine.generate(conformance.PROMPTS, sp)
+    err = conformance.Oracle(hf).max_error(groups, conformance.PROMPTS, 1.3)
     engine.sleep()
+    _sync(engine, named)
     engine.wake()
-    assert llm.rpcs[-2:] == [("sleep", SLEEP_TAGS), ("wakeup", SLEEP_TAGS)]
+    again = engine.generate(conformance.PROMPTS, sp)
+    workers = engine.llm.workers if engine.leader else None
+    if engine.leader:                          # a failure inside TensorRT-LLM on the leader only
+        engine.llm.generate = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUDA error: out of memory"))
+    try:
+        engine.generate(conformance.PROMPTS, sp)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    return ([[c.token_ids for c in g] for g in groups], [[c.token_ids for c in g] for g in again], err, workers,
+            raised)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_group_over_gloo(dirs):
+    """Two ranks: the leader's fake workers sit on both ranks' GPUs, the gathered handles reach each,
+    both ranks return the leader's completions, exact against transformers, across a sleep/sync/wake;
+    a failure on the leader reaches the other rank."""
+    from tests.distributed import run_ranks
+    (t0, a0, err, workers, raised0), (t1, a1, _, _, raised1) = run_ranks(2, _tp2, (dirs["a"],))
+    assert workers == ["GPU-fake-0", "GPU-fake-1"]
+    assert raised0 == "CUDA error: out of memory"
+    assert raised1 == "the rollout TP group's leader failed in TensorRT-LLM: RuntimeError: CUDA error: out of memory", \
+        "the other rank gets the leader's error instead of waiting forever"
+    assert t0 == t1 and a0 == a1 and t0 == a0
+    assert err <= conformance.TOL

@@ -1,0 +1,97 @@
+"""Partial rollouts on any engine: generation in token chunks that a weight update can interrupt.
+
+Engine-agnostic, on the rollout contract only (megarl/rollout/base.py): each chunk is one
+`engine.generate` call with n=1 per unfinished sequence, its prompt being the original prompt
+plus the response so far (as slime continues aborted samples). A weight update between two
+chunks is therefore invisible to the engine: the next chunk simply runs under the new weights.
+Each response token keeps the log-prob the engine reported when it was sampled and the weight
+version that sampled it.
+
+    gen = ChunkedGeneration(prompts, sampling, chunk_tokens=4)
+    while not gen.done:
+        gen.step(engine, version)            # one chunk for every unfinished sequence
+        if update_pending(): sync(); version += 1
+    groups, versions = gen.completions()     # per prompt, n Completions; per completion, a version per token
+
+The chunk's seed is derived from the sampling seed and the chunk index, so the same sequence of
+calls under the same weights gives the same tokens. Prompts that the engine's guard would
+truncate are not supported: prompt + partial response must fit the engine's prompt length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.trainer.generation import step_seed
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None             # None while unfinished
+
+
+class ChunkedGeneration:
+    def __init__(self, prompts: list[list[int]], sampling: SamplingParams, chunk_tokens: int):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+        self.sampling, self.chunk = sampling, chunk_tokens
+        self.n = sampling.n
+        self.prompts = [list(p) for p in prompts]
+        self.seqs = [_Seq(list(p)) for p in prompts for _ in range(sampling.n)]
+        self.chunks_done = 0
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish is not None for s in self.seqs)
+
+    def step(self, engine, version: int) -> int:
+        """Generate up to chunk_tokens more for every unfinished sequence; returns the tokens added."""
+        live = [s for s in self.seqs if s.finish is None]
+        if not live:
+            return 0
+        sp = self.sampling
+        budget = sp.max_tokens
+        if self.chunks_done == 0:
+            # First chunk: the n samples of a prompt still share it, so the engine gets n per
+            # prompt (engines share the prompt's prefill across them).
+            seed = None if sp.seed is None else step_seed(sp.seed, 0)
+            out = engine.generate(self.prompts, sp.with_(max_tokens=min(self.chunk, budget), seed=seed))
+            comps = [c for group in out for c in group]
+            self.chunks_done += 1
+            return sum(self._extend(s, c, version, min(self.chunk, budget)) for s, c in zip(self.seqs, comps))
+        # Sequences with the same remaining budget share a call; usually one call per chunk.
+        by_len: dict[int, list[_Seq]] = {}
+        for s in live:
+            by_len.setdefault(min(self.chunk, budget - len(s.tokens)), []).append(s)
+        added = 0
+        for k, (max_new, seqs) in enumerate(sorted(by_len.items())):
+            seed = None if sp.seed is None else step_seed(sp.seed, self.chunks_done, stream=k)
+            out = engine.generate([s.prompt + s.tokens for s in seqs], sp.with_(n=1, max_tokens=max_new, seed=seed))
+            added += sum(self._extend(s, group[0], version, max_new) for s, group in zip(seqs, out))
+        self.chunks_done += 1
+        return added
+
+    def _extend(self, s: _Seq, c: Completion, version: int, max_new: int) -> int:
+        if len(c.log_probs) != len(c.token_ids):
+            raise ValueError(f"engine returned {len(c.log_probs)} log-probs for {len(c.token_ids)} tokens")
+        s.tokens += c.token_ids
+        s.log_probs += c.log_probs
+        s.versions += [version] * len(c.token_ids)
+        if c.finish_reason in ("stop", "abort"):
+            s.finish = c.finish_reason
+        elif len(s.tokens) >= self.sampling.max_tokens:
+            s.finish = "length"
+        elif c.finish_reason == "length" and len(c.token_ids) < max_new:
+            s.finish = "length"                  # the engine's own context limit ended it
+        return len(c.token_ids)
+
+    def completions(self) -> tuple[list[list[Completion]], list[list[int]]]:
+        if not self.done:
+            raise RuntimeError("completions() before every sequence finished; call step() until done")
+        groups = [[Completion(s.tokens, s.log_probs, s.finish) for s in self.seqs[i:i + self.n]]
+                  for i in range(0, len(self.seqs), self.n)]
+        return groups, [s.versions for s in self.seqs]

@@ -1,0 +1,190 @@
+"""The pieces of async training, one process: off-policy corrections and staleness on
+hand-computed numbers, and partial (chunked) generation on the native engine against
+transformers as the oracle, with a weight update between two chunks."""
+import math
+
+import pytest
+import torch
+
+from megarl.algos.rollout_correction import masked_token_fraction, rollout_is_metrics, rollout_is_weights
+from megarl.algos.staleness import sample_versions, stale_rows, staleness_metrics
+
+# ratios r = pi_old / pi_rollout per token: 1.0, 2.0, 0.5, 4.0 | 1.2, 0.25, (pad), (pad)
+R = torch.tensor([[1.0, 2.0, 0.5, 4.0], [1.2, 0.25, 1.0, 1.0]])
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+ROLL = torch.zeros(2, 4)
+OLD = R.log()
+
+
+def test_masked_is_and_icepop_by_hand():
+    c = 3.0
+    tis = rollout_is_weights(OLD, ROLL, MASK, "token", c)
+    assert torch.allclose(tis, torch.tensor([[1.0, 2.0, 0.5, 3.0], [1.2, 0.25, 0, 0]]))
+    mis = rollout_is_weights(OLD, ROLL, MASK, "masked_token", c)        # r > c -> 0
+    assert torch.allclose(mis, torch.tensor([[1.0, 2.0, 0.5, 0.0], [1.2, 0.25, 0, 0]]))
+    ice = rollout_is_weights(OLD, ROLL, MASK, "icepop", c)              # r outside [1/3, 3] -> 0
+    assert torch.allclose(ice, torch.tensor([[1.0, 2.0, 0.5, 0.0], [1.2, 0.0, 0, 0]]))
+    assert masked_token_fraction(ice, MASK) == pytest.approx(2 / 6)
+    assert masked_token_fraction(mis, MASK) == pytest.approx(1 / 6)
+    # sequences: prod r = 4.0 and 0.3
+    seq = rollout_is_weights(OLD, ROLL, MASK, "sequence", c)
+    assert torch.allclose(seq, torch.tensor([[3.0] * 4, [0.3, 0.3, 0, 0]]))
+    mseq = rollout_is_weights(OLD, ROLL, MASK, "masked_sequence", c)
+    assert torch.allclose(mseq, torch.tensor([[0.0] * 4, [0.3, 0.3, 0, 0]]))
+    m = rollout_is_metrics(OLD, ROLL, MASK, "icepop", c)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 6)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="icepop"):
+        rollout_is_weights(OLD, ROLL, MASK, "nope", c)
+
+
+def test_icepop_in_the_actor_loss_removes_masked_tokens():
+    from megarl.algos.loss_fn import make_actor_loss_fn
+    from megarl.config import load_config
+    from megarl.protocol import DataProto
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=icepop",
+                             "algorithm.rollout_correction.rollout_is_threshold=3", "algorithm.adv_estimator=grpo",
+                             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.loss_agg_mode=token-mean"])
+    fn = make_actor_loss_fn(cfg)
+    logp = OLD.clone().requires_grad_(True)
+    b = DataProto({"response_mask": MASK, "old_log_probs": OLD, "rollout_log_probs": ROLL,
+                   "advantages": torch.ones(2, 4), "response_lens": MASK.sum(-1)})
+    loss, metrics = fn({"log_probs": logp}, b)
+    loss.backward()
+    assert float(metrics["rollout_corr/masked_token_fraction"]) == pytest.approx(2 / 6)
+    g = logp.grad
+    assert g[0, 3] == 0 and g[1, 1] == 0                       # masked tokens carry no gradient
+    assert g[0, 0] != 0 and g[0, 1] != 0 and g[1, 0] != 0
+
+
+def test_staleness_by_hand():
+    # versions per token; -1 is padding. Sample 2 spans versions 3 and 4 (a partial rollout).
+    tv = torch.tensor([[4, 4, -1], [3, 3, 3], [3, 4, 4], [5, -1, -1]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]])   # sample 3: empty, started under 5
+    oldest, newest = sample_versions(tv, mask)
+    assert oldest.tolist() == [4, 3, 3, 5] and newest.tolist() == [4, 3, 4, 5]
+    assert stale_rows(tv, mask, current_version=5, max_staleness=1).tolist() == [False, True, True, False]
+    assert stale_rows(tv, mask, current_version=5, max_staleness=2).tolist() == [False] * 4
+    m = staleness_metrics(tv, mask, current_version=5, bins=2)
+    assert m["async/staleness_hist/0"] == 0.25 and m["async/staleness_hist/1"] == 0.25
+    assert m["async/staleness_hist/2+"] == 0.5
+    assert m["async/staleness_mean"] == pytest.approx((1 + 2 + 2 + 0) / 4) and m["async/staleness_max"] == 2
+    assert m["async/mixed_version_fraction"] == 0.25
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from megarl.models.tiny import make_tiny_hf
+    return make_tiny_hf(str(tmp_path_factory.mktemp("partial") / "qwen2"), "qwen2", seed=3, vocab_size=301,
+                        tokenizer=False)
+
+
+def _greedy_oracle(model, prompt, n_tokens):
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            tok = int(logits.argmax())
+            lps.append(float(torch.log_softmax(logits, -1)[tok]))
+            ids.append(tok)
+    return ids[len(prompt):], lps
+
+
+def test_partial_rollout_continues_under_new_weights(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.partial import ChunkedGeneration
+    from megarl.rollout.registry import build_rollout
+
+    engine = build_rollout(RolloutConfig(name="native", dtype="float32"), tiny)
+    v0 = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    engine.update_weights(v0.state_dict().items())     # built without weights: v0 arrives as a sync would
+    engine.finalize_weights()
+    prompts = [[5, 17, 42, 8], [3, 3, 9]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # Without an interruption, chunks of 2 give what one call gives.
+    whole = engine.generate(prompts, greedy)
+    gen = ChunkedGeneration(prompts, greedy, chunk_tokens=2)
+    while not gen.done:
+        gen.step(engine, 0)
+    groups, versions = gen.completions()
+    assert [g[0].token_ids for g in groups] == [w[0].token_ids for w in whole]
+    assert versions == [[0] * 6, [0] * 6]
+
+    # Interrupted: 2 tokens under v0, then a weight update, then the rest under v1.
+    gen = ChunkedGeneration(prompts, greedy, chunk_tokens=2)
+    gen.step(engine, 0)
+    g = torch.Generator().manual_seed(0)
+    new = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in v0.state_dict().items()}
+    v1 = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    v1.load_state_dict(new)
+    engine.update_weights(new.items())
+    engine.finalize_weights()
+    while not gen.done:
+        gen.step(engine, 1)
+    groups, versions = gen.completions()
+    assert versions == [[0, 0, 1, 1, 1, 1]] * 2
+    for prompt, group in zip(prompts, groups):
+        c = group[0]
+        head, head_lp = _greedy_oracle(v0, prompt, 2)
+        tail, tail_lp = _greedy_oracle(v1, prompt + head, 4)
+        assert c.token_ids == head + tail and c.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(c.log_probs, head_lp + tail_lp)) < 1e-4
+    assert groups[0][0].token_ids != whole[0][0].token_ids or groups[1][0].token_ids != whole[1][0].token_ids
+
+    # Sampled, n=2 per prompt: the same calls under the same weights give the same tokens.
+    sampled = SamplingParams(temperature=1.0, max_tokens=5, n=2, seed=7)
+    runs = []
+    for _ in range(2):
+        gen = ChunkedGeneration(prompts, sampled, chunk_tokens=2)
+        while not gen.done:
+            gen.step(engine, 1)
+        runs.append(gen.completions()[0])
+    assert [len(gr) for gr in runs[0]] == [2, 2]
+    assert [[c.token_ids for c in gr] for gr in runs[0]] == [[c.token_ids for c in gr] for gr in runs[1]]
+    assert all(math.isfinite(lp) and lp <= 0 for gr in runs[0] for c in gr for lp in c.log_probs)
+
+
+def test_stale_groups_are_regenerated_or_dropped(tiny):
+    """RolloutWorker.enforce_staleness on a real native engine (one rollout rank)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config import load_config
+    from megarl.parallel.state import Layout
+    from megarl.protocol import DataProto
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.registry import build_rollout
+    from megarl.rollout.sampling import train_sampling
+    from megarl.trainer.fit_async import RolloutWorker
+    from megarl.trainer.parts import Parts
+    from megarl.trainer.ranks import Ranks
+
+    engine = build_rollout(RolloutConfig(name="native", dtype="float32"), tiny)
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict().items())
+    engine.finalize_weights()
+    cfg = load_config(None, ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=4",
+                             "async_training.max_staleness=1"])
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.cfg, w.acfg, w.version = cfg, cfg.async_training, 3
+    w.p = Parts(*[None] * 13)
+    w.p.rollout, w.p.pad_token_id = engine, 0
+    w.ranks = Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu"), train=Layout(1, 1, 1, 0, 0, 0),
+                    rollout_tp=1, rollout_dp=1, rollout_dp_rank=0, rollout_tp_rank=0, rollout_group=None)
+    w.sampling = train_sampling(cfg.rollout, [2])
+    prompts = DataProto(non_tensor_batch={"prompt_token_ids": np.array([[5, 17, 42], [3, 3, 9], [7, 8]], dtype=object),
+                                          "uid": np.array(["a", "b", "c"], dtype=object)})
+    batch = w.generate(prompts, t=4)
+    assert (batch.batch["token_versions"][batch.batch["response_mask"] > 0] == 3).all()
+    # Pretend prompt "b"'s second sample began under version 1: 2 behind version 3 (batch 4).
+    batch.batch["token_versions"][3, 0] = 1
+    batch.batch["response_mask"][3, 0] = 1
+    kept, m = w.enforce_staleness(batch, prompts, t=4)
+    assert m["stale_groups"] == 1 and m["regenerated_groups"] == 1 and len(kept) == 6
+    assert sorted(kept.non_tensor_batch["uid"].tolist()) == ["a", "a", "b", "b", "c", "c"]
+    assert (kept.batch["token_versions"][kept.batch["response_mask"] > 0] == 3).all()
+    w.acfg.stale_samples = "drop"
+    kept, m = w.enforce_staleness(batch, prompts, t=4)
+    assert m["dropped_groups"] == 1 and kept.non_tensor_batch["uid"].tolist() == ["a", "a", "c", "c"]

@@ -1,0 +1,190 @@
+"""The GPU path's logic, checked on CPU: batches on the model's device, offload/onload around the
+rollout, peak memory per phase, MFU (FLOPs by hand, peaks by GPU name), and the gpu check's report
+plumbing. The same worker checks run on CUDA in tests/gpu (tests/worker_checks.py)."""
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from megarl.models.flops import attention_flops, forward_flops, matmul_params, training_flops
+from megarl.models.spec import ModelSpec
+from megarl.trainer.memory import PhaseMemory
+from megarl.trainer.mfu import MFUMeter, PhaseWork, resolve_peak_flops, table_peak_tflops
+from megarl.workers.offload import HostStash
+from tests.distributed import run_ranks
+from tests.worker_checks import check_all
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _spec(**kw):
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64,
+           "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **kw}
+    return ModelSpec.from_hf_config(cfg)
+
+
+def test_flops_by_hand():
+    s = _spec()                       # h 64, 8 heads of 8, 2 KV heads, ffn 160, 3 layers, vocab 1000
+    # per layer: q 64x64, k and v 64x16 each, o 64x64, mlp 3 x 64x160; head 64x1000
+    per_layer = 64 * 64 + 2 * 64 * 16 + 64 * 64 + 3 * 64 * 160
+    assert matmul_params(s) == 3 * per_layer + 64 * 1000
+    assert matmul_params(s, head="value") == 3 * per_layer + 64
+    # causal attention of a 5-token sequence: 15 (q, k) pairs, QK^T and AV, 2 FLOPs each, 64 wide, 3 layers
+    assert attention_flops(s, 5) == 3 * 2 * 2 * 64 * 15
+    lens = [5, 2]                     # real lengths, not the padded width
+    fwd = 2 * matmul_params(s) * 7 + 3 * 4 * 64 * (15 + 3)
+    assert forward_flops(s, lens) == fwd
+    assert training_flops(s, lens) == 3 * fwd and training_flops(s, lens, recompute=True) == 4 * fwd
+
+
+def test_peak_by_gpu_name_and_key():
+    assert table_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert table_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert table_peak_tflops("NVIDIA H200") == 989.0
+    assert table_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert table_peak_tflops("NVIDIA L40S") == 362.0
+    assert table_peak_tflops("Some Future Accelerator") is None
+    assert resolve_peak_flops(None, torch.device("cpu"))[0] is None          # no MFU on CPU by default
+    assert resolve_peak_flops(2.5, torch.device("cpu"))[0] == 2.5e12
+
+
+def test_mfu_metrics_from_timings():
+    from megarl.protocol import DataProto
+    s = _spec()
+    batch = DataProto.from_dict({"prompt_lens": torch.tensor([3, 2]), "response_lens": torch.tensor([2, 0])})
+    work = {"update_actor": PhaseWork("actor", s, "lm", True, repeats=2),
+            "old_log_prob": PhaseWork("compute_log_prob", s, "lm", False)}
+    meter = MFUMeter(work, world=2, peak_flops=1e9)
+    got = meter.metrics(batch, {"update_actor": 0.5, "old_log_prob": 0.25, "gen": 1.0})
+    fwd = forward_flops(s, [5, 2])
+    assert set(got) == {"perf/mfu/actor", "perf/mfu/compute_log_prob"}
+    assert math.isclose(got["perf/mfu/actor"], 2 * 3 * fwd / (0.5 * 2 * 1e9))
+    assert math.isclose(got["perf/mfu/compute_log_prob"], fwd / (0.25 * 2 * 1e9))
+    assert MFUMeter(work, 2, None).metrics(batch, {"update_actor": 0.5}) == {}
+
+
+def test_peak_tflops_key_is_validated():
+    from megarl.config import ConfigError
+    from megarl.trainer.config import TrainerConfig
+    assert TrainerConfig(peak_tflops=989).peak_tflops == 989
+    with pytest.raises(ConfigError, match="peak_tflops"):
+        TrainerConfig(peak_tflops=0)
+
+
+def test_host_stash_frees_storage_and_restores_bit_exact():
+    w = torch.randn(64, 32)
+    view = w[3:7]                     # a view (as DDP's main_grad views into its flat buffer)
+    g = torch.randn(100)
+    want_w, want_view = w.clone(), view.clone()
+    stash = HostStash()
+    done = stash.offload([w, view], keep=True)
+    stash.offload([g, w], keep=False, skip=done)   # w is held already: not freed twice, not zeroed
+    assert w.untyped_storage().nbytes() == 0 and view.untyped_storage().nbytes() == 0
+    assert g.untyped_storage().nbytes() == 0 and stash.nbytes == (64 * 32 + 100) * 4
+    stash.onload()
+    assert torch.equal(w, want_w) and torch.equal(view, want_view)
+    assert torch.equal(g, torch.zeros(100))        # keep=False: freed without a copy, back as zeros
+    assert not stash
+
+
+def test_phase_memory_nested_on_cpu():
+    meter = PhaseMemory(torch.device("cpu"))
+    if not meter.enabled:
+        pytest.skip("no /proc/self/status here")
+    keep = []
+    with meter.phase("step"):
+        with meter.phase("small"):
+            pass
+        with meter.phase("big"):
+            keep.append(torch.ones(48 * 2**20 // 4))   # 48 MiB, touched
+        with meter.phase(None):                        # a disabled phase is not reported
+            pass
+    got = meter.metrics()
+    assert set(got) == {"memory/step_rss_growth_gb", "memory/small_rss_growth_gb", "memory/big_rss_growth_gb"}
+    assert got["memory/big_rss_growth_gb"] >= 40 / 1024
+    assert got["memory/step_rss_growth_gb"] >= got["memory/big_rss_growth_gb"] - 1 / 1024
+    assert got["memory/small_rss_growth_gb"] < got["memory/big_rss_growth_gb"]
+    assert meter.metrics() == {}
+
+
+def test_trainer_handoff_moves_every_trainable_role():
+    from types import SimpleNamespace
+
+    from megarl.trainer.fit import RLTrainer
+
+    class Role:
+        def __init__(self, n):
+            self.n, self.calls = n, []
+
+        def offload(self):
+            self.calls.append("off")
+            return self.n
+
+        def onload(self):
+            self.calls.append("on")
+
+    actor, critic = Role(2**30), Role(2**29)
+    fake = SimpleNamespace(p=SimpleNamespace(trainable_roles=lambda: {"actor": actor, "critic": critic}), extra={})
+    RLTrainer.handoff(fake, "engine")
+    RLTrainer.handoff(fake, "trainer")
+    assert actor.calls == critic.calls == ["off", "on"]
+    assert fake.extra == {"memory/offloaded_gb": 1.5}
+
+
+@pytest.mark.timeout(300)
+def test_device_placement_offload_cycle_and_weight_sync_on_gloo(tmp_path):
+    from megarl.models.tiny import make_tiny_hf
+    path = make_tiny_hf(str(tmp_path / "m"), "qwen2", seed=5, tokenizer=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run_ranks(2, check_all, (path, "cpu"))
+    off = [g["offload"] for g in got]
+    assert off[0]["moved_bytes"] > 0 and off[0]["metrics"] == off[1]["metrics"]
+    assert got[0]["sync"]["sync"]["weight_sync/seconds"] > 0
+
+
+def test_gpu_check_report_plumbing_on_cpu(tmp_path):
+    """`--device cpu --dry-run` goes through every section of the report quickly and writes both files."""
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--dry-run",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    for key in ("device", "versions", "sections"):
+        assert key in report
+    assert {"torch", "megatron-core", "transformers"} <= set(report["versions"])
+    sections = {s["name"]: s for s in report["sections"]}
+    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "mfu", "offload"}
+    assert all(s["ok"] for s in sections.values()), [s.get("traceback") for s in sections.values()]
+    upd = sections["update_step_micro2"]["result"]
+    assert upd["update_policy_mfu"] > 0 and upd["weight_sync"]["gb_per_s"] > 0
+    assert upd["offload"]["resident_gb_after"] == 0 < upd["offload"]["resident_gb_before"]
+    md = (out / "gpu_check.md").read_text()
+    assert "| update_policy MFU (micro 2, tiny) |" in md and "| rollout tokens/s |" in md
+
+
+def test_gpu_check_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible here")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stdout.strip().splitlines() + proc.stderr.strip().splitlines()
+             if line.startswith("gpu_check")]
+    assert len(lines) == 1 and "no CUDA device" in lines[0], proc.stdout + proc.stderr
+
+
+def test_distributed_optimizer_default_follows_the_device():
+    from megarl.workers.actor import _distributed_optimizer
+    from megarl.workers.config import MegatronConfig
+    # null: megatron's distributed optimizer wherever megatron's optimizer runs (CUDA); CPU runs CPUAdamW
+    assert _distributed_optimizer(MegatronConfig()) is torch.cuda.is_available()
+    assert _distributed_optimizer(MegatronConfig(use_distributed_optimizer=False)) is False
+    assert _distributed_optimizer(MegatronConfig(use_distributed_optimizer=True)) is True
