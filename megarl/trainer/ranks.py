@@ -140,7 +140,8 @@ def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
                   n_trainers=N, rollout_tp=rtp, rollout_dp=R // rtp, rollout_group=group, local_rank=env.local_rank,
                   device=state.device())
     if is_trainer:
-        lay = state.init_model_parallel(tp, pp, seed=cfg.actor.megatron.seed)
+        lay = state.init_model_parallel(tp, pp, seed=cfg.actor.megatron.seed,
+                                        ep=cfg.actor.megatron.expert_model_parallel_size)
         return Ranks(rank=rank, world=N, train=lay, rollout_dp_rank=-1, rollout_tp_rank=-1, role="trainer", **common)
     r = rank - N
     return Ranks(rank=r, world=R, train=state.Layout(tp, pp, dp, -1, -1, -1), rollout_dp_rank=r // rtp,
