@@ -29,11 +29,6 @@ GENERIC = {
     "actor_rollout_ref.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
     "critic.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
 }
-# Being made to act by other wave-2 helpers right now (issues 13, 14, 17); delete an entry when its
-# branch is merged and the key is read. Each must still be a real key.
-IN_FLIGHT = {
-    "expert_model_parallel_size",
-}
 
 
 def _section(tp):
@@ -70,8 +65,7 @@ def attribute_reads() -> set[str]:
 def test_every_leaf_acts_or_is_refused():
     reads = attribute_reads()
     idle = [k for k in leaves()
-            if k.split(".")[-1] not in reads and k not in REFUSED and k not in ALIASES and k not in GENERIC
-            and k.split(".")[-1] not in IN_FLIGHT]
+            if k.split(".")[-1] not in reads and k not in REFUSED and k not in ALIASES and k not in GENERIC]
     assert not idle, (f"accepted but never read outside the config modules: {idle}; read them where they act, "
                       "or refuse them in megarl/config/refused.py")
 
@@ -80,8 +74,6 @@ def test_lists_name_real_keys():
     keys = set(all_keys(ExperimentConfig))
     for key in (*REFUSED, *ALIASES, *ALIASES.values(), *GENERIC):
         assert key in keys, key
-    leaf_names = {k.split(".")[-1] for k in keys}
-    assert IN_FLIGHT <= leaf_names
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

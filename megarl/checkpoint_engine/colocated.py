@@ -178,6 +178,10 @@ class ColocatedSync:
 
     # -- one sync -----------------------------------------------------------------------------------
     def sync(self) -> dict[str, float]:
+        with self.src.all_experts():      # MoE under EP: every expert, for this sync
+            return self._sync()
+
+    def _sync(self) -> dict[str, float]:
         """Collective: every rank calls it. Raises WeightSyncError (on every rank) if any failed."""
         buckets = self.plan.buckets
         error: BaseException | None = None

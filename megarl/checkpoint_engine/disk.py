@@ -129,6 +129,10 @@ class DiskSync:
             shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
 
     def sync(self) -> dict[str, float]:
+        with self.src.all_experts():      # MoE under EP: every expert, for this sync
+            return self._sync()
+
+    def _sync(self) -> dict[str, float]:
         """Collective over the training ranks; returns metrics, raises WeightSyncError on failure."""
         self.version += 1
         name = f"step_{self.version:06d}"

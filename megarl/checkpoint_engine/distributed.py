@@ -99,6 +99,10 @@ class DisaggregatedSender:
         _check_same(self.plan, self.dtype, groups.everyone)
 
     def sync(self) -> dict[str, float]:
+        with self.src.all_experts():      # MoE under EP: every expert, for this sync
+            return self._sync()
+
+    def _sync(self) -> dict[str, float]:
         src, key = self.src, (self.src.tp_rank, self.src.pp_rank)
         wire, in_flight = 0, []
         start = time.perf_counter()

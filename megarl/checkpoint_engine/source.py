@@ -8,13 +8,14 @@ them; the tensors are the live parameters (no copy).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megarl.models.convert import to_global
+from megarl.models.convert import expert_of, to_global, to_local
 from megarl.models.spec import ModelSpec
 
 
@@ -32,6 +33,9 @@ class ShardSource:
     pp_group: Any = None                   # megatron's PP group (None when PP = 1)
     hf_dtype: torch.dtype | None = None    # the HF checkpoint's dtype (what disk exports write)
     vpp: int = 1                           # virtual-pipeline chunks per stage (params hold them all)
+    ep: int = 1                            # MoE expert parallel: `params` holds this rank's experts only
+    ep_rank: int = 0
+    ep_group: Any = None
 
     @classmethod
     def from_actor(cls, actor) -> "ShardSource":
@@ -43,12 +47,39 @@ class ShardSource:
         offsets = getattr(actor, "layer_offsets", None) or [actor.layer_offset]
         for chunk, offset in zip(actor.model_chunks, offsets, strict=True):
             for local, p in chunk.named_parameters():
-                params[to_global(local, offset)] = p.data
+                params[to_global(local, offset, getattr(eng, "expert_offset", 0))] = p.data
         return cls(spec=actor.spec, tp=lay.tp, pp=lay.pp, tp_rank=lay.tp_rank, pp_rank=lay.pp_rank,
                    dp_rank=lay.dp_rank, params=params, head=eng.es.head,
                    tp_group=state.tp_group() if lay.tp > 1 else None,
                    pp_group=state.pp_group() if lay.pp > 1 else None, hf_dtype=getattr(eng, "hf_dtype", None),
-                   vpp=getattr(lay, "vpp", 1))
+                   vpp=getattr(lay, "vpp", 1), ep=lay.ep, ep_rank=lay.ep_rank,
+                   ep_group=state.ep_group() if lay.ep > 1 else None)
+
+    @contextlib.contextmanager
+    def all_experts(self):
+        """Collective over the EP group (every rank calls it): for the duration, `params` holds
+        every expert's TP shard, the other EP ranks' ones all-gathered, so a transfer plan sees
+        an EP = 1 layout. Costs one extra copy of the other ranks' experts while a sync runs (what
+        the colocated engine holds anyway); one all-gather per expert tensor."""
+        if self.ep == 1:
+            yield
+            return
+        per = self.spec.num_experts // self.ep
+        mine = self.ep_rank * per
+        # Every EP rank holds the same local names; sorting them gives one order everywhere.
+        local = sorted(to_local(n, 0, mine) for n in self.params if expert_of(n) is not None)
+        extra: dict[str, torch.Tensor] = {}
+        for name in local:
+            t = self.params[to_global(name, 0, mine)].contiguous()
+            parts = [torch.empty_like(t) for _ in range(self.ep)]
+            dist.all_gather(parts, t, group=self.ep_group)
+            extra.update({to_global(name, 0, r * per): part for r, part in enumerate(parts) if r != self.ep_rank})
+        self.params.update(extra)
+        try:
+            yield
+        finally:
+            for name in extra:
+                del self.params[name]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -228,9 +228,9 @@ class ExperimentConfig:
             if layout is not None and _shared_layout(layout) != actor_layout:
                 theirs = _shared_layout(layout)
                 raise ConfigError(
-                    f"TP x PP x CP x VPP {theirs} differs from the actor's {actor_layout}; roles share one megatron "
-                    f"layout, so {role} must use the actor's layout (remove its tensor/pipeline/context/"
-                    "virtual_pipeline sizes)", f"{role}.megatron.tensor_model_parallel_size")
+                    f"TP x PP x CP x VPP x EP {theirs} differs from the actor's {actor_layout}; roles share one "
+                    f"megatron layout, so {role} must use the actor's layout (remove its tensor/pipeline/context/"
+                    "virtual_pipeline/expert sizes)", f"{role}.megatron.tensor_model_parallel_size")
         dp = self.data_parallel_size()
         rollout_ranks = ro.disaggregated_ranks if ro.placement == "disaggregated" else tr.world_size
         if rollout_ranks % ro.tensor_model_parallel_size:
@@ -313,10 +313,43 @@ class ExperimentConfig:
             raise ConfigError(f"prompt {ro.prompt_length} + response {ro.response_length} tokens = "
                               f"{ro.prompt_length + ro.response_length} exceed the model's {positions} positions "
                               f"(max_position_embeddings); {fix}", "data.max_response_length")
+        self._check_model_spec(hf_config, layouts)
         rtp = self.rollout.tensor_model_parallel_size
         if heads % rtp or kv % rtp:
             raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
                               "groups", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+
+    def _check_model_spec(self, hf_config: dict, layouts) -> None:
+        """Expert-parallel layouts (MoE) and Mistral's sliding window, judged on megarl's ModelSpec."""
+        from megarl.models.spec import ModelSpec, check_experts, check_window
+        try:
+            spec = ModelSpec.from_hf_config(hf_config)
+        except ValueError:
+            return                             # the workers refuse the model itself, with its reason
+        for role, layout in layouts:
+            tp, pp, ep = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                          layout.expert_model_parallel_size)
+            try:
+                check_experts(spec, tp, pp, ep, layout.expert_tensor_parallel_size, self.train_world_size)
+            except ValueError as err:
+                raise ConfigError(str(err), f"{role}.megatron.expert_model_parallel_size") from None
+            # megatron's MoE layer refuses to train under TP without SP: each TP rank's copy of a
+            # token would reach the experts (the reference only runs forward, which is exact).
+            if spec.is_moe and (layout.context_parallel_size > 1 or (layout.virtual_pipeline_model_parallel_size or 1) > 1):
+                raise ConfigError("MoE models are not supported with context parallelism or a virtual pipeline yet "
+                                  "(neither is tested with megatron's MoE layer here); set context_parallel_size=1 "
+                                  "and virtual_pipeline_model_parallel_size=null", f"{role}.megatron.context_parallel_size")
+            if spec.is_moe and tp > 1 and not layout.sequence_parallel_on and role != "actor_rollout_ref.ref":
+                raise ConfigError(f"a MoE model trains at TP {tp} > 1 only with sequence parallelism (megatron's "
+                                  "rule): set sequence_parallel=true (or null), or tensor_model_parallel_size=1",
+                                  f"{role}.megatron.sequence_parallel")
+        ro, data = self.rollout, self.data
+        longest = max((ro.prompt_length or data.max_prompt_length) + (ro.response_length or data.max_response_length),
+                      data.max_prompt_length + data.max_response_length)
+        try:
+            check_window(spec, longest)
+        except ValueError as err:
+            raise ConfigError(str(err), "data.max_response_length") from None
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -326,9 +359,9 @@ class ExperimentConfig:
 
 
 def _shared_layout(m: MegatronConfig) -> tuple:
-    """What megatron's process-global parallel_state fixes: (TP, PP, CP, VPP)."""
+    """What megatron's process-global parallel_state fixes: (TP, PP, CP, VPP, EP)."""
     return (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size,
-            m.virtual_pipeline_model_parallel_size or 1)
+            m.virtual_pipeline_model_parallel_size or 1, m.expert_model_parallel_size)
 
 
 def _vpp_micro(seqs: int, dp: int, pp: int) -> int | None:

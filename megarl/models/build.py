@@ -29,7 +29,8 @@ from megarl.models.spec import ModelSpec
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32,
                        cpu_init: bool | None = None, sequence_parallel: bool = False,
                        recompute: bool = False, overrides: dict[str, Any] | None = None,
-                       cp: int = 1, vpp: int | None = None) -> TransformerConfig:
+                       cp: int = 1, vpp: int | None = None, ep: int = 1,
+                       etp: int | None = None) -> TransformerConfig:
     """The TransformerConfig of `spec` under (TP, PP). Weights are loaded afterwards, so megatron's
     random initialisation is skipped. `calculate_per_token_loss=True` turns off megatron's own loss
     scaling (division by micro-batch count, DDP averaging): megarl's loss functions normalise
@@ -49,7 +50,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         use_cpu_initialization=cpu_init, perform_initialization=False,
         calculate_per_token_loss=True, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=False, qk_layernorm=spec.qk_norm,
         # megarl builds megatron's local spec; `transformer_engine` (an override) swaps in TE's norm.
         transformer_impl="local",
     )
@@ -58,21 +59,60 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         # rank, and megatron's batched p2p then matches a forward send with a backward receive
         # (same shapes, wrong data). Its unbatched path orders the two directions apart.
         kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=False)
+    kwargs.update(moe_config(spec, tp, ep, etp))
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
 
+def moe_config(spec: ModelSpec, tp: int, ep: int, etp: int | None = None) -> dict[str, Any]:
+    """TransformerConfig keys of a MoE model, as its HF config says. HF's softmax router with
+    norm_topk_prob=true (softmax over the top-k logits) is megatron's default; false (softmax over
+    all experts, top-k of those probabilities unnormalised) is megatron's pre-softmax routing.
+    The aux loss is megatron's per-layer switch load-balancing loss with the HF coefficient (HF
+    computes one loss over all layers' router outputs; megatron sums per-layer losses). No token
+    dropping (capacity None), as in HF. The all-gather dispatcher runs on gloo and NCCL alike
+    (megatron's all-to-all one creates a CUDA stream at build); override_transformer_config can
+    pick another on GPUs."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk,
+        moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=spec.aux_loss_coef, moe_z_loss_coeff=spec.z_loss_coef or None,
+        moe_router_dtype="fp32", moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn or None,
+        moe_shared_expert_gate=bool(spec.shared_expert_ffn), moe_permute_fusion=False,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
+
+
+def _no_te_router_gemm() -> None:
+    """megatron-core 0.16's router gating references `te_general_gemm`, which it defines only
+    when Transformer Engine imports; without TE the name is missing and routing raises
+    NameError. Define it as None, which selects megatron's own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+
+
 def layer_spec(spec: ModelSpec, config: TransformerConfig | None = None) -> ModuleSpec:
     """megatron's local (no Transformer Engine) layer spec with SDPA core attention (its
-    context-parallel form when CP > 1) and megarl's norm, which supports sequence parallelism."""
-    out = get_gpt_layer_local_spec(normalization="RMSNorm")
+    context-parallel form when CP > 1) and megarl's norm, which supports sequence parallelism;
+    q/k RMSNorm for Qwen3, megatron's MoE layer (SequentialMLP experts) for MoE models."""
+    if spec.is_moe:
+        _no_te_router_gemm()
+    out = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                                   qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     cp = config.context_parallel_size if config is not None else 1
     out.submodules.self_attention.submodules.core_attention = CPCoreAttention if cp > 1 else SDPACoreAttention
     norm = norm_class(config) if config is not None else Norm
     out.submodules.input_layernorm = norm
     out.submodules.pre_mlp_layernorm = norm
+    if spec.qk_norm:
+        # megatron's torch norm refuses SP; megatron sums q/k norm grads over TP by name either way.
+        out.submodules.self_attention.submodules.q_layernorm = norm
+        out.submodules.self_attention.submodules.k_layernorm = norm
     return out
 
 
@@ -121,7 +161,20 @@ def build_gpt(spec: ModelSpec, config: TransformerConfig, pre_process: bool, pos
     if head == "value" and post_process:
         model.output_layer = ValueHead(config)
     _mark_tensor_parallel(model, head)
+    if spec.is_moe:
+        _route_loss_per_micro_batch(model)
     return model
+
+
+def _route_loss_per_micro_batch(model: GPTModel) -> None:
+    """With calculate_per_token_loss megatron multiplies each router's aux/z loss by the
+    micro-batch's token count and relies on finalize_model_grads dividing by the total; megarl's
+    gradient contract drops that division (megarl/workers/engine.py). So the routers add their
+    loss unscaled, and the engine sets the coefficient per mini-batch (moe_loss_scale)."""
+    from megatron.core.transformer.moe.router import Router
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.calculate_per_token_loss = False
 
 
 def _mark_tensor_parallel(model: GPTModel, head: str) -> None:

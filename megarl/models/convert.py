@@ -1,4 +1,5 @@
-"""Pure HF <-> megatron-core parameter conversion for the Llama/Qwen2 local spec.
+"""Pure HF <-> megatron-core parameter conversion for megarl's local spec (Llama, Mistral, Qwen2,
+Qwen3 and the Qwen2/Qwen3 MoE models).
 
 No I/O and no process groups: every function takes the TP rank/size it is about. Names on the
 megatron side are *global* (layer index counted over the whole model, no DDP `module.` prefix):
@@ -11,6 +12,11 @@ megatron side are *global* (layer index counted over the whole model, no DDP `mo
     decoder.layers.N.pre_mlp_layernorm.weight       [h]
     decoder.layers.N.mlp.linear_fc1.weight          [2*f/T, h]  [gate_r; up_r]
     decoder.layers.N.mlp.linear_fc2.weight          [h, f/T]
+    decoder.layers.N.self_attention.{q,k}_layernorm.weight   [hn]   (Qwen3: per-head q/k RMSNorm)
+    decoder.layers.N.mlp.router.weight              [E, h]      (MoE, replicated)
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight  [2*fe/T, h]  E: *global* expert
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight  [h, fe/T]
+    decoder.layers.N.mlp.shared_experts.linear_fc{1,2}.weight, .gate_weight [1, h]   (Qwen2-MoE)
     decoder.final_layernorm.weight                  [h]
     output_layer.weight                             [Vp/T, h] lm head, or [1, h] value head
 
@@ -34,6 +40,7 @@ import torch
 from megarl.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
@@ -41,9 +48,26 @@ _PER_LAYER = {  # megatron suffix -> HF suffix under model.layers.N. (fused ones
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
-_ROW_PARALLEL = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}  # split on dim 1
+_REPLICATED = {"input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.q_layernorm.weight",
+               "self_attention.k_layernorm.weight", "mlp.router.weight", "mlp.shared_experts.gate_weight"}
+
+
+def _ffn(rest: str, spec: ModelSpec) -> tuple[str, int, str] | None:
+    """For a SwiGLU linear (dense MLP, one expert, the shared expert): ("fc1" | "fc2", its
+    intermediate size, the HF prefix under model.layers.N.); None for anything else."""
+    m = _EXPERT.match(rest)
+    if m:
+        return m.group(2)[7:10], spec.moe_ffn_hidden_size, f"mlp.experts.{m.group(1)}."
+    if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+        return rest[11:14], spec.ffn_hidden_size, "mlp."
+    if rest in ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"):
+        return rest[26:29], spec.shared_expert_ffn, "mlp.shared_expert."
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,16 +85,29 @@ class Slice:
 
 
 # -- names ------------------------------------------------------------------------------------------
-def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head: str = "lm") -> list[str]:
-    """Global megatron names of the parameters a pipeline stage holds (`layers` = its global layers)."""
+def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head: str = "lm",
+                   experts: range | None = None) -> list[str]:
+    """Global megatron names of the parameters a pipeline stage holds (`layers` = its global
+    layers; `experts` = the global experts this expert-parallel rank holds, default all)."""
     names = [EMBED] if first else []
     for n in layers:
         p = f"decoder.layers.{n}."
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
         if spec.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
-        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        if spec.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if not spec.is_moe:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            continue
+        names.append(p + "mlp.router.weight")
+        for e in (range(spec.num_experts) if experts is None else experts):
+            names += [f"{p}mlp.experts.local_experts.{e}.linear_fc1.weight",
+                      f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight"]
+        if spec.shared_expert_ffn:
+            names += [p + "mlp.shared_experts.gate_weight", p + "mlp.shared_experts.linear_fc1.weight",
+                      p + "mlp.shared_experts.linear_fc2.weight"]
     if last:
         names.append(FINAL_NORM)
         # A tied LM on a single stage has no output_layer weight (it reads the embedding's).
@@ -79,15 +116,27 @@ def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head
     return names
 
 
-def to_global(local_name: str, offset: int) -> str:
-    """`decoder.layers.3.x` on a stage whose first layer is global `offset` -> `decoder.layers.{3+offset}.x`."""
+def to_global(local_name: str, offset: int, expert_offset: int = 0) -> str:
+    """`decoder.layers.3.x` on a stage whose first layer is global `offset` -> `decoder.layers.{3+offset}.x`;
+    a local expert index i on an expert-parallel rank whose first expert is `expert_offset` -> i + expert_offset."""
     m = _LAYER.match(local_name)
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else local_name
+    if not m:
+        return local_name
+    rest, e = m.group(2), _EXPERT.match(m.group(2))
+    if e:
+        rest = f"mlp.experts.local_experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
+    return f"decoder.layers.{int(m.group(1)) + offset}.{rest}"
 
 
-def to_local(global_name: str, offset: int) -> str:
-    m = _LAYER.match(global_name)
-    return f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else global_name
+def to_local(global_name: str, offset: int, expert_offset: int = 0) -> str:
+    return to_global(global_name, -offset, -expert_offset)
+
+
+def expert_of(name: str) -> int | None:
+    """The global expert index of an expert weight's megatron name, else None."""
+    m = _LAYER.match(name)
+    e = _EXPERT.match(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
 
 
 def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
@@ -110,9 +159,11 @@ def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
-    if rest == "mlp.linear_fc1.weight":
-        return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-    raise KeyError(f"{name!r} is not a megatron parameter of the Llama/Qwen2 local spec")
+    ffn = _ffn(rest, spec)
+    if ffn is not None:
+        kind, _, q = ffn
+        return [p + q + "gate_proj.weight", p + q + "up_proj.weight"] if kind == "fc1" else [p + q + "down_proj.weight"]
+    raise KeyError(f"{name!r} is not a megatron parameter of megarl's local spec")
 
 
 def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
@@ -128,8 +179,19 @@ def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (spec.num_kv_heads * hn, h),
             p + "self_attn.v_proj.weight": (spec.num_kv_heads * hn, h),
             p + "self_attn.o_proj.weight": (h, spec.num_heads * hn),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
         })
+        if spec.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (hn,), p + "self_attn.k_norm.weight": (hn,)})
+        mlps = [("mlp.", f)] if not spec.is_moe else \
+            [(f"mlp.experts.{e}.", spec.moe_ffn_hidden_size) for e in range(spec.num_experts)]
+        if spec.is_moe:
+            out[p + "mlp.gate.weight"] = (spec.num_experts, h)
+        if spec.shared_expert_ffn:
+            mlps.append(("mlp.shared_expert.", spec.shared_expert_ffn))
+            out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        for q, ff in mlps:
+            out.update({p + q + "gate_proj.weight": (ff, h), p + q + "up_proj.weight": (ff, h),
+                        p + q + "down_proj.weight": (h, ff)})
         if spec.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (spec.num_heads * hn,),
                         p + "self_attn.k_proj.bias": (spec.num_kv_heads * hn,),
@@ -152,13 +214,17 @@ def shard_shape(name: str, spec: ModelSpec, tp: int, head: str = "lm") -> tuple[
     if name == FINAL_NORM:
         return (h,)
     rest = _LAYER.match(name).group(2)
+    ffn = _ffn(rest, spec)
+    if ffn is not None:
+        kind, ff, _ = ffn
+        return (2 * ff // tp, h) if kind == "fc1" else (h, ff // tp)
     return {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+        "self_attention.q_layernorm.weight": (hn,), "self_attention.k_layernorm.weight": (hn,),
+        "mlp.router.weight": (spec.num_experts, h), "mlp.shared_experts.gate_weight": (1, h),
         "self_attention.linear_qkv.weight": (spec.qkv_rows // tp, h),
         "self_attention.linear_qkv.bias": (spec.qkv_rows // tp,),
         "self_attention.linear_proj.weight": (h, spec.num_heads * hn // tp),
-        "mlp.linear_fc1.weight": (2 * spec.ffn_hidden_size // tp, h),
-        "mlp.linear_fc2.weight": (h, spec.ffn_hidden_size // tp),
     }[rest]
 
 
@@ -173,10 +239,11 @@ def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm
     if name in (FINAL_NORM, OUTPUT):
         return [Slice(srcs[0])]
     rest = _LAYER.match(name).group(2)
-    if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+    if rest in _REPLICATED:
         return [Slice(srcs[0])]
-    if rest in _ROW_PARALLEL:
-        cols = spec.num_heads * spec.head_dim // tp if "linear_proj" in rest else spec.ffn_hidden_size // tp
+    ffn = _ffn(rest, spec)
+    if rest == "self_attention.linear_proj.weight" or (ffn and ffn[0] == "fc2"):
+        cols = spec.num_heads * spec.head_dim // tp if ffn is None else ffn[1] // tp
         return [Slice(srcs[0], 1, tp_rank * cols, (tp_rank + 1) * cols)]
     if rest.startswith("self_attention.linear_qkv"):
         groups = spec.num_kv_heads // tp
@@ -185,8 +252,8 @@ def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm
         return [Slice(q, 0, tp_rank * q_rows, (tp_rank + 1) * q_rows),
                 Slice(k, 0, tp_rank * kv_rows, (tp_rank + 1) * kv_rows),
                 Slice(v, 0, tp_rank * kv_rows, (tp_rank + 1) * kv_rows)]
-    if rest == "mlp.linear_fc1.weight":
-        rows = spec.ffn_hidden_size // tp
+    if ffn and ffn[0] == "fc1":
+        rows = ffn[1] // tp
         return [Slice(s, 0, tp_rank * rows, (tp_rank + 1) * rows) for s in srcs]
     raise KeyError(name)
 
@@ -212,7 +279,7 @@ def assemble(name: str, pieces: Mapping[str, torch.Tensor], spec: ModelSpec, tp_
         fused = torch.cat([q.reshape(groups, spec.q_per_group, hn, *tail), k.reshape(groups, 1, hn, *tail),
                            v.reshape(groups, 1, hn, *tail)], dim=1)
         return fused.reshape(-1, *tail)
-    if rest == "mlp.linear_fc1.weight":
+    if len(srcs) == 2:                     # a SwiGLU fc1: [gate_r; up_r]
         return torch.cat([pieces[srcs[0]], pieces[srcs[1]]], dim=0)
     return pieces[srcs[0]]
 
@@ -233,9 +300,11 @@ def tp_dim(name: str, head: str = "lm") -> int | None:
     if not m:
         return None
     rest = m.group(2)
-    if rest in _ROW_PARALLEL:
+    if rest in _REPLICATED:
+        return None
+    if rest == "self_attention.linear_proj.weight" or rest.endswith("linear_fc2.weight"):
         return 1
-    if rest.startswith("self_attention.linear_qkv") or rest == "mlp.linear_fc1.weight":
+    if rest.startswith("self_attention.linear_qkv") or rest.endswith("linear_fc1.weight"):
         return 0
     return None
 
@@ -262,7 +331,7 @@ def megatron_to_hf(name: str, tp_shards: Sequence[torch.Tensor], spec: ModelSpec
         k = grouped[:, spec.q_per_group].reshape(-1, *tail)
         v = grouped[:, spec.q_per_group + 1].reshape(-1, *tail)
         return list(zip(srcs, (q, k, v)))
-    if rest == "mlp.linear_fc1.weight":
+    if rest.endswith("linear_fc1.weight"):
         # Each shard is [gate_r; up_r]: concatenating shards would interleave them.
         halves = [s.chunk(2, dim=0) for s in tp_shards]
         gate = torch.cat([g for g, _ in halves], 0)
@@ -302,10 +371,17 @@ def checkpoint_to_hf(tensors: Mapping[str, torch.Tensor], spec: ModelSpec,
             if value.shape[0] != spec.num_layers:
                 raise ValueError(f"checkpoint tensor {key} stacks {value.shape[0]} layers; the config has "
                                  f"{spec.num_layers}")
+            expert = suffix.startswith("mlp.experts.experts.")   # [layers, global experts, ...]
             for n in range(spec.num_layers):
+                if expert:
+                    leaf = suffix[len("mlp.experts.experts."):]
+                    for e in range(value.shape[1]):
+                        out += megatron_to_hf(f"decoder.layers.{n}.mlp.experts.local_experts.{e}.{leaf}",
+                                              [value[n][e]], spec, head)
+                    continue
                 out += megatron_to_hf(f"decoder.layers.{n}.{suffix}", [value[n]], spec, head)
         elif key in (EMBED, FINAL_NORM, OUTPUT):
             out += megatron_to_hf(key, [value], spec, head)
         else:
-            raise ValueError(f"checkpoint tensor {key} has no HF counterpart in the Llama/Qwen2 map")
+            raise ValueError(f"checkpoint tensor {key} has no HF counterpart in megarl's map")
     return out

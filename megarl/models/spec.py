@@ -3,10 +3,12 @@
     spec = ModelSpec.from_hf_config(json.load(open("ckpt/config.json")))
     check_layout(spec, tp=2, pp=2)          # ValueError naming the rule a layout breaks
 
-Supported: the Llama and Qwen2 families (RMSNorm, SwiGLU, RoPE with the checkpoint's theta,
-GQA, QKV bias for Qwen2, tied or untied embeddings), as `*ForCausalLM` and, for critics and
-reward models, `*ForSequenceClassification` (a `score` head). Anything else is refused here,
-with the reason, before any rank builds a model.
+Supported: the Llama, Mistral, Qwen2 and Qwen3 families (RMSNorm, SwiGLU, RoPE with the
+checkpoint's theta, GQA, QKV bias for Qwen2, per-head q/k RMSNorm for Qwen3, tied or untied
+embeddings), as `*ForCausalLM` and, for critics and reward models, `*ForSequenceClassification`
+(a `score` head); and the mixture-of-experts Qwen3-MoE and Qwen2-MoE (softmax top-k router,
+SwiGLU experts, Qwen2-MoE's sigmoid-gated shared expert) as `*ForCausalLM`. Anything else is
+refused here, with the reason, before any rank builds a model.
 """
 from __future__ import annotations
 
@@ -15,11 +17,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # model_type -> family; the families differ only in QKV bias and naming of a few config keys.
-FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+            "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "lm"), "LlamaForSequenceClassification": ("llama", "score"),
     "Qwen2ForCausalLM": ("qwen2", "lm"), "Qwen2ForSequenceClassification": ("qwen2", "score"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"), "Qwen3ForSequenceClassification": ("qwen3", "score"),
+    "MistralForCausalLM": ("mistral", "lm"), "MistralForSequenceClassification": ("mistral", "score"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"), "Qwen2MoeForCausalLM": ("qwen2_moe", "lm"),
 }
+_DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 VOCAB_DIVISOR = 128  # megatron's make_vocab_size_divisible_by default
 
 
@@ -43,6 +51,16 @@ class ModelSpec:
     rope_scaling_factor: float | None = None   # llama3-style scaling (megatron's rope_scaling)
     rope_linear_factor: float | None = None    # linear position interpolation
     num_labels: int = 1                        # rows of a `score` head
+    qk_norm: bool = False                      # Qwen3: RMSNorm over each q and k head (before RoPE)
+    sliding_window: int | None = None          # Mistral: attention window (refused where it could bind)
+    # Mixture of experts (num_experts = 0: a dense MLP). Every layer is a MoE layer.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0               # one expert's intermediate size
+    moe_topk: int = 0                          # experts per token
+    moe_norm_topk: bool = False                # renormalise the top-k probabilities (norm_topk_prob)
+    shared_expert_ffn: int = 0                 # Qwen2-MoE's shared expert (0: none); sigmoid-gated
+    aux_loss_coef: float = 0.0                 # load-balancing loss coefficient (router_aux_loss_coef)
+    z_loss_coef: float = 0.0                   # router z-loss coefficient (router_z_loss_coef)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- derived sizes -------------------------------------------------------------------------
@@ -62,10 +80,19 @@ class ModelSpec:
         unit = VOCAB_DIVISOR * tp // math.gcd(VOCAB_DIVISOR, tp)
         return -(-self.vocab_size // unit) * unit
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def num_parameters(self, value_head: bool = False) -> int:
         h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
         attn = self.qkv_rows * h + (self.qkv_rows if self.qkv_bias else 0) + self.num_heads * self.head_dim * h
-        per_layer = attn + 3 * f * h + 2 * h
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        mlp = 3 * f * h
+        if self.is_moe:
+            mlp = self.num_experts * (3 * self.moe_ffn_hidden_size * h + h) + 3 * self.shared_expert_ffn * h
+            mlp += h if self.shared_expert_ffn else 0
+        per_layer = attn + mlp + 2 * h
         head = h if value_head else (0 if self.tie_word_embeddings else v * h)
         return v * h + self.num_layers * per_layer + h + head
 
@@ -86,14 +113,16 @@ class ModelSpec:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act={cfg['hidden_act']!r} is not supported; "
                              "megarl's Llama/Qwen2 spec uses SwiGLU (silu)")
-        if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise ValueError("config.json: attention_bias/mlp_bias=true is not supported for Llama "
+        if family in ("llama", "mistral", "qwen3", "qwen3_moe") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise ValueError(f"config.json: attention_bias/mlp_bias=true is not supported for {arch} "
                              "(megatron's spec has no o_proj-only bias); use a checkpoint without them")
-        if family == "qwen2" and cfg.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window=true is not supported; megarl uses full causal "
                              "attention (set it to false if sequences never exceed the window)")
-        if cfg.get("num_experts") or cfg.get("num_local_experts"):
-            raise ValueError("config.json: mixture-of-experts models are not supported yet")
+        if not family.endswith("_moe") and (cfg.get("num_experts") or cfg.get("num_local_experts")):
+            raise ValueError(f"config.json: {arch} with experts (num_experts) is not supported; megarl's MoE "
+                             "covers Qwen3MoeForCausalLM and Qwen2MoeForCausalLM")
+        moe = _moe(cfg, family)
         heads = int(need("num_attention_heads"))
         kv = int(cfg.get("num_key_value_heads") or heads)
         hidden = int(need("hidden_size"))
@@ -102,6 +131,7 @@ class ModelSpec:
             raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of "
                              f"num_key_value_heads={kv}")
         theta, scale_factor, linear_factor = _rope(cfg)
+        window = cfg.get("sliding_window") if family == "mistral" else None
         return cls(
             architecture=arch, family=family, head=head,
             vocab_size=int(need("vocab_size")), hidden_size=hidden,
@@ -109,10 +139,11 @@ class ModelSpec:
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and head == "lm",
-            qkv_bias=family == "qwen2", max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            qkv_bias=family in ("qwen2", "qwen2_moe"), max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope_scaling_factor=scale_factor, rope_linear_factor=linear_factor,
             num_labels=int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 1)) if head == "score" else 1,
-            hf_config=dict(cfg),
+            qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=int(window) if window else None,
+            hf_config=dict(cfg), **moe,
         )
 
 
@@ -123,9 +154,31 @@ def _architecture(cfg: dict) -> str:
             return arch
     model_type = cfg.get("model_type")
     if not archs and model_type in FAMILIES:  # configs written without `architectures`
-        return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+        return _DEFAULT_ARCH[model_type]
     named = ", ".join(archs) or f"model_type={model_type!r}"
     raise ValueError(f"unsupported architecture {named}; megarl supports {', '.join(sorted(ARCHITECTURES))}")
+
+
+def _moe(cfg: dict, family: str) -> dict:
+    """The MoE fields of ModelSpec from a Qwen3-MoE / Qwen2-MoE config ({} for a dense family)."""
+    if family not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (an alias of num_experts).
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    topk = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise ValueError(f"config.json: num_experts={experts}, num_experts_per_tok={topk}: a MoE config needs "
+                         "1 <= num_experts_per_tok <= num_experts")
+    # megatron builds one layer spec for every layer; dense layers between MoE ones would need a
+    # per-layer spec and a second conversion map.
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError("config.json: mlp_only_layers / decoder_sparse_step != 1 (dense layers between MoE "
+                         "layers) is not supported; megarl needs every layer to be a MoE layer")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)), shared_expert_ffn=shared,
+                aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
+                z_loss_coef=float(cfg.get("router_z_loss_coef") or 0.0))
 
 
 def _rope(cfg: dict) -> tuple[float, float | None, float | None]:
@@ -151,21 +204,63 @@ def _rope(cfg: dict) -> tuple[float, float | None, float | None]:
     raise ValueError(f"config.json: rope type {kind!r} is not supported; megarl supports default, linear and llama3")
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Refuse a (TP, PP) layout that cannot shard `spec`, naming the rule."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"TP and PP must be >= 1, got TP={tp} PP={pp}")
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                 world: int | None = None) -> None:
+    """Refuse a (TP, PP, EP) layout that cannot shard `spec`, naming the rule. megatron puts
+    expert parallelism over the data-parallel ranks, so EP must also divide DP = world / (TP x PP)
+    (checked when `world` is given)."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"TP, PP and EP must be >= 1, got TP={tp} PP={pp} EP={ep}")
     if spec.num_kv_heads % tp:
         raise ValueError(f"TP={tp} must divide num_key_value_heads={spec.num_kv_heads} (each TP rank holds whole "
                          f"KV groups; KV-head replication is not supported): pick a TP that divides "
                          f"{spec.num_kv_heads}")
     if spec.num_heads % tp:
         raise ValueError(f"TP={tp} must divide num_attention_heads={spec.num_heads}")
-    if spec.ffn_hidden_size % tp:
+    if not spec.is_moe and spec.ffn_hidden_size % tp:
         raise ValueError(f"TP={tp} must divide intermediate_size={spec.ffn_hidden_size}")
     if spec.num_layers % pp:
         raise ValueError(f"PP={pp} must divide num_hidden_layers={spec.num_layers}: pick a divisor of "
                          f"{spec.num_layers}")
+    check_experts(spec, tp, pp, ep, etp, world)
+
+
+def check_experts(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                  world: int | None = None) -> None:
+    """The expert-parallel part of check_layout (its messages name megarl's config keys)."""
+    key = "expert_model_parallel_size"
+    if not spec.is_moe:
+        if ep > 1 or etp not in (None, tp):
+            raise ValueError(f"{key}={ep} / expert_tensor_parallel_size={etp} need a mixture-of-experts model; "
+                             f"{spec.architecture} is dense: set {key}=1 and leave expert_tensor_parallel_size null")
+        return
+    if etp not in (None, tp):
+        raise ValueError(f"expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; megarl "
+                         "shards experts over the TP group (its conversion and weight sync assume it): leave "
+                         "expert_tensor_parallel_size null or set it to the TP size")
+    if spec.num_experts % ep:
+        divisors = [d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]
+        raise ValueError(f"{key}={ep} does not divide num_experts={spec.num_experts}; pick one of {divisors}")
+    if spec.moe_ffn_hidden_size % tp:
+        raise ValueError(f"TP={tp} must divide moe_intermediate_size={spec.moe_ffn_hidden_size} (experts are "
+                         "split over the TP group)")
+    if spec.shared_expert_ffn % tp:
+        raise ValueError(f"TP={tp} must divide shared_expert_intermediate_size={spec.shared_expert_ffn}")
+    if world is not None and world % (tp * pp) == 0 and (world // (tp * pp)) % ep:
+        dp = world // (tp * pp)
+        fits = [d for d in range(1, dp + 1) if dp % d == 0 and spec.num_experts % d == 0]
+        raise ValueError(f"{key}={ep} must divide the data-parallel size {dp} = {world} ranks / (TP {tp} x PP {pp}) "
+                         f"(megatron places experts over the DP ranks): with this TP x PP use {key} in {fits}")
+
+
+def check_window(spec: ModelSpec, max_len: int, key: str = "data.max_prompt_length + data.max_response_length") -> None:
+    """Mistral's sliding window: megatron's local spec (and megarl's engine) attend over the full
+    causal context, which equals windowed attention only while no sequence is longer than the
+    window. Refuse a run whose sequences can exceed it."""
+    if spec.sliding_window and max_len > spec.sliding_window:
+        raise ValueError(f"{spec.architecture} has sliding_window={spec.sliding_window} but sequences may reach "
+                         f"{max_len} tokens ({key}); megarl attends over the full context, which differs past "
+                         f"the window: keep {key} <= {spec.sliding_window}")
 
 
 def layer_offset(spec: ModelSpec, pp_rank: int, pp: int) -> int:

@@ -1,6 +1,7 @@
 """Small random HF checkpoints built locally (tests, benchmarks, CPU runs; no hub access needed).
 
     python -m megarl.models.tiny /tmp/tiny-qwen2 --family qwen2 --vocab 301 --hidden 64 --layers 4
+    python -m megarl.models.tiny /tmp/tiny-moe --family qwen3_moe --experts 4 --topk 2
 
 writes config.json, model.safetensors and a word-level tokenizer (tokenizer.json) that
 transformers' AutoTokenizer loads.
@@ -14,6 +15,19 @@ import torch
 
 SHAPES = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {  # family -> (config class, model class prefix, extra config)
+    "llama": ("LlamaConfig", "Llama", {}),
+    "qwen2": ("Qwen2Config", "Qwen2", {}),
+    "qwen3": ("Qwen3Config", "Qwen3", {}),
+    "mistral": ("MistralConfig", "Mistral", {"sliding_window": 4096}),
+    # norm_topk_prob as the released models set it (Qwen3-30B-A3B: true; Qwen1.5/2-MoE: false).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                 "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                                 "router_aux_loss_coef": 0.01}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                                 "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
+}
 
 
 def make_tokenizer(path: str, vocab_size: int) -> None:
@@ -31,22 +45,29 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
 
 def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32,
                  score_head: bool = False, tokenizer: bool = True, **overrides) -> str:
-    """Save a random-init Llama/Qwen2 model (`score_head`: *ForSequenceClassification, 1 label)."""
+    """Save a random-init model of `family` (see FAMILIES; `score_head`: *ForSequenceClassification,
+    1 label). MoE routers get weights large enough that the top-k choice is clear-cut, so parity
+    checks do not flip an expert on a 1e-7 difference."""
     import transformers as tf
 
-    cfg_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
+    cfg_name, prefix, extra = FAMILIES[family]
+    cfg_cls = getattr(tf, cfg_name)
     kwargs = {**SHAPES, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-              **overrides}
+              **extra, **overrides}
+    if family.startswith("qwen3"):  # Qwen3 configs default head_dim to 128 whatever the hidden size
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if score_head:
         kwargs["num_labels"] = 1
     cfg = cfg_cls(**kwargs)
-    name = {"llama": "Llama", "qwen2": "Qwen2"}[family] + ("ForSequenceClassification" if score_head else "ForCausalLM")
+    name = prefix + ("ForSequenceClassification" if score_head else "ForCausalLM")
     torch.manual_seed(seed)
     model = getattr(tf, name)(cfg)
     with torch.no_grad():  # random norms and biases too, so the maps of those tensors get tested
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("mlp.gate.weight"):         # MoE router
+                p.copy_(0.5 * torch.randn_like(p))
             elif n.endswith("bias") or n.startswith("score"):
                 p.copy_(0.05 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
@@ -58,7 +79,9 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path")
-    ap.add_argument("--family", default="qwen2", choices=["llama", "qwen2"])
+    ap.add_argument("--family", default="qwen2", choices=sorted(FAMILIES))
+    ap.add_argument("--experts", type=int, default=None, help="MoE families: number of experts")
+    ap.add_argument("--topk", type=int, default=None, help="MoE families: experts per token")
     ap.add_argument("--vocab", type=int, default=SHAPES["vocab_size"])
     ap.add_argument("--hidden", type=int, default=SHAPES["hidden_size"])
     ap.add_argument("--ffn", type=int, default=SHAPES["intermediate_size"])
@@ -67,9 +90,10 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=SHAPES["num_key_value_heads"])
     ap.add_argument("--tie", action="store_true")
     a = ap.parse_args()
+    moe = {k: v for k, v in (("num_experts", a.experts), ("num_experts_per_tok", a.topk)) if v is not None}
     make_tiny_hf(os.path.abspath(a.path), a.family, vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
                  num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                 tie_word_embeddings=a.tie)
+                 tie_word_embeddings=a.tie, **moe)
     print(a.path)
 
 

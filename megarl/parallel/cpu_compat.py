@@ -122,7 +122,10 @@ def _map_in_backward() -> None:
     """Run the backward of megatron's tensor-parallel autograd functions under the CUDA->CPU
     mapping: autograd calls them outside any active TorchFunctionMode, and under sequence
     parallelism they allocate `device=torch.cuda.current_device()` buffers there."""
+    import importlib
     from megatron.core.tensor_parallel import layers, mappings
+    # MoE: the all-gather dispatcher's backward allocates on current_device() too.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
 
     def wrap(backward):
         @functools.wraps(backward)
@@ -131,7 +134,7 @@ def _map_in_backward() -> None:
                 return backward(ctx, *grads)
         return staticmethod(run)
 
-    for module in (layers, mappings):
+    for module in (layers, mappings, moe_utils):
         for obj in vars(module).values():
             if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj):
                 obj.backward = wrap(vars(obj)["backward"].__func__ if isinstance(vars(obj)["backward"], staticmethod)

@@ -59,6 +59,8 @@ class Layout:
     cp: int = 1          # context parallel: ranks of one DP replica that split the sequence
     cp_rank: int = 0
     vpp: int = 1         # virtual pipeline: model chunks per pipeline stage
+    ep: int = 1                            # expert parallel (MoE): over the DP ranks
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -70,9 +72,11 @@ class Layout:
 
 
 @cpu_compat.scoped
-def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int | None = None) -> Layout:
+def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int | None = None,
+                        ep: int = 1) -> Layout:
     """Set up megatron's parallel_state for (TP, CP, PP, virtual PP) over all ranks;
-    DP = world / (TP x CP x PP). Calling again with the same layout is a no-op; another is refused."""
+    DP = world / (TP x CP x PP); MoE experts split over EP ranks taken from DP x CP (expert TP = TP).
+    Calling again with the same layout is a no-op; another is refused."""
     from megatron.core import parallel_state as ps
 
     vpp = vpp if vpp and vpp > 1 else None
@@ -80,16 +84,20 @@ def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int 
     if world % (tp * cp * pp):
         raise ValueError(f"TP {tp} x CP {cp} x PP {pp} = {tp * cp * pp} does not divide the {world} ranks; "
                          "change the layout")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"EP {ep} must divide DP x CP = {world // (tp * pp)} (world / TP x PP); change the layout")
     if ps.model_parallel_is_initialized():
         cur = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-               ps.get_context_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size())
-        if cur != (tp, pp, cp, vpp):
-            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]} CP={cur[2]} VPP={cur[3]}; "
-                             f"every megarl role in one process must share that layout (asked for TP={tp} PP={pp} "
-                             f"CP={cp} VPP={vpp})")
+               ps.get_context_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size())
+        if cur != (tp, pp, cp, vpp, ep):
+            raise ValueError(f"megatron is already set up for TP={cur[0]} PP={cur[1]} CP={cur[2]} VPP={cur[3]} "
+                             f"EP={cur[4]}; every megarl role in one process must share that layout (asked for "
+                             f"TP={tp} PP={pp} CP={cp} VPP={vpp} EP={ep})")
         return layout()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
                                  create_gloo_process_groups=torch.cuda.is_available())
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
@@ -104,7 +112,8 @@ def layout() -> Layout:
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                   pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
                   cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
-                  vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+                  vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                  ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank())
 
 
 def destroy_model_parallel() -> None:
@@ -136,6 +145,11 @@ def dp_group():
 def model_parallel_group():
     from megatron.core import parallel_state as ps
     return ps.get_model_parallel_group()
+
+
+def ep_group():
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_model_parallel_group()
 
 
 def pp_last_rank() -> int:

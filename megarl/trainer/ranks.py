@@ -98,7 +98,8 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
     layout = cfg.actor.megatron
     lay = state.init_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                     seed=layout.seed, cp=layout.context_parallel_size,
-                                    vpp=layout.virtual_pipeline_model_parallel_size)
+                                    vpp=layout.virtual_pipeline_model_parallel_size,
+                                    ep=layout.expert_model_parallel_size)
     rtp = cfg.rollout.tensor_model_parallel_size
     world, rank = dist.get_world_size(), dist.get_rank()
     group = None
@@ -143,7 +144,8 @@ def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
                   n_trainers=N, rollout_tp=rtp, rollout_dp=R // rtp, rollout_group=group, local_rank=env.local_rank,
                   device=state.device())
     if is_trainer:
-        lay = state.init_model_parallel(tp, pp, seed=cfg.actor.megatron.seed)
+        lay = state.init_model_parallel(tp, pp, seed=cfg.actor.megatron.seed,
+                                        ep=cfg.actor.megatron.expert_model_parallel_size)
         return Ranks(rank=rank, world=N, train=lay, rollout_dp_rank=-1, rollout_tp_rank=-1, role="trainer", **common)
     r = rank - N
     return Ranks(rank=r, world=R, train=state.Layout(tp, pp, dp, -1, -1, -1), rollout_dp_rank=r // rtp,

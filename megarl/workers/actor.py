@@ -29,7 +29,8 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
     from megarl.workers.config import MegatronConfig
     mc = role_cfg.megatron or MegatronConfig()
     return EngineSpec(
-        model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size, head=head,
+        model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
+        ep=mc.expert_model_parallel_size, etp=mc.expert_tensor_parallel_size, head=head,
         head_from_checkpoint=head_from_checkpoint, trainable=trainable, optim=optim, dtype=dtype,
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
         use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel_on,

@@ -41,7 +41,8 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     # Ranks that split each sequence (load-balanced 2 x CP chunks; megarl/models/context_parallel.py).
     context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1    # MoE: experts split over this many of the DP ranks
+    expert_tensor_parallel_size: int | None = None  # None: TP (the only value megarl supports)
     # null: on exactly when TP > 1 (as verl defaults it). It splits norm/residual activations over
     # TP for the same communication volume and the same results (tests/test_parallel_layouts.py).
     sequence_parallel: bool | None = None
@@ -65,6 +66,9 @@ class MegatronConfig:
         require(not (self.sequence_parallel and self.tensor_model_parallel_size == 1), "sequence_parallel",
                 "true needs tensor_model_parallel_size > 1 (it splits the sequence over TP ranks); set it to "
                 "null (on whenever TP > 1) or raise tensor_model_parallel_size")
+        require(self.expert_tensor_parallel_size is None or
+                self.expert_tensor_parallel_size == self.tensor_model_parallel_size, "expert_tensor_parallel_size",
+                "must equal tensor_model_parallel_size (megarl shards experts over the TP group); leave it null")
 
     @property
     def sequence_parallel_on(self) -> bool:
@@ -72,8 +76,6 @@ class MegatronConfig:
         if self.sequence_parallel is None:
             return self.tensor_model_parallel_size > 1
         return bool(self.sequence_parallel)
-        require(self.expert_model_parallel_size == 1, "expert_model_parallel_size",
-                "MoE models are not supported yet; set it to 1")
 
 
 @dataclass

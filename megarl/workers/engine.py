@@ -32,13 +32,15 @@ import torch.distributed as dist
 from megarl.models import mcore
 from megarl.models.build import build_gpt, transformer_config
 from megarl.models.context_parallel import gather_sequence, split_sequence
-from megarl.models.convert import assemble, hf_slices, megatron_names, megatron_to_hf, to_global
+from megarl.models.convert import (assemble, expert_of, hf_slices, megatron_names, megatron_to_hf, to_global,
+                                   to_local)
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, sequence, state
 from megarl.protocol import DataProto
 from megarl.workers import batching, packing
 from megarl.workers.logprob import hidden_to_head
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
+from megarl.workers.moe import moe_loss_scale, moe_metrics
 from megarl.workers.optim import apply_schedule, build_optimizer, optimizer_step
 
 log = logging.getLogger("megarl.workers")
@@ -84,11 +86,13 @@ class MegatronEngine:
     def _build(self, ckpt: HFCheckpoint | None) -> None:
         es = self.es
         mcore.require()
-        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, cp=es.cp, vpp=es.vpp)
+        self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, cp=es.cp, vpp=es.vpp, ep=es.ep)
         self.device = state.device()
         self.config = transformer_config(self.spec, es.tp, es.pp, self.dtype, sequence_parallel=es.sequence_parallel,
                                          recompute=es.recompute, overrides=es.transformer_overrides,
-                                         cp=es.cp, vpp=es.vpp)
+                                         cp=es.cp, vpp=es.vpp, ep=es.ep, etp=es.etp)
+        # MoE: this expert-parallel rank holds global experts [expert_offset, + num_experts / EP).
+        self.expert_offset = self.layout.ep_rank * (self.spec.num_experts // self.layout.ep)
         self.models, self.offsets = self._build_chunks()
         for m in self.models:  # the LM head is applied by the log-prob code (logprob.linear_log_probs)
             if es.head == "lm" and m.post_process:
@@ -151,7 +155,7 @@ class MegatronEngine:
         """(global megatron name, parameter) over every chunk of this rank."""
         for m, off in zip(self.models, self.offsets):
             for local, p in m.named_parameters():
-                yield to_global(local, off), p
+                yield to_global(local, off, self.expert_offset), p
 
     def _wrap(self, model):
         from megatron.core.transformer.module import Float16Module
@@ -170,7 +174,8 @@ class MegatronEngine:
         want = set()
         for model, off in zip(self.models, self.offsets):
             layers = range(off, off + len(model.decoder.layers))
-            want |= set(megatron_names(self.spec, layers, model.pre_process, model.post_process, self.es.head))
+            want |= set(megatron_names(self.spec, layers, model.pre_process, model.post_process, self.es.head,
+                                       self.experts))
         if got != want:
             raise RuntimeError(f"megatron parameter names differ from megarl's map: extra {sorted(got - want)[:3]}, "
                                f"missing {sorted(want - got)[:3]}")
@@ -184,6 +189,11 @@ class MegatronEngine:
         """(tokens computed, real tokens) over every pass since the last call; resets them."""
         out, self.tokens = tuple(self.tokens), [0, 0]
         return out
+
+    @property
+    def experts(self) -> range:
+        """The global experts this rank holds (MoE; empty for a dense model)."""
+        return range(self.expert_offset, self.expert_offset + self.spec.num_experts // self.layout.ep)
 
     @property
     def layers(self) -> list[int]:
@@ -221,6 +231,17 @@ class MegatronEngine:
             if self.layout.tp > 1:
                 shards = [torch.empty_like(mine) for _ in range(self.layout.tp)]
                 dist.all_gather(shards, mine, group=group)
+            if self.layout.ep > 1 and expert_of(name) is not None:
+                # Every EP rank holds its experts under the same local names, in the same order:
+                # gather each over the EP group and yield all of them (rank r's is r * E/EP + i).
+                per = self.spec.num_experts // self.layout.ep
+                stacked = torch.stack(shards)
+                parts = [torch.empty_like(stacked) for _ in range(self.layout.ep)]
+                dist.all_gather(parts, stacked, group=state.ep_group())
+                for r, part in enumerate(parts):
+                    other = to_global(to_local(name, 0, self.expert_offset), 0, r * per)
+                    yield from megatron_to_hf(other, list(part.unbind(0)), self.spec, self.es.head)
+                continue
             yield from megatron_to_hf(name, shards, self.spec, self.es.head)
 
     # -- the pipeline schedule ----------------------------------------------------------------------
@@ -285,7 +306,8 @@ class MegatronEngine:
             ids, pos = inp.input_ids, inp.position_ids
             if lay.cp > 1:  # padded rows only (packing is off under CP)
                 ids, pos = (split_sequence(t, lay.cp_rank, lay.cp, dim=1) for t in (ids, pos))
-            out = model(ids, pos, None, packed_seq_params=inp.packed_seq_params, **extra)
+            moe = {"padding_mask": self._padding_mask(mb, inp)} if self.spec.is_moe else {}
+            out = model(ids, pos, None, packed_seq_params=inp.packed_seq_params, **extra, **moe)
             return out, partial(self._last_stage, mb, process, loss_fn, cp_group)
 
         # The interleaved (virtual pipeline) schedule reads one iterator per model chunk.
@@ -296,6 +318,15 @@ class MegatronEngine:
             forward_step_func=forward_step, data_iterator=data, model=self.chunks,
             num_microbatches=len(micro), seq_length=first[1], micro_batch_size=first[0],
             forward_only=loss_fn is None)
+
+    def _padding_mask(self, mb: DataProto, inp) -> torch.Tensor:
+        """True where a column is padding: MoE routers keep it out of their aux/z losses (as HF's
+        attention mask does); without it the pad token's embedding gets large aux-loss gradients."""
+        lens = (mb.batch["prompt_lens"] + mb.batch["response_lens"]).to(self.device)
+        cols = torch.arange(inp.input_ids.shape[1], device=self.device)
+        if inp.packed_seq_params is not None:    # rows back to back, bucket padding at the tail
+            return (cols >= lens.sum()).unsqueeze(0)
+        return cols.unsqueeze(0) >= lens.unsqueeze(1)
 
     @staticmethod
     def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, cp_group, output: torch.Tensor):
@@ -421,6 +452,7 @@ class MegatronEngine:
                             sums[k] = sums.get(k, 0.0) + v
                             counts[k] = counts.get(k, 0) + 1
         metrics = self._mean_metrics(sums, counts)
+        metrics.update(moe_metrics(self, prefix))
         metrics.update({f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                         f"{prefix}/lr": lr, f"{prefix}/skipped_steps": float(skipped)})
         self.sched_step += 1
@@ -445,7 +477,9 @@ class MegatronEngine:
             p.meta_info.update(meta)
         for c in self.chunks:
             c.zero_grad_buffer()
-        return self._run(parts, cols[lay.dp_rank], process, loss_fn)
+        self.moe_calls = getattr(self, "moe_calls", 0) + len(parts)
+        with moe_loss_scale(self, meta["global_micro_batches"]):
+            return self._run(parts, cols[lay.dp_rank], process, loss_fn)
 
     @cpu_compat.scoped
     def step(self, got: list[dict]) -> tuple[bool, float]:

@@ -102,11 +102,16 @@ class CPUAdamW:
     def get_grad_norm(self) -> float:
         from megatron.core import parallel_state as ps
         sq = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)   # MoE experts differ over the EP ranks too
         for p in self.params:
             if _counts_in_norm(p):
-                sq += p.main_grad.double().pow(2).sum()
+                (sq if getattr(p, "allreduce", True) else expert).add_(p.main_grad.double().pow(2).sum())
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        return float(sq.sqrt())
+        if ps.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        else:
+            dist.all_reduce(expert, group=ps.get_model_parallel_group())
+        return float((sq + expert).sqrt())
 
     @torch.no_grad()
     def clip(self, grad_norm: float, max_norm: float) -> None:

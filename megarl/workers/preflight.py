@@ -22,6 +22,8 @@ class EngineSpec:
     model_path: str | None                  # HF directory (None when loading a dist checkpoint)
     tp: int = 1
     pp: int = 1
+    ep: int = 1                             # expert parallel (MoE models)
+    etp: int | None = None                  # expert tensor parallel (None: TP, the only value megarl takes)
     head: str = "lm"                        # "lm" or "value"
     head_from_checkpoint: bool = False      # value head: read `score.weight` (else zeros)
     trainable: bool = True
@@ -76,7 +78,9 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
         ckpt.validate(spec, head=need)
         hf_dtype = ckpt.dtype("model.embed_tokens.weight")
-    check_layout(spec, es.tp, es.pp)
+    import os
+    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+    check_layout(spec, es.tp, es.pp, es.ep, world=world)
     check_chunks(spec, es.pp, es.vpp, es.role)
     return spec, ckpt, hf_dtype
 

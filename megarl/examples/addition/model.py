@@ -33,15 +33,25 @@ def build_tokenizer():
     return tok
 
 
-def build_model(tokenizer, seed: int = 0, **overrides):
-    """A randomly initialised Qwen2ForCausalLM (fp32) sized by MODEL_DEFAULTS plus `overrides`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+# family="qwen3_moe": the same trunk with a Qwen3-MoE MLP (4 experts, top-2, as configs/grpo_moe_tiny.yaml uses).
+MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True,
+                    router_aux_loss_coef=0.01, head_dim=32)
 
-    shape = {**MODEL_DEFAULTS, **overrides}
-    config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=False, rope_theta=10000.0,
-                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **shape)
+
+def build_model(tokenizer, seed: int = 0, family: str = "qwen2", **overrides):
+    """A randomly initialised Qwen2ForCausalLM (or Qwen3MoeForCausalLM, fp32) sized by
+    MODEL_DEFAULTS plus `overrides`."""
+    import transformers
+
+    if family not in ("qwen2", "qwen3_moe"):
+        raise ValueError(f"family={family!r}: the addition model is built as qwen2 or qwen3_moe")
+    shape = {**MODEL_DEFAULTS, **(MOE_DEFAULTS if family == "qwen3_moe" else {}), **overrides}
+    prefix = "Qwen2" if family == "qwen2" else "Qwen3Moe"
+    config = getattr(transformers, prefix + "Config")(
+        vocab_size=len(tokenizer), tie_word_embeddings=False, rope_theta=10000.0,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **shape)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = getattr(transformers, prefix + "ForCausalLM")(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -175,6 +175,7 @@ class NativeEngine(BaseRollout):
             seed = self.comm.agree(int(torch.randint(0, 2**62, ()).item()))
         n, T = sampling.n, sampling.max_tokens
         max_len = max(map(len, prompts)) + T
+        self.model._check_window(max_len)         # Mistral: refuse what a sliding window would change
         if self.decode.static:                    # rounded: fewer reallocations, so fewer recaptures
             max_len = -(-max_len // 64) * 64
         penalty = sampling.repetition_penalty != 1.0

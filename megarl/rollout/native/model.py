@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from megarl.rollout.native.moe import MoE
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -49,6 +51,12 @@ class ModelArgs:
     qk_norm: bool = False
     tie_embeddings: bool = False
     max_position_embeddings: int = 32768
+    sliding_window: int | None = None      # Mistral: positions past it are refused (full attention here)
+    num_experts: int = 0                   # MoE (Qwen3-MoE, Qwen2-MoE): megarl/rollout/native/moe.py
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
@@ -59,8 +67,11 @@ class ModelArgs:
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use rollout.name=hf or trtllm")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"native rollout engine: hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
-        if cfg.get("use_sliding_window") or (mtype == "mistral" and cfg.get("sliding_window")):
+        if cfg.get("use_sliding_window"):
             raise ValueError("native rollout engine: sliding-window attention is not supported; use rollout.name=hf")
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+            raise ValueError("native rollout engine: dense layers between MoE layers (mlp_only_layers, "
+                             "decoder_sparse_step) are not supported; use rollout.name=hf")
         if cfg.get("mlp_bias"):
             raise ValueError("native rollout engine: mlp_bias=true is not supported; use rollout.name=hf")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -81,7 +92,14 @@ class ModelArgs:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
-            qkv_bias=(mtype == "qwen2") or bias, o_bias=bias and mtype != "qwen2", qk_norm=(mtype == "qwen3"),
+            qkv_bias=mtype in ("qwen2", "qwen2_moe") or bias, o_bias=bias and mtype not in ("qwen2", "qwen2_moe"),
+            qk_norm=mtype in ("qwen3", "qwen3_moe"),
+            sliding_window=(cfg.get("sliding_window") or None) if mtype == "mistral" else None,
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if mtype.endswith("_moe") else 0,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if mtype == "qwen2_moe" else 0,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768))
 
@@ -167,8 +185,10 @@ class Layer(nn.Module):
         self.wo = nn.Parameter(torch.empty(h, q_rows, **e), requires_grad=False)
         self.bo = nn.Parameter(torch.empty(h, **e), requires_grad=False) if a.o_bias else None
         self.mlp_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(2 * s.intermediate, h, **e), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(h, s.intermediate, **e), requires_grad=False)
+        self.moe = MoE(a, a.n_heads // s.heads, dtype, device) if a.num_experts else None
+        dense = self.moe is None
+        self.w13 = nn.Parameter(torch.empty(2 * s.intermediate, h, **e), requires_grad=False) if dense else None
+        self.w2 = nn.Parameter(torch.empty(h, s.intermediate, **e), requires_grad=False) if dense else None
         self.a, self.s = a, s
 
     def _qkv(self, x, cos, sin):
@@ -188,7 +208,10 @@ class Layer(nn.Module):
         if self.bo is not None:
             o = o + self.bo                 # row-parallel bias: added once, after the reduction
         x = x + o
-        g, u = F.linear(rms_norm(x, self.mlp_norm, self.a.rms_eps), self.w13).chunk(2, dim=-1)
+        hn = rms_norm(x, self.mlp_norm, self.a.rms_eps)
+        if self.moe is not None:            # a TP-partial sum, like the dense MLP's
+            return x + comm.all_reduce(self.moe(hn))
+        g, u = F.linear(hn, self.w13).chunk(2, dim=-1)
         return x + comm.all_reduce(F.linear(F.silu(g) * u, self.w2))
 
     def prefill(self, x, cos, sin, cache_k, cache_v, dst, src, comm):
@@ -257,12 +280,21 @@ class Transformer(nn.Module):
         full = local if comm.size == 1 else comm.all_gather_last(local)
         return full[..., :self.a.vocab_size]
 
+    def _check_window(self, length: int) -> None:
+        """Mistral's sliding window: attention here is over the full context, equal to windowed
+        attention only up to the window; refuse longer sequences rather than answer differently."""
+        if self.a.sliding_window and length > self.a.sliding_window:
+            raise ValueError(f"native rollout engine: a sequence of {length} tokens exceeds the model's "
+                             f"sliding_window={self.a.sliding_window}, which this engine does not implement; "
+                             "keep prompt + response lengths within it or use rollout.name=hf")
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache, dst: torch.Tensor, src: torch.Tensor,
                 comm: Comm) -> torch.Tensor:
         """ids [N, P] right-padded prompts of `lengths` [N] -> logits of each last real position
         [N, V]; prompt src[m]'s K/V land in slot dst[m]."""
         N, P = ids.shape
+        self._check_window(P)
         cos, sin = self.rope(P)
         cos, sin = cos[:P, None], sin[:P, None]                                          # [P, 1, hd]
         x = self.embed_tokens(ids, comm)                                                 # [N, P, h]

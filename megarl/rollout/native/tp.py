@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.base import ShardSlice
+from megarl.rollout.native import moe
 from megarl.rollout.native.model import LocalSizes, ModelArgs
 
 # torch >= 2.12 renames all_gather_into_tensor (the old name warns); older torch has only the old one.
@@ -89,8 +90,9 @@ class ShardPlan:
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                       p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight",
-                      p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                      p + "mlp.down_proj.weight"]
+                      p + "self_attn.o_proj.weight"]
+            names += moe.hf_names(a, i) if a.num_experts else \
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
             if a.qkv_bias:
                 names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
             if a.o_bias:
@@ -107,6 +109,8 @@ class ShardPlan:
         if name == "model.norm.weight":
             return (h,)
         leaf = _LAYER.match(name).group(2)
+        if a.num_experts and leaf.startswith("mlp."):
+            return moe.full_shape(a, leaf)
         return {
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (a.n_heads * hd, h), "self_attn.q_proj.bias": (a.n_heads * hd,),
@@ -142,6 +146,8 @@ class ShardPlan:
         if name == "model.norm.weight":
             return "norm", every, whole
         layer, leaf = _LAYER.match(name).groups()
+        if a.num_experts and leaf.startswith("mlp."):
+            return moe.target(a, self.size, r, int(layer), leaf)
         p = f"layers.{layer}."
         q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
         mine_q = (r * q_rows, (r + 1) * q_rows)
