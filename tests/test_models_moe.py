@@ -1,7 +1,7 @@
 """Qwen3 (q/k norm), Mistral, Qwen3-MoE and Qwen2-MoE on real megatron-core and 4 gloo ranks,
 transformers as the oracle; expert parallel (EP) and its weight sync into the built-in engine.
-megatron trains MoE at TP > 1 only with sequence parallelism (not on this branch yet: megarl
-refuses it), so TP2 MoE layouts check the forward, the export and the sync; training runs at TP1.
+megatron trains MoE at TP > 1 only with sequence parallelism (on by default at TP > 1; megarl
+refuses MoE training at TP > 1 with it switched off), so every layout, TP2 x EP2 included, trains.
 
 One spawn walks the layouts (TP, PP, EP) below and checks, per layout: HF -> megatron -> HF
 bit-exact (the export all-gathers experts over EP), logits, log-probs and entropy, the gradient of
@@ -31,7 +31,8 @@ NO_AUX = {"router_aux_loss_coef": 0.0}
 def _actor(path, tp, pp, ep, micro, override=None):
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
-    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro,
+    # entropy_coeff: policy_loss has an entropy bonus, so update_policy's entropy carries gradients.
+    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, entropy_coeff=0.01,
                       megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                               expert_model_parallel_size=ep),
                       optim=OptimConfig(lr=1e-3))
@@ -61,15 +62,13 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_d
         out["layouts"][(family, tp, pp, ep)] = r
         if (family, tp, pp, ep) == ("qwen2_moe", 1, 2, 2):  # a distributed checkpoint of the untrained model
             actor.save_checkpoint(f"{ckpt_dir}/qwen2_moe")
-        # megatron trains MoE at TP > 1 only with sequence parallelism (megarl refuses it without:
-        # each TP rank's copy of a token would reach the experts, doubling their gradients)
-        if not (family.endswith("_moe") and tp > 1):
-            actor.engine.accumulate(data, micro, actor._process(TEMP, True), policy_loss)
-            grads = dict(actor.engine.hf_grads())
-            r["grad"] = max(diff(g, ref["grads"][n]) for n, g in grads.items())
-            r["grad_names"] = set(grads)
-            r["metrics"] = actor.update_policy(data, policy_loss, TEMP)
-            r["moved"] = diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])
+        # entropy_grad: policy_loss has an entropy bonus, so the entropy must carry gradients
+        actor.engine.accumulate(data, micro, actor._process(TEMP, True, True), policy_loss)
+        grads = dict(actor.engine.hf_grads())
+        r["grad"] = max(diff(g, ref["grads"][n]) for n, g in grads.items())
+        r["grad_names"] = set(grads)
+        r["metrics"] = actor.update_policy(data, policy_loss, TEMP)
+        r["moved"] = diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])
         del actor
         state.destroy_model_parallel()
 
@@ -86,7 +85,7 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_d
     actor = _actor(path, 1, 1, 2, 2)
     for c in actor.engine.chunks:
         c.train()                          # the router adds its loss in training mode only
-    actor.engine.accumulate(data, 2, actor._process(TEMP, True), policy_loss)
+    actor.engine.accumulate(data, 2, actor._process(TEMP, True, True), policy_loss)
     out["aux_grads"] = dict(actor.engine.hf_grads())
     out["aux_metrics"] = actor.update_policy(data, policy_loss, TEMP)
     del actor
@@ -237,7 +236,9 @@ def test_conversion_round_trip_and_native_engine(family, tmp_path):
     m = engine.model
     cache = KVCache(m.a.n_layers, m.s.kv_heads, m.a.head_dim, torch.float32, "cpu")
     cache.ensure(1, 16)
-    assert (m.prefill(ids, cache, 0, engine.comm) - ref).abs().max().item() < TOL
+    one = torch.zeros(1, dtype=torch.long)     # one prompt of 10 tokens into slot 0
+    got = m.prefill(ids[None], torch.tensor([10]), cache, one, one, engine.comm)[0]
+    assert (got - ref).abs().max().item() < TOL
 
 
 def test_specs_and_refusals(tmp_path):
@@ -291,7 +292,12 @@ def test_config_refuses_bad_expert_layouts_before_building(tmp_path):
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4").check_model(hf)
     with pytest.raises(ConfigError, match=r"actor.megatron.sequence_parallel: a MoE model trains at TP 2 > 1 only "
                                           r"with sequence parallelism"):
-        cfg("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2").check_model(hf)
+        cfg("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.sequence_parallel=false").check_model(hf)
+    # sequence parallel is on by default at TP > 1, so the same layout without the override holds
+    cfg("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2").check_model(hf)
+    with pytest.raises(ConfigError, match="MoE models are not supported with context parallelism"):
+        cfg("actor_rollout_ref.actor.megatron.context_parallel_size=2").check_model(hf)
     with pytest.raises(ConfigError, match="expert_tensor_parallel_size"):
         cfg("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1")

@@ -254,12 +254,18 @@ class MegatronEngine:
                              "(model.use_remove_padding=true): padded ones of different row counts cannot share "
                              "the pipeline's fixed shape")
         common = self.layout.pp > 1 or (not self.packed and not dynamic)  # fixed shapes between stages
-        cols, computed = [], 0
-        for rank in plan:
-            lens = [[lengths[i] for i in mb] for mb in rank]
-            widths = self._round(packing.widths(lens, self.packed, seq, common))
-            cols.append(widths)
-            computed += sum(w if self.packed else w * len(ls) for w, ls in zip(widths, lens))
+        lens = [[[lengths[i] for i in mb] for mb in rank] for rank in plan]
+        cols = [self._round(packing.widths(rank, self.packed, seq, common)) for rank in lens]
+        if self.spec.is_moe and self.layout.ep > 1:
+            # megatron's all-gather dispatcher gathers every EP rank's tokens: micro-batch i must
+            # have one shape on every DP rank (packed: [1, T]; static padding: equal rows of `seq`).
+            if dynamic and not self.packed:
+                raise ValueError("token-budget micro-batches under expert parallelism need packed sequences "
+                                 "(model.use_remove_padding=true)")
+            top = [max(rank[i] for rank in cols) for i in range(len(cols[0]))]
+            cols = [list(top) for _ in cols]
+        computed = sum(w if self.packed else w * len(ls)
+                       for rank_cols, rank_lens in zip(cols, lens) for w, ls in zip(rank_cols, rank_lens))
         self.tokens[0] += computed
         self.tokens[1] += sum(lengths[:real_rows])
         return cols
