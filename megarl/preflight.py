@@ -33,7 +33,7 @@ def preflight(cfg) -> None:
     check_model_paths(cfg)
     check_engine(cfg)
     check_reward(cfg)
-    check_imports(cfg)
+    import_external_libs(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
@@ -186,10 +186,6 @@ def import_external_libs(cfg) -> None:
             except Exception as err:
                 raise ConfigError(f"cannot import {lib!r}: {type(err).__name__}: {err}; give a module on "
                                   "PYTHONPATH or remove the key", key) from None
-
-
-def check_imports(cfg) -> None:
-    import_external_libs(cfg)
 
 
 # -- outputs --------------------------------------------------------------------------------------------

@@ -133,19 +133,15 @@ class ExperimentConfig:
 
     def _fill_token_budgets(self) -> None:
         """verl's defaults: every pass takes the actor's dynamic-batch switch and token budget."""
-        actor, ro, ref, crit = self.actor, self.rollout, self.actor_rollout_ref.ref, self.critic
-        if ro.log_prob_use_dynamic_bsz is None:
-            ro.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
-        if ro.log_prob_max_token_len_per_gpu is None:
-            ro.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
-        if ref.log_prob_use_dynamic_bsz is None:
-            ref.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
-        if ref.log_prob_max_token_len_per_gpu is None:
-            ref.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
-        if crit.use_dynamic_bsz is None:
-            crit.use_dynamic_bsz = actor.use_dynamic_bsz
-        if crit.ppo_max_token_len_per_gpu is None:
-            crit.ppo_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+        actor, crit = self.actor, self.critic
+        for section, switch, budget in ((self.rollout, "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+                                        (self.actor_rollout_ref.ref, "log_prob_use_dynamic_bsz",
+                                         "log_prob_max_token_len_per_gpu"),
+                                        (crit, "use_dynamic_bsz", "ppo_max_token_len_per_gpu")):
+            if getattr(section, switch) is None:
+                setattr(section, switch, actor.use_dynamic_bsz)
+            if getattr(section, budget) is None:
+                setattr(section, budget, actor.ppo_max_token_len_per_gpu)
         if crit.forward_max_token_len_per_gpu is None:
             crit.forward_max_token_len_per_gpu = crit.ppo_max_token_len_per_gpu
 

@@ -115,6 +115,7 @@ class MegatronEngine:
             for p in self.parameters():
                 p.requires_grad_(False)
         self.offloaded, self.stash = False, None
+        self.moe_calls = 0  # micro-batches since the last moe_metrics() (MoE router-loss averages)
         if es.dist_checkpoint:
             from megarl.workers.checkpoint import load_checkpoint
             load_checkpoint(es.dist_checkpoint, self, with_optimizer=False)
@@ -483,7 +484,7 @@ class MegatronEngine:
             p.meta_info.update(meta)
         for c in self.chunks:
             c.zero_grad_buffer()
-        self.moe_calls = getattr(self, "moe_calls", 0) + len(parts)
+        self.moe_calls += len(parts)
         with moe_loss_scale(self, meta["global_micro_batches"]):
             return self._run(parts, cols[lay.dp_rank], process, loss_fn)
 

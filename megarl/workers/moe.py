@@ -29,7 +29,6 @@ def moe_loss_scale(engine, global_micro_batches: int):
     if not engine.spec.is_moe:
         yield
         return
-    engine.moe_calls = getattr(engine, "moe_calls", 0)
     aux, z = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
     config.moe_aux_loss_coeff = aux / global_micro_batches
     config.moe_z_loss_coeff = None if z is None else z / global_micro_batches
