@@ -235,9 +235,9 @@ def test_conversion_round_trip_and_native_engine(family, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids[None]).logits[0, -1]
     m = engine.model
     cache = KVCache(m.a.n_layers, m.s.kv_heads, m.a.head_dim, torch.float32, "cpu")
-    cache.ensure(1, 16)
-    one = torch.zeros(1, dtype=torch.long)     # one prompt of 10 tokens into slot 0
-    got = m.prefill(ids[None], torch.tensor([10]), cache, one, one, engine.comm)[0]
+    cache.ensure(1, 1, 16, 1)
+    one = torch.zeros(1, dtype=torch.long)     # one prompt of 10 tokens into group 0
+    got = m.prefill(ids[None], torch.tensor([10]), cache, one, engine.comm)[0]
     assert (got - ref).abs().max().item() < TOL
 
 

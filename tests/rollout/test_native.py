@@ -61,7 +61,7 @@ def test_continuous_batching_refills_slots_and_shares_prefill(tmp_path):
     assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
     flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
     assert flat(got) == pytest.approx(flat(want), abs=1e-5)
-    assert tight.cache.slots == 4 and tight.stats["prefills"] == len(prompts)
+    assert tight.cache.rows == 4 and tight.stats["prefills"] == len(prompts)
     lengths = {len(c.token_ids) for g in got for c in g}
     assert len(lengths) > 1, "stop ids should end some sequences early (that frees slots)"
 
@@ -71,13 +71,13 @@ def test_sleep_frees_kv_cache_and_level_2_drops_weights(tmp_path):
     oracle, greedy = Oracle(model), SamplingParams(max_tokens=6, do_sample=False)
     engine = NativeEngine.from_pretrained(str(tmp_path))
     engine.generate(PROMPTS, greedy)
-    shape = (engine.cache.slots, engine.cache.max_len)
+    shape = engine.cache.shape
     engine.sleep(level=1)
     assert not engine.cache.allocated
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(PROMPTS, greedy)
     engine.wake()
-    assert (engine.cache.slots, engine.cache.max_len) == shape
+    assert engine.cache.shape == shape
     assert engine.generate(PROMPTS[:1], greedy)[0][0].token_ids == oracle.greedy(PROMPTS[0], 6)
 
     engine.sleep(level=2)
@@ -210,12 +210,13 @@ def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tm
     chunked = NativeEngine.from_pretrained(str(tmp_path), max_num_batched_tokens=1, max_num_seqs=7)
     padded = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=11)
     padded.decode.static = True
-    per_slot = ref.cache.bytes_per_slot_token() * ref.cache.max_len + 4 * 8 + 9 * 12 + 96
-    budget = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=4.5 * per_slot / 2**30)
+    # n=3: 2/3 of a prompt group per row (module docstring of megarl/rollout/native/engine.py)
+    per_row = ref.cache.bytes_per_token() * (9 + 2 / 3 * 9) + 6 * 8 + 9 * 12 + 96 + 8 * 2 / 3
+    budget = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=4.5 * per_row / 2**30)
     runs = {"chunked": chunked.generate(prompts, sp),
             "padded": padded.generate(prompts, sp), "budget": budget.generate(prompts, sp)}
     assert chunked.stats["prefill_batches"] == len(prompts)
-    assert budget.cache.slots == 4
+    assert budget.cache.shape == (4, 3, 9, 9)           # rows, groups, prompt and generated positions
     flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
     for name, got in runs.items():
         assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want], name
@@ -251,5 +252,43 @@ def test_decode_step_reads_nothing_back_to_the_host(tmp_path, sp):
     engine.generate(PROMPTS, sp)                          # allocates the cache and the row state
     mode = _NoHostSync()
     with mode:
-        engine.decode._run(engine.cache.slots, engine.cache.max_len, sp)   # every slot, some parked
+        c = engine.cache                                  # every row and group, some parked
+        engine.decode._run(c.rows, (c.groups, sp.n, c.prompt_len, c.gen_len), sp)
     assert "aten::index_put_" in mode.ops and ("aten::argmax" if sp.greedy else "aten::searchsorted") in mode.ops
+
+
+def test_samples_share_their_prompts_kv_and_groups_are_recycled(tmp_path):
+    """A prompt's K/V is written once, into a group its n samples share: the cache holds
+    groups x prompt + rows x generated positions, so a KV budget fits more rows than copies
+    per sample would. Groups whose samples all finished free up and the last active groups move
+    into them; outputs stay those of an engine with room for everything, and transformers'."""
+    model = save_model(str(tmp_path), seed=15)
+    oracle = Oracle(model)
+    long_prompts = [[(7 * i + j) % 90 + 3 for j in range(40 + 3 * i)] for i in range(6)]
+    greedy = SamplingParams(n=8, max_tokens=4, do_sample=False)
+    roomy = NativeEngine.from_pretrained(str(tmp_path))
+    want = roomy.generate(long_prompts, greedy)
+    for prompt, g in zip(long_prompts, want):
+        assert all(c.token_ids == oracle.greedy(prompt, 4) for c in g)
+    c = roomy.cache
+    assert c.shape == (48, 6, 55, 4) and c.nbytes() == c.bytes_per_token() * (6 * 55 + 48 * 4)
+    per_copy = c.bytes_per_token() * (55 + 4)             # one row holding its own copy of the prompt
+    tight = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=16 * per_copy / 2**30)
+    got = tight.generate(long_prompts, greedy)
+    assert [[x.token_ids for x in g] for g in got] == [[x.token_ids for x in g] for g in want]
+    assert tight.cache.rows >= 3 * 16, f"a budget of 16 private copies holds {tight.cache.rows} shared rows"
+    assert tight.cache.nbytes() <= 16 * per_copy
+
+    # Groups as the bottleneck: n=4 through 8 rows and 4 groups, stop ids ending samples at
+    # different steps, so groups linger with one live sample and later groups move down.
+    prompts = [[(5 * i + j) % 90 + 3 for j in range(2 + i % 5)] for i in range(10)]
+    sp = SamplingParams(n=4, max_tokens=8, seed=3, temperature=1.0, stop_token_ids=list(range(20, 50)))
+    want = roomy.generate(prompts, sp)
+    small = NativeEngine.from_pretrained(str(tmp_path), max_num_seqs=8)
+    got = small.generate(prompts, sp)
+    assert small.cache.rows == 8 and small.cache.groups == 4
+    assert small.stats["group_moves"] > 0 and len({len(x.token_ids) for g in got for x in g}) > 3
+    assert [[x.token_ids for x in g] for g in got] == [[x.token_ids for x in g] for g in want]
+    flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
+    assert flat(got) == pytest.approx(flat(want), abs=1e-5)
+    assert oracle.max_error(got, prompts, 1.0) <= 1e-5

@@ -3,17 +3,20 @@
     engine = NativeEngine.from_pretrained(model_dir, comm=TPComm(group), device="cpu")
     groups = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(n=4, max_tokens=32, seed=0))
 
-Scheduling: prompts wait in a queue; whenever slots are free, the waiting prompts that fit are
-prefilled together in one pass (right-padded, at most max_num_batched_tokens padded tokens),
-each prompt's K/V written straight into its n sample slots; every iteration decodes one token
-for all active slots (on CUDA by replaying a CUDA graph captured for the bucketed batch size,
-megarl/rollout/native/rows.py) and samples on the device; a finished sequence's slot goes to
-the next waiting prompt. Every rank of the TP group runs the same loop on the same inputs and
+Scheduling: prompts wait in a queue; whenever rows (n per prompt) and a prompt group are free,
+the waiting prompts that fit are prefilled together in one pass (right-padded, at most
+max_num_batched_tokens padded tokens), each prompt's K/V written once, into its group, which its
+n samples share (megarl/rollout/native/kv_cache.py); every iteration decodes one token for all
+active rows (on CUDA by replaying a CUDA graph captured for the bucketed shape,
+megarl/rollout/native/rows.py) and samples on the device; a finished sample's row goes to the
+next waiting prompt, and its group when the prompt's last sample finishes. Every rank of the TP group runs the same loop on the same inputs and
 samples the same tokens (counter-based randomness over the gathered logits), so no token
 broadcast is needed.
 
-Slots: max_num_seqs at most, fewer where the KV cache would not fit the memory budget
+Rows: max_num_seqs at most, fewer where the KV cache would not fit the memory budget
 (kv_cache_gb, or on GPU gpu_memory_utilization of the device minus what is already allocated).
+Groups: enough for every row's prompt when n <= 2, else 2 * rows / n (a prompt whose first
+samples finished keeps its group until the last one does; the slack lets new prompts in).
 
 Weights arrive as the HF-named full tensors of the trainer's sync (or of an HF directory, through
 the same path), or pre-sharded (`update_weight_shards`, each rank's part only); each rank copies its
@@ -34,7 +37,7 @@ from megarl.rollout.hf_weights import buckets, iter_hf_weights, read_hf_config
 from megarl.rollout.native import sampler
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
-from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, batch_bucket
+from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, batch_bucket, group_bucket
 from megarl.rollout.native.tp import ShardPlan, TPComm
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
@@ -86,8 +89,9 @@ class NativeEngine(BaseRollout):
         self.gpu_memory_utilization, self.kv_cache_gb = gpu_memory_utilization, kv_cache_gb
         self.asleep = False
         self._offloaded: dict[str, torch.Tensor] = {}
-        self._cache_shape = (0, 0)
-        self.stats = {"generated_tokens": 0, "prefills": 0, "prefill_batches": 0, "decode_steps": 0}
+        self._cache_shape = (0, 0, 0, 0)
+        self.stats = {"generated_tokens": 0, "prefills": 0, "prefill_batches": 0, "decode_steps": 0,
+                      "group_moves": 0}
 
     @classmethod
     def from_pretrained(cls, model_dir: str, **kwargs) -> "NativeEngine":
@@ -136,7 +140,7 @@ class NativeEngine(BaseRollout):
         """Free the KV cache; level 1 keeps the weights (offloaded to host memory on GPU), level 2
         drops them (they come back with the next weight sync)."""
         level = level or self.sleep_level
-        self._cache_shape = (self.cache.slots, self.cache.max_len) if self.cache.allocated else self._cache_shape
+        self._cache_shape = self.cache.shape if self.cache.allocated else self._cache_shape
         self.cache.free()
         self.rows = None
         self.decode.drop()
@@ -174,77 +178,98 @@ class NativeEngine(BaseRollout):
         if seed is None:                          # one random seed that every TP rank agrees on
             seed = self.comm.agree(int(torch.randint(0, 2**62, ()).item()))
         n, T = sampling.n, sampling.max_tokens
-        max_len = max(map(len, prompts)) + T
-        self.model._check_window(max_len)         # Mistral: refuse what a sliding window would change
+        P = max(map(len, prompts))
+        self.model._check_window(P + T)           # Mistral: refuse what a sliding window would change
+        cap_p, cap_t = P, T
         if self.decode.static:                    # rounded: fewer reallocations, so fewer recaptures
-            max_len = -(-max_len // 64) * 64
+            cap_p, cap_t = -(-P // 64) * 64, -(-T // 64) * 64
         penalty = sampling.repetition_penalty != 1.0
-        slots = max(n, min(self.max_num_seqs, len(prompts) * n, self._slot_cap(max_len, T, penalty)))
-        self.cache.ensure(slots, max_len)
-        if self.rows is None or not self.rows.fits(self.cache.slots, T, penalty):
+        rows, groups = self._capacity(len(prompts), n, cap_p, cap_t, penalty)
+        self.cache.ensure(rows, groups, cap_p, cap_t)
+        if self.rows is None or not self.rows.fits(self.cache.rows, self.cache.groups, T, penalty):
             old = self.rows
             self.rows = None                      # free before allocating the bigger one
-            self.rows = Rows(self.cache.slots, max(T, old.max_tokens if old else 0), self.args.vocab_size,
-                             self.device, penalty or (old is not None and old.seen is not None))
-        self.model.rope(self.cache.max_len)      # the table a captured graph reads: allocated now
-        return _Scheduler(self, prompts, sampling, seed, self.cache.slots).run()
+            self.rows = Rows(self.cache.rows, self.cache.groups, max(T, old.max_tokens if old else 0),
+                             self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
+        self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
+        self.stats["kv_cache_bytes"] = self.cache.nbytes()
+        return _Scheduler(self, prompts, sampling, seed).run()
 
-    def _slot_cap(self, max_len: int, max_tokens: int, penalty: bool) -> int:
-        """Slots that fit the memory budget (KV cache plus the per-row state): kv_cache_gb if set,
-        on GPU gpu_memory_utilization of the device minus what is already allocated; on CPU
-        unbounded (max_num_seqs decides)."""
-        row_bytes = 4 * 8 + max_tokens * 12 + (self.args.vocab_size if penalty else 0)
-        per_slot = self.cache.bytes_per_slot_token() * max_len + row_bytes
-        held = self.cache.bytes_per_slot_token() * self.cache.slots * self.cache.max_len
+    def _capacity(self, prompts: int, n: int, prompt_len: int, gen_len: int, penalty: bool) -> tuple[int, int]:
+        """(rows, groups) for this call: max_num_seqs rows at most (and no more than the call
+        needs), fewer where the KV cache and row state would not fit the memory budget:
+        kv_cache_gb if set, on GPU gpu_memory_utilization of the device minus what is already
+        allocated (what the engine itself holds counts as free); on CPU unbounded."""
+        share = min(1.0, 2 / n)                   # groups per row (see the module docstring)
+        rows = min(self.max_num_seqs, prompts * n)
+        budget = self._budget_bytes()
+        if budget is not None:
+            per_token = self.cache.bytes_per_token()
+            row_state = 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0)
+            per_row = per_token * (gen_len + share * prompt_len) + row_state + 8 * share
+            rows = min(rows, int(budget // per_row))
+        rows = max(rows, n)
+        return rows, max(1, min(prompts, rows, -(-int(2 * rows) // n)))
+
+    def _budget_bytes(self) -> float | None:
+        held = self.cache.nbytes()
         if self.rows is not None:
-            held += sum(t.numel() * t.element_size() for t in self.rows.tensors())
+            held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
         if self.kv_cache_gb is not None:
-            budget = self.kv_cache_gb * 2**30
-        elif self.device.type == "cuda":
+            return self.kv_cache_gb * 2**30
+        if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held
-        else:
-            return self.max_num_seqs
-        return max(1, int(budget // per_slot))
+            return self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held
+        return None
 
 
 class _Scheduler:
-    """One generate() call: the queue, the active rows (slots 0..B-1) and the decode loop.
+    """One generate() call: the queue, the active rows (0..B-1) and groups (0..G-1), the decode loop.
 
-    Per iteration: batched prefill of as many waiting prompts as free slots (and the prefill
-    token budget) allow; one decode step for all active rows; then one read of which rows hit a
-    stop token (the only host sync of a step; lengths are tracked on the host). Finished rows'
-    tokens and log-probs come back in one copy, and the last active rows move into their slots.
+    Per iteration: batched prefill of as many waiting prompts as free rows, free groups (and the
+    prefill token budget) allow; one decode step for all active rows; then one read of which rows
+    hit a stop token (the only host sync of a step; lengths are tracked on the host). Finished
+    rows' tokens and log-probs come back in one copy, the last active rows move into their
+    places, and so do the last active groups into the places of groups whose samples all finished.
     """
 
-    def __init__(self, engine: "NativeEngine", prompts, sampling: SamplingParams, seed: int, slots: int):
-        self.e, self.prompts, self.sp, self.seed, self.slots = engine, prompts, sampling, seed, slots
-        dev = engine.device
+    def __init__(self, engine: "NativeEngine", prompts, sampling: SamplingParams, seed: int):
+        self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
+        self.R, self.Gcap = engine.cache.rows, engine.cache.groups
         stops = sorted(sampling.stop_ids)
-        self.stops = torch.tensor(stops, dtype=torch.long, device=dev) if stops else None
+        self.stops = torch.tensor(stops, dtype=torch.long, device=engine.device) if stops else None
         self.out: list[list[Completion | None]] = [[None] * sampling.n for _ in prompts]
-        # Host mirrors of slots 0..B-1: which (prompt, sample) each holds, its position, its step.
-        self.prompt = np.zeros(slots, dtype=np.int64)
-        self.sample = np.zeros(slots, dtype=np.int64)
-        self.pos = np.zeros(slots, dtype=np.int64)
-        self.steps = np.zeros(slots, dtype=np.int64)
-        self.B = 0
+        # Host mirrors. Rows 0..B-1: which (prompt, sample) each holds, its group, its step.
+        self.prompt = np.zeros(self.R, dtype=np.int64)
+        self.sample = np.zeros(self.R, dtype=np.int64)
+        self.grp = np.zeros(self.R, dtype=np.int64)
+        self.steps = np.zeros(self.R, dtype=np.int64)
+        # Groups 0..G-1: their prompt's length and how many of its samples are still running.
+        self.glen = np.zeros(self.Gcap, dtype=np.int64)
+        self.live = np.zeros(self.Gcap, dtype=np.int64)
+        self.B = self.G = 0
 
     def _admit(self, idx: list[int]) -> None:
-        """Prefill prompts `idx` in one pass; their n samples take slots B..B+len(idx)*n-1."""
+        """Prefill prompts `idx` in one pass into groups G..G+k-1; their n samples take rows
+        B..B+k*n-1."""
         e, n, rows, dev = self.e, self.sp.n, self.e.rows, self.e.device
-        k, first = len(idx), self.B
+        k, first, g0 = len(idx), self.B, self.G
         M, last = k * n, self.B + k * n
         lens = [len(self.prompts[i]) for i in idx]
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(self.prompts[i], dtype=torch.long) for i in idx],
                                               batch_first=True).to(dev)                      # [k, P]
         lengths = torch.tensor(lens, dtype=torch.long, device=dev)
+        groups = torch.arange(g0, g0 + k, device=dev)
+        logits = e.model.prefill(ids, lengths, e.cache, groups, e.comm)                     # [k, V]
         src = torch.arange(k, device=dev).repeat_interleave(n)                              # [M] prompt of each row
-        logits = e.model.prefill(ids, lengths, e.cache, torch.arange(first, last, device=dev), src, e.comm)
-        prompt_ix = torch.tensor(idx, dtype=torch.long, device=dev)[src]
-        rows.key[first:last] = sampler.sample_keys(self.seed, prompt_ix, torch.arange(n, device=dev).repeat(k))
+        samples = torch.arange(n, device=dev).repeat(k)
+        rows.key[first:last] = sampler.sample_keys(self.seed, torch.tensor(idx, dtype=torch.long, device=dev)[src],
+                                                   samples)
         rows.step[first:last] = 0
         rows.pos[first:last] = lengths[src]
+        rows.grp[first:last] = groups[src]
+        rows.member[first:last] = samples
+        rows.glen[g0:g0 + k] = lengths
         if rows.seen is not None:
             V = e.args.vocab_size                 # padding scatters into an extra column, dropped
             pad = torch.arange(ids.shape[1], device=dev)[None, :] >= lengths[:, None]
@@ -254,14 +279,16 @@ class _Scheduler:
         rows.record(first, last, logits[src], self.sp)
         self.prompt[first:last] = np.repeat(idx, n)
         self.sample[first:last] = np.tile(np.arange(n), k)
-        self.pos[first:last] = np.repeat(lens, n)
+        self.grp[first:last] = np.repeat(np.arange(g0, g0 + k), n)
         self.steps[first:last] = 1
-        self.B = last
+        self.glen[g0:g0 + k] = lens
+        self.live[g0:g0 + k] = n
+        self.B, self.G = last, g0 + k
         e.stats["prefills"] += k
         e.stats["prefill_batches"] += 1
 
     def _retire(self) -> None:
-        """Record finished rows; move the last active rows into the freed slots."""
+        """Record finished rows; move the last active rows (and groups) into the freed places."""
         e, rows, B = self.e, self.e.rows, self.B
         if B == 0:
             return
@@ -280,38 +307,65 @@ class _Scheduler:
             s = int(self.steps[r])
             self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], "stop" if stopped[r] else "length")
         e.stats["generated_tokens"] += int(self.steps[fin].sum())
+        np.subtract.at(self.live, self.grp[fin], 1)
         keep = B - len(fin)
         holes = fin[fin < keep]
         movers = np.flatnonzero(~done[keep:]) + keep
         if len(movers):
-            e.cache.move(movers.tolist(), holes.tolist(), int(self.pos[movers].max()))
+            e.cache.move_rows(movers.tolist(), holes.tolist(), int(self.steps[movers].max()))
             rows.move(movers.tolist(), holes.tolist())
-            for a in (self.prompt, self.sample, self.pos, self.steps):
+            for a in (self.prompt, self.sample, self.grp, self.steps):
                 a[holes] = a[movers]
         rows.reset(keep, B)
         self.B = keep
+        self._retire_groups()
+
+    def _retire_groups(self) -> None:
+        """Groups whose samples all finished are free; the last active groups move into them."""
+        G = self.G
+        empty = np.flatnonzero(self.live[:G] == 0)
+        if not len(empty):
+            return
+        keep = G - len(empty)
+        holes = empty[empty < keep]
+        movers = np.flatnonzero(self.live[keep:G] > 0) + keep
+        if len(movers):
+            e, rows = self.e, self.e.rows
+            e.cache.move_groups(movers.tolist(), holes.tolist(), int(self.glen[movers].max()))
+            rows.glen[torch.from_numpy(holes).to(e.device)] = rows.glen[torch.from_numpy(movers).to(e.device)]
+            for a in (self.glen, self.live):
+                a[holes] = a[movers]
+            remap = np.arange(G)
+            remap[movers] = holes
+            self.grp[:self.B] = remap[self.grp[:self.B]]
+            rows.grp[:self.B] = torch.from_numpy(self.grp[:self.B]).to(e.device)
+            e.stats["group_moves"] += len(movers)
+        self.live[keep:G] = 0
+        self.G = keep
 
     def _step(self) -> None:
-        e, B = self.e, self.B
-        longest = int(self.pos[:B].max()) + 1
-        if e.decode.static:                  # static shapes: bucketed batch and attention span
-            Bb = batch_bucket(B, e.cache.slots)
-            span = min(-(-longest // SPAN_UNIT) * SPAN_UNIT, e.cache.max_len)
-        else:
-            Bb, span = B, longest
-        e.decode(Bb, span, self.sp)
-        self.pos[:B] += 1
-        self.steps[:B] += 1
+        e, B, G = self.e, self.B, self.G
+        Ls = int(self.steps[:B].max())        # generated keys: the newest goes to steps - 1
+        Lp = int(self.glen[:G].max())
+        if e.decode.static:                   # static shapes: bucketed rows, groups and spans
+            B, G = batch_bucket(B, self.R), group_bucket(G, self.Gcap)
+            Ls = min(-(-Ls // SPAN_UNIT) * SPAN_UNIT, e.cache.gen_len)
+            Lp = min(-(-Lp // SPAN_UNIT) * SPAN_UNIT, e.cache.prompt_len)
+        e.decode(B, (G, self.sp.n, Lp, Ls), self.sp)
+        self.steps[:self.B] += 1
         e.stats["decode_steps"] += 1
 
     def run(self) -> list[list[Completion]]:
         n, budget = self.sp.n, self.e.max_num_batched_tokens
         queue = deque(range(len(self.prompts)))
+
+        def room(extra: int) -> bool:         # rows and a group for one more prompt
+            return self.R - self.B - extra * n >= n and self.Gcap - self.G - extra >= 1
         while queue or self.B:
             admitted = False
-            while queue and self.slots - self.B >= n:
+            while queue and room(0):
                 idx, longest = [], 0
-                while queue and self.slots - self.B - len(idx) * n >= n:
+                while queue and room(len(idx)):
                     longest_next = max(longest, len(self.prompts[queue[0]]))
                     if idx and (len(idx) + 1) * longest_next > budget:
                         break

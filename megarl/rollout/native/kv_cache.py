@@ -1,10 +1,21 @@
-"""Slot KV cache for continuous batching.
+"""KV cache for continuous batching, with the prompt's K/V shared by its n samples.
 
-One tensor per K and V: [layers, slots, kv_heads, max_len, head_dim]. Active sequences always
-occupy slots 0..B-1, so a decode step reads plain views (no gather) and its shapes depend on B
-alone (what a CUDA graph needs). When sequences finish, the last active slots move into their
-places (`move`: one indexed copy for all of them). The n samples of a prompt share one prefill,
-whose K/V the model writes straight into the n slots.
+Two parts, one tensor per K and V in each:
+
+    prompt part  [layers, groups, kv_heads, prompt_len, head_dim]   one group per prompt
+    sample part  [layers, rows,   kv_heads, gen_len,    head_dim]   the tokens a sample generated
+
+A prompt is prefilled once and its K/V written once, into its group; each of its n samples
+(rows) holds only what it generates. So a prompt of P tokens with n samples of up to T tokens
+takes P + n*T positions, not n*(P + T): with GRPO's long prompts and n=8 that is up to 8x less
+KV memory for the prompt, and as many more rows in the same budget. Decode attends to both parts
+(megarl/rollout/native/model.py: the group's prompt K/V once for all its samples' queries,
+Hydragen-style, then each row's own tokens; the two softmaxes merged by log-sum-exp).
+
+Active rows occupy 0..B-1 and active groups 0..G-1, so a decode step reads plain views (no
+gather) and its shapes depend on (B, G) alone (what a CUDA graph needs). When rows or groups
+finish, the last active ones move into their places (`move_rows`, `move_groups`: one indexed
+copy for all of them).
 """
 from __future__ import annotations
 
@@ -15,38 +26,62 @@ class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.k = self.v = None                  # allocated by ensure()
-        self.slots = self.max_len = 0
+        self.pk = self.pv = self.k = self.v = None      # allocated by ensure()
+        self.rows = self.groups = self.prompt_len = self.gen_len = 0
 
-    def bytes_per_slot_token(self) -> int:
+    def bytes_per_token(self) -> int:
+        """K and V of one position, all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
-    def ensure(self, slots: int, max_len: int) -> None:
-        """Make room for `slots` sequences of `max_len` tokens (grows, never shrinks, until free())."""
-        if self.k is not None and self.slots >= slots and self.max_len >= max_len:
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.rows, self.groups, self.prompt_len, self.gen_len
+
+    def nbytes(self) -> int:
+        return self.bytes_per_token() * (self.groups * self.prompt_len + self.rows * self.gen_len)
+
+    def ensure(self, rows: int, groups: int, prompt_len: int, gen_len: int) -> None:
+        """Room for `rows` samples of `gen_len` tokens and `groups` prompts of `prompt_len`
+        (each dimension grows, never shrinks, until free())."""
+        if self.allocated and rows <= self.rows and groups <= self.groups and \
+                prompt_len <= self.prompt_len and gen_len <= self.gen_len:
             return
-        slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
-        shape = (self.layers, slots, self.kv_heads, max_len, self.head_dim)
-        self.k = self.v = None                  # drop the old buffers before allocating the new ones
+        shape = tuple(max(a, b) for a, b in zip((rows, groups, prompt_len, gen_len), self.shape))
+        self.free()                             # drop the old buffers before allocating the new ones
+        R, G, P, T = shape
         # Zeros, not empty: masked-out positions get attention weight 0, and 0 * NaN from
         # uninitialised memory would still poison the output.
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.slots, self.max_len = slots, max_len
+        part = dict(dtype=self.dtype, device=self.device)
+        self.pk = torch.zeros(self.layers, G, self.kv_heads, P, self.head_dim, **part)
+        self.pv = torch.zeros(self.layers, G, self.kv_heads, P, self.head_dim, **part)
+        self.k = torch.zeros(self.layers, R, self.kv_heads, T, self.head_dim, **part)
+        self.v = torch.zeros(self.layers, R, self.kv_heads, T, self.head_dim, **part)
+        self.rows, self.groups, self.prompt_len, self.gen_len = shape
 
     def free(self) -> None:
-        self.k = self.v = None
-        self.slots = self.max_len = 0
+        self.pk = self.pv = self.k = self.v = None
+        self.rows = self.groups = self.prompt_len = self.gen_len = 0
 
     @property
     def allocated(self) -> bool:
         return self.k is not None
 
-    def move(self, src: list[int], dst: list[int], length: int) -> None:
-        """Copy slots `src` (their first `length` positions) into slots `dst`, pairwise; disjoint."""
-        if not src:
-            return
-        s = torch.tensor(src, device=self.device)
-        d = torch.tensor(dst, device=self.device)
-        for t in (self.k, self.v):
-            t[:, d, :, :length] = t[:, s, :, :length]
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.pk, self.pv, self.k, self.v
+
+    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Rows `src` (their first `length` generated positions) into rows `dst`, pairwise; disjoint."""
+        _move((self.k, self.v), src, dst, length, self.device)
+
+    def move_groups(self, src: list[int], dst: list[int], length: int) -> None:
+        """Prompt groups `src` (their first `length` positions) into groups `dst`, pairwise; disjoint."""
+        _move((self.pk, self.pv), src, dst, length, self.device)
+
+
+def _move(parts, src: list[int], dst: list[int], length: int, device) -> None:
+    if not src:
+        return
+    s = torch.tensor(src, device=device)
+    d = torch.tensor(dst, device=device)
+    for t in parts:
+        t[:, d, :, :length] = t[:, s, :, :length]

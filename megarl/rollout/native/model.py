@@ -6,8 +6,9 @@ rank's shard (sizes come from `ModelArgs.local(...)`); the two collectives it ne
 `comm` object (megarl/rollout/native/tp.py), so no process-group code lives here.
 
 Two entry points share the layers: `prefill` (N right-padded prompts in one pass, causal, each
-written into its samples' KV-cache slots) and `decode` (one new token for each of B slots,
-attending to its cache; static shapes, so the engine can capture it in a CUDA graph).
+prompt's K/V written once, into its group of the cache) and `decode` (one new token for each of
+B rows, attending to its group's prompt and to its own generated tokens; static shapes, so the
+engine can capture it in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -214,35 +215,76 @@ class Layer(nn.Module):
         g, u = F.linear(hn, self.w13).chunk(2, dim=-1)
         return x + comm.all_reduce(F.linear(F.silu(g) * u, self.w2))
 
-    def prefill(self, x, cos, sin, cache_k, cache_v, dst, src, comm):
-        """x [N, P, h]: N prompts, right-padded; cache_k/v [S, hkv, L, hd]. Prompt src[m]'s K/V
-        go to slot dst[m] at [:P] (the n samples of a prompt: n slots, one computation).
+    def prefill(self, x, cos, sin, pk, pv, groups, comm):
+        """x [N, P, h]: N prompts, right-padded; pk/pv [G, hkv, Lp, hd]: prompt n's K/V go to
+        group groups[n] at [:P], once for all its samples.
         Right padding keeps plain causal attention exact for the real positions (pads come after
         them), so SDPA runs without a mask and may pick its flash / memory-efficient kernels."""
         q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
         P = x.shape[1]
         k, v = k.transpose(1, 2), v.transpose(1, 2)                                       # [N, hkv, P, hd]
-        cache_k[dst, :, :P] = k[src]
-        cache_v[dst, :, :P] = v[src]
+        pk[groups, :, :P] = k
+        pv[groups, :, :P] = v
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                               enable_gqa=True)                              # [N, hq, P, hd]
         return self._out(attn.transpose(1, 2).flatten(2), x, comm)
 
-    def decode(self, x, cos, sin, cache_k, cache_v, rows, pos, bias, comm):
-        """x [B, 1, h]; cache_k/v [S, hkv, L, hd]; rows [B] = 0..B-1; pos [B] where the new token
-        goes; bias [B, 1, 1, span] 0 for the keys a row may see, -inf after its position."""
+    def decode(self, x, cos, sin, pk, pv, ck, cv, m: "DecodeMeta", comm):
+        """x [B, 1, h]: one new token per row; pk/pv [G, hkv, Lp, hd] the prompt groups, ck/cv
+        [R, hkv, Lg, hd] the rows' generated tokens. The new K/V go to ck/cv[row, :, m.spos]."""
         s, hd = self.s, self.a.head_dim
         q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
-        cache_k[rows, :, pos] = k[:, 0]
-        cache_v[rows, :, pos] = v[:, 0]
-        B, span, g = x.shape[0], bias.shape[-1], s.heads // s.kv_heads
-        keys, vals = cache_k[:B, :, :span], cache_v[:B, :, :span]                         # [B, hkv, span, hd]
+        ck[m.rows, :, m.spos] = k[:, 0]
+        cv[m.rows, :, m.spos] = v[:, 0]
+        B, g = x.shape[0], s.heads // s.kv_heads
         # Grouped-query attention without copying K/V per query head: the g query heads that
-        # share a KV head become g query rows of that head. An additive float bias (not a
-        # boolean mask) keeps CUDA's memory-efficient kernel eligible.
-        qg = q.view(B, s.kv_heads, g, hd)                                                # [B, hkv, g, hd]
-        attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)           # [B, hkv, g, hd]
-        return self._out(attn.reshape(B, 1, s.heads * hd), x, comm)
+        # share a KV head become g query rows of that head.
+        qr = q.view(B, s.kv_heads, g, hd)                                                 # [B, hkv, g, hd]
+        # The prompt part, once per group: the n samples' queries (n*g rows per KV head) against
+        # the group's prompt K/V, read once (a matrix product instead of n vector products).
+        # Parked rows scatter into a spare group G that is never computed.
+        qg = qr.new_zeros(m.G + 1, m.n, s.kv_heads, g, hd)
+        qg[m.grp_in, m.member] = qr
+        qg = qg[:m.G].transpose(1, 2).reshape(m.G, s.kv_heads, m.n * g, hd)
+        o_p, lse_p = attend(qg, pk[:m.G, :, :m.Lp], pv[:m.G, :, :m.Lp], m.pbias)
+        o_p = o_p.view(m.G, s.kv_heads, m.n, g, hd).transpose(1, 2)[m.grp_out, m.member]     # [B, hkv, g, hd]
+        lse_p = lse_p.view(m.G, s.kv_heads, m.n, g, 1).transpose(1, 2)[m.grp_out, m.member]
+        # The row's own tokens, then one softmax over both parts (log-sum-exp merge).
+        o_s, lse_s = attend(qr, ck[:B, :, :m.Ls], cv[:B, :, :m.Ls], m.sbias)
+        lse = torch.logaddexp(lse_p, lse_s)
+        attn = o_p * torch.exp(lse_p - lse) + o_s * torch.exp(lse_s - lse)
+        return self._out(attn.to(x.dtype).reshape(B, 1, s.heads * hd), x, comm)
+
+
+# Masked keys get this additive bias rather than -inf: a row with no visible key (a parked row,
+# an unused group) then gets finite garbage instead of NaN, and a visible key is never affected.
+MASKED = -1e30
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
+    """Softmax attention that also returns the log-sum-exp, so two key sets can be merged.
+    q [..., m, hd], k/v [..., L, hd], bias [..., 1 or m, L] (fp32, 0 or MASKED) ->
+    out [..., m, hd] fp32, lse [..., m, 1]. Scores and softmax in fp32, as transformers' eager path."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.matmul(torch.exp(scores - lse).to(v.dtype), v)
+    return out.float(), lse
+
+
+@dataclass
+class DecodeMeta:
+    """What every layer of one decode step needs besides its weights (built once per step)."""
+    rows: torch.Tensor        # [B] 0..B-1
+    spos: torch.Tensor        # [B] where each row's new K/V goes in its generated part
+    grp_in: torch.Tensor      # [B] the row's group, G for parked rows (scattered, never computed)
+    grp_out: torch.Tensor     # [B] the row's group, clamped into 0..G-1 (gathered)
+    member: torch.Tensor      # [B] the row's sample index within its group
+    pbias: torch.Tensor       # [G, 1, 1, Lp] prompt keys each group may see
+    sbias: torch.Tensor       # [B, 1, 1, Ls] generated keys each row may see
+    G: int
+    n: int
+    Lp: int
+    Ls: int
 
 
 class Transformer(nn.Module):
@@ -289,32 +331,44 @@ class Transformer(nn.Module):
                              "keep prompt + response lengths within it or use rollout.name=hf")
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache, dst: torch.Tensor, src: torch.Tensor,
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache, groups: torch.Tensor,
                 comm: Comm) -> torch.Tensor:
         """ids [N, P] right-padded prompts of `lengths` [N] -> logits of each last real position
-        [N, V]; prompt src[m]'s K/V land in slot dst[m]."""
+        [N, V]; prompt i's K/V land in the cache's prompt group groups[i]."""
         N, P = ids.shape
         self._check_window(P)
         cos, sin = self.rope(P)
         cos, sin = cos[:P, None], sin[:P, None]                                          # [P, 1, hd]
         x = self.embed_tokens(ids, comm)                                                 # [N, P, h]
         for i, layer in enumerate(self.layers):
-            x = layer.prefill(x, cos, sin, cache.k[i], cache.v[i], dst, src, comm)
+            x = layer.prefill(x, cos, sin, cache.pk[i], cache.pv[i], groups, comm)
         last = x[torch.arange(N, device=ids.device), lengths - 1]                        # [N, h]
         return self.logits(last, comm)
 
     @torch.inference_mode()
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, cache, comm: Comm, span: int) -> torch.Tensor:
-        """ids [B] last tokens of slots 0..B-1, pos [B] their positions (< span) -> logits [B, V].
-        Shapes depend on (B, span) only and nothing is read back to the host: capturable."""
-        B = ids.shape[0]
-        cos, sin = self.rope(span)
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, step: torch.Tensor, grp: torch.Tensor,
+               member: torch.Tensor, glen: torch.Tensor, cache, comm: Comm, shape: tuple[int, int, int, int]
+               ) -> torch.Tensor:
+        """One new token for rows 0..B-1 -> logits [B, V]. ids/pos/step/grp/member [B]: the row's
+        last token, its position, tokens generated so far (the new K/V goes to step - 1), its
+        group (-1: parked) and sample index; glen [>= G] the groups' prompt lengths; shape =
+        (G groups, n samples per group, Lp prompt keys, Ls generated keys) to attend over.
+        Shapes depend on (B, shape) only and nothing is read back to the host: capturable."""
+        G, n, Lp, Ls = shape
+        B, dev = ids.shape[0], ids.device
+        cos, sin = self.rope(cache.prompt_len + cache.gen_len)
+        pos = pos.clamp(max=cos.shape[0] - 1)                                            # parked rows drift
         cos, sin = cos[pos][:, None, None], sin[pos][:, None, None]                      # [B, 1, 1, hd]
-        keys = torch.arange(span, device=pos.device)
-        bias = torch.zeros(B, 1, 1, span, dtype=self.dtype, device=pos.device)
-        bias.masked_fill_((keys[None, :] > pos[:, None])[:, None, None], float("-inf"))  # [B, 1, 1, span]
-        rows = torch.arange(B, device=pos.device)
+        spos = (step - 1).clamp(min=0, max=Ls - 1)
+        pkeys, skeys = torch.arange(Lp, device=dev), torch.arange(Ls, device=dev)
+        zero = torch.zeros((), device=dev)
+        meta = DecodeMeta(
+            rows=torch.arange(B, device=dev), spos=spos,
+            grp_in=torch.where(grp < 0, G, grp), grp_out=grp.clamp(min=0, max=G - 1), member=member,
+            pbias=torch.where(pkeys[None, :] < glen[:G, None], zero, MASKED)[:, None, None],
+            sbias=torch.where(skeys[None, :] <= spos[:, None], zero, MASKED)[:, None, None],
+            G=G, n=n, Lp=Lp, Ls=Ls)
         x = self.embed_tokens(ids[:, None], comm)                                        # [B, 1, h]
         for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cos, sin, cache.k[i], cache.v[i], rows, pos, bias, comm)
+            x = layer.decode(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], meta, comm)
         return self.logits(x[:, 0], comm)

@@ -1,16 +1,17 @@
 """The active rows of the built-in engine on the device, and one decode step over them.
 
-    rows = Rows(slots=512, max_tokens=256, vocab=V, device=dev, penalty=False)
-    step = DecodeStep(model, cache, rows, comm, sampling, graphs=True)
-    step(B, span)       # decode + sample + record one token for rows 0..B-1 (replays a CUDA graph)
+    rows = Rows(slots=512, groups=128, max_tokens=256, vocab=V, device=dev, penalty=False)
+    step = DecodeStep(engine, graphs=True)
+    step(B, (G, n, Lp, Ls), sp)   # decode + sample + record one token for rows 0..B-1
 
-Each slot's state lives in device tensors (last token, position, sample key, step, the tokens and
-log-probs generated so far, the tokens seen for the repetition penalty), so a step reads nothing
-back to the host: the scheduler reads only which rows hit a stop token, once per step.
+Each row's state lives in device tensors (last token, position, sample key, step, its prompt
+group and sample index, the tokens and log-probs generated so far, the tokens seen for the
+repetition penalty), as do the groups' prompt lengths, so a step reads nothing back to the host:
+the scheduler reads only which rows hit a stop token, once per step.
 
-CUDA graphs: a step's shapes depend on (B, span) alone, so on CUDA one graph is captured per
-(bucketed batch size, bucketed attention span) the first time it is needed (as vLLM and SGLang
-capture per batch size) and replayed after that. The graph holds the addresses of the cache, the
+CUDA graphs: a step's shapes depend on (B, G, n, Lp, Ls) alone, so on CUDA one graph is captured
+per bucketed shape the first time it is needed (as vLLM and SGLang capture per batch size) and
+replayed after that. The graph holds the addresses of the cache, the
 row state, the weights and the RoPE table; `DecodeStep.signature()` changes when any of them is
 reallocated (a bigger cache, sleep, a weight reload after sleep level 2), and the graphs are then
 dropped and captured again. Off CUDA (or with enforce_eager) the same function runs eagerly.
@@ -35,26 +36,37 @@ def batch_bucket(b: int, cap: int) -> int:
     return min(-(-b // 8) * 8, cap)
 
 
-class Rows:
-    """Per-slot device state; slots 0..B-1 are the active rows."""
+def group_bucket(g: int, cap: int) -> int:
+    """The captured group count that holds g groups: powers of two, so that (rows, groups)
+    pairs, and the graphs captured for them, stay few."""
+    return min(1 << max(g - 1, 0).bit_length(), cap)
 
-    def __init__(self, slots: int, max_tokens: int, vocab: int, device, penalty: bool):
+
+class Rows:
+    """Per-row device state (rows 0..B-1 are the active ones) and the groups' prompt lengths."""
+
+    def __init__(self, slots: int, groups: int, max_tokens: int, vocab: int, device, penalty: bool):
         e = dict(device=device)
-        self.slots, self.max_tokens, self.vocab = slots, max_tokens, vocab
+        self.slots, self.groups, self.max_tokens, self.vocab = slots, groups, max_tokens, vocab
         self.tok = torch.zeros(slots, dtype=torch.long, **e)         # the last token (next decode input)
         self.pos = torch.zeros(slots, dtype=torch.long, **e)         # where that token's K/V goes
         self.key = torch.zeros(slots, dtype=torch.long, **e)         # counter-RNG key of (prompt, sample)
         self.step = torch.zeros(slots, dtype=torch.long, **e)        # tokens generated so far
+        self.grp = torch.full((slots,), -1, dtype=torch.long, **e)   # its prompt group (-1: parked)
+        self.member = torch.zeros(slots, dtype=torch.long, **e)      # its sample index in the group
+        self.glen = torch.zeros(groups, dtype=torch.long, **e)       # prompt length of each group
         self.out_tok = torch.zeros(slots, max_tokens, dtype=torch.long, **e)
         self.out_logp = torch.zeros(slots, max_tokens, dtype=torch.float32, **e)
         self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **e) if penalty else None
 
-    def fits(self, slots: int, max_tokens: int, penalty: bool) -> bool:
-        return self.slots >= slots and self.max_tokens >= max_tokens and (self.seen is not None or not penalty)
+    def fits(self, slots: int, groups: int, max_tokens: int, penalty: bool) -> bool:
+        return (self.slots >= slots and self.groups >= groups and self.max_tokens >= max_tokens
+                and (self.seen is not None or not penalty))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.tok, self.pos, self.key, self.step, self.out_tok, self.out_logp, self.seen)
-                if t is not None]
+        """The per-row tensors (what `move` moves)."""
+        return [t for t in (self.tok, self.pos, self.key, self.step, self.grp, self.member, self.out_tok,
+                            self.out_logp, self.seen) if t is not None]
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Rows src -> rows dst (pairwise, disjoint), one indexed copy per tensor."""
@@ -66,10 +78,12 @@ class Rows:
             t[d] = t[s]
 
     def reset(self, lo: int, hi: int) -> None:
-        """Rows lo..hi-1 are free: park them at position 0 / step 0, where a padded graph replay
-        that runs them writes only into their own (unused) slot."""
+        """Rows lo..hi-1 are free: park them at position 0 / step 0 and in no group, where a
+        padded graph replay that runs them writes only into their own (unused) row."""
         self.pos[lo:hi] = 0
         self.step[lo:hi] = 0
+        self.grp[lo:hi] = -1
+        self.member[lo:hi] = 0
 
     def record(self, lo: int, hi: int, logits: torch.Tensor, sp: SamplingParams) -> None:
         """Sample rows lo..hi-1's next token from logits [hi-lo, V]; append it and its log-prob."""
@@ -88,7 +102,7 @@ class Rows:
 
 
 class DecodeStep:
-    """decode + sample + record for rows 0..B-1: a CUDA graph per (B, span) on CUDA, else eager."""
+    """decode + sample + record for rows 0..B-1: a CUDA graph per (B, shape) on CUDA, else eager."""
 
     def __init__(self, engine, graphs: bool):
         self.e = engine
@@ -105,8 +119,8 @@ class DecodeStep:
         """Addresses and shapes a captured graph depends on."""
         e = self.e
         rope = e.model.rope(1)
-        return (e.cache.k.data_ptr(), e.cache.v.data_ptr(), e.cache.slots, e.cache.max_len,
-                tuple((t.data_ptr(), t.shape) for t in e.rows.tensors()),
+        return (tuple(t.data_ptr() for t in e.cache.tensors()), e.cache.shape,
+                tuple((t.data_ptr(), t.shape) for t in e.rows.tensors() + [e.rows.glen]),
                 (rope[0].data_ptr(), rope[1].data_ptr(), rope[0].shape[0]),
                 tuple(p.data_ptr() for p in e.params.values()))
 
@@ -114,22 +128,22 @@ class DecodeStep:
         self.graphs.clear()
         self.pool = None
 
-    def _run(self, B: int, span: int, sp: SamplingParams) -> None:
+    def _run(self, B: int, shape: tuple[int, int, int, int], sp: SamplingParams) -> None:
         e, rows = self.e, self.e.rows
-        pos = rows.pos[:B].clamp(max=span - 1)                    # parked rows of a padded replay
-        logits = e.model.decode(rows.tok[:B], pos, e.cache, e.comm, span)
+        logits = e.model.decode(rows.tok[:B], rows.pos[:B], rows.step[:B], rows.grp[:B], rows.member[:B],
+                                rows.glen, e.cache, e.comm, shape)
         rows.pos[:B] += 1
         rows.record(0, B, logits, sp)
 
-    def __call__(self, B: int, span: int, sp: SamplingParams) -> None:
+    def __call__(self, B: int, shape: tuple[int, int, int, int], sp: SamplingParams) -> None:
         if not self.graphs_on:
             self.stats["eager"] += 1
-            return self._run(B, span, sp)
+            return self._run(B, shape, sp)
         sig = self.signature()
         if sig != self._sig:
             self.drop()
             self._sig = sig
-        key = (B, span, sp.temperature, sp.top_k, sp.top_p, sp.greedy, sp.repetition_penalty)
+        key = (B, shape, sp.temperature, sp.top_k, sp.top_p, sp.greedy, sp.repetition_penalty)
         graph = self.graphs.get(key)
         if graph is not None:
             self.stats["replayed"] += 1
@@ -142,7 +156,7 @@ class DecodeStep:
         side = torch.cuda.Stream(device=self.e.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._run(B, span, sp)
+            self._run(B, shape, sp)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
@@ -150,6 +164,6 @@ class DecodeStep:
         # The capture records the step on rows 0..B-1 without running it; the state the eager
         # run above advanced stays as it is.
         with torch.cuda.graph(graph, pool=self.pool):
-            self._run(B, span, sp)
+            self._run(B, shape, sp)
         self.graphs[key] = graph
         self.stats["captured"] += 1
