@@ -296,6 +296,10 @@ def main(argv=None) -> dict:
     for other in [k for k in runs if k != "native"]:
         print(f"  ratio native / {other:8s} = {med['native'] / med[other]:.2f}x tokens/s "
               f"({cpu_med['native'] / cpu_med[other]:.2f}x per CPU-second)")
+    c = native.cache                      # the n samples of a prompt share its K/V (kv_cache.py)
+    copies = c.bytes_per_token() * c.rows * (c.prompt_len + c.gen_len)
+    print(f"  native: KV cache {c.nbytes() / 2**20:.1f} MiB for {c.rows} rows and {c.groups} prompt groups "
+          f"({copies / 2**20:.1f} MiB if every sample held its own copy of its prompt)")
     if args.device.startswith("cuda"):
         share, wall = gpu_kernel_share(runs["native"])
         print(f"  native: GPU kernels busy {100 * share:.1f}% of wall time during one generate "

@@ -292,3 +292,12 @@ def test_samples_share_their_prompts_kv_and_groups_are_recycled(tmp_path):
     flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
     assert flat(got) == pytest.approx(flat(want), abs=1e-5)
     assert oracle.max_error(got, prompts, 1.0) <= 1e-5
+
+
+def test_graph_buckets_are_geometric_and_capped():
+    """Two captured sizes per octave, at most 1.5x padding, never past the capacity."""
+    from megarl.rollout.native.rows import bucket
+    assert sorted({bucket(x, 1000) for x in range(1, 1001)}) == \
+        [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000]
+    assert all(x <= bucket(x, 10**6) <= max(1.5 * x, x + 1) for x in range(1, 5000))
+    assert [bucket(x, 320, 128) for x in (1, 128, 129, 300)] == [128, 128, 256, 320]

@@ -37,7 +37,7 @@ from megarl.rollout.hf_weights import buckets, iter_hf_weights, read_hf_config
 from megarl.rollout.native import sampler
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
-from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, batch_bucket, group_bucket
+from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, bucket
 from megarl.rollout.native.tp import ShardPlan, TPComm
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
@@ -348,9 +348,8 @@ class _Scheduler:
         Ls = int(self.steps[:B].max())        # generated keys: the newest goes to steps - 1
         Lp = int(self.glen[:G].max())
         if e.decode.static:                   # static shapes: bucketed rows, groups and spans
-            B, G = batch_bucket(B, self.R), group_bucket(G, self.Gcap)
-            Ls = min(-(-Ls // SPAN_UNIT) * SPAN_UNIT, e.cache.gen_len)
-            Lp = min(-(-Lp // SPAN_UNIT) * SPAN_UNIT, e.cache.prompt_len)
+            B, G = bucket(B, self.R), bucket(G, self.Gcap)
+            Ls, Lp = bucket(Ls, e.cache.gen_len, SPAN_UNIT), bucket(Lp, e.cache.prompt_len, SPAN_UNIT)
         e.decode(B, (G, self.sp.n, Lp, Ls), self.sp)
         self.steps[:self.B] += 1
         e.stats["decode_steps"] += 1

@@ -23,23 +23,19 @@ import torch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.native import sampler
 
-# Batch sizes a graph is captured for (vLLM's default list: 1, 2, 4, then multiples of 8).
-_SMALL = (1, 2, 4)
-SPAN_UNIT = 128                               # attention spans are rounded up to this on CUDA
+SPAN_UNIT = 128                               # attention spans are at least this on CUDA
 
 
-def batch_bucket(b: int, cap: int) -> int:
-    """The captured batch size that holds b rows (at most the slot count)."""
-    for s in _SMALL:
-        if b <= s:
-            return min(s, cap)
-    return min(-(-b // 8) * 8, cap)
-
-
-def group_bucket(g: int, cap: int) -> int:
-    """The captured group count that holds g groups: powers of two, so that (rows, groups)
-    pairs, and the graphs captured for them, stay few."""
-    return min(1 << max(g - 1, 0).bit_length(), cap)
+def bucket(x: int, cap: int, unit: int = 1) -> int:
+    """The captured size that holds x: the smallest of unit * (1, 2, 3, 4, 6, 8, 12, 16, ...)
+    (two sizes per octave) that is >= x, at most cap. vLLM and SGLang capture every multiple of 8
+    up to their limit (67 graphs for 512 rows); here a step's shape has four sizes (rows, groups,
+    prompt and generated keys), so each is bucketed geometrically, at most 1.5x padded, to keep
+    the graphs captured (and captured again after a weight reload) few."""
+    x = -(-x // unit)
+    p = 1 << max(x - 1, 0).bit_length()           # the power of two >= x
+    size = p * 3 // 4 if p >= 4 and p * 3 // 4 >= x else p
+    return min(size * unit, cap)
 
 
 class Rows:
