@@ -222,6 +222,8 @@ def main(argv=None) -> dict:
                     help="add vLLM as a peer where it imports (--no-vllm: skip)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
     ap.add_argument("--enforce-eager", action="store_true", help="native: no CUDA graphs")
+    ap.add_argument("--static", action="store_true",
+                    help="native on CPU: run the padded static-shape path CUDA graphs replay (eagerly), to count its shapes")
     ap.add_argument("--sleep-cycle", action="store_true",
                     help="quickstart shape: time wake + weight sync + generate + sleep, as the trainer runs them")
     ap.add_argument("--baseline", default=None,
@@ -244,6 +246,7 @@ def main(argv=None) -> dict:
     prompts = make_prompts(tok, args.prompts, args.shortest, args.longest)
     native = NativeEngine.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype,
                                           max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+    native.decode.static = native.decode.static or args.static
     hf = HFEngine(args.model_dir, device=args.device, dtype=args.dtype, pad_token_id=tok.pad_token_id)
     sp = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=0,
                         stop_token_ids=stop_ids(tok, args.stop_fraction))
@@ -300,6 +303,9 @@ def main(argv=None) -> dict:
     copies = c.bytes_per_token() * c.rows * (c.prompt_len + c.gen_len)
     print(f"  native: KV cache {c.nbytes() / 2**20:.1f} MiB for {c.rows} rows and {c.groups} prompt groups "
           f"({copies / 2**20:.1f} MiB if every sample held its own copy of its prompt)")
+    if native.decode.static:
+        print(f"  native: {len(native.decode.shapes)} distinct decode-step shapes (one CUDA graph each) over "
+              f"{native.stats['decode_steps']} steps of {args.repeats + 1} generate calls")
     if args.device.startswith("cuda"):
         share, wall = gpu_kernel_share(runs["native"])
         print(f"  native: GPU kernels busy {100 * share:.1f}% of wall time during one generate "

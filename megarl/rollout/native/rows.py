@@ -110,6 +110,7 @@ class DecodeStep:
         self._sig: tuple = ()
         self.pool = None
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}
+        self.shapes: set[tuple] = set()       # distinct static step shapes seen (graphs to capture)
 
     def signature(self) -> tuple:
         """Addresses and shapes a captured graph depends on."""
@@ -132,6 +133,8 @@ class DecodeStep:
         rows.record(0, B, logits, sp)
 
     def __call__(self, B: int, shape: tuple[int, int, int, int], sp: SamplingParams) -> None:
+        if self.static:
+            self.shapes.add((B, shape))
         if not self.graphs_on:
             self.stats["eager"] += 1
             return self._run(B, shape, sp)
