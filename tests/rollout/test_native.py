@@ -278,6 +278,8 @@ def test_samples_share_their_prompts_kv_and_groups_are_recycled(tmp_path):
     assert [[x.token_ids for x in g] for g in got] == [[x.token_ids for x in g] for g in want]
     assert tight.cache.rows >= 3 * 16, f"a budget of 16 private copies holds {tight.cache.rows} shared rows"
     assert tight.cache.nbytes() <= 16 * per_copy
+    tight.generate(long_prompts, greedy.with_(max_tokens=40))      # longer: fewer rows, same budget
+    assert tight.cache.nbytes() <= 16 * per_copy and tight.cache.gen_len == 40 and tight.cache.rows < 48
 
     # Groups as the bottleneck: n=4 through 8 rows and 4 groups, stop ids ending samples at
     # different steps, so groups linger with one live sample and later groups move down.

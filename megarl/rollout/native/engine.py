@@ -183,6 +183,9 @@ class NativeEngine(BaseRollout):
         cap_p, cap_t = P, T
         if self.decode.static:                    # rounded: fewer reallocations, so fewer recaptures
             cap_p, cap_t = -(-P // 64) * 64, -(-T // 64) * 64
+        # Lengths never shrink (no reallocation for a shorter call); rows and groups follow
+        # from them and the budget.
+        cap_p, cap_t = max(cap_p, self.cache.prompt_len), max(cap_t, self.cache.gen_len)
         penalty = sampling.repetition_penalty != 1.0
         rows, groups = self._capacity(len(prompts), n, cap_p, cap_t, penalty)
         self.cache.ensure(rows, groups, cap_p, cap_t)
@@ -200,16 +203,24 @@ class NativeEngine(BaseRollout):
         needs), fewer where the KV cache and row state would not fit the memory budget:
         kv_cache_gb if set, on GPU gpu_memory_utilization of the device minus what is already
         allocated (what the engine itself holds counts as free); on CPU unbounded."""
-        share = min(1.0, 2 / n)                   # groups per row (see the module docstring)
+        def groups(rows: int) -> int:             # see the module docstring
+            return max(1, min(prompts, rows, -(-2 * rows // n)))
         rows = min(self.max_num_seqs, prompts * n)
         budget = self._budget_bytes()
         if budget is not None:
             per_token = self.cache.bytes_per_token()
-            row_state = 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0)
-            per_row = per_token * (gen_len + share * prompt_len) + row_state + 8 * share
-            rows = min(rows, int(budget // per_row))
+            per_row = per_token * gen_len + 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0)
+            per_group = per_token * prompt_len + 8
+
+            def cost(r: int) -> float:
+                return r * per_row + groups(r) * per_group
+            rows = min(rows, int(budget // (per_row + min(1.0, 2 / n) * per_group)))   # about right
+            while rows > n and cost(rows) > budget:                                      # exact
+                rows -= 1
+        else:                                     # unbounded: never shrink what is there
+            rows = max(rows, self.cache.rows)
         rows = max(rows, n)
-        return rows, max(1, min(prompts, rows, -(-int(2 * rows) // n)))
+        return rows, groups(rows)
 
     def _budget_bytes(self) -> float | None:
         held = self.cache.nbytes()

@@ -41,14 +41,14 @@ class KVCache:
         return self.bytes_per_token() * (self.groups * self.prompt_len + self.rows * self.gen_len)
 
     def ensure(self, rows: int, groups: int, prompt_len: int, gen_len: int) -> None:
-        """Room for `rows` samples of `gen_len` tokens and `groups` prompts of `prompt_len`
-        (each dimension grows, never shrinks, until free())."""
-        if self.allocated and rows <= self.rows and groups <= self.groups and \
-                prompt_len <= self.prompt_len and gen_len <= self.gen_len:
+        """Room for `rows` samples of `gen_len` tokens and `groups` prompts of `prompt_len`: the
+        current buffers if they hold that much, else new ones of exactly that shape (the caller
+        sizes it; megarl/rollout/native/engine.py keeps it within the memory budget)."""
+        want = (rows, groups, prompt_len, gen_len)
+        if self.allocated and all(w <= h for w, h in zip(want, self.shape)):
             return
-        shape = tuple(max(a, b) for a, b in zip((rows, groups, prompt_len, gen_len), self.shape))
         self.free()                             # drop the old buffers before allocating the new ones
-        R, G, P, T = shape
+        R, G, P, T = want
         # Zeros, not empty: masked-out positions get attention weight 0, and 0 * NaN from
         # uninitialised memory would still poison the output.
         part = dict(dtype=self.dtype, device=self.device)
@@ -56,7 +56,7 @@ class KVCache:
         self.pv = torch.zeros(self.layers, G, self.kv_heads, P, self.head_dim, **part)
         self.k = torch.zeros(self.layers, R, self.kv_heads, T, self.head_dim, **part)
         self.v = torch.zeros(self.layers, R, self.kv_heads, T, self.head_dim, **part)
-        self.rows, self.groups, self.prompt_len, self.gen_len = shape
+        self.rows, self.groups, self.prompt_len, self.gen_len = want
 
     def free(self) -> None:
         self.pk = self.pv = self.k = self.v = None
