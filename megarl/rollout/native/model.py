@@ -238,21 +238,20 @@ class Layer(nn.Module):
         cv[m.rows, :, m.spos] = v[:, 0]
         B, g = x.shape[0], s.heads // s.kv_heads
         # Grouped-query attention without copying K/V per query head: the g query heads that
-        # share a KV head become g query rows of that head.
-        qr = q.view(B, s.kv_heads, g, hd)                                                 # [B, hkv, g, hd]
+        # share a KV head become g query rows of that head. The softmax scale goes on q (small).
+        qr = q.view(B, s.kv_heads, g, hd) * hd ** -0.5                                  # [B, hkv, g, hd]
         # The prompt part, once per group: the n samples' queries (n*g rows per KV head) against
         # the group's prompt K/V, read once (a matrix product instead of n vector products).
-        # Parked rows scatter into a spare group G that is never computed.
-        qg = qr.new_zeros(m.G + 1, m.n, s.kv_heads, g, hd)
-        qg[m.grp_in, m.member] = qr
-        qg = qg[:m.G].transpose(1, 2).reshape(m.G, s.kv_heads, m.n * g, hd)
+        # A (group, sample) with no active row takes row 0's query: computed, never read.
+        qg = qr.index_select(0, m.inv).view(m.G, m.n, s.kv_heads, g, hd)
+        qg = qg.transpose(1, 2).reshape(m.G, s.kv_heads, m.n * g, hd)
         o_p, lse_p = attend(qg, pk[:m.G, :, :m.Lp], pv[:m.G, :, :m.Lp], m.pbias)
         o_p = o_p.view(m.G, s.kv_heads, m.n, g, hd).transpose(1, 2)[m.grp_out, m.member]     # [B, hkv, g, hd]
         lse_p = lse_p.view(m.G, s.kv_heads, m.n, g, 1).transpose(1, 2)[m.grp_out, m.member]
         # The row's own tokens, then one softmax over both parts (log-sum-exp merge).
         o_s, lse_s = attend(qr, ck[:B, :, :m.Ls], cv[:B, :, :m.Ls], m.sbias)
-        lse = torch.logaddexp(lse_p, lse_s)
-        attn = o_p * torch.exp(lse_p - lse) + o_s * torch.exp(lse_s - lse)
+        # The row's part weighs exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p).
+        attn = torch.lerp(o_p, o_s, torch.sigmoid(lse_s - lse_p))
         return self._out(attn.to(x.dtype).reshape(B, 1, s.heads * hd), x, comm)
 
 
@@ -263,12 +262,15 @@ MASKED = -1e30
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
     """Softmax attention that also returns the log-sum-exp, so two key sets can be merged.
-    q [..., m, hd], k/v [..., L, hd], bias [..., 1 or m, L] (fp32, 0 or MASKED) ->
-    out [..., m, hd] fp32, lse [..., m, 1]. Scores and softmax in fp32, as transformers' eager path."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    out = torch.matmul(torch.exp(scores - lse).to(v.dtype), v)
-    return out.float(), lse
+    q [..., m, hd] (already scaled), k/v [..., L, hd], bias [..., 1 or m, L] (fp32, 0 or MASKED) ->
+    out [..., m, hd] fp32, lse [..., m, 1]. Scores and softmax in fp32, as transformers' eager
+    path; one exp over the scores (in place), the normalisation after the product (fewer numbers)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().add_(bias)
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights.to(v.dtype), v).float().div_(total)
+    return out, total.log_().add_(top)
 
 
 @dataclass
@@ -276,7 +278,7 @@ class DecodeMeta:
     """What every layer of one decode step needs besides its weights (built once per step)."""
     rows: torch.Tensor        # [B] 0..B-1
     spos: torch.Tensor        # [B] where each row's new K/V goes in its generated part
-    grp_in: torch.Tensor      # [B] the row's group, G for parked rows (scattered, never computed)
+    inv: torch.Tensor         # [G*n] the row holding each (group, sample), 0 where none does
     grp_out: torch.Tensor     # [B] the row's group, clamped into 0..G-1 (gathered)
     member: torch.Tensor      # [B] the row's sample index within its group
     pbias: torch.Tensor       # [G, 1, 1, Lp] prompt keys each group may see
@@ -362,9 +364,13 @@ class Transformer(nn.Module):
         spos = (step - 1).clamp(min=0, max=Ls - 1)
         pkeys, skeys = torch.arange(Lp, device=dev), torch.arange(Ls, device=dev)
         zero = torch.zeros((), device=dev)
+        # Parked rows (group -1) write to a spare slot G*n, dropped.
+        slot = torch.where(grp < 0, G * n, grp * n + member)
+        inv = torch.zeros(G * n + 1, dtype=torch.long, device=dev).scatter_(
+            0, slot, torch.arange(B, device=dev))[:G * n]
         meta = DecodeMeta(
             rows=torch.arange(B, device=dev), spos=spos,
-            grp_in=torch.where(grp < 0, G, grp), grp_out=grp.clamp(min=0, max=G - 1), member=member,
+            inv=inv, grp_out=grp.clamp(min=0, max=G - 1), member=member,
             pbias=torch.where(pkeys[None, :] < glen[:G, None], zero, MASKED)[:, None, None],
             sbias=torch.where(skeys[None, :] <= spos[:, None], zero, MASKED)[:, None, None],
             G=G, n=n, Lp=Lp, Ls=Ls)
