@@ -350,7 +350,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-mp", action="store_true",
                     help="vllm: its own multi-process engine (default: in-process, see _vllm_env)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
-    ap.add_argument("--enforce-eager", action="store_true", help="native: no CUDA graphs; vllm: no CUDA graphs, no torch.compile")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="native: no CUDA graphs; vllm: no CUDA graphs, no torch.compile")
     ap.add_argument("--sleep-cycle", action="store_true",
                     help="quickstart shape: time wake + weight sync + generate + sleep, as the trainer runs them")
     ap.add_argument("--baseline", default=None,
