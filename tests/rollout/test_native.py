@@ -303,3 +303,30 @@ def test_graph_buckets_are_geometric_and_capped():
         [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000]
     assert all(x <= bucket(x, 10**6) <= max(1.5 * x, x + 1) for x in range(1, 5000))
     assert [bucket(x, 320, 128) for x in (1, 128, 129, 300)] == [128, 128, 256, 320]
+
+
+
+def test_decode_attention_kernels_agree(tmp_path, monkeypatch):
+    """attend(): torch's fused CPU flash kernel here, attend_matmul (what CUDA runs) elsewhere;
+    both give the softmax output and its log-sum-exp, masked keys ignored, equal to SDPA; a whole
+    generate through attend_matmul (static padded shapes, as graphs replay) gives transformers'
+    greedy tokens and log-probs."""
+    import torch.nn.functional as F
+    from megarl.rollout.native.model import MASKED, attend, attend_matmul
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 5, 16, generator=g) for _ in range(3))
+    bias = torch.zeros(3, 1, 1, 5)
+    bias[0, ..., 3:] = MASKED
+    for fn in (attend, attend_matmul):
+        out, lse = fn(q, k, v, bias, 0.25)
+        assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=1e-6)
+        want = torch.logsumexp(q @ k.transpose(-1, -2) * 0.25 + bias, dim=-1, keepdim=True)
+        assert torch.allclose(lse, want, atol=1e-5)
+    from megarl.rollout.native import model as native_model
+    monkeypatch.setattr(native_model, "_CPU_FLASH", None)
+    oracle = Oracle(save_model(str(tmp_path), seed=16))
+    engine = NativeEngine.from_pretrained(str(tmp_path))
+    engine.decode.static = True
+    greedy = engine.generate(PROMPTS, SamplingParams(n=3, max_tokens=10, do_sample=False))
+    assert all(c.token_ids == oracle.greedy(p, 10) for p, grp in zip(PROMPTS, greedy) for c in grp)
+    assert oracle.max_error(greedy, PROMPTS, 1.0) <= 1e-5

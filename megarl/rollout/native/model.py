@@ -238,21 +238,26 @@ class Layer(nn.Module):
         cv[m.rows, :, m.spos] = v[:, 0]
         B, g = x.shape[0], s.heads // s.kv_heads
         # Grouped-query attention without copying K/V per query head: the g query heads that
-        # share a KV head become g query rows of that head. The softmax scale goes on q (small).
-        qr = q.view(B, s.kv_heads, g, hd) * hd ** -0.5                                  # [B, hkv, g, hd]
-        # The prompt part, once per group: the n samples' queries (n*g rows per KV head) against
-        # the group's prompt K/V, read once (a matrix product instead of n vector products).
-        # A (group, sample) with no active row takes row 0's query: computed, never read.
-        qg = qr.index_select(0, m.inv).view(m.G, m.n, s.kv_heads, g, hd)
-        qg = qg.transpose(1, 2).reshape(m.G, s.kv_heads, m.n * g, hd)
-        o_p, lse_p = attend(qg, pk[:m.G, :, :m.Lp], pv[:m.G, :, :m.Lp], m.pbias)
-        o_p = o_p.view(m.G, s.kv_heads, m.n, g, hd).transpose(1, 2)[m.grp_out, m.member]     # [B, hkv, g, hd]
-        lse_p = lse_p.view(m.G, s.kv_heads, m.n, g, 1).transpose(1, 2)[m.grp_out, m.member]
-        # The row's own tokens, then one softmax over both parts (log-sum-exp merge).
-        o_s, lse_s = attend(qr, ck[:B, :, :m.Ls], cv[:B, :, :m.Ls], m.sbias)
-        # The row's part weighs exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p).
-        attn = torch.lerp(o_p, o_s, torch.sigmoid(lse_s - lse_p))
+        # share a KV head become g query rows of that head.
+        qr = q.view(B, s.kv_heads, g, hd)                                                 # [B, hkv, g, hd]
+        attn = attend_shared(qr, pk, pv, ck, cv, m)
         return self._out(attn.to(x.dtype).reshape(B, 1, s.heads * hd), x, comm)
+
+
+def attend_shared(q, pk, pv, ck, cv, m: "DecodeMeta") -> torch.Tensor:
+    """q [B, hkv, g, hd] -> [B, hkv, g, hd] (fp32). The prompt part once per group: the n samples'
+    queries (n*g rows per KV head) against the group's prompt K/V, read once (a matrix product
+    instead of n vector products); then each row's own tokens; the two softmaxes merged."""
+    B, hkv, g, hd = q.shape
+    scale = hd ** -0.5
+    # A (group, sample) with no active row takes row 0's query: computed, never read.
+    qg = q.index_select(0, m.inv).view(m.G, m.n, hkv, g, hd).transpose(1, 2).reshape(m.G, hkv, m.n * g, hd)
+    o_p, lse_p = attend(qg, pk[:m.G, :, :m.Lp], pv[:m.G, :, :m.Lp], m.pbias, scale)
+    o_p = o_p.view(m.G, hkv, m.n, g, hd).transpose(1, 2)[m.grp_out, m.member]             # [B, hkv, g, hd]
+    lse_p = lse_p.view(m.G, hkv, m.n, g, 1).transpose(1, 2)[m.grp_out, m.member]
+    o_s, lse_s = attend(q, ck[:B, :, :m.Ls], cv[:B, :, :m.Ls], m.sbias, scale)
+    # The row's part weighs exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p).
+    return torch.lerp(o_p, o_s, torch.sigmoid(lse_s - lse_p))
 
 
 # Masked keys get this additive bias rather than -inf: a row with no visible key (a parked row,
@@ -260,12 +265,27 @@ class Layer(nn.Module):
 MASKED = -1e30
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
     """Softmax attention that also returns the log-sum-exp, so two key sets can be merged.
-    q [..., m, hd] (already scaled), k/v [..., L, hd], bias [..., 1 or m, L] (fp32, 0 or MASKED) ->
-    out [..., m, hd] fp32, lse [..., m, 1]. Scores and softmax in fp32, as transformers' eager
-    path; one exp over the scores (in place), the normalisation after the product (fewer numbers)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().add_(bias)
+    q [..., m, hd], k/v [..., L, hd], bias [..., 1 or m, L] (fp32, 0 or MASKED) ->
+    out [..., m, hd] fp32, lse [..., m, 1]. On CPU: torch's fused flash kernel for CPU, the one
+    SDPA itself dispatches to, called directly because SDPA does not return the log-sum-exp
+    (one parallel kernel instead of ten small operations, which cost more than the arithmetic at
+    decode sizes). Elsewhere: attend_matmul (under CUDA graphs operation count costs nothing)."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None and q.dtype == torch.float32:
+        out, lse = _CPU_FLASH(q, k, v, attn_mask=bias, scale=scale)
+        return out, lse.unsqueeze(-1)
+    return attend_matmul(q, k, v, bias, scale)
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
+    """attend() as two matrix products: scores and softmax in fp32, as transformers' eager path;
+    the scale on q (the small side), one exp over the scores (in place), the normalisation after
+    the product (fewer numbers)."""
+    scores = torch.matmul(q * scale, k.transpose(-1, -2)).float().add_(bias)
     top = scores.amax(dim=-1, keepdim=True)
     weights = scores.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
@@ -278,10 +298,10 @@ class DecodeMeta:
     """What every layer of one decode step needs besides its weights (built once per step)."""
     rows: torch.Tensor        # [B] 0..B-1
     spos: torch.Tensor        # [B] where each row's new K/V goes in its generated part
-    inv: torch.Tensor         # [G*n] the row holding each (group, sample), 0 where none does
-    grp_out: torch.Tensor     # [B] the row's group, clamped into 0..G-1 (gathered)
+    grp_out: torch.Tensor     # [B] the row's group, clamped into 0..G-1
     member: torch.Tensor      # [B] the row's sample index within its group
-    pbias: torch.Tensor       # [G, 1, 1, Lp] prompt keys each group may see
+    inv: torch.Tensor         # [G*n] the row holding each (group, sample), 0 where none does
+    pbias: torch.Tensor       # [G, 1, 1, Lp] prompt keys each group may see (fp32, 0 or MASKED)
     sbias: torch.Tensor       # [B, 1, 1, Ls] generated keys each row may see
     G: int
     n: int
@@ -349,8 +369,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def decode(self, ids: torch.Tensor, pos: torch.Tensor, step: torch.Tensor, grp: torch.Tensor,
-               member: torch.Tensor, glen: torch.Tensor, cache, comm: Comm, shape: tuple[int, int, int, int]
-               ) -> torch.Tensor:
+               member: torch.Tensor, glen: torch.Tensor, cache, comm: Comm, shape: tuple) -> torch.Tensor:
         """One new token for rows 0..B-1 -> logits [B, V]. ids/pos/step/grp/member [B]: the row's
         last token, its position, tokens generated so far (the new K/V goes to step - 1), its
         group (-1: parked) and sample index; glen [>= G] the groups' prompt lengths; shape =
@@ -362,18 +381,15 @@ class Transformer(nn.Module):
         pos = pos.clamp(max=cos.shape[0] - 1)                                            # parked rows drift
         cos, sin = cos[pos][:, None, None], sin[pos][:, None, None]                      # [B, 1, 1, hd]
         spos = (step - 1).clamp(min=0, max=Ls - 1)
-        pkeys, skeys = torch.arange(Lp, device=dev), torch.arange(Ls, device=dev)
-        zero = torch.zeros((), device=dev)
         # Parked rows (group -1) write to a spare slot G*n, dropped.
         slot = torch.where(grp < 0, G * n, grp * n + member)
-        inv = torch.zeros(G * n + 1, dtype=torch.long, device=dev).scatter_(
-            0, slot, torch.arange(B, device=dev))[:G * n]
-        meta = DecodeMeta(
-            rows=torch.arange(B, device=dev), spos=spos,
-            inv=inv, grp_out=grp.clamp(min=0, max=G - 1), member=member,
-            pbias=torch.where(pkeys[None, :] < glen[:G, None], zero, MASKED)[:, None, None],
-            sbias=torch.where(skeys[None, :] <= spos[:, None], zero, MASKED)[:, None, None],
-            G=G, n=n, Lp=Lp, Ls=Ls)
+        inv = torch.zeros(G * n + 1, dtype=torch.long, device=dev).scatter_(0, slot, torch.arange(B, device=dev))
+        zero = torch.zeros((), device=dev)
+        seen_p = torch.arange(Lp, device=dev)[None, :] < glen[:G, None]                  # [G, Lp]
+        seen_s = torch.arange(Ls, device=dev)[None, :] <= spos[:, None]                  # [B, Ls]
+        meta = DecodeMeta(rows=torch.arange(B, device=dev), spos=spos, grp_out=grp.clamp(min=0, max=G - 1),
+                          member=member, inv=inv[:G * n], pbias=torch.where(seen_p, zero, MASKED)[:, None, None],
+                          sbias=torch.where(seen_s, zero, MASKED)[:, None, None], G=G, n=n, Lp=Lp, Ls=Ls)
         x = self.embed_tokens(ids[:, None], comm)                                        # [B, 1, h]
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], meta, comm)

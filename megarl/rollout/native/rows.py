@@ -125,14 +125,14 @@ class DecodeStep:
         self.graphs.clear()
         self.pool = None
 
-    def _run(self, B: int, shape: tuple[int, int, int, int], sp: SamplingParams) -> None:
+    def _run(self, B: int, shape: tuple, sp: SamplingParams) -> None:
         e, rows = self.e, self.e.rows
         logits = e.model.decode(rows.tok[:B], rows.pos[:B], rows.step[:B], rows.grp[:B], rows.member[:B],
                                 rows.glen, e.cache, e.comm, shape)
         rows.pos[:B] += 1
         rows.record(0, B, logits, sp)
 
-    def __call__(self, B: int, shape: tuple[int, int, int, int], sp: SamplingParams) -> None:
+    def __call__(self, B: int, shape: tuple, sp: SamplingParams) -> None:
         if self.static:
             self.shapes.add((B, shape))
         if not self.graphs_on:
