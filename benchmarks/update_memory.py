@@ -57,6 +57,7 @@ def make_batch(vocab: int, B: int, P: int, R: int, mean_r: float, seed: int = 0)
     """Right-padded rows; responses geometric (mean `mean_r`), 5% at the cap R."""
     import torch
 
+    from megarl.models.tiny import token_rows
     from megarl.protocol import DataProto
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(max(1, P // 2), P + 1, (B,), generator=g)
@@ -65,16 +66,7 @@ def make_batch(vocab: int, B: int, P: int, R: int, mean_r: float, seed: int = 0)
     capped = torch.randperm(B, generator=g)[:max(1, round(0.05 * B))]
     rlen[capped] = R
     rlen = rlen.clamp(1, R)
-    S = int((plen + rlen).max())
-    ids = torch.zeros(B, S, dtype=torch.long)
-    resp = torch.zeros(B, R, dtype=torch.long)
-    for i in range(B):
-        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
-        ids[i, :len(toks)] = toks
-        resp[i, :rlen[i]] = toks[plen[i]:]
-    mask = (torch.arange(R)[None] < rlen[:, None]).float()
-    return DataProto.from_dict({"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp,
-                                "response_mask": mask, "advantages": torch.randn(B, R, generator=g),
+    return DataProto.from_dict({**token_rows(plen, rlen, R, vocab, g), "advantages": torch.randn(B, R, generator=g),
                                 "old_log_probs": torch.zeros(B, R)})
 
 

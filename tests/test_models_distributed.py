@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megarl.models.tiny import make_tiny_hf
+from megarl.models.tiny import make_tiny_hf, token_rows
 from megarl.protocol import DataProto
 from tests.distributed import run_ranks
 
@@ -29,17 +29,8 @@ def make_batch(vocab: int, B: int = 8, R: int = 6, seed: int = 0) -> DataProto:
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(2, 7, (B,), generator=g)
     rlen = torch.randint(1, R + 1, (B,), generator=g)
-    S = int((plen + rlen).max()) + 2
-    ids = torch.zeros(B, S, dtype=torch.long)
-    resp = torch.zeros(B, R, dtype=torch.long)
-    for i in range(B):
-        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
-        ids[i, :len(toks)] = toks
-        resp[i, :rlen[i]] = toks[plen[i]:]
-    mask = (torch.arange(R)[None] < rlen[:, None]).float()
-    return DataProto.from_dict({"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp,
-                                "response_mask": mask, "advantages": torch.randn(B, R, generator=g),
-                                "returns": torch.randn(B, R, generator=g)})
+    return DataProto.from_dict({**token_rows(plen, rlen, R, vocab, g, pad=2),
+                                "advantages": torch.randn(B, R, generator=g), "returns": torch.randn(B, R, generator=g)})
 
 
 def policy_loss(out, mb):

@@ -15,7 +15,7 @@ from megarl.models.convert import (EMBED, OUTPUT, checkpoint_to_hf, hf_shapes, h
                                    tp_dim)
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout, layer_offset
-from megarl.models.tiny import make_tiny_hf
+from megarl.models.tiny import make_tiny_hf, token_rows
 from megarl.protocol import DataProto
 from megarl.workers import batching
 from megarl.workers.config import OptimConfig
@@ -212,16 +212,7 @@ def make_batch(vocab: int = 50, B: int = 4, R: int = 5, seed: int = 0) -> DataPr
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(1, 6, (B,), generator=g)
     rlen = torch.randint(0, R + 1, (B,), generator=g)
-    S = int((plen + rlen).max()) + 3
-    ids = torch.zeros(B, S, dtype=torch.long)
-    resp = torch.zeros(B, R, dtype=torch.long)
-    for i in range(B):
-        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
-        ids[i, :len(toks)] = toks
-        resp[i, :rlen[i]] = toks[plen[i]:]
-    mask = (torch.arange(R)[None] < rlen[:, None]).float()
-    return DataProto.from_dict({"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp,
-                                "response_mask": mask})
+    return DataProto.from_dict(token_rows(plen, rlen, R, vocab, g, pad=3))
 
 
 def test_batch_checks_and_positions():

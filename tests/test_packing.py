@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.models.tiny import token_rows
 from megarl.protocol import DataProto
 from megarl.workers import batching, packing
 from megarl.workers.logprob import linear_log_probs, token_log_probs
@@ -17,15 +18,9 @@ from megarl.workers.logprob import linear_log_probs, token_log_probs
 def _batch(lens_p, lens_r, R=None, vocab=50, seed=0) -> DataProto:
     g = torch.Generator().manual_seed(seed)
     plen, rlen = torch.tensor(lens_p), torch.tensor(lens_r)
-    R = R or int(rlen.max())
-    S = int((plen + rlen).max()) + 1
-    ids = torch.zeros(len(lens_p), S, dtype=torch.long)
-    resp = torch.zeros(len(lens_p), R, dtype=torch.long)
-    for i in range(len(lens_p)):
-        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
-        ids[i, :len(toks)] = toks
-        resp[i, :rlen[i]] = toks[plen[i]:]
-    return DataProto.from_dict({"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp})
+    rows = token_rows(plen, rlen, R or int(rlen.max()), vocab, g, pad=1)
+    del rows["response_mask"]
+    return DataProto.from_dict(rows)
 
 
 # -- plans -----------------------------------------------------------------------------------------------

@@ -13,6 +13,22 @@ import os
 
 import torch
 
+def token_rows(plen: torch.Tensor, rlen: torch.Tensor, R: int, vocab: int, g: torch.Generator,
+               pad: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + response rows of random token ids (3..vocab-1) of the given lengths,
+    as a rollout batch carries them: input_ids [B, longest + pad], responses [B, R],
+    response_mask, prompt_lens, response_lens. Tokens are drawn row by row from `g`."""
+    B = len(plen)
+    ids = torch.zeros(B, int((plen + rlen).max()) + pad, dtype=torch.long)
+    resp = torch.zeros(B, R, dtype=torch.long)
+    for i in range(B):
+        toks = torch.randint(3, vocab, (int(plen[i] + rlen[i]),), generator=g)
+        ids[i, :len(toks)] = toks
+        resp[i, :rlen[i]] = toks[plen[i]:]
+    mask = (torch.arange(R)[None] < rlen[:, None]).float()
+    return {"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp, "response_mask": mask}
+
+
 SHAPES = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {  # family -> (config class, model class prefix, extra config)

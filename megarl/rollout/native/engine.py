@@ -195,7 +195,6 @@ class NativeEngine(BaseRollout):
             self.rows = Rows(self.cache.rows, self.cache.groups, max(T, old.max_tokens if old else 0),
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        self.stats["kv_cache_bytes"] = self.cache.nbytes()
         return _Scheduler(self, prompts, sampling, seed).run()
 
     def _capacity(self, prompts: int, n: int, prompt_len: int, gen_len: int, penalty: bool) -> tuple[int, int]:
@@ -223,12 +222,12 @@ class NativeEngine(BaseRollout):
         return rows, groups(rows)
 
     def _budget_bytes(self) -> float | None:
-        held = self.cache.nbytes()
-        if self.rows is not None:
-            held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
         if self.kv_cache_gb is not None:
             return self.kv_cache_gb * 2**30
         if self.device.type == "cuda":
+            held = self.cache.nbytes()
+            if self.rows is not None:
+                held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
             total = torch.cuda.get_device_properties(self.device).total_memory
             return self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held
         return None
