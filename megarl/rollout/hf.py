@@ -76,10 +76,11 @@ class HFEngine(BaseRollout):
         self.asleep = False
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
         from transformers import GenerationConfig
 
-        prompts = admit(self, prompts, sampling)
+        prompts = admit(self, prompts, sampling, prompt_limit)
         sp, P = sampling, max(map(len, prompts))
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -170,8 +170,9 @@ class NativeEngine(BaseRollout):
         self.asleep = False
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        prompts = admit(self, prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
         seed = sampling.seed
