@@ -220,7 +220,7 @@ def test_config_entry_point_with_seed_keys(tmp_path, monkeypatch):
     assert cfg.rollout.multi_turn.enable
     engine = ScriptedEngine(TOK, solver)
     loop = build_agent_loop(cfg, engine, TOK)
-    assert loop.engine is engine and loop.calls is engine.calls     # unknown attributes reach the engine
+    assert loop.engine is engine and not hasattr(loop, "calls")     # the contract by name, nothing forwarded
     assert loop.renderer.mode == "plain" and list(loop.tools) == ["calculator"]
     out = loop.generate_sequences(prompt_batch(TOK, ["Q: 5+1\n"], ["6"], sampling(n=1)))
     assert rows(out, TOK)[0]["text"].endswith("A: 6" + EOS)
@@ -258,3 +258,28 @@ def test_tools_in_prompt_rerenders_chat_prompts(tmp_path):
     assert build_agent_loop(cfg, engine, TOK).prompt_template == TOOLS_TEMPLATE
     cfg.rollout.multi_turn.tools_in_prompt = False
     assert build_agent_loop(cfg, engine, TOK).prompt_template is None
+
+
+def test_continuations_get_a_prompt_limit_not_a_changed_guard(tmp_path):
+    """Later turns' prompts hold the response so far: the loop passes them a limit of
+    prompt_length + max_tokens as an argument; the engine's own guard never changes."""
+    from megarl.rollout.prompts import PromptGuard
+
+    class Guarded(ScriptedEngine):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.guard, self.limits = PromptGuard(max_length=8), []
+
+        def generate(self, prompts, sampling, prompt_limit=None):
+            self.limits.append((prompt_limit, self.guard.max_length, max(map(len, prompts))))
+            return super().generate(self.guard.apply(prompts, max_length=prompt_limit), sampling)
+
+    engine = Guarded(TOK, solver)
+    loop = AgentLoop(engine, TOK, calculator_tools(tmp_path), MultiTurnConfig(enable=True))
+    out = loop.generate_sequences(prompt_batch(TOK, ["Q: 3+4\n"], ["7"], sampling(n=1)))
+    assert rows(out, TOK)[0]["text"].endswith("A: 7" + EOS)
+    later = engine.limits[1:]
+    assert engine.limits[0][:2] == (None, 8) and [x[:2] for x in later] == [(8 + 80, 8)] * len(later)
+    assert len(engine.limits) > 1 and max(n for *_, n in engine.limits) > 8     # longer than the guard's own 8
+    with pytest.raises(ValueError, match="prompt_length=8"):
+        engine.generate([[1] * 9], sampling(n=1))
