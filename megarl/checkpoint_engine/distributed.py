@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint_engine.base import WeightSyncError, conclude, metrics
 from megarl.checkpoint_engine.memory import PeakMemory
+from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import TransferPlan, build_plan
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
@@ -103,27 +104,25 @@ class DisaggregatedSender:
             return self._sync()
 
     def _sync(self) -> dict[str, float]:
-        src, key = self.src, (self.src.tp_rank, self.src.pp_rank)
-        wire, in_flight = 0, []
+        src = self.src
+        mine = [b for b in self.plan.buckets if self.sends and b.stage == src.pp_rank]
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
-            for bucket in self.plan.buckets if self.sends else ():
-                if bucket.stage != src.pp_rank:
-                    continue
-                buf = torch.empty(bucket.gather_numel, dtype=self.dtype, device=self.device)
-                for e in bucket.entries:
-                    buf[e.offset:e.offset + e.numel].copy_(src.params[e.name].reshape(-1))
-                in_flight.append(dist.broadcast(buf, src=self.g.senders[key], group=self.g.groups[key],
-                                                async_op=True))
-                wire += buf.numel() * buf.element_size()
-                del buf
-                if len(in_flight) > 1:         # at most two buckets on the move
-                    in_flight.pop(0).wait()
-            for work in in_flight:
-                work.wait()
+            # Nothing to load here: each bucket's send is waited for once the next one is posted
+            # (at most two buckets on the move).
+            _, wire = run_pipeline(mine, self._start, lambda bucket, buf: None, overlap=True, abort=lambda: None)
         seconds, peak, wire = conclude(None, None, [time.perf_counter() - start, mem.extra_mb, float(wire)],
                                        self.g.everyone, self.device)
         return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
+
+    def _start(self, bucket) -> Transfer:
+        """Copy this rank's shards of `bucket` into a buffer and broadcast it to the engine ranks."""
+        key = (self.src.tp_rank, self.src.pp_rank)
+        buf = torch.empty(bucket.gather_numel, dtype=self.dtype, device=self.device)
+        for e in bucket.entries:
+            buf[e.offset:e.offset + e.numel].copy_(self.src.params[e.name].reshape(-1))
+        work = dist.broadcast(buf, src=self.g.senders[key], group=self.g.groups[key], async_op=True)
+        return Transfer(buf, sending=[work])
 
 
 class DisaggregatedReceiver:
@@ -152,43 +151,26 @@ class DisaggregatedReceiver:
         self.engine.finalize_weights()
         return True
 
-    def _start(self, bucket) -> tuple[torch.Tensor, list]:
+    def _start(self, bucket) -> Transfer:
         G = bucket.gather_numel
         buf = torch.empty(self.g.tp * G, dtype=self.dtype, device=self.device)
         works = [dist.broadcast(buf[t * G:(t + 1) * G], src=self.g.senders[(t, bucket.stage)],
                                 group=self.g.groups[(t, bucket.stage)], async_op=True) for t in range(self.g.tp)]
-        return buf, works
+        return Transfer(buf, filling=works)
 
     def sync(self) -> dict[str, float]:
         buckets = self.plan.buckets
-        error: BaseException | None = None
-        wire = 0
         kept: list[torch.Tensor] = []
+
+        def load(bucket, buf: torch.Tensor) -> None:
+            if self.keep_previous:
+                kept.append(buf if self.device.type == "cpu" else buf.to("cpu"))
+            feed(self.engine, bucket_stream(self.plan, bucket, buf, 0, None, self.want), self.want is not None)
+
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
-            try:
-                nxt = self._start(buckets[0]) if buckets else None
-                for k, bucket in enumerate(buckets):
-                    (buf, works), nxt = nxt, None
-                    for w in works:
-                        w.wait()
-                    wire += buf.numel() * buf.element_size()
-                    if self.overlap and k + 1 < len(buckets):
-                        nxt = self._start(buckets[k + 1])
-                    if self.keep_previous:
-                        kept.append(buf if self.device.type == "cpu" else buf.to("cpu"))
-                    if error is None:      # after a failure, keep receiving so no sender hangs
-                        try:
-                            feed(self.engine, bucket_stream(self.plan, bucket, buf, 0, None, self.want),
-                                 self.want is not None)
-                        except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
-                            error = err
-                    del buf
-                    if nxt is None and k + 1 < len(buckets):
-                        nxt = self._start(buckets[k + 1])
-            except BaseException:          # a broken group: no agreement is possible, stop here
-                self.engine.abort_weight_update()
-                raise
+            error, wire = run_pipeline(buckets, self._start, load, overlap=self.overlap,
+                                       abort=self.engine.abort_weight_update)
         try:
             seconds, peak, wire = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb, float(wire)],
                                            self.g.everyone, self.device)
