@@ -27,7 +27,7 @@ from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss
 from megarl.examples.addition.model import build_model, build_tokenizer
 from megarl.examples.addition.task import AdditionTask, answer_text, prompt_text, split_problems
 from megarl.examples.addition.warmstart import accuracy, supervised_train
-from megarl.reward import default_compute_score
+from megarl.reward.rules import default_compute_score
 
 
 def exact(text: str, truth: str) -> float:

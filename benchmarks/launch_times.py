@@ -1,4 +1,4 @@
-"""Times of the launch path, with megarl.parallel.launch_check as the job (2 ranks, gloo):
+"""Times of the launch path, with megarl.launch_check as the job (2 ranks, gloo):
 a run from start to finish, and from one rank failing (raise / SIGKILL / hang) to every rank gone.
 
     python benchmarks/launch_times.py                 # launch/torchrun.sh on this machine
@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-ENV = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.parallel.launch_check"}
+ENV = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launch_check"}
 FAIL_LINE = "fails at step"
 
 

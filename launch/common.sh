@@ -17,6 +17,6 @@ megarl_die() { echo "megarl: $*" >&2; exit 2; }
 # MEGARL_COLLECTIVE_TIMEOUT_S, MEGARL_SHUTDOWN_WAIT_S.
 megarl_resolve() {
     local out
-    out=$("$PYTHON" -m megarl.parallel.launch_env "$@") || exit 2
+    out=$("$PYTHON" -m megarl.launch_vars "$@") || exit 2
     eval "$out"
 }

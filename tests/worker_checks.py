@@ -148,7 +148,7 @@ def check_weight_sync(rank: int, world: int, path: str, want_device: str) -> dic
     element the engine holds equals the actor's HF export, and the engine's sampled log-probs
     match the actor's recomputation (fp32 CPU: 1e-4; bf16 CUDA: the per-token mismatch is
     bounded and reported, as the trainer logs it each step in rollout_corr/*)."""
-    from megarl.algos import rollout_mismatch_metrics
+    from megarl.algos.rollout_correction import rollout_mismatch_metrics
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.config import load_config
     from megarl.protocol import DataProto

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import closest, require
 
 # Advantage estimators that compare the n responses of one prompt with each other (need n >= 2).
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
@@ -81,7 +81,6 @@ class AlgorithmConfig:
         require(0 <= self.gamma <= 1, "gamma", "must be within [0, 1]")
         require(0 <= self.lam <= 1, "lam", "must be within [0, 1]")
         if self.adv_estimator not in ADV_ESTIMATORS:
-            from megarl.config.typed import closest
             hint = closest(self.adv_estimator, list(ADV_ESTIMATORS))
             require(False, "adv_estimator", f"unknown estimator {self.adv_estimator!r}; "
                     + (f"did you mean {hint!r}? " if hint else "") + f"choose one of {', '.join(ADV_ESTIMATORS)}")

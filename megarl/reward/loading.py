@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.reward.rules import default_compute_score
 
 SAMPLE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCH_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -87,7 +88,6 @@ class RewardFnSpec:
 
     def load(self):
         if self.path is None:
-            from megarl.reward.rules import default_compute_score
             return default_compute_score
         fn = get_attr(import_path(self.path, "custom_reward_function.path"), self.name,
                       "custom_reward_function.name", "function")

@@ -23,7 +23,12 @@ from megarl.config.errors import ConfigError
 from megarl.config.typed import closest
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.custom import CustomRollout, load_user_class
+from megarl.rollout.hf import HFEngine
+from megarl.rollout.hf_weights import read_hf_config
+from megarl.rollout.native import NativeEngine, TPComm
 from megarl.rollout.prompts import PromptGuard
+from megarl.rollout.trtllm import TRTLLMEngine
 
 ENGINES = ("native", "trtllm", "hf", "custom")
 NOT_INTEGRATED = ("vllm", "sglang")
@@ -77,8 +82,6 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
     device = torch.device(device)
 
     if name == "native":
-        from megarl.rollout.hf_weights import read_hf_config
-        from megarl.rollout.native import NativeEngine, TPComm
         comm = TPComm(tp_group)
         if tp_group is not None and comm.size != cfg.tensor_model_parallel_size:
             raise ConfigError(f"the rollout TP group has {comm.size} ranks but tensor_model_parallel_size="
@@ -95,7 +98,6 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
         return engine
 
     if name == "hf":
-        from megarl.rollout.hf import HFEngine
         if cfg.tensor_model_parallel_size != 1:
             raise ConfigError("the hf engine holds one whole model per rank; set tensor_model_parallel_size=1 "
                               "or use rollout.name=native for TP", f"{_KEY}.tensor_model_parallel_size")
@@ -104,11 +106,9 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
         return HFEngine(model_path, device=device, config=cfg, **_options(HFEngine, defaults, user, name))
 
     if name == "trtllm":
-        from megarl.rollout.trtllm import TRTLLMEngine
         return TRTLLMEngine(model_path, cfg, tp_group=tp_group, pad_token_id=pad,
                             device=device if device.type == "cuda" else None)
 
-    from megarl.rollout.custom import CustomRollout, load_user_class
     cls = load_user_class(cfg.custom_cls_path, cfg.custom_cls_name)
     try:
         user_engine = cls(cfg, role, **user)

@@ -16,13 +16,17 @@ from contextlib import contextmanager
 
 import torch
 
-from megarl.algos import (DynamicSampler, apply_kl_penalty, compute_advantage, compute_data_metrics,
-                          compute_throughput_metrics, compute_timing_metrics, make_actor_loss_fn, make_critic_loss_fn,
-                          rollout_mismatch_metrics)
+from megarl.algos.advantages import compute_advantage
+from megarl.algos.dapo import DynamicSampler
+from megarl.algos.kl import apply_kl_penalty
+from megarl.algos.loss_fn import make_actor_loss_fn, make_critic_loss_fn
+from megarl.algos.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from megarl.algos.rollout_correction import rollout_mismatch_metrics
 from megarl.protocol import DataProto
-from megarl.rollout.sampling import train_sampling, val_sampling
+from megarl.rollout.multiturn import multiturn_metrics
+from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
-from megarl.trainer.generation import broadcast_object, generate, step_seed
+from megarl.trainer.generation import broadcast_object, generate
 from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.mfu import MFUMeter
 from megarl.trainer.parts import Parts
@@ -116,7 +120,6 @@ class RLTrainer:
         p = self.p
         batch = generate(p.rollout, prompts, sampling, self.ranks, p.pad_token_id)
         if self.cfg.rollout.multi_turn.enable:
-            from megarl.rollout.multiturn import multiturn_metrics
             self.extra.update(multiturn_metrics(batch))
         return batch
 

@@ -35,10 +35,12 @@ from megarl.algos.staleness import stale_rows, staleness_metrics
 from megarl.protocol import DataProto
 from megarl.rollout.base import pack_completions
 from megarl.rollout.partial import ChunkedGeneration
+from megarl.rollout.sampling import train_sampling, val_sampling
 from megarl.trainer import checkpointing
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.fit import RLTrainer
 from megarl.trainer.generation import generate, shard_rows, step_seed
+from megarl.trainer.validation import validate
 
 
 class AsyncRLTrainer(RLTrainer):
@@ -110,7 +112,6 @@ class RolloutWorker:
         self.acfg = cfg.async_training
         self.signal = UpdateSignal(ranks)
         eos = [parts.tokenizer.eos_token_id]
-        from megarl.rollout.sampling import train_sampling, val_sampling
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
         self.version = 0
         self.val: dict[int, dict] = {}
@@ -219,7 +220,6 @@ class RolloutWorker:
     def _validate(self, version: int) -> None:
         if self.p.val_loader is None:
             return
-        from megarl.trainer.validation import validate
         sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
         self.val[version] = validate(self.p, self.ranks, sampling)
 

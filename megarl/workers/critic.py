@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
+from megarl.workers.checkpoint import load_checkpoint, save_checkpoint
 from megarl.workers.config import CriticConfig
 from megarl.workers.engine import EngineShardView, MegatronEngine
 from megarl.workers.offload import RoleMemory, offload_plan
@@ -48,11 +49,9 @@ class CriticWorker(EngineShardView, RoleMemory):
                                  max_tokens=self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
-        from megarl.workers.checkpoint import save_checkpoint
         save_checkpoint(path, self.engine)
 
     def load_checkpoint(self, path: str) -> None:
-        from megarl.workers.checkpoint import load_checkpoint
         load_checkpoint(path, self.engine)
 
     def hf_tensors(self):

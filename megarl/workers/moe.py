@@ -19,6 +19,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megarl.parallel import state
+
 # megatron's tracker names -> megarl's metric names
 _TRACKED = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
 
@@ -45,7 +47,6 @@ def moe_metrics(engine, prefix: str) -> dict[str, float]:
     if not engine.spec.is_moe:
         return {}
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-    from megarl.parallel import state
     tracker = get_moe_layer_wise_logging_tracker()
     out = {}
     for name, metric in _TRACKED.items():

@@ -14,6 +14,7 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout
+from megarl.workers.checkpoint import read_meta
 from megarl.workers.config import OptimConfig
 
 
@@ -58,7 +59,6 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
     """The model's spec and its checkpoint, checked against the layout and (headers only) the
     tensors, before anything is allocated. Every rank runs this and fails the same way."""
     if es.dist_checkpoint:
-        from megarl.workers.checkpoint import read_meta
         meta = read_meta(es.dist_checkpoint)
         spec = ModelSpec.from_hf_config({**meta["hf_config"], **es.override_config})
         ckpt, hf_dtype = None, getattr(torch, meta["hf_dtype"])

@@ -42,6 +42,7 @@ from megarl.rollout.multiturn.interactions import pick
 from megarl.rollout.multiturn.parser import CLOSE, ToolCall, end_of_call, parse_tool_calls
 from megarl.rollout.multiturn.render import Renderer, truncate_tokens
 from megarl.rollout.multiturn.tools import Tool
+from megarl.rollout.native.sampler import mix64
 
 
 @dataclass
@@ -75,7 +76,6 @@ class Trajectory:
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    from megarl.rollout.native.sampler import mix64
     return mix64(mix64(seed) ^ (0xA5A5 + turn)) & ((1 << 62) - 1)
 
 

@@ -1,7 +1,7 @@
 """A small real distributed job that goes through the launch path the way megarl.train does.
 
-    MEGARL_ENTRY=megarl.parallel.launch_check launch/torchrun.sh configs/quickstart.yaml trainer.total_training_steps=5
-    MEGARL_ENTRY=megarl.parallel.launch_check sbatch launch/slurm/quickstart.sbatch trainer.save_freq=2
+    MEGARL_ENTRY=megarl.launch_check launch/torchrun.sh configs/quickstart.yaml trainer.total_training_steps=5
+    MEGARL_ENTRY=megarl.launch_check sbatch launch/slurm/quickstart.sbatch trainer.save_freq=2
 
 It takes megarl-train's arguments and config, starts the process group from env:// with
 trainer.collective_timeout_s, and per step all-reduces a known value, appends a record to
@@ -25,6 +25,8 @@ from datetime import timedelta
 
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.parallel.launch_env import rank_env
+from megarl.train import load_checked, parse_args
+from megarl.trainer.metrics import MetricsLogger
 
 LATEST = "latest_checkpointed_iteration.txt"  # verl's name for the pointer to the newest step
 
@@ -82,7 +84,6 @@ def inject_failure(rank: int, step: int) -> None:
 def run(cfg: ExperimentConfig) -> int:
     import torch
     import torch.distributed as dist
-    from megarl.trainer.metrics import MetricsLogger
 
     env = rank_env(cfg)
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
@@ -126,7 +127,6 @@ def run(cfg: ExperimentConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
-    from megarl.train import load_checked, parse_args
 
     # record() hands this rank's traceback to torchrun, whose failure summary then names the
     # rank and the exception; under srun the traceback is in the task's labelled output.
