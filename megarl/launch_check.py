@@ -23,6 +23,10 @@ import sys
 import time
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.parallel.launch_env import rank_env
 from megarl.train import load_checked, parse_args
@@ -41,7 +45,6 @@ def latest_step(run_dir: str) -> int:
 
 
 def save(run_dir: str, step: int, rank: int, state: dict) -> None:
-    import torch.distributed as dist
     step_dir = os.path.join(run_dir, f"global_step_{step}")
     os.makedirs(step_dir, exist_ok=True)
     with open(os.path.join(step_dir, f"rank_{rank}.json"), "w") as f:
@@ -82,9 +85,6 @@ def inject_failure(rank: int, step: int) -> None:
 
 
 def run(cfg: ExperimentConfig) -> int:
-    import torch
-    import torch.distributed as dist
-
     env = rank_env(cfg)
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if use_cuda:  # one visible GPU per task (srun --gpus-per-task) or all of the node's
@@ -126,8 +126,6 @@ def run(cfg: ExperimentConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     # record() hands this rank's traceback to torchrun, whose failure summary then names the
     # rank and the exception; under srun the traceback is in the task's labelled output.
     @record

@@ -21,20 +21,21 @@ from __future__ import annotations
 import importlib.util
 import inspect
 
+from megatron.core import package_info
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+from megatron.core.transformer import transformer_block, transformer_layer
+
 HAS_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
 
 
 def version() -> tuple[int, ...]:
-    from megatron.core import package_info
     return (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
 
 
 def missing() -> list[str]:
     """The features megarl uses that this megatron-core lacks (empty when all are there)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    from megatron.core.transformer import transformer_block, transformer_layer
-    from megatron.core.models.gpt import GPTModel
 
     gaps = []
     checks = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import os
 import signal
 import socket
@@ -69,7 +70,6 @@ class RunDirLock:
         self.fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        import fcntl
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

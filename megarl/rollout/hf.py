@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.native.engine import resolve_dtype
@@ -25,7 +26,6 @@ class HFEngine(BaseRollout):
                  prompt_length: int | None = None, prompt_truncation: str = "error", pad_token_id: int = 0,
                  load_format: str = "auto", config=None):
         super().__init__(config, role="rollout")
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -78,8 +78,6 @@ class HFEngine(BaseRollout):
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:
-        from transformers import GenerationConfig
-
         prompts = admit(self, prompts, sampling, prompt_limit)
         sp, P = sampling, max(map(len, prompts))
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)

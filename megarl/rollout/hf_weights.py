@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
+from safetensors import safe_open
 
 
 def read_hf_config(model_dir: str) -> dict:
@@ -27,7 +28,6 @@ def read_hf_config(model_dir: str) -> dict:
 def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if files:
-        from safetensors import safe_open
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():

@@ -15,6 +15,8 @@ refuse to generate until the trainer's first weight sync; any other value loads 
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from typing import Any
 
 import torch
@@ -46,8 +48,6 @@ def _pad_id(tokenizer) -> int:
 
 def _vocab_size(model_path: str | None, tokenizer) -> int | None:
     """The model's vocabulary (config.json), else the tokenizer's, else unknown (no id check)."""
-    import json
-    import os
     path = os.path.join(model_path or "", "config.json")
     if os.path.isfile(path):
         with open(path) as f:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
@@ -20,7 +22,6 @@ from megarl.trainer.ranks import destroy, setup_ranks
 def tell_launcher(err: BaseException) -> None:
     """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
     none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
     ErrorHandler().record_exception(err)   # a no-op unless torchrun set TORCHELASTIC_ERROR_FILE
 
 

@@ -16,6 +16,8 @@ DP ranks and mini-batches, and adds actor/grad_norm, actor/lr, actor/skipped_ste
 """
 from __future__ import annotations
 
+import torch
+
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.checkpoint import load_checkpoint, save_checkpoint
@@ -45,7 +47,6 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
 def _distributed_optimizer(mc) -> bool:
     """verl's default: the distributed optimizer wherever megatron's optimizer runs (CUDA)."""
     if mc.use_distributed_optimizer is None:
-        import torch
         return torch.cuda.is_available()
     return mc.use_distributed_optimizer
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
 from megarl.parallel import cpu_compat
@@ -26,7 +28,6 @@ HF_DIR = "hf"
 
 
 def read_meta(path: str) -> dict:
-    from megatron.core import dist_checkpointing
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(f"{path}: not a megatron distributed checkpoint (no metadata.json)")
     common = dist_checkpointing.load_common_state_dict(path)
@@ -45,7 +46,6 @@ def _meta(engine) -> dict:
 
 @cpu_compat.scoped
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
-    from megatron.core import dist_checkpointing
     engine.onload()
     model_sd = _model_state(engine)
     sd = {**model_sd, META: _meta(engine)}
@@ -62,7 +62,6 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
 
 @cpu_compat.scoped
 def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
-    from megatron.core import dist_checkpointing
     meta = read_meta(path)
     if meta["head"] != engine.es.head:
         raise ValueError(f"{path}: holds a model with a {meta['head']!r} head; this role needs {engine.es.head!r}")
@@ -101,7 +100,6 @@ def _model_state(engine) -> dict:
 
 
 def _has_optimizer(path: str) -> bool:
-    from megatron.core import dist_checkpointing
     return any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(path))
 
 
@@ -112,7 +110,6 @@ def _write_hf_aux(path: str, engine) -> None:
         json.dump(engine.spec.hf_config, f, indent=2)
     src = engine.es.model_path
     if src:
-        import shutil
         for name in AUX_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copyfile(os.path.join(src, name), os.path.join(out, name))
@@ -122,7 +119,6 @@ def plain_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint, whole, keyed by megatron's checkpoint key. Needs
     torch.distributed (one process is enough) but no megatron layout. Transformer layers come
     stacked: `decoder.layers.X` has a leading layer axis."""
-    from megatron.core import dist_checkpointing
 
     meta = dist_checkpointing.load_tensors_metadata(path)
     wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}

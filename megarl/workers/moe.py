@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
 from megarl.parallel import state
 
@@ -46,7 +47,6 @@ def moe_metrics(engine, prefix: str) -> dict[str, float]:
     rank gets the same numbers. Empty for a dense model or a zero coefficient."""
     if not engine.spec.is_moe:
         return {}
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
     tracker = get_moe_layer_wise_logging_tracker()
     out = {}
     for name, metric in _TRACKED.items():

@@ -7,6 +7,7 @@ bad input in a second, on every rank alike (no rank is left waiting in a collect
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -78,7 +79,6 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
         ckpt.validate(spec, head=need)
         hf_dtype = ckpt.dtype("model.embed_tokens.weight")
-    import os
     world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
     check_layout(spec, es.tp, es.pp, es.ep, world=world)
     check_chunks(spec, es.pp, es.vpp, es.role)

@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch.distributed as dist
 
 from megarl.protocol import DataProto
 from megarl.rollout.base import (Completion, RolloutEngine, SamplingParams, ShardSlice, guard_batch_prompts,
@@ -262,7 +263,6 @@ class AgentLoop(RolloutEngine):
         """Rank 0 of the rollout TP group's value on every rank of it."""
         if self.group is None:
             return value
-        import torch.distributed as dist
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return value
         box = [value]
@@ -272,7 +272,6 @@ class AgentLoop(RolloutEngine):
     def _leader(self) -> bool:
         if self.group is None:
             return True
-        import torch.distributed as dist
         return not dist.is_initialized() or dist.get_rank(self.group) == 0
 
     def _run_tools(self, pending: list[tuple[Trajectory, list[ToolCall], bool]]) -> None:

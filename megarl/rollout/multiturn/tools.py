@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from megarl.config.errors import ConfigError
 from megarl.config.loader import load_yaml_text
 from megarl.reward.loading import get_attr, import_path
@@ -97,7 +99,6 @@ def _article(kind: str) -> str:
 
 def load_tools(path: str, key: str = TOOLS_KEY) -> dict[str, Tool]:
     """Read and check a tools.yaml; implementations are imported now, so a bad one stops the run here."""
-    import yaml
 
 
     if not os.path.isfile(path):
