@@ -20,6 +20,7 @@ import os
 import tempfile
 
 from megarl.config.errors import ConfigError
+from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_reward_fn
 
 # Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
 ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
@@ -59,7 +60,7 @@ def count_rows(path: str, key: str) -> int:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional at run time: only for .parquet files
             return pq.ParquetFile(path).metadata.num_rows
         except Exception as err:
             raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})", key) from None
@@ -147,15 +148,14 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"rollout.name={ro.name} needs the {module!r} package, which is not installed here; "
                           "install it or use rollout.name=native", key)
     if ro.name == "custom":
-        from megarl.rollout.custom import load_user_class
+        from megarl.rollout.custom import load_user_class  # lazy: loads torch, which the launcher avoids
         load_user_class(ro.custom_cls_path, ro.custom_cls_name)
     if ro.multi_turn.enable and ro.multi_turn.tool_config_path:
-        from megarl.rollout.multiturn.tools import load_tools
+        from megarl.rollout.multiturn.tools import load_tools  # lazy: loads torch, which the launcher avoids
         load_tools(ro.multi_turn.tool_config_path)
 
 
 def check_reward(cfg) -> None:
-    from megarl.reward.loading import RewardFnSpec, load_class, load_reward_fn
     kind = cfg.reward_model.reward_manager
     crf = cfg.custom_reward_function
     if kind in ("naive", "batch"):
@@ -167,7 +167,6 @@ def check_reward(cfg) -> None:
 
 def check_import_path(ref: str, key: str) -> None:
     """`pkg.module:function` or `file.py:function` resolves to something callable."""
-    from megarl.reward.loading import get_attr, import_path
     if ":" not in ref:
         raise ConfigError(f"{ref!r} is not an import path; write 'pkg.module:function' or 'file.py:function'", key)
     path, name = ref.rsplit(":", 1)

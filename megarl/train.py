@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
+from megarl.preflight import preflight
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,7 +43,6 @@ def load_checked(config: str | None, overrides: list[str], check_all: bool = Tru
     (files, model, lengths, engine, reward, run directory) before any process starts."""
     cfg = load_config(config, overrides)
     if check_all:
-        from megarl.preflight import preflight
         preflight(cfg)
     elif cfg.model.path:
         hf = read_hf_config(cfg.model.path)
@@ -99,7 +100,6 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
 
 def single_process_env() -> dict[str, str]:
     """The variables torchrun would set, for a one-process run."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,7 +112,7 @@ def config_error(err: ConfigError) -> int:
     if _rank() == 0:
         print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
     if _launched_by_a_launcher() and "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from megarl.trainer.run import tell_launcher
+        from megarl.trainer.run import tell_launcher  # lazy: the ranks' code (torch, megatron)
         tell_launcher(err)
     return 2
 
@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron's TP/SP overlap orders its kernels by relying on one hardware queue; it must be
     # set before CUDA starts. The user's own value wins.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    import torch
+    import torch  # lazy: torch loads only once the config is accepted
     quiet_known_noise(cpu=cfg.trainer.device == "cpu" or not torch.cuda.is_available())
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import record  # lazy, as torch above
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
     try:
