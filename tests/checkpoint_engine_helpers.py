@@ -36,7 +36,7 @@ def rollout_groups(rtp: int):
 
 def native_engine(path: str, group, **kwargs):
     """A native engine without weights (load_format=dummy): they come from the first sync."""
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
     return NativeEngine(read_hf_config(path), comm=TPComm(group), **kwargs)
 

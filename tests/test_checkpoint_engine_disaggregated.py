@@ -32,7 +32,7 @@ def check_disaggregated(rank, world, path):
     from megarl.checkpoint_engine.source import ShardSource
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.base import SamplingParams
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
 
     dist.init_process_group("gloo")

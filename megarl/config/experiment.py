@@ -13,8 +13,6 @@ Each component validates its own fields; this module checks the rules that span 
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 import yaml
@@ -26,6 +24,7 @@ from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.refused import check_refused
 from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
 from megarl.data.config import DataConfig
+from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from megarl.rollout.config import RolloutConfig
 from megarl.trainer.config import AsyncTrainingConfig, TrainerConfig
@@ -413,11 +412,3 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     raw = read_yaml(path) if path else {}
     raw = apply_overrides(raw, list(overrides))
     return build_config(raw)
-
-
-def read_hf_config(model_dir: str) -> dict | None:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)

@@ -60,6 +60,14 @@ def get_attr(module, name: str, key: str, what: str):
     return getattr(module, name)
 
 
+def load_object(ref: str, key: str, what: str = "function"):
+    """`pkg.module:name` or `path/file.py:name` -> the object, with one-line errors naming `key`."""
+    path, _, name = ref.rpartition(":")
+    if not path or not name:
+        raise ConfigError(f"{ref!r} is not an import path; write 'pkg.module:{what}' or 'file.py:{what}'", key)
+    return get_attr(import_path(path, key), name, key, what)
+
+
 def check_signature(fn, names: tuple[str, ...], kwargs: dict, key: str) -> None:
     """Refuse a function that cannot be called as fn(**{names}, **kwargs), in one line."""
     try:

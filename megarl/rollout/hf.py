@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
-from megarl.rollout.native.engine import resolve_dtype
+from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
 
@@ -28,7 +28,7 @@ class HFEngine(BaseRollout):
         super().__init__(config, role="rollout")
 
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = rollout_dtype(dtype, self.device)
         if load_format == "dummy":              # weights come from the first sync
             cfg = AutoConfig.from_pretrained(model_dir)
             model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)

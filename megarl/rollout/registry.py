@@ -15,8 +15,6 @@ refuse to generate until the trainer's first weight sync; any other value loads 
 from __future__ import annotations
 
 import inspect
-import json
-import os
 from typing import Any
 
 import torch
@@ -27,7 +25,7 @@ from megarl.rollout.base import RolloutEngine
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.custom import CustomRollout, load_user_class
 from megarl.rollout.hf import HFEngine
-from megarl.rollout.hf_weights import read_hf_config
+from megarl.models.hf_config import hf_vocab_size, read_hf_config
 from megarl.rollout.native import NativeEngine, TPComm
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.trtllm import TRTLLMEngine
@@ -48,10 +46,9 @@ def _pad_id(tokenizer) -> int:
 
 def _vocab_size(model_path: str | None, tokenizer) -> int | None:
     """The model's vocabulary (config.json), else the tokenizer's, else unknown (no id check)."""
-    path = os.path.join(model_path or "", "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f).get("vocab_size")
+    V = hf_vocab_size(model_path)
+    if V is not None:
+        return V
     return len(tokenizer) if tokenizer is not None else None
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
+from megarl.reward.loading import load_object
 
 
 @dataclass
@@ -52,17 +53,6 @@ class Parts:
         return roles
 
 
-def import_path(spec: str, key: str):
-    """`pkg.module:attr` -> the object, with a one-line error naming the key."""
-    import importlib
-    module, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(module)
-        return getattr(obj, attr) if attr else obj
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot import {spec!r} ({err}); give it as package.module:function", key) from None
-
-
 def ensure_model(cfg, ranks) -> None:
     """Create the HF checkpoint with `model.bootstrap` when it is missing (rank 0; others wait)."""
     m = cfg.model
@@ -73,7 +63,7 @@ def ensure_model(cfg, ranks) -> None:
         if not m.bootstrap:
             raise ConfigError(f"{m.path} holds no config.json; point it at an HF checkpoint directory (or set "
                               "model.bootstrap to a function that creates one)", "actor_rollout_ref.model.path")
-        import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
+        load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     dist.barrier()
     hf = read_hf_config(m.path)
     if hf is None:

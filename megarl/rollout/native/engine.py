@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
-from megarl.rollout.hf_weights import buckets, iter_hf_weights, read_hf_config
+from megarl.models.hf_config import read_hf_config
+from megarl.rollout.hf_weights import buckets, iter_hf_weights
 from megarl.rollout.native import sampler
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
@@ -43,8 +44,9 @@ from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
+def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The engine's weights dtype from `rollout.dtype` (the trainer's is workers.preflight.resolve_dtype).
+    `auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -63,7 +65,7 @@ class NativeEngine(BaseRollout):
         super().__init__(config, role="rollout")
         self.comm = comm or TPComm(None)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = rollout_dtype(dtype, self.device)
         self.args = ModelArgs.from_hf(hf_config)
         self.model = Transformer(self.args, self.comm.size, self.dtype, self.device)
         self.plan = ShardPlan(self.args, self.comm.rank, self.comm.size)
