@@ -249,9 +249,9 @@ def test_verl_spellings_and_imports():
     assert DataProto.__module__ == "megarl.protocol"
 
 
-def test_readme_configuration_example_checks_out(tmp_path, addition_model_dir):
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split("## Configuration", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+def test_configuration_page_example_checks_out(tmp_path, addition_model_dir):
+    text = open(os.path.join(ROOT, "docs", "configuration.md")).read()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     first = block.split("\n")[:3]
     args = " ".join(line.rstrip("\\ ") for line in first).split()[1:]
     assert args[:2] == ["--config", "configs/quickstart.yaml"]
