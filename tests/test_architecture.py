@@ -6,7 +6,8 @@ imported, so this runs in a second):
   - function-level imports only for optional dependencies (or a named lazy boundary), each with a
     comment on its line giving the reason;
   - no private torch API (`torch...._name`, `from torch... import _name`);
-  - no file in megarl/ over 400 lines.
+  - no file in megarl/ over 400 lines;
+  - no test module imported by another (shared test code lives in tests/helpers/).
 
     python -m pytest -q tests/test_architecture.py
 """
@@ -246,6 +247,22 @@ def test_no_private_torch_api():
 def test_no_file_over_400_lines():
     long = {os.path.relpath(p, ROOT): n for p in MODULES.values() if (n := len(open(p).read().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers/; a test module is never a library."""
+    bad = []
+    for base, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(base, f)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                    for name in names:
+                        if any(part.startswith("test_") for part in name.split(".")):
+                            bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {name}")
+    assert not bad, "test modules imported as libraries (move what they share to tests/helpers/): " + "; ".join(bad)
 
 
 def test_the_checks_see_what_they_must():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.checkpoint_engine_helpers import PROMPTS, Faulty, engine_mismatch
+from tests.helpers.checkpoint_engine import PROMPTS, Faulty, engine_mismatch
 from tests.distributed import run_ranks
 
 TRAINERS, ENGINES = [0, 1], [2, 3]

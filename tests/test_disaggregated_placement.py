@@ -19,7 +19,7 @@ def check_placement(rank, world, path):
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.base import SamplingParams
     from megarl.trainer.ranks import destroy, setup_ranks
-    from tests.checkpoint_engine_helpers import PROMPTS, Faulty, actor_at, engine_mismatch, native_engine, perturb
+    from tests.helpers.checkpoint_engine import PROMPTS, Faulty, actor_at, engine_mismatch, native_engine, perturb
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=3",
                              "actor_rollout_ref.rollout.placement=disaggregated", "trainer.device=cpu",

@@ -118,13 +118,8 @@ def steps_of(run_dir) -> list[int]:
     return [r["step"] for r in read_metrics(str(run_dir))]
 
 
-@pytest.fixture(scope="module")
-def model_dir(addition_model_dir):
-    return addition_model_dir
-
-
-def short_run(model_dir, run_dir, steps):
-    return (f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
+def short_run(addition_model_dir, run_dir, steps):
+    return (f"actor_rollout_ref.model.path={addition_model_dir}", f"trainer.default_local_dir={run_dir}",
             f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=2",
             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4",
@@ -132,10 +127,10 @@ def short_run(model_dir, run_dir, steps):
 
 
 @pytest.mark.timeout(420)
-def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir, tmp_path):
+def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     begin = time.monotonic()
-    job_id = cluster.submit(QUICKSTART, *short_run(model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
     job = cluster.wait(job_id, timeout=300)
     print(f"\nquickstart submit-to-complete {time.monotonic() - begin:.1f}s")
     out = cluster.output(job_id)
@@ -151,7 +146,7 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir,
 
     # The real trainer cancelled mid-run and submitted again continues from its checkpoint.
     run2 = tmp_path / "run2"
-    job_id = cluster.submit(QUICKSTART, *short_run(model_dir, run2, 40), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, 40), entry=QUICKSTART_ENTRY)
     pointer, deadline = run2 / "latest_checkpointed_iteration.txt", time.monotonic() + 240
     while not pointer.exists():
         assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
@@ -160,7 +155,7 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir,
     cluster.slurm("scancel", job_id)
     assert cluster.wait(job_id)["JobState"] == "CANCELLED"
     saved = int(pointer.read_text())
-    job2 = cluster.submit(QUICKSTART, *short_run(model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
+    job2 = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
     done = cluster.wait(job2, timeout=300)
     out2 = cluster.output(job2)
     assert done["JobState"] == "COMPLETED", out2[-3000:]

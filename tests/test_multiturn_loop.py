@@ -1,4 +1,4 @@
-"""The agent loop's control flow, driven by a scripted FAKE engine (tests/multiturn_helpers.py):
+"""The agent loop's control flow, driven by a scripted FAKE engine (tests/helpers/multiturn.py):
 batching of turns, cuts after calls, parallel-call limits, error/timeout paths, the response
 budget, max turns, simulated users, seeds, metrics, and the config entry point. The real engine
 and the log-prob contract are in tests/test_multiturn_engine.py."""
@@ -16,7 +16,7 @@ from megarl.rollout.config import MultiTurnConfig, RolloutConfig
 from megarl.rollout.multiturn import AgentLoop, build_agent_loop, load_tools, multiturn_metrics
 from megarl.rollout.multiturn.loop import turn_seed
 from megarl.rollout.trtllm import detect_features, llm_kwargs
-from tests.multiturn_helpers import ScriptedEngine, fake_log_prob, prompt_batch, rows
+from tests.helpers.multiturn import ScriptedEngine, fake_log_prob, prompt_batch, rows
 from tests.rollout import trtllm_fake
 
 TOK = build_tokenizer()

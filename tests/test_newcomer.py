@@ -189,7 +189,7 @@ def test_messages_ending_with_the_answer_follow_verls_convention(tmp_path):
 def test_reward_deadline_names_the_function_and_the_slowest_samples(tmp_path):
     from megarl.reward.loading import RewardFnSpec
     from megarl.reward.manager import RewardDeadline, RewardManager
-    from tests.reward_helpers import rollout_batch, tokenizer
+    from tests.helpers.reward import rollout_batch, tokenizer
     fn = tmp_path / "slow.py"
     fn.write_text("import time\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    time.sleep(0.4 if extra_info['index'] == 1 else 0.01)\n    return 1.0\n"

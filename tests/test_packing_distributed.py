@@ -17,7 +17,7 @@ import torch
 
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
-from tests.test_models_distributed import make_batch, policy_loss, value_loss
+from tests.helpers.megatron_roles import make_batch, policy_loss, value_loss
 
 TEMP = 0.7
 MODES = [("packed", None), ("packed", 24), ("padded", 30)]  # (layout, token budget); baseline: padded, None

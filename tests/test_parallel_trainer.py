@@ -11,7 +11,7 @@ import os
 import pytest
 
 from megarl.trainer.metrics import read_metrics
-from tests.test_trainer_e2e import finish, train
+from tests.helpers.training_runs import finish, train
 
 
 @pytest.mark.timeout(600)

@@ -153,7 +153,7 @@ def check_weight_sync(rank: int, world: int, path: str, want_device: str) -> dic
     from megarl.config import load_config
     from megarl.protocol import DataProto
     from megarl.rollout.base import SamplingParams
-    from tests.checkpoint_engine_helpers import PROMPTS, TEMP, engine_mismatch, full_export, native_engine
+    from tests.helpers.checkpoint_engine import PROMPTS, TEMP, engine_mismatch, full_export, native_engine
 
     actor = make_actor(path)
     dev = actor.engine.device
