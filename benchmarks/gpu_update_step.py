@@ -68,7 +68,7 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.config import load_config
     from megarl.models.flops import forward_flops, training_flops
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
     from megarl.trainer.memory import PhaseMemory
     from megarl.trainer.mfu import resolve_peak_flops

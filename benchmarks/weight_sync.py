@@ -116,7 +116,7 @@ def run_rank(rank, world, path, a):
     from megarl.checkpoint_engine.memory import PeakMemory
     from megarl.checkpoint_engine.source import ShardSource
     from megarl.parallel import state
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig

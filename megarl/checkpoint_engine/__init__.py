@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megarl.checkpoint_engine.base import WeightSyncError
 from megarl.checkpoint_engine.colocated import ColocatedSync
 from megarl.checkpoint_engine.disk import DiskSync
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.config.errors import ConfigError
 
-__all__ = ["build_checkpoint_engine"]
+__all__ = ["WeightSyncError", "build_checkpoint_engine"]
 
 _KEY = "actor_rollout_ref.rollout.checkpoint_engine"
 
