@@ -104,6 +104,20 @@ def test_extractor_reads_the_fields_from_source(tmp_path):
     assert snap["sleep_config_fields"] == ["restore_modes"] and snap["executor_memory_types"] == ["kv_cache", "model"]
     assert snap["completion_output_fields"] == ["index", "token_ids"] and snap["logprob_fields"] == ["logprob", "rank"]
     assert snap["logprobs_modes"] == ["raw", "processed"] and snap["logprobs_format"] == "sampled_plus_topk_dict"
+    assert snap["fields"]["executor_memory_types"] == {"repo": "NVIDIA/TensorRT-LLM", "commit": "abc123",
+                                                       "path": "tensorrt_llm/llmapi/llm_args.py"}
+    # Newer layout: llm_args.py imports the enum from _torch/virtual_memory.py; the extractor follows it.
+    args = (tmp_path / "tensorrt_llm/llmapi/llm_args.py").read_text()
+    start = args.index("class ExecutorMemoryType")
+    (tmp_path / "tensorrt_llm/llmapi/llm_args.py").write_text(
+        "from ..._torch.virtual_memory import ExecutorMemoryType\n" + args[:start])
+    os.makedirs(tmp_path / "tensorrt_llm/_torch", exist_ok=True)
+    (tmp_path / "tensorrt_llm/_torch/virtual_memory.py").write_text(
+        "class ExecutorMemoryType(StrEnum):\n    MODEL_WEIGHTS_MAIN = 'model_weights'\n    KV_CACHE = 'kv_cache'\n")
+    snap = extract_snapshot.snapshot(extract_snapshot.reader(str(tmp_path), None), "def456")
+    assert snap["executor_memory_types"] == ["model_weights", "kv_cache"]
+    assert snap["fields"]["executor_memory_types"]["path"] == "tensorrt_llm/_torch/virtual_memory.py"
+    assert snap["fields"]["sampling_params_fields"]["path"] == "tensorrt_llm/sampling_params.py"
 
 
 @pytest.mark.parametrize("name", trtllm_fake.SNAPSHOTS)
