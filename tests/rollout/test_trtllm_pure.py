@@ -406,3 +406,28 @@ def test_tp2_group_over_gloo(dirs):
         "the other rank gets the leader's error instead of waiting forever"
     assert t0 == t1 and a0 == a1 and t0 == a0
     assert err <= conformance.TOL
+
+
+# -- benchmarks/trtllm_check.py, the GPU-node procedure ------------------------------------------------------------
+def test_trtllm_check_exits_2_in_one_line_without_tensorrt_llm(tmp_path):
+    import subprocess
+    proc = subprocess.run([sys.executable, "benchmarks/trtllm_check.py", "--model", str(tmp_path),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tensorrt_llm does not import here" in lines[0] and "pypi.nvidia.com" in lines[0]
+    assert not (tmp_path / "out").exists(), "nothing is written before the check can run"
+
+
+def test_trtllm_check_report_tables():
+    from benchmarks import trtllm_check
+    lead = {"ok": True, "features": "TensorRT-LLM 9.9", "workers": ["GPU-a"], "same_tokens_after_wake": True,
+            "peak_gpu_gb": 1.5, "phases": {"build_engine": 12.0, "sleep": 0.5},
+            "logprob_max_abs_diff_before_sleep": 0.01, "logprob_mean_abs_diff_before_sleep": 0.001,
+            "logprob_max_abs_diff_after_wake": 0.02, "logprob_mean_abs_diff_after_wake": 0.002}
+    report = {"date": "d", "versions": {"gpu": "H100"}, "runs": [
+        {"tp": 1, "ok": True, "verdict": True, "ranks": [lead]},
+        {"tp": 2, "ok": False, "verdict": False, "ranks": [{"ok": False, "error": "RuntimeError: boom"}]}]}
+    md = trtllm_check.markdown(report)
+    assert "## TP 1: passed" in md and "| build_engine | 12.000 | 12.000 |" in md and "| after_wake | 2.000e-02" in md
+    assert "## TP 2: FAILED" in md and "RuntimeError: boom" in md
