@@ -60,7 +60,9 @@ def _rank(rank: int, world: int, port: int, model: str, out: str, args: dict) ->
         json.dump(result, f)
 
 
-def _phases(rank: int, world: int, model: str, args: dict, result: dict) -> None:
+def _phases(rank: int, world: int, model: str, args: dict, result: dict, device: str = "cuda") -> None:
+    """The procedure on one rank. device="cpu" exists for the CPU test against the conformance fake
+    (tests/rollout/test_trtllm_pure.py); on a GPU node it is always cuda."""
     import torch
 
     from megarl.parallel import state
@@ -68,18 +70,21 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict) -> None
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.hf_weights import buckets
-    from megarl.rollout.registry import build_rollout
+    from megarl.rollout.trtllm import TRTLLMEngine
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
 
-    torch.cuda.set_device(rank)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     phases = result["phases"]
 
     def timed(name, fn):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         value = fn()
-        torch.cuda.synchronize()
+        sync()
         phases[name] = round(time.perf_counter() - start, 4)
         return value
 
@@ -89,8 +94,8 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict) -> None
     cfg = RolloutConfig(name="trtllm", tensor_model_parallel_size=world, load_format="dummy", enable_sleep_mode=True,
                         free_cache_engine=True, prompt_length=32, response_length=args["max_tokens"],
                         gpu_memory_utilization=args["gpu_memory_utilization"])
-    engine = timed("build_engine", lambda: build_rollout(cfg, model, tp_group=state.tp_group(),
-                                                         device=torch.device("cuda", rank)))
+    engine = timed("build_engine", lambda: TRTLLMEngine(model, cfg, tp_group=state.tp_group(),
+                                                        device=torch.device("cuda", rank) if cuda else "cpu"))
     result["features"] = engine.features.summary()
     result["workers"] = engine.llm._collective_rpc("report_device_id") if engine.leader else None
 
@@ -119,7 +124,7 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict) -> None
     timed("wake", engine.wake)
     after = generate_and_score("after_wake")
     result["same_tokens_after_wake"] = before == after
-    result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
     engine.close()
     state.destroy_model_parallel()
 

@@ -431,3 +431,28 @@ def test_trtllm_check_report_tables():
     md = trtllm_check.markdown(report)
     assert "## TP 1: passed" in md and "| build_engine | 12.000 | 12.000 |" in md and "| after_wake | 2.000e-02" in md
     assert "## TP 2: FAILED" in md and "RuntimeError: boom" in md
+
+
+def _check_procedure(rank, world, model_dir):
+    from benchmarks import trtllm_check
+    sys.modules.update(trtllm_fake.build(V13))
+    torch.set_num_threads(1)
+    result = {"phases": {}}
+    trtllm_check._phases(rank, world, model_dir, {"max_tokens": 6, "gpu_memory_utilization": 0.3}, result,
+                         device="cpu")
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_trtllm_check_procedure_against_megatron_on_the_fake(tmp_path):
+    """The check's procedure end to end on one CPU rank: a real megatron actor, the engine on the
+    conformance fake (fp32, exact): log-probs equal megatron's before sleep and after the refit."""
+    from megarl.models.tiny import make_tiny_hf
+    from tests.distributed import run_ranks
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2", seed=1, vocab_size=301)
+    (result,) = run_ranks(1, _check_procedure, (path,))
+    assert result["same_tokens_after_wake"]
+    assert result["logprob_max_abs_diff_before_sleep"] <= 1e-4 and result["logprob_max_abs_diff_after_wake"] <= 1e-4
+    assert {"build_actor", "build_engine", "refit_first", "generate_before_sleep", "sleep", "refit_asleep", "wake",
+            "generate_after_wake", "megatron_log_prob_after_wake"} <= set(result["phases"])
+    assert result["workers"] == ["GPU-fake-0"]
