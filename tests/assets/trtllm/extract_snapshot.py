@@ -133,7 +133,7 @@ def snapshot(read, commit: str | None) -> dict:
         "sleep_config_fields": pyd("SleepConfig"),
         "ray_placement_config_fields": pyd("RayPlacementConfig"),
         "executor_memory_types": enum_values(mem) if mem is not None else None,
-        "completion_output_fields": [f for f in own_fields(result["CompletionOutput"]) if not f.startswith("_")],
+        "completion_output_fields": own_fields(result["CompletionOutput"]),
         "logprob_fields": own_fields(result["Logprob"]),
         "logprobs_modes": modes,
         "logprobs_format": "sampled_plus_topk_dict" if "logprobs_mode" in sp else "topk_dict",
