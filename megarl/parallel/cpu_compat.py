@@ -44,6 +44,8 @@ import textwrap
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.config.errors import ConfigError
+
 _INSTALLED = False
 _DEPTH = 0
 
@@ -165,8 +167,9 @@ FINGERPRINTS = {
 }
 
 
-class UnsupportedMegatron(RuntimeError):
-    pass
+class UnsupportedMegatron(ConfigError):
+    """The environment's megatron-core is not the one the shim was checked against (megarl-train
+    prints it as one line and exits 2, like any preflight error)."""
 
 
 def _backward_classes() -> list[type]:
