@@ -40,6 +40,7 @@ from megarl.protocol import DataProto
 from megarl.workers import batching, checkpoint
 from megarl.workers.memory import Memory
 from megarl.workers.moe import moe_metrics
+from megarl.workers.outputs import full_logits
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
 from megarl.workers.schedule import LossFn, Padding, Process, Run, Schedule
 from megarl.workers.shards import Shards
@@ -165,7 +166,6 @@ class MegatronEngine(cpu_compat.Boundary):
 
     def logits(self, input_ids: torch.Tensor, micro: int = 1) -> torch.Tensor:
         """Full-vocabulary logits [B, S, V] (fp32) of unpadded token rows, on every rank (checks)."""
-        from megarl.workers.outputs import full_logits
         B, S = input_ids.shape
         data = DataProto.from_dict({"input_ids": input_ids, "prompt_lens": torch.full((B,), S),
                                     "response_lens": torch.zeros(B, dtype=torch.long),
