@@ -272,8 +272,8 @@ class Boundary:
                 continue
             if inspect.isfunction(attr):
                 setattr(cls, name, _scoped(attr))
-            elif isinstance(attr, staticmethod):
-                setattr(cls, name, staticmethod(_scoped(attr.__func__)))
+            elif isinstance(attr, (staticmethod, classmethod)):
+                setattr(cls, name, type(attr)(_scoped(attr.__func__)))
             elif isinstance(attr, property):
                 setattr(cls, name, property(*(f and _scoped(f) for f in (attr.fget, attr.fset, attr.fdel)),
                                             attr.__doc__))
