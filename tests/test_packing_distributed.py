@@ -33,7 +33,7 @@ def _run_modes(engine, data, forward, train, keys):
     for layout, budget in [("padded", None)] + MODES:
         if layout == "padded" and budget and engine.layout.pp > 1:
             continue
-        engine.packed = layout == "packed"
+        engine.schedule.packed = layout == "packed"
         engine.take_padding()
         rows = engine.forward_rows(data, 2, forward, keys, max_tokens=budget)
         engine.accumulate(data, 2, train, policy_loss if "log_probs" in keys else value_loss, max_tokens=budget)

@@ -71,7 +71,6 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
-@cpu_compat.scoped
 def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int | None = None,
                         ep: int = 1) -> Layout:
     """Set up megatron's parallel_state for (TP, CP, PP, virtual PP) over all ranks;

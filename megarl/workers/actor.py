@@ -20,7 +20,6 @@ import torch
 
 from megarl.parallel import state
 from megarl.protocol import DataProto
-from megarl.workers.checkpoint import load_checkpoint, save_checkpoint
 from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
 from megarl.workers.engine import EngineShardView, EngineSpec, MegatronEngine
 from megarl.workers.offload import RoleMemory, offload_plan
@@ -94,10 +93,10 @@ class ActorWorker(EngineShardView, RoleMemory):
                                  self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
-        save_checkpoint(path, self.engine)
+        self.engine.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
-        load_checkpoint(path, self.engine)
+        self.engine.load_checkpoint(path)
 
     def hf_tensors(self):
         return self.engine.hf_tensors()

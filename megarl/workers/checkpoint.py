@@ -1,7 +1,9 @@
 """Megatron distributed checkpoints of a role: model, optimizer, LR-schedule position.
 
-    save_checkpoint(dir, engine)     # every rank; torch_dist format through megatron.core.dist_checkpointing
-    load_checkpoint(dir, engine)     # any (TP, PP): tensors are stored with their global shapes
+    engine.save_checkpoint(dir)      # every rank; torch_dist format through megatron.core.dist_checkpointing
+    engine.load_checkpoint(dir)      # any (TP, PP): tensors are stored with their global shapes
+
+Called through the engine (megarl/workers/engine.py), whose cpu_compat boundary megatron needs on CPU.
 
 Layout of `dir`: megatron's files (one global tensor per parameter; fused QKV and gate/up are
 stored TP-independently by megatron's own sharding rules; transformer layers stacked along a
@@ -20,8 +22,6 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
-from megarl.parallel import cpu_compat
-from megarl.workers.optim import apply_schedule
 
 META = "megarl"
 HF_DIR = "hf"
@@ -44,7 +44,6 @@ def _meta(engine) -> dict:
             "saved_layout": [engine.layout.tp, engine.layout.pp], "saved_cp_vpp": [engine.layout.cp, engine.layout.vpp]}
 
 
-@cpu_compat.scoped
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     engine.onload()
     model_sd = _model_state(engine)
@@ -60,7 +59,6 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     dist.barrier()
 
 
-@cpu_compat.scoped
 def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     meta = read_meta(path)
     if meta["head"] != engine.es.head:
@@ -86,8 +84,7 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
                          f"unexpected {unexpected[:3]})")
     if load_optim:
         engine.optimizer.load_state_dict(loaded["optimizer"])
-        engine.sched_step = int(meta["sched_step"])
-        apply_schedule(engine.optimizer, engine.sched_step, engine.es.optim)
+        engine.update.resume(int(meta["sched_step"]))
 
 
 def _model_state(engine) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
-from megarl.workers.checkpoint import load_checkpoint, save_checkpoint
 from megarl.workers.config import CriticConfig
 from megarl.workers.engine import EngineShardView, MegatronEngine
 from megarl.workers.offload import RoleMemory, offload_plan
@@ -49,10 +48,10 @@ class CriticWorker(EngineShardView, RoleMemory):
                                  max_tokens=self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
-        save_checkpoint(path, self.engine)
+        self.engine.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
-        load_checkpoint(path, self.engine)
+        self.engine.load_checkpoint(path)
 
     def hf_tensors(self):
         """The critic as an HF *ForSequenceClassification model's tensors (head as `score.weight`)."""

@@ -55,10 +55,6 @@ def padded_input(mb: DataProto, seq: int) -> MicroInput:
     return MicroInput(ids, pos, None, index, last, b * seq)
 
 
-def packed_length(mb: DataProto) -> int:
-    return int((mb.batch["prompt_lens"] + mb.batch["response_lens"]).clamp(min=1).sum())
-
-
 def packed_input(mb: DataProto, length: int | None = None) -> MicroInput:
     """The rows' real tokens back to back in one [1, T] row; T = `length` (>= the real total)
     with the tail as a separate segment of pad tokens."""
