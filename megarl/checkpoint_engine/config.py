@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 @dataclass
-class CheckpointEngineConfig:
+class CheckpointEngineConfig(Section):
     # colocated: the engine shares the training ranks (all-gather + broadcast in buckets);
     # distributed: the engine has ranks of its own, buckets cross a group spanning both;
     # disk: HF safetensors written to `disk_dir` for an engine in another job.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.checkpoint_engine.config import CheckpointEngineConfig
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 def check_sampling(obj, prefix: str = "") -> None:
@@ -23,7 +23,7 @@ def check_sampling(obj, prefix: str = "") -> None:
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Section):
     """Validation sampling (`rollout.val_kwargs`)."""
     temperature: float = 0.0
     top_p: float = 1.0
@@ -36,7 +36,7 @@ class SamplingConfig:
 
 
 @dataclass
-class MultiTurnConfig:
+class MultiTurnConfig(Section):
     """Multi-turn rollouts with tools (megarl/rollout/multiturn); `rollout.tools=tools.yaml` turns it on."""
     enable: bool = False
     max_assistant_turns: int | None = None  # None: until no tool call or the response budget is spent
@@ -73,14 +73,14 @@ class MultiTurnConfig:
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(Section):
     timeout: float = 60.0
     max_attempts: int = 3
     max_connections: int = 1000
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     # Engine: native (built in, runs anywhere), trtllm (TensorRT-LLM), hf (transformers' generate),
     # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name).
     # vllm and sglang are recognised and refused with a message saying they are not integrated.

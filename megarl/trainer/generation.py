@@ -22,6 +22,12 @@ def step_seed(base: int, step: int, stream: int = 0) -> int:
     return x or 1
 
 
+def sampling_seed(cfg) -> int:
+    """The run's sampling seed: rollout.seed when set (verl's key for the engine's sampling), else
+    trainer.seed. Both loops (colocated and the disaggregated rollout ranks) draw from it."""
+    return cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
+
+
 def shard_rows(n: int, parts: int, index: int) -> np.ndarray:
     """Rows [start, stop) of part `index` when n rows are split as evenly as possible."""
     bounds = np.linspace(0, n, parts + 1).round().astype(int)
