@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
@@ -29,6 +29,11 @@ if TYPE_CHECKING:       # annotations only: the roles import megatron
     from megarl.workers.critic import CriticWorker
     from megarl.workers.reference import ReferenceWorker
     from megarl.workers.reward_model import RewardModelWorker
+
+
+class WeightSync(Protocol):
+    """A checkpoint engine transport (colocated, disk, or one half of the disaggregated one)."""
+    def sync(self) -> dict[str, float]: ...
 
 
 @dataclass
@@ -51,7 +56,7 @@ class TrainerParts(Shared):
     critic: CriticWorker | None            # None unless the critic is on
     reward_model: RewardModelWorker | None  # None unless reward_model.enable
     rollout: RolloutEngine | None
-    weight_sync: Any                       # a checkpoint engine transport: .sync() -> metrics
+    weight_sync: WeightSync                # ColocatedSync / DiskSync, or DisaggregatedSender
     reward: RewardManager | None           # rank 0 only; None elsewhere
     kl_ctrl: AdaptiveKLController | FixedKLController
 
@@ -76,7 +81,7 @@ class TrainerParts(Shared):
 class RolloutParts(Shared):
     """The rollout ranks of a disaggregated run: the engine and the receiving half of the sync."""
     rollout: RolloutEngine
-    weight_sync: Any                       # DisaggregatedReceiver
+    weight_sync: WeightSync                # DisaggregatedReceiver
     reward: RewardManager | None           # first rollout rank, for validation; None elsewhere
 
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.parallel import state
 from megarl.parallel.bridge import Bridge, job_store
@@ -46,7 +45,7 @@ class Ranks:
     group: dist.ProcessGroup | None = None  # this side's ranks (all of them when colocated)
     world_group: Bridge | None = None      # disaggregated: every rank of both sides
     handoff_group: Bridge | None = None    # disaggregated: the trainer ranks + the first rollout rank
-    sync_groups: Any = None                # disaggregated: checkpoint_engine DisaggregatedGroups
+    sync_groups: DisaggregatedGroups | None = None  # disaggregated: the weight-sync bridges
     n_trainers: int = 0                    # disaggregated: trainer ranks are [0, n_trainers)
     store: dist.Store | None = None        # disaggregated: the job's key-value store (both sides)
 
@@ -128,8 +127,6 @@ def _rollout_tp_group(world: int, rank: int, rtp: int):
 
 
 def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
-    from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
-
     timeout = cfg.trainer.collective_timeout_s
     store, rank, world = job_store(timeout)
     R = cfg.rollout.disaggregated_ranks
