@@ -44,7 +44,7 @@ def generate(engine, prompts: DataProto, sampling: SamplingParams, ranks, pad_to
     if ranks.world == 1:
         return out
     gathered: list = [None] * ranks.world
-    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None)
+    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None, group=ranks.group)
     parts = [g for g in gathered if g is not None]     # rank order = rollout-DP order
     batch = DataProto.concat(parts)
     batch.meta_info.pop("sampling", None)
