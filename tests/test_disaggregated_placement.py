@@ -44,11 +44,8 @@ def check_placement(rank, world, path):
                                      keep_previous=True)
 
     def export():       # the actor's HF tensors, on every rank of both sides
-        box = [{n: t.clone() for n, t in actor.hf_tensors()} if ranks.role == "trainer" else None]
-        if ranks.role == "trainer" and ranks.rank != 0:
-            box = [None]
-        dist.broadcast_object_list(box, src=0, group=ranks.world_group)
-        return box[0]
+        mine = {n: t.clone() for n, t in actor.hf_tensors()} if ranks.role == "trainer" else None
+        return ranks.world_group.broadcast_object(mine if ranks.global_rank == 0 else None, src=0)
 
     from megarl.trainer.disaggregated import UpdateSignal
     signal = UpdateSignal(ranks)

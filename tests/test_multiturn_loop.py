@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError, build_config, load_config
 from megarl.examples.tool_use.model import build_tokenizer, call_text
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import MultiTurnConfig, RolloutConfig
@@ -253,11 +253,12 @@ def test_tools_in_prompt_rerenders_chat_prompts(tmp_path):
     assert prompt == "tools: calculator search\nQ: 2+3\n"
     assert TOK.decode(out.batch["input_ids"][0, :len(TOK.encode(prompt))].tolist()) == prompt
     assert rows(out, TOK)[0]["text"].endswith("A: 5" + EOS)
-    cfg = load_config(None, [f"actor_rollout_ref.rollout.tools={tmp_path / 'tools.yaml'}"])
-    cfg.data.chat_template = TOOLS_TEMPLATE
-    assert build_agent_loop(cfg, engine, TOK).prompt_template == TOOLS_TEMPLATE
-    cfg.rollout.multi_turn.tools_in_prompt = False
-    assert build_agent_loop(cfg, engine, TOK).prompt_template is None
+    def cfg(**multi_turn):      # a built config is frozen: one per variant
+        return build_config({"data": {"chat_template": TOOLS_TEMPLATE},
+                             "actor_rollout_ref": {"rollout": {"tools": str(tmp_path / "tools.yaml"),
+                                                               "multi_turn": multi_turn}}})
+    assert build_agent_loop(cfg(), engine, TOK).prompt_template == TOOLS_TEMPLATE
+    assert build_agent_loop(cfg(tools_in_prompt=False), engine, TOK).prompt_template is None
 
 
 def test_continuations_get_a_prompt_limit_not_a_changed_guard(tmp_path):

@@ -32,8 +32,11 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(timeout_s: float = 600.0) -> None:
-    """Start torch.distributed from the environment (idempotent); on CPU install the megatron shim."""
+def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = None,
+                     world_size: int | None = None) -> None:
+    """Start torch.distributed (idempotent); on CPU install the megatron shim. Without `store`
+    the default group is every rank in the environment; with it (a prefix of the job's store),
+    the `world_size` ranks that pass the same store: one side of a disaggregated job."""
     cpu_compat.install()
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
@@ -43,9 +46,10 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         if key not in os.environ:
             raise RuntimeError(f"environment variable {key} is not set; start megarl with torchrun, srun "
                                "(launch/) or megarl-train, which set it")
+    where = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
     # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank and warns)
     dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device() if torch.cuda.is_available() else None)
+                            device_id=device() if torch.cuda.is_available() else None, **where)
 
 
 @dataclass(frozen=True)
@@ -139,11 +143,6 @@ def pp_group():
 def dp_group():
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group()
-
-
-def model_parallel_group():
-    from megatron.core import parallel_state as ps
-    return ps.get_model_parallel_group()
 
 
 def ep_group():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 def check_sampling(obj, prefix: str = "") -> None:
@@ -22,7 +22,7 @@ def check_sampling(obj, prefix: str = "") -> None:
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Section):
     """Validation sampling (`rollout.val_kwargs`)."""
     temperature: float = 0.0
     top_p: float = 1.0
@@ -35,7 +35,7 @@ class SamplingConfig:
 
 
 @dataclass
-class MultiTurnConfig:
+class MultiTurnConfig(Section):
     """Multi-turn rollouts with tools (megarl/rollout/multiturn); `rollout.tools=tools.yaml` turns it on."""
     enable: bool = False
     max_assistant_turns: int | None = None  # None: until no tool call or the response budget is spent
@@ -72,7 +72,7 @@ class MultiTurnConfig:
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(Section):
     timeout: float = 60.0
     max_attempts: int = 3
     max_connections: int = 1000
@@ -81,7 +81,7 @@ class ServerConfig:
 # The weight sync's section sits under rollout's (actor_rollout_ref.rollout.checkpoint_engine.*,
 # as in verl); megarl/checkpoint_engine reads it from here.
 @dataclass
-class CheckpointEngineConfig:
+class CheckpointEngineConfig(Section):
     # colocated: the engine shares the training ranks (all-gather + broadcast in buckets);
     # distributed: the engine has ranks of its own, buckets cross a group spanning both;
     # disk: HF safetensors written to `disk_dir` for an engine in another job.
@@ -107,7 +107,7 @@ class CheckpointEngineConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     # Engine: native (built in, runs anywhere), trtllm (TensorRT-LLM), hf (transformers' generate),
     # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name).
     # vllm and sglang are recognised and refused with a message saying they are not integrated.

@@ -26,10 +26,10 @@ from megarl.protocol import DataProto
 from megarl.rollout.multiturn import multiturn_metrics
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
-from megarl.trainer.generation import broadcast_object, generate
+from megarl.trainer.generation import broadcast_object, generate, sampling_seed
 from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.mfu import MFUMeter
-from megarl.trainer.parts import Parts
+from megarl.trainer.parts import TrainerParts
 from megarl.trainer.validation import validate
 
 
@@ -38,7 +38,7 @@ class BadStepLimit(RuntimeError):
 
 
 class RLTrainer:
-    def __init__(self, cfg, ranks, parts: Parts, logger):
+    def __init__(self, cfg, ranks, parts: TrainerParts, logger):
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.step, self.bad_steps = 0, 0
         self.total_steps = parts.total_steps
@@ -98,8 +98,7 @@ class RLTrainer:
 
     @property
     def sampling_seed(self) -> int:
-        """rollout.seed when set (verl's key for the engine's sampling), else trainer.seed."""
-        return self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.trainer.seed
+        return sampling_seed(self.cfg)
 
     def _sample(self, prompts: DataProto) -> DataProto:
         sampling = self.sampling.with_(seed=step_seed(self.sampling_seed, self.step))

@@ -39,7 +39,7 @@ from megarl.rollout.sampling import train_sampling, val_sampling
 from megarl.trainer import checkpointing
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.fit import RLTrainer
-from megarl.trainer.generation import generate, shard_rows, step_seed
+from megarl.trainer.generation import generate, sampling_seed, shard_rows, step_seed
 from megarl.trainer.validation import validate
 
 
@@ -159,7 +159,7 @@ class RolloutWorker:
 
     # -- generation with versions -------------------------------------------------------------------
     def generate(self, prompts: DataProto, t: int, stream: int = 0) -> DataProto:
-        sampling = self.sampling.with_(seed=step_seed(self.cfg.trainer.seed, t, stream))
+        sampling = self.sampling.with_(seed=step_seed(sampling_seed(self.cfg), t, stream))
         if not self.acfg.partial_rollout:
             batch = generate(self.p.rollout, prompts, sampling, self.ranks, self.p.pad_token_id)
             tv = torch.full_like(batch.batch["responses"], -1)
@@ -183,7 +183,7 @@ class RolloutWorker:
                 gen.step(self.p.rollout, self.version)
             flags = torch.tensor([float(not gen.done), float(self.signal.arrived(self.version + 1))],
                                  device=r.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=r.group)
             if flags[1] > 0:
                 self._take_update()                # interrupts every unfinished sequence here
             elif flags[0] == 0:
@@ -201,7 +201,7 @@ class RolloutWorker:
         if r.world == 1:
             return out
         gathered: list = [None] * r.world
-        dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None)
+        dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None, group=r.group)
         return DataProto.concat([g for g in gathered if g is not None])
 
     # -- weight updates, validation, staleness ---------------------------------------------------
@@ -220,7 +220,7 @@ class RolloutWorker:
     def _validate(self, version: int) -> None:
         if self.p.val_loader is None:
             return
-        sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
+        sampling = self.val_sampling.with_(seed=step_seed(sampling_seed(self.cfg), 0, stream=1))
         self.val[version] = validate(self.p, self.ranks, sampling)
 
     def enforce_staleness(self, batch: DataProto, prompts: DataProto, t: int) -> tuple[DataProto, dict]:

@@ -13,6 +13,12 @@ from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.sampling import step_seed
 
+def sampling_seed(cfg) -> int:
+    """The run's sampling seed: rollout.seed when set (verl's key for the engine's sampling), else
+    trainer.seed. Both loops (colocated and the disaggregated rollout ranks) draw from it."""
+    return cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
+
+
 def shard_rows(n: int, parts: int, index: int) -> np.ndarray:
     """Rows [start, stop) of part `index` when n rows are split as evenly as possible."""
     bounds = np.linspace(0, n, parts + 1).round().astype(int)
@@ -29,7 +35,7 @@ def generate(engine, prompts: DataProto, sampling: SamplingParams, ranks, pad_to
     if ranks.world == 1:
         return out
     gathered: list = [None] * ranks.world
-    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None)
+    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None, group=ranks.group)
     parts = [g for g in gathered if g is not None]     # rank order = rollout-DP order
     batch = DataProto.concat(parts)
     batch.meta_info.pop("sampling", None)
