@@ -15,6 +15,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from megarl.plain_state import load_plain, save_plain
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -29,9 +31,9 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn, args, env: dict) -
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         result = fn(rank, world, *args)
-        torch.save({"ok": True, "result": result}, path)
+        save_plain({"ok": True, "result": result}, path)   # data only: the parent loads no code
     except BaseException:  # report to the parent instead of dying silently
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        save_plain({"ok": False, "error": traceback.format_exc()}, path)
         raise
     finally:
         if torch.distributed.is_initialized():
@@ -55,7 +57,7 @@ def run_ranks(world_size: int, fn, args: tuple = (), env: dict | None = None, ti
             if not os.path.exists(path):
                 errors.append(f"rank {rank} left no result")
                 continue
-            got = torch.load(path, weights_only=False)
+            got = load_plain(path)
             if not got["ok"]:
                 errors.append(f"rank {rank}:\n{got['error']}")
             results.append(got.get("result"))
