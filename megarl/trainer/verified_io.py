@@ -84,12 +84,14 @@ def seal(step_dir: str, group=None) -> None:
     for rel in files[rank::world]:
         path = os.path.join(step_dir, rel)
         os.chmod(path, 0o600)
-        mine[rel] = _digest(path, sync=True)
-    digests = {k: v for part in _gather(mine, group) for k, v in part.items()}
+        mine[rel] = (_digest(path, sync=True), os.path.getsize(path))
+    got = {k: v for part in _gather(mine, group) for k, v in part.items()}
+    digests, sizes = {k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()}
     if rank == 0:
         for dirpath, _, _ in os.walk(step_dir):
             os.chmod(dirpath, 0o700)
-        write_durably(os.path.join(step_dir, MANIFEST), json.dumps({"format": FORMAT, "sha256": digests}, indent=0))
+        write_durably(os.path.join(step_dir, MANIFEST),
+                      json.dumps({"format": FORMAT, "sha256": digests, "bytes": sizes}, indent=0))
         for dirpath, _, _ in os.walk(step_dir, topdown=False):
             fsync_dir(dirpath)
 
@@ -129,7 +131,7 @@ def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
             listed = json.load(f)
         if listed.get("format") != FORMAT or not isinstance(listed.get("sha256"), dict):
             raise ValueError(f"not a {FORMAT} manifest")
-        listed = listed["sha256"]
+        sizes, listed = listed.get("bytes", {}), listed["sha256"]
     except (OSError, ValueError, AttributeError) as err:
         return MANIFEST, f"cannot be read ({type(err).__name__}: {str(err)[:120]})"
     files = _files(step_dir)
@@ -139,6 +141,11 @@ def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
     for rel in sorted(listed):
         if rel not in files:
             return rel, "is listed in the manifest but missing"
+    for rel in files:                     # sizes first: cheap, and a short file reads as truncated
+        size = os.path.getsize(os.path.join(step_dir, rel))
+        if rel in sizes and size != sizes[rel]:
+            return rel, (f"is truncated ({size} of {sizes[rel]} bytes)" if size < sizes[rel] else
+                         f"has {size} bytes, not the {sizes[rel]} saved")
     for rel in files[rank::world]:
         if _digest(os.path.join(step_dir, rel)) != listed[rel]:
             return rel, "differs from the SHA-256 digest in the manifest (changed after the save)"
