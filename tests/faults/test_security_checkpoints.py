@@ -202,7 +202,7 @@ def test_files_that_others_could_have_written_are_refused(runs, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_megarl_train_refuses_a_hostile_step_with_one_line(runs, addition_model_dir, tmp_path):
+def test_megarl_train_refuses_a_hostile_step_naming_the_file(runs, addition_model_dir, tmp_path):
     # The sync trainer's megatron metadata: the one file torch can only read by unpickling. (The
     # async trainer resumes through the same checkpointing.load, checked file by file above.)
     for name, rel, extra in (("sync", "actor/.metadata", ()),):
