@@ -189,9 +189,10 @@ def import_external_libs(cfg) -> None:
 
 # -- outputs --------------------------------------------------------------------------------------------
 def check_run_dir(path: str, key: str) -> None:
-    """`path` can be created and written (creating it now, as the run would)."""
+    """`path` can be created and written (creating it now, as the run would: mode 0700)."""
+    from megarl.durable import make_private_dir
     try:
-        os.makedirs(path, exist_ok=True)
+        make_private_dir(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
             pass
     except OSError as err:

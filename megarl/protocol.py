@@ -247,13 +247,17 @@ class DataProto:
                          {k: copy.deepcopy(v) for k, v in self.non_tensor_batch.items()}, copy.deepcopy(self.meta_info))
 
     def save_to_disk(self, path: str) -> None:
-        torch.save({"batch": dict(self.batch.items()), "size": len(self),
-                    "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}, path)
+        from megarl.plain_state import save_plain
+        save_plain(self, path)
 
     @classmethod
     def load_from_disk(cls, path: str) -> "DataProto":
-        d = torch.load(path, weights_only=False)
-        return cls(TensorBatch(d["batch"], batch_size=d["size"]), d["non_tensor_batch"], d["meta_info"])
+        """Read with torch's weights-only unpickler (megarl.plain_state): loading runs no code."""
+        from megarl.plain_state import load_plain
+        got = load_plain(path)
+        if not isinstance(got, cls):
+            raise ValueError(f"{path} does not hold a DataProto")
+        return got
 
     def __repr__(self) -> str:
         return (f"DataProto(B={len(self)}, batch={sorted(self.batch.keys())}, "

@@ -1,8 +1,9 @@
 """launch/slurm/*.sbatch on a real one-node Slurm that the test installs and starts itself.
 
 launch/slurm/local_cluster.sh installs Debian's slurmctld, slurmd and slurm-client (apt-get, when
-missing), writes a slurm.conf into a temporary directory (auth/none, linuxproc, free non-default
-ports) and starts both daemons; the module's fixture stops exactly those at the end. Where Slurm
+missing), writes a slurm.conf into a temporary directory (munge authentication with a key of its
+own, linuxproc, free non-default ports on 127.0.0.1) and starts munged and both daemons; the
+module's fixture stops exactly those at the end. Where Slurm
 cannot be installed or started (not root, no apt-get, no network), every test here is skipped
 with the reason.
 
@@ -281,7 +282,38 @@ def test_local_cluster_script_reports_its_daemons(cluster):
     assert got.returncode == 0
     assert "slurmctld running" in got.stdout and "slurmd running" in got.stdout and "idle" in got.stdout
     conf = open(cluster.env["SLURM_CONF"]).read()
-    for line in ("AuthType=auth/none", "ProctrackType=proctrack/linuxproc", f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
+    for line in ("AuthType=auth/munge", "CredType=cred/munge", "ProctrackType=proctrack/linuxproc", f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
                  f"StateSaveLocation={cluster.dir}/state"):
         assert line in conf
     assert shlex.split(cluster.slurm("sinfo", "-h", "-o", "%c"))[0] == cluster.env["MEGARL_SLURM_CPUS"]
+
+
+def test_local_cluster_authenticates_with_munge_and_listens_on_loopback(cluster, tmp_path):
+    """A client holding another munge key is refused; the daemons listen on 127.0.0.1 only."""
+    munge_dir = os.path.join(cluster.dir, "munge")
+    assert os.stat(cluster.dir).st_mode & 0o777 == 0o700 and os.stat(munge_dir).st_mode & 0o777 == 0o700
+    assert "munged running" in cluster.script("status", timeout=60).stdout
+    port = int(cluster.env["MEGARL_SLURM_PORT"])
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.split("\n")
+    local = [line.split()[3] for line in listening if line.split() and line.split()[3].endswith((f":{port}", f":{port + 1}"))]
+    assert sorted(local) == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], local
+    # The same cluster seen through a munged with a different key: every request is refused.
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    subprocess.run(["mungekey", "--create", f"--keyfile={other}/munge.key"], check=True)
+    subprocess.run(["munged", "--force", f"--socket={other}/sock", f"--key-file={other}/munge.key",
+                    f"--pid-file={other}/pid", f"--log-file={other}/log", f"--seed-file={other}/seed"], check=True)
+    try:
+        conf = open(cluster.env["SLURM_CONF"]).read().replace(f"socket={munge_dir}/munge.socket", f"socket={other}/sock")
+        (other / "slurm.conf").write_text(conf)
+        env = {**cluster.env, "SLURM_CONF": str(other / "slurm.conf")}
+        log = os.path.join(cluster.dir, "slurmctld.log")
+        seen = os.path.getsize(log)
+        got = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=60)
+        assert got.returncode != 0, got
+        with open(log) as f:
+            f.seek(seen)
+            assert "Munge decode failed: Invalid credential" in f.read()     # slurmctld's own reason
+        assert subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, timeout=60).returncode == 0
+    finally:
+        subprocess.run(["kill", open(other / "pid").read().strip()])

@@ -16,10 +16,13 @@ on it. Actors need a `ready()` method (the pool waits for it before giving them 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from megarl.parallel.ray_auth import ray_token_auth
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,14 @@ class PoolDeadline(Exception):
 
 
 def ensure_ray(num_cpus: int) -> None:
-    """Start a local Ray if none is running (tests and single-node runs); reuse one otherwise."""
+    """Start a local Ray if none is running (tests and single-node runs); reuse one otherwise.
+    A Ray started here requires a token (parallel/ray_auth.py)."""
     import ray  # optional at run time: loads (about a second) only when a pool is asked for
     if ray.is_initialized():
         return
+    warning = ray_token_auth()
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     # Workers must import megarl and the user's modules as the driver does.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [root, os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]

@@ -16,17 +16,25 @@ reaches across by accident; ranks given to a Bridge are the job's global ranks.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from megarl.parallel import loopback
+
 
 def job_store(timeout_s: float):
     """(store, rank, world size) from the launcher's environment (torchrun, srun, tests): the store
-    every rank of the job shares, before any process group exists."""
-    return next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    every rank of the job shares, before any process group exists. On one node without torchrun's
+    agent store it listens on loopback only (parallel/loopback.py); torch's env:// store otherwise."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = loopback.job_store(timeout)
+    if store is not None:
+        return store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return next(dist.rendezvous("env://", timeout=timeout))
 
 
 class Bridge:

@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in one torch.distributed world (for tools).
 
-    results = run_local(4, fn, args)     # fn(rank, world, *args) -> picklable; one result per rank
+    results = run_local(4, fn, args)     # fn(rank, world, *args) -> plain data (megarl.plain_state); one per rank
 
 Under torchrun/srun (RANK already set) the tools call `fn` directly instead. `fn` must be
 importable from a module or defined in a script guarded by `if __name__ == "__main__"`.
@@ -14,6 +14,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from megarl.plain_state import load_plain, save_plain
 
 
 def _free_port() -> int:
@@ -29,11 +31,11 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn, args) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        torch.save({"ok": True, "result": fn(rank, world, *args)}, path)
+        save_plain({"ok": True, "result": fn(rank, world, *args)}, path)
     except BaseException as err:
         # A ValueError is an input problem: its one line is the whole message.
         msg = str(err) if isinstance(err, ValueError) else traceback.format_exc()
-        torch.save({"ok": False, "error": msg, "input": isinstance(err, ValueError)}, path)
+        save_plain({"ok": False, "error": msg, "input": isinstance(err, ValueError)}, path)
         raise SystemExit(1) from None  # lets the parent stop ranks still waiting on this one
     finally:
         if torch.distributed.is_initialized():
@@ -50,7 +52,7 @@ def run_local(world: int, fn, args: tuple = ()) -> list:
         except mp.ProcessExitedException:
             pass  # the failing rank left its message in its file
         files = [os.path.join(outdir, f"rank{r}.pt") for r in range(world)]
-        got = [torch.load(f, weights_only=False) if os.path.exists(f) else
+        got = [load_plain(f) if os.path.exists(f) else
                {"ok": False, "error": f"rank {r} stopped without a result", "input": False}
                for r, f in enumerate(files)]
     bad = [g for g in got if not g["ok"]]

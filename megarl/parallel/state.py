@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.parallel import cpu_compat
+from megarl.parallel import cpu_compat, loopback
 
 
 def device() -> torch.device:
@@ -46,10 +46,15 @@ def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = No
         if key not in os.environ:
             raise RuntimeError(f"environment variable {key} is not set; start megarl with torchrun, srun "
                                "(launch/) or megarl-train, which set it")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        # On one node without torchrun's agent store, the store listens on loopback only (parallel/loopback.py).
+        store = loopback.job_store(timeout)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     where = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
     # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank and warns)
-    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device() if torch.cuda.is_available() else None, **where)
+    dist.init_process_group(backend(), timeout=timeout, device_id=device() if torch.cuda.is_available() else None,
+                            **where)
 
 
 @dataclass(frozen=True)

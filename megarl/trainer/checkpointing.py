@@ -6,10 +6,14 @@
             actor/  critic/                   megatron distributed checkpoints (reshardable)
             trainer_state.pt                  step, data position, KL controller, bad-step count
             rng/rank_<r>.pt                   each rank's torch / numpy / python RNG streams
+            manifest.json                     SHA-256 of every file above (verified_io)
         global_step_20.tmp/                   a save in progress: ignored and removed on resume
 
 A save writes into `global_step_N.tmp`, every rank finishes, then rank 0 renames it and moves
 the pointer file atomically: a job killed mid-save resumes from the previous complete step.
+Files are 0600, directories 0700, and everything is fsynced before the rename and the pointer.
+trainer_state.pt and rng/*.pt hold plain data read with torch's weights-only unpickler; a resume
+reads nothing until verified_io.verify accepts the step (see docs/security.md).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ConfigError
+from megarl.trainer import verified_io
 
 POINTER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -84,19 +89,23 @@ def set_rng_state(state: dict) -> None:
 def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
     """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir).
     An existing global_step_N is never replaced in silence: an incomplete one is moved aside to
-    global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`)."""
+    global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`).
+    Before the rename every file is made private, fsynced and listed in manifest.json (verified_io)."""
     final = step_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        verified_io.make_private_dir(root)
+        os.makedirs(os.path.join(tmp, "rng"), mode=0o700)
     _barrier()
     for name, worker in roles.items():
         worker.save_checkpoint(os.path.join(tmp, name))
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    _barrier()
+    verified_io.save_plain(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     if rank == 0:
-        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # written last: marks completeness
+        verified_io.save_plain(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # marks completeness
+    _barrier()
+    verified_io.seal(tmp)
+    if rank == 0:
         if os.path.isdir(final):
             if os.path.isfile(os.path.join(final, "trainer_state.pt")):
                 (say or print)(f"megarl: replacing the earlier run's checkpoint {final}")
@@ -107,10 +116,8 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
                 os.replace(final, aside)
                 (say or print)(f"megarl: {final} had no trainer_state.pt (an incomplete save); moved it to {aside}")
         os.replace(tmp, final)
-        pointer_tmp = os.path.join(root, POINTER + ".tmp")
-        with open(pointer_tmp, "w") as f:
-            f.write(str(step))
-        os.replace(pointer_tmp, os.path.join(root, POINTER))
+        verified_io.fsync_dir(root)
+        verified_io.write_durably(os.path.join(root, POINTER), str(step))
         _prune(root, keep)
     _barrier()
     return final
@@ -149,20 +156,33 @@ def resume_dir(cfg) -> str | None:
 
 
 def load(path: str, roles: dict, rank: int, world: int) -> dict:
-    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. A file that
-    cannot be read is one line naming the step, the file and trainer.resume_mode."""
+    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. Collective.
+    Nothing is read before verified_io.verify accepts the whole step (owner, mode, manifest
+    digests). A file that fails either way is one line naming the step, the file and the fix."""
+    try:
+        verified_io.verify(path)
+    except verified_io.Refused as err:
+        raise ConfigError(f"cannot resume from {os.path.basename(os.path.normpath(path))}: {err}; megarl loads no "
+                          "checkpoint file it cannot vouch for. If you trust it, fix its owner/mode; otherwise start "
+                          "over with trainer.resume_mode=disable, or pick an earlier step with trainer.resume_mode="
+                          "resume_path trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode") from None
     for name, worker in roles.items():
         sub = os.path.join(path, name)
         if not os.path.isdir(sub):
             raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
                               "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
         _reading(path, sub, lambda: worker.load_checkpoint(sub))
-    state = _reading(path, os.path.join(path, "trainer_state.pt"),
-                     lambda: torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False))
+    state = read_trainer_state(path)
     rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
     if state.get("world") == world and os.path.isfile(rng_file):
-        set_rng_state(_reading(path, rng_file, lambda: torch.load(rng_file, weights_only=False)))
+        set_rng_state(_reading(path, rng_file, lambda: verified_io.load_plain(rng_file)))
     return state
+
+
+def read_trainer_state(path: str) -> dict:
+    """trainer_state.pt of a step that load() has verified."""
+    state_file = os.path.join(path, "trainer_state.pt")
+    return _reading(path, state_file, lambda: verified_io.load_plain(state_file))
 
 
 def _reading(step_path: str, what: str, fn):

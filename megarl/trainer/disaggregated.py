@@ -6,7 +6,7 @@
 Messages, all on bridges built by setup_ranks (megarl/parallel/bridge.py):
     start      trainer rank 0 -> every rank (world_group): step to start from, data position,
                whether the checkpoint carried the in-flight batch
-    update     trainer rank 0 -> the rollout ranks (a key in the job's store): "version v is
+    update     trainer rank 0 -> the rollout ranks (a key in trainer rank 0's store): "version v is
                ready", so a partial rollout can stop between chunks; then the weight sync itself
                (checkpoint_engine.distributed: bucketed, all-or-nothing)
     hand-off   first rollout rank -> trainer ranks (handoff_group): the next batch, tagged with
@@ -14,6 +14,9 @@ Messages, all on bridges built by setup_ranks (megarl/parallel/bridge.py):
 """
 from __future__ import annotations
 
+import datetime
+import os
+import socket
 import time
 
 from megarl.trainer.parts import RolloutParts, TrainerParts, build_roles, build_shared
@@ -32,12 +35,25 @@ def handoff(ranks, payload: dict | None) -> dict:
 
 class UpdateSignal:
     """Trainer rank 0 tells the rollout ranks that weights `version` are about to be synced.
-    It goes through the job's key-value store (torchrun's / the launcher's TCPStore), which the
+    It goes through a key-value store of its own (a TCPStore served by trainer rank 0), which the
     rollout side can poll between chunks without blocking; a gloo irecv would not do (its
-    completion shows only in wait()). The sync itself is the collective that lines both sides up."""
+    completion shows only in wait()). The sync itself is the collective that lines both sides up.
+    On one node the store listens on loopback only; across nodes on every interface, at a port
+    published through the job's store (docs/security.md lists the ports)."""
 
-    def __init__(self, ranks):
-        self.store = ranks.store
+    ADDRESS_KEY = "megarl/async/signal_address"
+
+    def __init__(self, ranks, nnodes: int = 1):
+        from megarl.parallel.loopback import listening_store
+        self.store = None
+        if ranks.role == "trainer" and ranks.rank == 0:
+            host = "127.0.0.1" if nnodes == 1 else "0.0.0.0"
+            self.store = listening_store(host)
+            reach = "127.0.0.1" if nnodes == 1 else os.environ.get("MASTER_ADDR", socket.getfqdn())
+            ranks.store.set(self.ADDRESS_KEY, f"{reach} {self.store.port}")
+        elif ranks.role == "rollout":
+            host, port = ranks.store.get(self.ADDRESS_KEY).decode().split()
+            self.store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=300))
 
     @staticmethod
     def _key(version: int) -> str:

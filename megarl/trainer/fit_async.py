@@ -49,7 +49,7 @@ class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg, ranks, parts, logger):
         super().__init__(cfg, ranks, parts, logger)
         self.next_batch: DataProto | None = None    # handed over, not trained on yet
-        self.signal = UpdateSignal(ranks)
+        self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         self.val_results: dict[int, dict] = {}
 
     def fit(self) -> None:
@@ -100,7 +100,7 @@ class AsyncRLTrainer(RLTrainer):
         super().resume()
         path = checkpointing.resume_dir(self.cfg)
         if path is not None:
-            state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+            state = checkpointing.read_trainer_state(path)   # verified by super().resume()
             self.next_batch = state.get("inflight_batch")
 
 
@@ -110,7 +110,7 @@ class RolloutWorker:
     def __init__(self, cfg, ranks, parts, logger):
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.acfg = cfg.async_training
-        self.signal = UpdateSignal(ranks)
+        self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         eos = [parts.tokenizer.eos_token_id]
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
         self.version = 0
