@@ -19,6 +19,7 @@ import time
 
 from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
+from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
 
@@ -119,6 +120,10 @@ def config_error(err: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        refuse_hydra_flags(argv)
+    except ConfigError as err:
+        return config_error(err)
     args = parse_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"          # ranks inherit it

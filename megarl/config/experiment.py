@@ -25,6 +25,7 @@ from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.refused import check_refused
 from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
+from megarl.config.verl_keys import same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from megarl.rollout.config import RolloutConfig
@@ -393,15 +394,12 @@ def check_known_keys(raw: dict) -> None:
             suffix = sorted(k for k in known if k.endswith("." + deeper))
             if suffix:
                 raise ConfigError(f"unknown key; did you mean '{suffix[0]}'?", deeper)
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
-        leaf = path.split(".")[-1]
-        hint = (closest(path, siblings) or next((k for k in sorted(known) if k.split(".")[-1] == leaf), None)
-                or closest(path, sorted(known)))
+        hint = same_section_hint(path, known)
         raise ConfigError(f"unknown key; did you mean '{hint}'?" if hint else "unknown key", path)
 
 
 def build_config(raw: dict) -> ExperimentConfig:
+    raw = strip_verl_keys(raw)             # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
     merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
     check_refused(merged)
