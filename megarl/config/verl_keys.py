@@ -169,7 +169,11 @@ def verl_defaults() -> dict[str, list[Any]]:
 
 
 def rule_for(key: str) -> str | None:
-    return next((why for pattern, why in RULES if fnmatch.fnmatchcase(key, pattern)), None)
+    """The reason for `key`, with `<role>` made the key's own role (actor_rollout_ref.actor, critic, ...)."""
+    why = next((why for pattern, why in RULES if fnmatch.fnmatchcase(key, pattern)), None)
+    parts = key.split(".")
+    role = ".".join(parts[:2]) if parts[0] == "actor_rollout_ref" else parts[0]
+    return why.replace("<role>", role) if why else None
 
 
 def _accepted(key: str, defaults: list[Any]) -> list[Any]:
@@ -247,7 +251,8 @@ def same_section_hint(path: str, known) -> str | None:
     `trainer.` would make every key of the section look alike)."""
     import difflib
     parent, _, leaf = path.rpartition(".")
-    siblings = {k.rpartition(".")[2]: k for k in (*verl_defaults(), *known) if k.rpartition(".")[0] == parent}
+    verl = {".".join(k.split(".")[:i]) for k in verl_defaults() for i in range(1, k.count(".") + 2)}
+    siblings = {k.rpartition(".")[2]: k for k in (*verl, *known) if k.rpartition(".")[0] == parent}
     match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
     return siblings[match[0]] if match else None
 
