@@ -20,6 +20,9 @@ import os
 import tempfile
 
 from megarl.config.errors import ConfigError
+from megarl.config.model_path import model_path_state
+from megarl.preflight_run import (check_architecture, check_columns, check_datasets, check_device, check_loggers,
+                                  check_reward_on_a_row, load_tokenizer, tokenizer_available)
 
 # Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
 ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
@@ -30,10 +33,15 @@ _RO = "actor_rollout_ref.rollout"
 def preflight(cfg) -> None:
     """Raise ConfigError (one line) for the first problem found; return quietly otherwise."""
     check_data(cfg)
+    import_external_libs(cfg)
     check_model_paths(cfg)
     check_engine(cfg)
+    check_device(cfg)
+    check_loggers(cfg)
     check_reward(cfg)
-    import_external_libs(cfg)
+    if tokenizer_available(cfg):               # else the bootstrap writes the tokenizer at first run
+        train = check_datasets(cfg, load_tokenizer(cfg))
+        check_reward_on_a_row(cfg, train)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
@@ -49,13 +57,31 @@ def check_data(cfg) -> None:
             rows = count_rows(path, key)
             if rows == 0:
                 raise ConfigError(f"{path} holds no rows; give a file with prompts", key)
+            if not (cfg.data.custom_cls or {}).get("path"):   # a custom dataset class reads its own columns
+                check_columns(path, key, cfg.data.prompt_key)
 
 
 def count_rows(path: str, key: str) -> int:
     """Rows in a data file, reading only what is needed to know that it parses and is not empty."""
+    if os.path.isdir(path):
+        inside = sorted(f for f in os.listdir(path) if os.path.splitext(f)[1] in (".parquet", ".jsonl", ".json"))
+        raise ConfigError(f"{path} is a directory; give the data file itself"
+                          + (f", e.g. {os.path.join(path, inside[0])}" if inside else ""), key)
     if not os.path.isfile(path):
         hint = " (relative paths in a config file are taken from that file's folder)" if not os.path.isabs(path) else ""
         raise ConfigError(f"data file not found: {path}{hint}", key)
+    try:
+        return _count_rows(path, key)
+    except UnicodeDecodeError as err:
+        bom = " (it starts with a UTF-16 byte-order mark)" if err.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ConfigError(f"{path} is not UTF-8 text{bom}; save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)",
+                          key) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {path} ({err.strerror or type(err).__name__}); check its permissions",
+                          key) from None
+
+
+def _count_rows(path: str, key: str) -> int:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:
@@ -96,7 +122,7 @@ def read_json(path: str, key: str) -> dict:
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:        # ValueError: bad JSON or not UTF-8
         raise ConfigError(f"{path}: cannot read ({type(err).__name__}: {err})", key) from None
 
 
@@ -106,15 +132,12 @@ def check_model_paths(cfg) -> None:
         raise ConfigError("no model: set it to an HF checkpoint directory (config.json + *.safetensors), or set "
                           "actor_rollout_ref.model.bootstrap to a function that creates one", key)
     config_json = os.path.join(m.path, "config.json")
-    if not os.path.isfile(config_json):
-        if not m.bootstrap:
-            what = "does not exist" if not os.path.exists(m.path) else "holds no config.json"
-            raise ConfigError(f"{m.path} {what}; point it at an HF checkpoint directory (relative paths in a config "
-                              "file are taken from that file's folder), or set model.bootstrap", key)
+    if model_path_state(m.path, m.bootstrap) == "bootstrap":
         check_import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")
         check_run_dir(os.path.dirname(os.path.abspath(m.path)), key)
     else:
         hf = read_json(config_json, key)
+        check_architecture(hf, config_json)    # before the layout: GPT-2's n_head is not num_attention_heads
         cfg.check_model(hf)   # layout against heads/layers; lengths against positions
     bootstrapping = not os.path.isfile(config_json)  # the bootstrap may write the tokenizer too
     if m.tokenizer_path and m.tokenizer_path != m.path and not bootstrapping and not os.path.exists(m.tokenizer_path):

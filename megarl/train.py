@@ -20,6 +20,7 @@ import time
 from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
 from megarl.config.verl_keys import refuse_hydra_flags
+from megarl.launch_output import RankOutput
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
 
@@ -84,13 +85,13 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
             # The child gets SIGTERM if this process dies (torchrun then stops its ranks).
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     preexec_fn=child_dies_with_us())
+            echo = RankOutput(sys.stdout.buffer, log_path)   # a rank's config error ends the console copy
             try:
                 while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
+                    echo.write(chunk)
                     log.write(chunk)
                     log.flush()
-                return proc.wait()
+                return echo.exit_code(proc.wait())
             except KeyboardInterrupt:
                 proc.send_signal(signal.SIGINT)
                 return proc.wait()

@@ -23,6 +23,7 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
+from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused
 from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
 from megarl.config.verl_keys import same_section_hint, strip_verl_keys
@@ -410,6 +411,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     """Read `path` (with its bases), apply `a.b=c` overrides, and return the validated tree."""
     raw = read_yaml(path) if path else {}
     raw = apply_overrides(raw, list(overrides))
+    confine_bootstrap(raw, path, list(overrides))   # a bootstrap builds only its own path (config/model_path.py)
     return build_config(raw)
 
 

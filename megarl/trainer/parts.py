@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
+from megarl.config.model_path import model_path_state
 
 
 @dataclass
@@ -69,10 +70,7 @@ def ensure_model(cfg, ranks) -> None:
     if not m.path:
         raise ConfigError("no model: set actor_rollout_ref.model.path to an HF checkpoint directory",
                           "actor_rollout_ref.model.path")
-    if ranks.is_main and not os.path.isfile(os.path.join(m.path, "config.json")):
-        if not m.bootstrap:
-            raise ConfigError(f"{m.path} holds no config.json; point it at an HF checkpoint directory (or set "
-                              "model.bootstrap to a function that creates one)", "actor_rollout_ref.model.path")
+    if ranks.is_main and model_path_state(m.path, m.bootstrap) == "bootstrap":   # config/model_path.py's rules
         import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     dist.barrier()
     hf = read_hf_config(m.path)
