@@ -32,19 +32,37 @@ _RO = "actor_rollout_ref.rollout"
 
 def preflight(cfg) -> None:
     """Raise ConfigError (one line) for the first problem found; return quietly otherwise."""
-    check_data(cfg)
     import_external_libs(cfg)
-    check_model_paths(cfg)
+    check_model_paths(cfg)                     # first: a missing model is the first thing to fix
+    check_data(cfg)
     check_engine(cfg)
     check_device(cfg)
     check_loggers(cfg)
     check_reward(cfg)
-    if tokenizer_available(cfg):               # else the bootstrap writes the tokenizer at first run
-        train = check_datasets(cfg, load_tokenizer(cfg))
-        check_reward_on_a_row(cfg, train)
+    if tokenizer_available(cfg):               # else after the bootstrap: bootstrap_and_check()
+        check_with_tokenizer(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
+
+
+def check_with_tokenizer(cfg) -> None:
+    """The data as the ranks tokenize it, and the reward on one real row."""
+    train = check_datasets(cfg, load_tokenizer(cfg))
+    check_reward_on_a_row(cfg, train)
+
+
+def bootstrap_and_check(cfg) -> None:
+    """Build a bootstrapped model here, in the launcher, so the checks that need its tokenizer run
+    before any rank starts (the ranks then find the model in place)."""
+    m = cfg.model
+    if model_path_state(m.path, m.bootstrap) != "bootstrap":
+        return
+    from megarl.trainer.parts import import_path
+    import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
+    if model_path_state(m.path, None) != "ready":
+        raise ConfigError(f"{m.path} still holds no config.json after the bootstrap", "actor_rollout_ref.model.bootstrap")
+    check_with_tokenizer(cfg)
 
 
 # -- data ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
 from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launch_output import RankOutput
+from megarl.preflight_run import tokenizer_available
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
 
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="show every warning (megatron's notices about optional NVIDIA packages included)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
 
 
 def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
@@ -138,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         if args.check:
-            print("megarl: config and inputs check out; nothing was started")
+            later = ("" if tokenizer_available(cfg) else " (the data is tokenized and scored once the bootstrap has "
+                     "built the model, before the first run's ranks start)")
+            print(f"megarl: config and inputs check out{later}; nothing was started")
             return 0
         if not launched:
             if cfg.trainer.nnodes > 1:
                 raise ConfigError("trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch or torchrun on "
                                   "every node")
+            from megarl.preflight import bootstrap_and_check
+            bootstrap_and_check(cfg)
             return spawn_ranks(cfg, argv)
         lock = None
         if _rank() == 0 and LOCK_HELD_ENV not in os.environ:  # started by torchrun/srun directly
