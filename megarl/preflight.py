@@ -3,11 +3,15 @@
     megarl-train runs `preflight(cfg)` right after the config loads; a problem is one
     `megarl: config error: <key>: <what>; <fix>` line and exit code 2, with no rank started.
 
-What it checks, cheapest first, reading only small files (no torch, no model weights):
-- data files exist, parse and hold rows; the model path exists (or a bootstrap creates it);
-- prompt + response fit the model's positions (and rollout.max_model_len);
-- the rollout engine is known and importable; a custom class or tools file loads;
+What it checks, model first, reading no model weights:
+- the model path is a checkpoint of a supported architecture, or the absent path its own config's
+  bootstrap builds (megarl/config/model_path.py); prompt + response fit its positions;
+- data files exist, are readable UTF-8 / parquet files with the prompt column;
+- the rollout engine is known and importable; a custom class or tools file loads; the device
+  and logger packages asked for are here (megarl/preflight_run.py);
 - the reward function (or manager) imports and has the right signature;
+- with the tokenizer at hand: each split tokenized as the ranks do it, usable rows vs the batch
+  size, the reward on one real row (a bootstrapped model: right after the launcher builds it);
 - model.external_lib imports; the run directory is writable.
 The layout is checked by the config itself (ExperimentConfig) and against the model here.
 """

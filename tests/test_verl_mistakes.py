@@ -43,6 +43,7 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "reward_bad.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      "    return 1 / 0\n")
     (d / "model_file").write_text("not a checkpoint")
+    (d / "bad_tools.yaml").write_text("tools:\n  - {description: adds two numbers, parameters: {type: object}}\n")
     no_template = d / "no_template"
     shutil.copytree(addition_model_dir, no_template)
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
@@ -53,7 +54,7 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "gpt2" / "config.json").write_text(json.dumps(GPT2Config(n_layer=2, n_embd=64, n_head=4).to_dict()))
     (d / "derived.yaml").write_text(f"base: {QUICKSTART}\nactor_rollout_ref:\n  model:\n    path: my-model\n")
     return {k: str(d / k) for k in ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir",
-                                     "reward_bad.py", "model_file", "no_template", "gpt2", "derived.yaml")} | {
+                                     "reward_bad.py", "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")} | {
         "model": addition_model_dir}
 
 
@@ -80,6 +81,8 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("reward raises", ["custom_reward_function.path=@reward_bad.py"], "reward_bad.py:2"),
     ("UTF-16 data file", ["data.train_files=@utf16.jsonl"], "utf16.jsonl is not UTF-8 text (it starts with a UTF-16"),
     ("directory as data file", ["data.train_files=@a_dir"], "a_dir is a directory; give the data file itself, e.g."),
+    ("tool without a name", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                             "actor_rollout_ref.rollout.tools=@bad_tools.yaml"], "needs a `name`"),
     ("verl key off its default", ["trainer.critic_warmup=2"], "critic warm-up steps are not implemented"),
 ]
 if not __import__("torch").cuda.is_available():

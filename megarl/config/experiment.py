@@ -25,7 +25,7 @@ from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused
-from megarl.config.typed import all_keys, build, closest, defaults_of, open_keys, to_dict
+from megarl.config.typed import all_keys, build, defaults_of, open_keys, to_dict
 from megarl.config.verl_keys import same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -378,8 +378,8 @@ def _leaf_paths(node: dict, prefix: str = "") -> list[str]:
 
 
 def check_known_keys(raw: dict) -> None:
-    """Name the first unknown key with the closest valid one, searching the whole tree so that
-    `rollout.n=5` points to `actor_rollout_ref.rollout.n`."""
+    """Name the first unknown key: with the full key it ends (`rollout.n=5` -> `actor_rollout_ref.rollout.n`),
+    else with the closest key of its own section (megarl's or verl's), else alone."""
     known = set(all_keys(ExperimentConfig))
     free = open_keys(ExperimentConfig)
     paths = _leaf_paths(raw)

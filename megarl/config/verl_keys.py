@@ -69,7 +69,7 @@ RULES: list[tuple[str, str]] = [
     ("trainer.del_local_ckpt_after_load", _CHECKPOINT),
     ("trainer.default_hdfs_dir", "megarl writes to trainer.default_local_dir only; copy it to HDFS yourself"),
     ("*.optim.optimizer_impl", "megarl uses megatron-core's distributed optimizer; choose it with "
-                               "<role>.optim.optimizer (adam or sgd)"),
+                               "<role>.optim.optimizer (adam or adamw)"),
     ("*.optim.override_optimizer_config", "set <role>.optim.* (lr, betas, eps, weight_decay, clip_grad) instead"),
     ("*.optim.warmup_style", "verl's deprecated name; megarl warms up linearly for lr_warmup_steps / "
                              "lr_warmup_steps_ratio and decays by <role>.optim.lr_decay_style"),
@@ -154,9 +154,11 @@ RULES: list[tuple[str, str]] = [
     ("trainer.critic_warmup", "critic warm-up steps are not implemented: the actor updates from the first step; "
                               "remove the key"),
     ("trainer.esi_redundant_time", "elastic-instance saving is not supported; set trainer.save_freq"),
-    ("trainer.log_val_generations", "megarl writes validation samples to the run directory; remove the key"),
+    ("trainer.log_val_generations", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
+                                    "remove the key"),
     ("trainer.rollout_data_dir", "rollout dumps are not supported; metrics.jsonl holds each step's metrics"),
-    ("trainer.validation_data_dir", "megarl writes validation samples to the run directory; remove the key"),
+    ("trainer.validation_data_dir", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
+                                    "remove the key"),
     ("trainer.val_only", "megarl has no validation-only mode; trainer.val_before_train=true validates before the first step"),
 ]
 
