@@ -20,6 +20,9 @@ import time
 
 from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
+from megarl.config.verl_keys import refuse_hydra_flags
+from megarl.launch_output import RankOutput
+from megarl.preflight_run import tokenizer_available
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
 from megarl.preflight import preflight
@@ -35,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="show every warning (megatron's notices about optional NVIDIA packages included)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
 
 
 def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
@@ -84,13 +87,13 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
             # The child gets SIGTERM if this process dies (torchrun then stops its ranks).
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     preexec_fn=child_dies_with_us())
+            echo = RankOutput(sys.stdout.buffer, log_path)   # a rank's config error ends the console copy
             try:
                 while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
+                    echo.write(chunk)
                     log.write(chunk)
                     log.flush()
-                return proc.wait()
+                return echo.exit_code(proc.wait())
             except KeyboardInterrupt:
                 proc.send_signal(signal.SIGINT)
                 return proc.wait()
@@ -119,6 +122,10 @@ def config_error(err: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        refuse_hydra_flags(argv)
+    except ConfigError as err:
+        return config_error(err)
     args = parse_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"          # ranks inherit it
@@ -132,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         if args.check:
-            print("megarl: config and inputs check out; nothing was started")
+            later = ("" if tokenizer_available(cfg) else " (the data is tokenized and scored once the bootstrap has "
+                     "built the model, before the first run's ranks start)")
+            print(f"megarl: config and inputs check out{later}; nothing was started")
             return 0
         if not launched:
             if cfg.trainer.nnodes > 1:
                 raise ConfigError("trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch or torchrun on "
                                   "every node")
+            from megarl.preflight import bootstrap_and_check
+            bootstrap_and_check(cfg)
             return spawn_ranks(cfg, argv)
         lock = None
         if _rank() == 0 and LOCK_HELD_ENV not in os.environ:  # started by torchrun/srun directly

@@ -23,8 +23,10 @@ from megarl.algos.config import AlgorithmConfig
 from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
+from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused
-from megarl.config.typed import Section, all_keys, build, closest, defaults_of, derive, freeze, open_keys, to_dict
+from megarl.config.typed import Section, all_keys, build, defaults_of, derive, freeze, open_keys, to_dict
+from megarl.config.verl_keys import same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -207,8 +209,8 @@ def _leaf_paths(node: dict, prefix: str = "") -> list[str]:
 
 
 def check_known_keys(raw: dict) -> None:
-    """Name the first unknown key with the closest valid one, searching the whole tree so that
-    `rollout.n=5` points to `actor_rollout_ref.rollout.n`."""
+    """Name the first unknown key: with the full key it ends (`rollout.n=5` -> `actor_rollout_ref.rollout.n`),
+    else with the closest key of its own section (megarl's or verl's), else alone."""
     known = set(all_keys(ExperimentConfig))
     free = open_keys(ExperimentConfig)
     paths = _leaf_paths(raw)
@@ -224,15 +226,12 @@ def check_known_keys(raw: dict) -> None:
             suffix = sorted(k for k in known if k.endswith("." + deeper))
             if suffix:
                 raise ConfigError(f"unknown key; did you mean '{suffix[0]}'?", deeper)
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
-        leaf = path.split(".")[-1]
-        hint = (closest(path, siblings) or next((k for k in sorted(known) if k.split(".")[-1] == leaf), None)
-                or closest(path, sorted(known)))
+        hint = same_section_hint(path, known)
         raise ConfigError(f"unknown key; did you mean '{hint}'?" if hint else "unknown key", path)
 
 
 def build_config(raw: dict) -> ExperimentConfig:
+    raw = strip_verl_keys(raw)             # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
     merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
     check_refused(merged)
@@ -243,4 +242,5 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     """Read `path` (with its bases), apply `a.b=c` overrides, and return the validated tree."""
     raw = read_yaml(path) if path else {}
     raw = apply_overrides(raw, list(overrides))
+    confine_bootstrap(raw, path, list(overrides))   # a bootstrap builds only its own path (config/model_path.py)
     return build_config(raw)

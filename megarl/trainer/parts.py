@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
+from megarl.config.model_path import model_path_state
 from megarl.reward.loading import load_object
 
 if TYPE_CHECKING:       # annotations only: the roles import megatron
@@ -93,10 +94,7 @@ def ensure_model(cfg, ranks) -> dict:
     if not m.path:
         raise ConfigError("no model: set actor_rollout_ref.model.path to an HF checkpoint directory",
                           "actor_rollout_ref.model.path")
-    if ranks.global_rank == 0 and not os.path.isfile(os.path.join(m.path, "config.json")):
-        if not m.bootstrap:
-            raise ConfigError(f"{m.path} holds no config.json; point it at an HF checkpoint directory (or set "
-                              "model.bootstrap to a function that creates one)", "actor_rollout_ref.model.path")
+    if ranks.global_rank == 0 and model_path_state(m.path, m.bootstrap) == "bootstrap":   # config/model_path.py's rules
         load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     ranks.barrier_all()
     hf = read_hf_config(m.path)
