@@ -78,7 +78,7 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
 
     if name == "native":
         from megarl.rollout.hf_weights import read_hf_config
-        from megarl.rollout.native import NativeEngine, TPComm
+        from megarl.rollout.native import NativeEngine, TPComm, host_budget
         comm = TPComm(tp_group)
         if tp_group is not None and comm.size != cfg.tensor_model_parallel_size:
             raise ConfigError(f"the rollout TP group has {comm.size} ranks but tensor_model_parallel_size="
@@ -88,8 +88,12 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
                         prompt_truncation=cfg.prompt_truncation, sleep_level=2 if cfg.load_format == "dummy" else 1,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=bool(cfg.enforce_eager))
+        held = host_budget.resident_bytes()     # before the engine's weights
         engine = NativeEngine(read_hf_config(model_path), comm=comm, device=device, config=cfg,
                               **_options(NativeEngine, defaults, user, name))
+        if device.type != "cuda":               # several ranks share the host: stop now if a step cannot fit
+            host_budget.check_fits(engine, cfg.prompt_length or 1, cfg.response_length or 1, cfg.n,
+                                   int(cfg.checkpoint_engine.bucket_size_mb * 2**20), held_before=held)
         if cfg.load_format != "dummy":
             engine.load_hf_dir(model_path)
         return engine
