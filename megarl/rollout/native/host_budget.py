@@ -7,7 +7,7 @@ Several ranks share one host's memory on CPU (and the trainer's actor lives in t
 as the engine), so nothing a rank allocates may be sized from "whatever is free": the native
 engine's KV cache budget is `gpu_memory_utilization` of this rank's share minus what the process
 already holds (the GPU rule, with the share in place of the device), or `kv_cache_gb` when set;
-the sync's bucket buffers come from `checkpoint_engine.bucket_size_mb`. `check_fits` runs when
+the sync's two bucket buffers come from `checkpoint_engine.bucket_size_mb` (at most the model). `check_fits` runs when
 the engine is built, before any step: if the engine's weights, the smallest KV cache a call needs
 (n rows of prompt + response tokens) and two bucket buffers do not fit on top of what the process
 holds, it raises one ConfigError naming the key to change.
@@ -73,9 +73,12 @@ def resident_bytes() -> int:
     return 0
 
 
+def size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if abs(b) >= GiB / 10 else f"{b / 2**20:.1f} MiB"
+
+
 def describe_share() -> str:
-    host = host_memory_bytes() or 0
-    return f"{host / GiB:.1f} GiB host memory / {local_ranks()} local rank(s)"
+    return f"{size(host_memory_bytes() or 0)} host memory / {local_ranks()} local rank(s)"
 
 
 def check_fits(engine, prompt_len: int, gen_len: int, n: int, bucket_bytes: int = 0,
@@ -86,7 +89,7 @@ def check_fits(engine, prompt_len: int, gen_len: int, n: int, bucket_bytes: int 
     weights = sum(p.numel() * p.element_size() for p in engine.params.values())
     per_row, per_group = engine.row_costs(prompt_len, gen_len)
     kv_min = n * per_row + per_group
-    need = f"n={n} rows of {prompt_len}+{gen_len} tokens need {kv_min / GiB:.2f} GiB of KV cache"
+    need = f"n={n} rows of {prompt_len}+{gen_len} tokens need {size(kv_min)} of KV cache"
     if engine.kv_cache_gb is not None:
         if kv_min > engine.kv_cache_gb * GiB:
             raise ConfigError(f"{need}, more than kv_cache_gb={engine.kv_cache_gb:g}; raise it, or lower "
@@ -98,17 +101,18 @@ def check_fits(engine, prompt_len: int, gen_len: int, n: int, bucket_bytes: int 
     if share is None:
         return
     held = resident_bytes() if held_before is None else held_before
-    total = held + weights + kv + 2 * bucket_bytes
+    buckets = 2 * min(bucket_bytes, weights * engine.comm.size)   # a bucket never holds more than the model
+    total = held + weights + kv + buckets
     limit = share if engine.kv_cache_gb is not None else engine.gpu_memory_utilization * share
     if total > limit:
-        parts = (f"this rank holds {held / GiB:.2f} GiB, the engine's weights {weights / GiB:.2f} GiB, {need}"
+        parts = (f"this rank holds {size(held)}, the engine's weights {size(weights)}, {need}"
                  f"{' (kv_cache_gb)' if engine.kv_cache_gb is not None else ''}, two sync buckets "
-                 f"{2 * bucket_bytes / GiB:.2f} GiB: {total / GiB:.2f} GiB")
+                 f"{size(buckets)}: {size(total)}")
         if engine.kv_cache_gb is not None:
-            raise ConfigError(f"{parts}, more than this rank's share ({share / GiB:.2f} GiB = {describe_share()}); "
+            raise ConfigError(f"{parts}, more than this rank's share ({size(share)} = {describe_share()}); "
                               "lower kv_cache_gb (or run fewer ranks per host)", f"{_KEY}.engine_kwargs.native.kv_cache_gb")
         raise ConfigError(f"{parts}, more than gpu_memory_utilization={engine.gpu_memory_utilization:g} of this rank's "
-                          f"share ({share / GiB:.2f} GiB = {describe_share()}); raise it (on CPU it is the share of "
+                          f"share ({size(share)} = {describe_share()}); raise it (on CPU it is the share of "
                           "host memory a rank may fill), or lower rollout.n / response_length / "
                           "checkpoint_engine.bucket_size_mb", f"{_KEY}.gpu_memory_utilization")
 
@@ -122,9 +126,9 @@ def cpu_budget_bytes(utilization: float, held: int) -> float | None:
 
 def too_small(engine, n: int, prompt_len: int, gen_len: int, need: float, budget: float) -> ConfigError:
     """The error of a generate call whose smallest KV cache (n rows, one prompt) exceeds the budget."""
-    what = f"n={n} rows of {prompt_len}+{gen_len} tokens need {need / GiB:.2f} GiB of KV cache, but this rank's budget"
+    what = f"n={n} rows of {prompt_len}+{gen_len} tokens need {size(need)} of KV cache, but this rank's budget"
     if engine.kv_cache_gb is not None:
         return ConfigError(f"{what} is kv_cache_gb={engine.kv_cache_gb:g}; raise it", f"{_KEY}.engine_kwargs.native.kv_cache_gb")
-    return ConfigError(f"{what} has {max(budget, 0) / GiB:.2f} GiB left (gpu_memory_utilization="
+    return ConfigError(f"{what} has {size(max(budget, 0))} left (gpu_memory_utilization="
                        f"{engine.gpu_memory_utilization:g} of {describe_share()}, minus what the process holds); "
                        "raise gpu_memory_utilization or set engine_kwargs.native.kv_cache_gb", f"{_KEY}.gpu_memory_utilization")

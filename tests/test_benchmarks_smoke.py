@@ -1,0 +1,86 @@
+"""Every script in benchmarks/ runs end to end at its --smoke shape and prints its table, with the
+peak resident memory of its processes, so a change that breaks one shows here (the weight-sync
+benchmark once broke unseen). Each is run as a user runs it: `python benchmarks/<script> --smoke`.
+
+Grouped to keep the cost down (~2.5 min on a quiet 2-core machine): gpu_check --dry-run runs
+gpu_update_step's and rollout_throughput's smoke shapes inside it (their tables are checked in its
+output); peers join where they import (vLLM in rollout_throughput; TensorRT-LLM and TRL have no
+script here that imports them).
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "__init__.py")
+# helpers imported by the benchmarks, not benchmarks themselves
+HELPERS = {"peak_memory.py"}
+PEAK = re.compile(r"peak resident (MiB|memory)")
+
+
+def run(*args, timeout=600):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_every_benchmark_has_a_smoke_shape_covered_here():
+    source = open(__file__).read()
+    for script in sorted(set(SCRIPTS) - HELPERS):
+        text = open(os.path.join(ROOT, "benchmarks", script)).read()
+        assert "--smoke" in text or script == "gpu_check.py", f"benchmarks/{script} has no --smoke shape"
+        assert f"benchmarks/{script}" in source or script in ("gpu_update_step.py", "rollout_throughput.py"), \
+            f"benchmarks/{script} is not run by this test"
+
+
+@pytest.mark.timeout(900)
+def test_gpu_check_dry_run_with_update_step_and_rollout(tmp_path):
+    out = run("benchmarks/gpu_check.py", "--device", "cpu", "--dry-run", "--out", str(tmp_path / "report"))
+    assert "| matmul float32 512^3 |" in out and "FAILED" not in out
+    # gpu_update_step --smoke's table and rollout_throughput --smoke's, printed inside gpu_check
+    assert re.search(r"update_policy +[\d.]+ s", out) and "weight sync -> native engine:" in out
+    assert re.search(r"native +[\d.]+ tokens/s", out) and re.search(r"ratio native / hf +=", out)
+    assert PEAK.search(out)
+    vllm = importlib.util.find_spec("vllm") is not None
+    assert ("vllm " in out and "tokens/s" in out) if vllm else "vllm: not run (ModuleNotFoundError" in out
+    assert os.path.isfile(tmp_path / "report" / "gpu_check.md")
+
+
+@pytest.mark.timeout(900)
+def test_distributed_benchmarks_smoke():
+    """The two 4-rank benchmarks (one spawn each)."""
+    out = run("benchmarks/weight_sync.py", "--smoke")
+    for layout in ("(1,1) -> 1", "(1,1) -> 2", "(2,2) -> 1", "(2,2) -> 2"):
+        assert re.search(re.escape(layout) + r" +[\d.]+ ", out), out
+    assert re.search(r"peak resident MiB per rank.*rank 3 \d+", out)
+    out = run("benchmarks/update_step.py", "--smoke")
+    assert re.search(r"ratio megarl / transformers: [\d.]+", out) and re.search(r"rank 3 \d+", out)
+
+
+@pytest.mark.timeout(900)
+def test_single_process_benchmarks_smoke(tmp_path):
+    out = run("benchmarks/update_memory.py", "--smoke")
+    assert re.search(r"^layout +log_prob s", out, re.M) and PEAK.search(out)
+    out = run("benchmarks/addition_task.py", "--smoke")
+    assert "summary {" in out and PEAK.search(out)
+    out = run("benchmarks/multiturn_batching.py", "--smoke")
+    assert "same tokens in both arms: True" in out and "batched / sequential speed-up" in out and PEAK.search(out)
+    out = run("benchmarks/toy_model.py", str(tmp_path / "toy"), "--smoke")
+    assert re.search(r"tokenizer: \d+ tokens; model: [\d.]+M parameters", out)
+
+
+@pytest.mark.timeout(900)
+def test_launcher_benchmarks_smoke(tmp_path):
+    """The benchmarks that start `python -m megarl.train` / launch/torchrun.sh as users do."""
+    out = run("benchmarks/launch_times.py", "--smoke")
+    assert re.search(r"torchrun.sh +ok, 5 steps .* 0  rank 0 \d+", out), out
+    assert re.search(r"torchrun.sh +SIGKILL .* [1-9]\d*  rank 0 \d+", out), out
+    out = run("benchmarks/async_speedup.py", "--smoke", "--out", str(tmp_path / "async"))
+    assert re.search(r"^sync +\d+ +1\.00x", out, re.M) and re.search(r"^one_step +\d+ +[\d.]+x", out, re.M)
+    assert re.search(r"peak resident MiB rank 0 \d+, rank 1 \d+", out)
+    assert os.path.isfile(tmp_path / "async" / "accuracy_vs_time.png")
