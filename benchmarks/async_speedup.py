@@ -179,7 +179,8 @@ def main() -> None:
         summary[name]["peak_resident_mb"] = {k: max(p.get(k, 0) for _, _, p in rs) for k in sorted(rs[0][2])}
     base = summary.get("sync")
     print(f"{args.steps} steps x {args.rounds} round(s), modes alternated; {os.cpu_count()} CPU cores, load "
-          f"average {os.getloadavg()[0]:.1f} at the end (shared machine: timings are noisy); steps/h from the median over rounds of each run's median "
+          f"average {os.getloadavg()[0]:.1f} at the end (shared machine: timings are noisy); steps/h from the median "
+          "over rounds of each run's median "
           "step time (validation steps left out)")
     print(f"{'mode':10s} {'steps/h':>8s} {'speedup':>8s} {'staleness':>9s} {'mixed':>6s}  val accuracy by step | "
           "median phase seconds")

@@ -92,7 +92,8 @@ def run_tests(out: str) -> dict:
 def update_step(device: str, dry: bool, micro: int) -> dict:
     from benchmarks.gpu_update_step import run, table
     args = ["--micro", str(micro), "--json", os.devnull]
-    args += ["--smoke"] if dry else ["--device", device, "--shape", "0.86b", "--model-dir", "/tmp/megarl_gpu_check_0.86b"]
+    args += ["--smoke"] if dry else ["--device", device, "--shape", "0.86b",
+                                     "--model-dir", "/tmp/megarl_gpu_check_0.86b"]
     result = run(args)
     print(table(result), flush=True)
     return result

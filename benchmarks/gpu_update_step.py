@@ -190,7 +190,8 @@ def table(r: dict) -> str:
     w = r["weight_sync"]
     lines.append(f"  weight sync -> native engine: {w['seconds']:.3f} s, {w['gb_per_s']:.2f} GB/s ({w['gb']:.2f} GB)")
     lines.append(f"  peak memory per phase: {json.dumps({k: round(v, 3) for k, v in r['memory'].items()})}")
-    lines.append("  peak resident MiB: " + ", ".join(f"rank {i} {mb:.0f}" for i, mb in enumerate(r["peak_resident_mb"])))
+    peaks = ", ".join(f"rank {i} {mb:.0f}" for i, mb in enumerate(r["peak_resident_mb"]))
+    lines.append(f"  peak resident MiB: {peaks}")
     return "\n".join(lines)
 
 

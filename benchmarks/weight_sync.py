@@ -247,7 +247,8 @@ def main() -> None:
     params = ranks[0][(1, 1, 1)]["model"] / 4
     print(f"model: Qwen2, {params / 1e6:.1f}M parameters, fp32 ({params * 4 / 1e9:.2f} GB); {WORLD} gloo ranks on "
           f"{os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}); bucket {a.bucket_mb:g} MiB; medians "
-          f"of {a.repeats} after {a.warmup} warm-up round(s), the ways alternated ({time.perf_counter() - started:.0f} s)")
+          f"of {a.repeats} after {a.warmup} warm-up round(s), the ways alternated "
+          f"({time.perf_counter() - started:.0f} s)")
     head = (f"{'train (TP,PP) -> rollout TP':<28} {'megarl s':>9} {'GB/s':>6} {'peak MB':>8} | {'naive s':>8} "
             f"{'GB/s':>6} {'peak MB':>8} | {'raw s':>6} {'floor s':>7} {'wire GB':>7} | {'x naive':>7} {'% raw':>6} "
             f"{'% floor':>7} | {'rank MB':>7}")

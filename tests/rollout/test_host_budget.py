@@ -59,7 +59,8 @@ def test_cpu_budget_follows_the_share_and_bounds_the_cache(model_dir, monkeypatc
 def test_a_run_that_would_not_fit_stops_at_build(model_dir, monkeypatch):
     # 100000 ranks on this host: a share of a few hundred KiB, less than the process holds.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.gpu_memory_utilization: .*100000 local") as err:
+    key = r"^actor_rollout_ref\.rollout\.gpu_memory_utilization: "
+    with pytest.raises(ConfigError, match=key + r".*100000 local") as err:
         build_rollout(RolloutConfig(prompt_length=64, response_length=64, n=4), model_dir)
     assert "\n" not in str(err.value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")

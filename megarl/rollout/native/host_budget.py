@@ -19,6 +19,7 @@ import os
 from megarl.config.errors import ConfigError
 
 _KEY = "actor_rollout_ref.rollout"
+KV_KEY = f"{_KEY}.engine_kwargs.native.kv_cache_gb"
 GiB = 2**30
 
 
@@ -93,7 +94,7 @@ def check_fits(engine, prompt_len: int, gen_len: int, n: int, bucket_bytes: int 
     if engine.kv_cache_gb is not None:
         if kv_min > engine.kv_cache_gb * GiB:
             raise ConfigError(f"{need}, more than kv_cache_gb={engine.kv_cache_gb:g}; raise it, or lower "
-                              "rollout.n / prompt_length / response_length", f"{_KEY}.engine_kwargs.native.kv_cache_gb")
+                              "rollout.n / prompt_length / response_length", KV_KEY)
         kv = engine.kv_cache_gb * GiB
     else:
         kv = kv_min
@@ -110,7 +111,7 @@ def check_fits(engine, prompt_len: int, gen_len: int, n: int, bucket_bytes: int 
                  f"{size(buckets)}: {size(total)}")
         if engine.kv_cache_gb is not None:
             raise ConfigError(f"{parts}, more than this rank's share ({size(share)} = {describe_share()}); "
-                              "lower kv_cache_gb (or run fewer ranks per host)", f"{_KEY}.engine_kwargs.native.kv_cache_gb")
+                              "lower kv_cache_gb (or run fewer ranks per host)", KV_KEY)
         raise ConfigError(f"{parts}, more than gpu_memory_utilization={engine.gpu_memory_utilization:g} of this rank's "
                           f"share ({size(share)} = {describe_share()}); raise it (on CPU it is the share of "
                           "host memory a rank may fill), or lower rollout.n / response_length / "
@@ -128,7 +129,8 @@ def too_small(engine, n: int, prompt_len: int, gen_len: int, need: float, budget
     """The error of a generate call whose smallest KV cache (n rows, one prompt) exceeds the budget."""
     what = f"n={n} rows of {prompt_len}+{gen_len} tokens need {size(need)} of KV cache, but this rank's budget"
     if engine.kv_cache_gb is not None:
-        return ConfigError(f"{what} is kv_cache_gb={engine.kv_cache_gb:g}; raise it", f"{_KEY}.engine_kwargs.native.kv_cache_gb")
+        return ConfigError(f"{what} is kv_cache_gb={engine.kv_cache_gb:g}; raise it", KV_KEY)
     return ConfigError(f"{what} has {size(max(budget, 0))} left (gpu_memory_utilization="
                        f"{engine.gpu_memory_utilization:g} of {describe_share()}, minus what the process holds); "
-                       "raise gpu_memory_utilization or set engine_kwargs.native.kv_cache_gb", f"{_KEY}.gpu_memory_utilization")
+                       "raise gpu_memory_utilization or set engine_kwargs.native.kv_cache_gb",
+                       f"{_KEY}.gpu_memory_utilization")
