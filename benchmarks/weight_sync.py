@@ -23,8 +23,8 @@
 Memory per rank at the default shape (M = 545 MB, the model in fp32): the interpreter, torch and
 megatron (~0.35 GB), the actor's shard (M / TP / PP, and once M while its checkpoint loads), the
 engine's (M / rollout TP), the raw buffer (the largest bucket), and during `naive` rank 0's
-full state dict (M) and each sender's copy of its stage. About 2.3 GB on rank 0 and 1.8 GB on the
-others at (1,1), the largest layout; `rank MB` and the last line print what was measured.
+full state dict (M) and each sender's copy of its stage. Measured (2026-11-24, docs/benchmarks.md):
+2.5 GB on rank 0 and 1.7-2.0 GB on the others, 7.8 GB in all; `rank MB` and the last line print it.
 
 Seconds are the slowest rank's; GB/s is model GB (what every engine replica receives) per
 second; peak MB is the largest resident-set growth over ranks during that way
