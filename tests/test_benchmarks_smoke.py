@@ -4,8 +4,9 @@ benchmark once broke unseen). Each is run as a user runs it: `python benchmarks/
 
 Grouped to keep the cost down (~2.5 min on a quiet 2-core machine): gpu_check --dry-run runs
 gpu_update_step's and rollout_throughput's smoke shapes inside it (their tables are checked in its
-output); peers join where they import (vLLM in rollout_throughput; TensorRT-LLM and TRL have no
-script here that imports them).
+output); peers join where they import (vLLM in rollout_throughput; trtllm_check.py runs a tiny model
+where tensorrt_llm imports and a GPU is visible, else its one-line refusal is checked and the run
+skipped with that reason; no benchmark uses TRL).
 """
 import importlib.util
 import os
@@ -19,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "__init__.py")
 # helpers imported by the benchmarks, not benchmarks themselves
 HELPERS = {"peak_memory.py"}
+# no --smoke flag: gpu_check's is --dry-run; trtllm_check needs TensorRT-LLM and a GPU (see its test)
+NO_SMOKE_FLAG = {"gpu_check.py", "trtllm_check.py"}
 PEAK = re.compile(r"peak resident (MiB|memory)")
 
 
@@ -33,7 +36,7 @@ def test_every_benchmark_has_a_smoke_shape_covered_here():
     source = open(__file__).read()
     for script in sorted(set(SCRIPTS) - HELPERS):
         text = open(os.path.join(ROOT, "benchmarks", script)).read()
-        assert "--smoke" in text or script == "gpu_check.py", f"benchmarks/{script} has no --smoke shape"
+        assert "--smoke" in text or script in NO_SMOKE_FLAG, f"benchmarks/{script} has no --smoke shape"
         assert f"benchmarks/{script}" in source or script in ("gpu_update_step.py", "rollout_throughput.py"), \
             f"benchmarks/{script} is not run by this test"
 
@@ -84,3 +87,20 @@ def test_launcher_benchmarks_smoke(tmp_path):
     assert re.search(r"^sync +\d+ +1\.00x", out, re.M) and re.search(r"^one_step +\d+ +[\d.]+x", out, re.M)
     assert re.search(r"peak resident MiB rank 0 \d+, rank 1 \d+", out)
     assert os.path.isfile(tmp_path / "async" / "accuracy_vs_time.png")
+
+
+@pytest.mark.timeout(900)
+def test_trtllm_check_where_it_imports(tmp_path):
+    import torch
+    usable = importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available()
+    if usable:
+        from megarl.models.tiny import make_tiny_hf
+        model = make_tiny_hf(str(tmp_path / "m"), "qwen2", tokenizer=False)
+        run("benchmarks/trtllm_check.py", "--model", model, "--out", str(tmp_path / "report"), "--max-tokens", "4")
+        assert os.path.isfile(tmp_path / "report" / "trtllm_check.md")
+        return
+    proc = subprocess.run([sys.executable, "benchmarks/trtllm_check.py", "--model", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, lines)
+    pytest.skip(f"benchmarks/trtllm_check.py not run: {lines[0]}")
