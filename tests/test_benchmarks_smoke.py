@@ -104,3 +104,28 @@ def test_trtllm_check_where_it_imports(tmp_path):
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, lines)
     pytest.skip(f"benchmarks/trtllm_check.py not run: {lines[0]}")
+
+
+def _killed_rank(rank, world):
+    """Rank 1 is SIGKILLed (as the OOM killer does) after growing by ~200 MiB; rank 0 waits on it."""
+    import signal
+    import time
+
+    import torch
+    held = torch.ones(50 * 2**20 * (rank + 1))                      # 200 MiB on rank 0, 400 on rank 1
+    if rank == 1:
+        time.sleep(1.0)                                              # long enough to be sampled
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+    return float(held[0])
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_reported_as_killed_with_its_peak():
+    from megarl.parallel.local_ranks import run_local
+    with pytest.raises(RuntimeError) as err:
+        run_local(2, _killed_rank)
+    first, second = str(err.value).splitlines()[:2]
+    peak = float(re.search(r"rank 1 was killed by SIGKILL \(the kernel's OOM killer.*at a peak of (\d+) MiB", first)[1])
+    assert peak > 400, first                                          # the 400 MiB tensor counts
+    assert re.match(r"rank 0 was stopped \(SIGTERM\) after rank 1 ended, at a peak of \d+ MiB", second), second
