@@ -150,9 +150,10 @@ def run_row(path, a, row, data):
             "held_mib": None if held is None else held / 2**20, "offload_cycle_s": cycle_s}
 
 
-# --smoke (CI): every row on a tiny model and batch, one repeat
+# --smoke (CI): a tiny model and batch, one repeat, the first and last rows (padded static; packed,
+# token budget and offload: between them every path a row takes)
 SMOKE = dict(batch=4, micro=2, prompt=8, response=16, mean_response=6.0, max_tokens=32, vocab=512, hidden=64,
-             layers=2, repeats=1)
+             layers=2, repeats=1, rows="0,4")
 
 
 def main(argv=None) -> list[dict]:
