@@ -81,7 +81,6 @@ def test_single_process_benchmarks_smoke():
 def test_launcher_benchmarks_smoke(tmp_path):
     """The benchmarks that start `python -m megarl.train` / launch/torchrun.sh as users do."""
     out = run("benchmarks/launch_times.py", "--smoke")
-    assert re.search(r"torchrun.sh +ok, 5 steps .* 0  rank 0 \d+", out), out
     assert re.search(r"torchrun.sh +SIGKILL .* [1-9]\d*  rank 0 \d+", out), out
     out = run("benchmarks/async_speedup.py", "--smoke", "--out", str(tmp_path / "async"))
     assert re.search(r"^sync +\d+ +1\.00x", out, re.M) and re.search(r"^one_step +\d+ +[\d.]+x", out, re.M)
