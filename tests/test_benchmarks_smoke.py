@@ -106,7 +106,7 @@ def test_trtllm_check_where_it_imports(tmp_path):
 
 
 def _killed_rank(rank, world):
-    """Rank 1 is SIGKILLed (as the OOM killer does) after growing by ~200 MiB; rank 0 waits on it."""
+    """Rank 1 is SIGKILLed (as the OOM killer does) holding 400 MiB; rank 0 waits on it."""
     import signal
     import time
 
