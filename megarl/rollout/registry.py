@@ -26,7 +26,7 @@ from megarl.rollout.config import RolloutConfig
 from megarl.rollout.custom import CustomRollout, load_user_class
 from megarl.rollout.hf import HFEngine
 from megarl.models.hf_config import hf_vocab_size, read_hf_config
-from megarl.rollout.native import NativeEngine, TPComm
+from megarl.rollout.native import NativeEngine, TPComm, host_budget
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.trtllm import TRTLLMEngine
 
@@ -88,8 +88,12 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
                         prompt_truncation=cfg.prompt_truncation, sleep_level=2 if cfg.load_format == "dummy" else 1,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=bool(cfg.enforce_eager))
+        held = host_budget.resident_bytes()     # before the engine's weights
         engine = NativeEngine(read_hf_config(model_path), comm=comm, device=device, config=cfg,
                               **_options(NativeEngine, defaults, user, name))
+        if device.type != "cuda":               # several ranks share the host: stop now if a step cannot fit
+            host_budget.check_fits(engine, cfg.prompt_length or 1, cfg.response_length or 1, cfg.n,
+                                   int(cfg.checkpoint_engine.bucket_size_mb * 2**20), held_before=held)
         if cfg.load_format != "dummy":
             engine.load_hf_dir(model_path)
         return engine

@@ -14,7 +14,8 @@ samples the same tokens (counter-based randomness over the gathered logits), so 
 broadcast is needed.
 
 Rows: max_num_seqs at most, fewer where the KV cache would not fit the memory budget
-(kv_cache_gb, or on GPU gpu_memory_utilization of the device minus what is already allocated).
+(kv_cache_gb, or gpu_memory_utilization of the device minus what is already allocated; on CPU
+of this rank's share of host memory minus the process's resident set: host_budget.py).
 Groups: enough for every row's prompt when n <= 2, else 2 * rows / n (a prompt whose first
 samples finished keeps its group until the last one does; the slack lets new prompts in).
 
@@ -35,7 +36,7 @@ import torch
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
 from megarl.models.hf_config import read_hf_config
 from megarl.rollout.hf_weights import buckets, iter_hf_weights
-from megarl.rollout.native import sampler
+from megarl.rollout.native import host_budget, sampler
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
 from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, bucket
@@ -204,15 +205,14 @@ class NativeEngine(BaseRollout):
         """(rows, groups) for this call: max_num_seqs rows at most (and no more than the call
         needs), fewer where the KV cache and row state would not fit the memory budget:
         kv_cache_gb if set, on GPU gpu_memory_utilization of the device minus what is already
-        allocated (what the engine itself holds counts as free); on CPU unbounded."""
+        allocated (what the engine itself holds counts as free); on CPU the same fraction of this
+        rank's share of host memory minus the process's resident set (host_budget.py)."""
         def groups(rows: int) -> int:             # see the module docstring
             return max(1, min(prompts, rows, -(-2 * rows // n)))
         rows = min(self.max_num_seqs, prompts * n)
         budget = self._budget_bytes()
         if budget is not None:
-            per_token = self.cache.bytes_per_token()
-            per_row = per_token * gen_len + 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0)
-            per_group = per_token * prompt_len + 8
+            per_row, per_group = self.row_costs(prompt_len, gen_len, penalty)
 
             def cost(r: int) -> float:
                 return r * per_row + groups(r) * per_group
@@ -222,18 +222,26 @@ class NativeEngine(BaseRollout):
         else:                                     # unbounded: never shrink what is there
             rows = max(rows, self.cache.rows)
         rows = max(rows, n)
+        if budget is not None and self.device.type != "cuda" and n * per_row + per_group > budget:
+            raise host_budget.too_small(self, n, prompt_len, gen_len, n * per_row + per_group, budget)
         return rows, groups(rows)
+
+    def row_costs(self, prompt_len: int, gen_len: int, penalty: bool = False) -> tuple[int, int]:
+        """Bytes of one row (its K/V and row state) and of one prompt group."""
+        per_token = self.cache.bytes_per_token()
+        return (per_token * gen_len + 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0),
+                per_token * prompt_len + 8)
 
     def _budget_bytes(self) -> float | None:
         if self.kv_cache_gb is not None:
             return self.kv_cache_gb * 2**30
+        held = self.cache.nbytes()                # the engine's own cache and rows count as free
+        if self.rows is not None:
+            held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
         if self.device.type == "cuda":
-            held = self.cache.nbytes()
-            if self.rows is not None:
-                held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
             total = torch.cuda.get_device_properties(self.device).total_memory
             return self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held
-        return None
+        return host_budget.cpu_budget_bytes(self.gpu_memory_utilization, held)
 
 
 class _Scheduler:
