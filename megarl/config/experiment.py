@@ -231,7 +231,7 @@ def check_known_keys(raw: dict) -> None:
 
 
 def build_config(raw: dict) -> ExperimentConfig:
-    raw = strip_verl_keys(raw)             # verl-only keys at verl's default (megarl/config/verl_keys.py)
+    raw = strip_verl_keys(raw, ExperimentConfig)             # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
     merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
     check_refused(merged)

@@ -11,20 +11,13 @@
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.paths import looks_like_hub_id
 
 MODEL = ("actor_rollout_ref", "model")
 KEY = "actor_rollout_ref.model.path"
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
-
-
-def looks_like_hub_id(value: str) -> bool:
-    return bool(_HUB_ID.fullmatch(value)) and not value.startswith(".")
-
-
 def _model(raw: dict) -> dict:
     node = raw
     for part in MODEL:

@@ -9,9 +9,16 @@ trainer.log_dir) are where a run writes, not inputs: they stay relative to the w
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
-from megarl.config.model_path import looks_like_hub_id
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """ORG/NAME, as a Hugging Face hub id is written (left as written when no such path exists)."""
+    return bool(_HUB_ID.fullmatch(value)) and not value.startswith(".")
+
 
 ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
 # Keys whose values are input files or directories (or lists of them).

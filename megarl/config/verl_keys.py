@@ -21,6 +21,8 @@ from typing import Any
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.refused import REFUSED
+from megarl.config.typed import all_keys, open_keys
 
 DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "verl_defaults.yaml")
 VERL_RELEASE = "v0.7.0 (f9c855f7cf04d603c9546bc01776c74806a879c1)"
@@ -200,37 +202,35 @@ def _same(value: Any, default: Any) -> bool:
     return value == default or (value in (None, {}) and default in (None, {}))
 
 
-@functools.lru_cache(maxsize=1)
-def _megarl_tree() -> tuple[frozenset, frozenset, tuple]:
-    """(typed leaves, typed sections, free-form mapping keys) of megarl's ExperimentConfig."""
-    from megarl.config.experiment import ExperimentConfig
-    from megarl.config.refused import REFUSED
-    from megarl.config.typed import all_keys, open_keys
-    keys = set(all_keys(ExperimentConfig))
+@functools.lru_cache(maxsize=2)
+def _megarl_tree(root: type) -> tuple[frozenset, frozenset, tuple]:
+    """(typed leaves, typed sections, free-form mapping keys) of megarl's config class `root`
+    (ExperimentConfig, passed in: config/experiment.py imports this module)."""
+    keys = set(all_keys(root))
     sections = {k.rsplit(".", 1)[0] for k in keys if "." in k}
     # A free-form key that refused.py accepts only empty (verl's actor.checkpoint) is looked into.
-    free = tuple(k for k in open_keys(ExperimentConfig) if k not in REFUSED)
+    free = tuple(k for k in open_keys(root) if k not in REFUSED)
     return frozenset(keys - sections), frozenset(sections), free
 
 
-def megarl_implements(key: str) -> bool:
-    leaves, _, free = _megarl_tree()
-    from megarl.config.refused import REFUSED
+def megarl_implements(key: str, root: type) -> bool:
+    """Whether `root` (ExperimentConfig) has `key` as a typed leaf or inside a free-form mapping."""
+    leaves, _, free = _megarl_tree(root)
     if key in REFUSED and isinstance(REFUSED[key][0][0], dict):
         return False                   # looked into: its verl leaves may sit at verl's default
     return key in leaves or any(key == f or key.startswith(f + ".") for f in free)
 
 
-def strip_verl_keys(raw: dict) -> dict:
+def strip_verl_keys(raw: dict, root: type) -> dict:
     """`raw` without the verl-only leaves that sit at verl's default; raise for any other value."""
     table = verl_defaults()
-    _, sections, _ = _megarl_tree()
+    _, sections, _ = _megarl_tree(root)
 
     def walk(node: dict, prefix: str) -> dict:
         out = {}
         for name, value in node.items():
             key = f"{prefix}.{name}" if prefix else str(name)
-            if megarl_implements(key) and key not in sections:
+            if megarl_implements(key, root) and key not in sections:
                 out[name] = value
             elif key in table:
                 if not any(_same(value, d) for d in _accepted(key, table[key])):

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from megarl import plain_state
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 
@@ -85,6 +86,9 @@ class SamplingParams:
 
     def with_(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
+
+
+plain_state.register_dataclass(SamplingParams)   # checkpoints hold the async loop's sampling
 
 
 @dataclass(frozen=True)

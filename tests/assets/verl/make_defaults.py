@@ -37,8 +37,9 @@ def verl_leaves() -> dict[str, list]:
 
 
 def table() -> dict:
+    from megarl.config.experiment import ExperimentConfig
     from megarl.config.verl_keys import VERL_RELEASE, megarl_implements
-    keys = {k: v for k, v in verl_leaves().items() if not megarl_implements(k)}
+    keys = {k: v for k, v in verl_leaves().items() if not megarl_implements(k, ExperimentConfig)}
     return {"release": VERL_RELEASE, "keys": keys}
 
 
