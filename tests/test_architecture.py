@@ -148,8 +148,9 @@ def package_of(module: str) -> str:
         return "megarl.config.base"
     parts = module.split(".")
     if len(parts) > 1 and os.path.isdir(os.path.join(ROOT, "megarl", parts[1])):
-        if parts[-1] == "config" and parts[1] != "config":
-            return "megarl.<component>.config"     # the sections the experiment config is built from
+        if parts[-1] in ("config", "config_checks") and parts[1] != "config":
+            # the sections the experiment config is built from, and the components' own checks on them
+            return "megarl.<component>.config"
         return ".".join(parts[:2])
     return module
 

@@ -30,10 +30,10 @@ from megarl.config.verl_keys import same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
-from megarl.rollout import rules as rollout_rules
+from megarl.rollout import config_checks as rollout_rules
 from megarl.rollout.config import RolloutConfig
 from megarl.trainer.config import AsyncTrainingConfig, TrainerConfig
-from megarl.workers import rules as worker_rules
+from megarl.workers import config_checks as worker_rules
 from megarl.workers.config import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, RefConfig
 
 
