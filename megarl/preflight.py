@@ -24,14 +24,15 @@ import os
 import tempfile
 
 from megarl.config.errors import ConfigError
-from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_reward_fn
 from megarl.config.model_path import model_path_state
-from megarl.preflight_run import (check_architecture, check_columns, check_datasets, check_device, check_loggers,
-                                  check_reward_on_a_row, load_tokenizer, tokenizer_available)
+from megarl.durable import make_private_dir
+from megarl.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
+from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_object, load_reward_fn
 
 # Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
 ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
 NOT_INTEGRATED = ("vllm", "sglang")
+GPU_ENGINES = ("trtllm",)
 _RO = "actor_rollout_ref.rollout"
 
 
@@ -53,6 +54,7 @@ def preflight(cfg) -> None:
 
 def check_with_tokenizer(cfg) -> None:
     """The data as the ranks tokenize it, and the reward on one real row."""
+    from megarl.preflight_data import check_datasets, check_reward_on_a_row, load_tokenizer  # lazy: loads torch
     train = check_datasets(cfg, load_tokenizer(cfg))
     check_reward_on_a_row(cfg, train)
 
@@ -63,8 +65,7 @@ def bootstrap_and_check(cfg) -> None:
     m = cfg.model
     if model_path_state(m.path, m.bootstrap) != "bootstrap":
         return
-    from megarl.trainer.parts import import_path
-    import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
+    load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     if model_path_state(m.path, None) != "ready":
         raise ConfigError(f"{m.path} still holds no config.json after the bootstrap", "actor_rollout_ref.model.bootstrap")
     check_with_tokenizer(cfg)
@@ -180,6 +181,21 @@ def check_model_paths(cfg) -> None:
                           "trainer.resume_from_path")
 
 
+def check_device(cfg) -> None:
+    device, name = cfg.trainer.device, cfg.rollout.name
+    if device == "cpu" and name not in GPU_ENGINES:
+        return
+    import torch  # lazy: the launcher loads torch only when a GPU is asked for
+    if torch.cuda.is_available():
+        return
+    if device == "cuda":
+        raise ConfigError("cuda, but this machine has no usable GPU (torch.cuda.is_available() is false); "
+                          "set trainer.device=cpu (or auto) to train on CPU over gloo", "trainer.device")
+    if name in GPU_ENGINES:
+        raise ConfigError(f"{name} runs on NVIDIA GPUs only and this machine has none; use rollout.name=native",
+                          "actor_rollout_ref.rollout.name")
+
+
 # -- engine, reward, user imports ----------------------------------------------------------------------
 def check_engine(cfg) -> None:
     ro, key = cfg.rollout, f"{_RO}.name"
@@ -235,7 +251,6 @@ def import_external_libs(cfg) -> None:
 # -- outputs --------------------------------------------------------------------------------------------
 def check_run_dir(path: str, key: str) -> None:
     """`path` can be created and written (creating it now, as the run would: mode 0700)."""
-    from megarl.durable import make_private_dir
     try:
         make_private_dir(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):

@@ -1,48 +1,31 @@
 """The checks a rank would otherwise hit first, run once in the launcher (`megarl-train --check`
 and every launch), so a bad input is one line and exit code 2 before any process starts.
 
-    data      each split's files read, columns and types checked, prompts rendered with the
-              tokenizer's chat template and tokenized exactly as the ranks do (megarl/data), the
-              usable rows after filtering compared with data.train_batch_size
+    data      each split's prompt column exists and its first value is a prompt (tokenizer-free)
     model     the architecture is one megarl builds (megarl/models/spec.py)
-    device    trainer.device=cuda and GPU-only engines need a GPU here
     loggers   every trainer.logger backend's package is installed
-    reward    the reward function scores one real row of the training data; on failure the
-              line names the function's file and line
+
+The checks that tokenize the data and score a row live in megarl/preflight_data.py; the device
+check in megarl/preflight.py.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import traceback
 
 from megarl.config.errors import ConfigError
+from megarl.data.dataset import check_prompt
+from megarl.models.spec import ModelSpec
 
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-GPU_ENGINES = ("trtllm",)
 
 
 def check_architecture(hf_config: dict, where: str) -> None:
-    from megarl.models.spec import ModelSpec
     try:
         ModelSpec.from_hf_config(hf_config)
     except ValueError as err:
         raise ConfigError(f"{where}: {err}", "actor_rollout_ref.model.path") from None
-
-
-def check_device(cfg) -> None:
-    device, name = cfg.trainer.device, cfg.rollout.name
-    if device == "cpu" and name not in GPU_ENGINES:
-        return
-    import torch
-    if torch.cuda.is_available():
-        return
-    if device == "cuda":
-        raise ConfigError("cuda, but this machine has no usable GPU (torch.cuda.is_available() is false); "
-                          "set trainer.device=cpu (or auto) to train on CPU over gloo", "trainer.device")
-    if name in GPU_ENGINES:
-        raise ConfigError(f"{name} runs on NVIDIA GPUs only and this machine has none; use rollout.name=native",
-                          "actor_rollout_ref.rollout.name")
 
 
 def check_loggers(cfg) -> None:
@@ -51,77 +34,6 @@ def check_loggers(cfg) -> None:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"includes {name}, but the {package!r} package is not installed; pip install {package} "
                               "(or megarl[logging]), or remove it from the list", "trainer.logger")
-
-
-def load_tokenizer(cfg):
-    from transformers import AutoTokenizer
-    path = cfg.model.tokenizer_path or cfg.model.path
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception as err:
-        raise ConfigError(f"cannot load a tokenizer from {path} ({type(err).__name__}: {str(err).splitlines()[0]})",
-                          "actor_rollout_ref.model.tokenizer_path") from None
-
-
-def check_datasets(cfg, tokenizer):
-    """Build the training and validation datasets as the ranks do; return the training dataset."""
-    from megarl.data.build import build_dataset
-    from megarl.data.loader import PromptLoader
-    data = cfg.data
-    splits = [("train", data.train_files)] + ([("val", data.val_files)] if data.val_files else [])
-    datasets = {}
-    for split, files in splits:
-        try:
-            datasets[split] = build_dataset(data, files, tokenizer, split)
-        except ConfigError:
-            raise
-        except (ValueError, TypeError, KeyError) as err:
-            raise ConfigError(_one_line(err), f"data.{split}_files") from None
-    train = datasets["train"]
-    try:
-        PromptLoader(train, data.train_batch_size, data.shuffle, data.seed, drop_last=True)
-    except ValueError as err:
-        raise ConfigError(_one_line(err), "data.train_batch_size") from None
-    return train
-
-
-def check_reward_on_a_row(cfg, dataset) -> None:
-    """Score the first training row with its own ground truth as the response."""
-    kind = cfg.reward_model.reward_manager
-    if kind not in ("naive", "batch") or cfg.reward_model.enable or len(dataset) == 0:
-        return
-    from megarl.reward.loading import load_reward_fn
-    spec, fn = load_reward_fn(cfg.custom_reward_function, batched=kind == "batch")
-    item = dataset[0]
-    source = item.get("data_source")
-    truth = (item.get("reward_model") or {}).get("ground_truth")
-    extra = item.get("extra_info") or {}
-    response = "" if truth is None else str(truth)
-    try:
-        if kind == "batch":
-            fn(data_sources=[source], solution_strs=[response], ground_truths=[truth], extra_infos=[extra],
-               **spec.kwargs)
-        else:
-            fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=extra, **spec.kwargs)
-    except Exception as err:
-        frame = _user_frame(err)
-        raise ConfigError(f"scoring the first training row (data_source={source!r}) raised {type(err).__name__}: "
-                          f"{_one_line(err)} at {frame}; fix the reward function or the rows",
-                          "custom_reward_function.path" if spec.path else "data.reward_fn_key") from None
-
-
-def _user_frame(err: BaseException) -> str:
-    """file:line of the innermost frame outside Python's own library (the user's code, usually)."""
-    frames = traceback.extract_tb(err.__traceback__)
-    for frame in reversed(frames):
-        if "site-packages" not in frame.filename and not frame.filename.startswith("<"):
-            return f"{frame.filename}:{frame.lineno}"
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "(unknown)"
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
 
 
 def tokenizer_available(cfg) -> bool:
@@ -133,10 +45,9 @@ def tokenizer_available(cfg) -> bool:
 def check_columns(path: str, key: str, prompt_key: str) -> None:
     """The prompt column exists and its first value is a prompt (tokenizer-free, so it runs even
     while the model is still to be bootstrapped)."""
-    from megarl.data.dataset import check_prompt
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional dependency: only for .parquet files
         names = pq.read_schema(path).names
         first = None
         if prompt_key in names:
@@ -156,7 +67,6 @@ def check_columns(path: str, key: str, prompt_key: str) -> None:
 
 
 def _first_json_row(path: str, ext: str):
-    import json
     with open(path, encoding="utf-8") as f:
         if ext == ".json":
             text = f.read()

@@ -18,14 +18,15 @@ import subprocess
 import sys
 import time
 
-from megarl.config import ConfigError, ExperimentConfig, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
 from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launch_output import RankOutput
 from megarl.preflight_run import tokenizer_available
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
-from megarl.preflight import preflight
+from megarl.preflight import bootstrap_and_check, preflight
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.trainer.nnodes > 1:
                 raise ConfigError("trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch or torchrun on "
                                   "every node")
-            from megarl.preflight import bootstrap_and_check
             bootstrap_and_check(cfg)
             return spawn_ranks(cfg, argv)
         lock = None

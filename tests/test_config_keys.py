@@ -15,7 +15,8 @@ import typing
 
 import pytest
 
-from megarl.config import ConfigError, ExperimentConfig, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import ExperimentConfig, load_config
 from megarl.config.refused import ALIASES, REFUSED
 from megarl.config.typed import all_keys
 

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import load_config
 from megarl.parallel.launch_env import check_launch, rank_env, shell_assignments
 from megarl.trainer.metrics import read_metrics
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import load_config
 from megarl.reward.loading import RewardFnSpec
 from megarl.reward.manager import RewardFailure, RewardManager, build_reward_manager
 from tests.helpers.reward import rollout_batch, text_tokenizer, tokenizer

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import load_config
 from megarl.reward.manager import RewardFailure, build_reward_manager
 from tests.helpers.reward import rollout_batch, tokenizer
 

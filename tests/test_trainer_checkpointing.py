@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import load_config
 from megarl.trainer import checkpointing as ck
 
 

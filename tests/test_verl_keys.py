@@ -14,7 +14,8 @@ import sys
 import pytest
 import yaml
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.experiment import load_config
 from megarl.config.experiment import ExperimentConfig
 from megarl.config.refused import ALIASES, REFUSED
 from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_defaults

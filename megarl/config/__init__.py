@@ -1,17 +1,11 @@
 """Typed experiment configuration: YAML with bases, dotted overrides, one-line errors.
 
-The experiment-level names load lazily: component configs (`megarl/<component>/config.py`)
-import `megarl.config.typed`, and the experiment module imports them, so an eager import here
-would make `import megarl.workers.config` circular.
+    from megarl.config.experiment import load_config, ExperimentConfig
+
+The experiment tree lives in megarl.config.experiment, not here: component configs
+(`megarl/<component>/config.py`) import `megarl.config.typed`, which runs this file first, and the
+experiment module imports those components, so importing it here would be a circle.
 """
 from megarl.config.errors import ConfigError
 
-_LAZY = ("ActorRolloutRefConfig", "ExperimentConfig", "build_config", "load_config")
-__all__ = ["ConfigError", *_LAZY]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        from megarl.config import experiment
-        return getattr(experiment, name)
-    raise AttributeError(f"module 'megarl.config' has no attribute {name!r}")
+__all__ = ["ConfigError"]

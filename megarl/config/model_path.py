@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.loader import BASE_KEY, load_yaml_text, read_yaml
 from megarl.config.paths import looks_like_hub_id
 
 MODEL = ("actor_rollout_ref", "model")
@@ -27,7 +28,6 @@ def _model(raw: dict) -> dict:
 
 def _own_path(config_path: str) -> tuple[bool, Any]:
     """(whether this file or one of its bases sets a bootstrap, the model path that file names)."""
-    from megarl.config.loader import BASE_KEY, load_yaml_text, read_yaml
     with open(config_path) as f:
         alone = load_yaml_text(f, config_path) or {}
     if _model(alone).get("bootstrap"):

@@ -6,6 +6,7 @@ dotted key, the bad value, the expected type and the closest valid key.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -237,7 +238,6 @@ def freeze(obj: Any, path: str = "config") -> Any:
 def derive(tree: Any, values: dict[str, Any]) -> Any:
     """A frozen copy of a frozen tree with `values` ({dotted path: value}) set: the resolved view
     of a run. The tree itself is left as it was."""
-    import copy
     out = copy.deepcopy(tree)
     for path, value in values.items():
         *parents, leaf = path.split(".")

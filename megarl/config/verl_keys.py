@@ -13,6 +13,7 @@ tests/test_verl_keys.py walks every verl leaf and requires exactly one of these.
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 import os
@@ -251,7 +252,6 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
 def same_section_hint(path: str, known) -> str | None:
     """The closest key of the same section, judged on the last name only (a shared prefix such as
     `trainer.` would make every key of the section look alike)."""
-    import difflib
     parent, _, leaf = path.rpartition(".")
     verl = {".".join(k.split(".")[:i]) for k in verl_defaults() for i in range(1, k.count(".") + 2)}
     siblings = {k.rpartition(".")[2]: k for k in (*verl, *known) if k.rpartition(".")[0] == parent}

@@ -40,8 +40,8 @@ def rows(split: str, count: int, seed: int) -> list[dict]:
 
 
 def write(out_dir: str, train: int = 256, test: int = 32, seed: int = 0) -> tuple[str, str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # optional dependency: only this writer needs parquet
+    import pyarrow.parquet as pq  # optional, as above
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for split, count in (("train", train), ("test", test)):

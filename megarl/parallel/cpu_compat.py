@@ -38,10 +38,13 @@ import ast
 import contextlib
 import functools
 import hashlib
+import importlib
 import inspect
 import textwrap
 
 import torch
+from megatron.core.package_info import __version__ as MEGATRON_VERSION
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
 from megarl.config.errors import ConfigError
@@ -127,7 +130,6 @@ def install() -> bool:
     cuda.stream = lambda *a, **k: _NullStream()
     # Sequence parallelism forks megatron's CUDA RNG tracker around dropout; without CUDA there
     # is no CUDA generator to swap, and dropout draws from torch's CPU generator anyway.
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     fork = vars(CudaRNGStatesTracker)["fork"]
 
     @functools.wraps(fork)     # (keeps megatron's function reachable for fingerprints())
@@ -176,7 +178,6 @@ def _backward_classes() -> list[type]:
     """megatron's autograd Functions whose backward runs under the CUDA->CPU mapping: autograd
     calls them outside any active TorchFunctionMode, and under sequence parallelism (and MoE's
     all-gather dispatcher) they allocate `device=torch.cuda.current_device()` buffers there."""
-    import importlib
     found = []
     for name in ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
                  "megatron.core.transformer.moe.moe_utils"):
@@ -189,7 +190,6 @@ def _backward_classes() -> list[type]:
 
 def _patched_functions() -> dict:
     """{qualified name: megatron's own function} for every symbol install() replaces or wraps."""
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     out = {"megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork": vars(CudaRNGStatesTracker)["fork"]}
     for cls in _backward_classes():
         fn = vars(cls)["backward"]
@@ -213,14 +213,13 @@ def fingerprints() -> dict[str, str]:
 def verify_megatron(expected: dict[str, str] | None = None) -> None:
     """Raise UnsupportedMegatron (one line) unless every patched symbol matches `expected`
     (default: FINGERPRINTS, megatron-core 0.16.1)."""
-    from megatron.core.package_info import __version__ as version
     expected = FINGERPRINTS if expected is None else expected
     got = fingerprints()
     for name in sorted(set(got) | set(expected)):
         if got.get(name) != expected.get(name):
             how = "is new" if name not in expected else "is missing" if name not in got else "differs"
             raise UnsupportedMegatron(
-                f"megatron-core {version}: {name} {how} from the {CHECKED_VERSION} source megarl's CPU shim "
+                f"megatron-core {MEGATRON_VERSION}: {name} {how} from the {CHECKED_VERSION} source megarl's CPU shim "
                 f"(megarl/parallel/cpu_compat.py) was checked against; on CPU install megatron-core=={CHECKED_VERSION} "
                 "(on CUDA no shim is used)")
 

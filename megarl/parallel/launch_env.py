@@ -10,7 +10,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from megarl.config import ConfigError, ExperimentConfig
+from megarl.config import ConfigError
+from megarl.config.experiment import ExperimentConfig
 
 # Slack given to a launcher on top of the collective timeout: a rank that outlives its peers
 # by more than this is stuck, not slow (every rank ends at the same final collective).

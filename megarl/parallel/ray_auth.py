@@ -18,15 +18,15 @@ def ray_token_auth() -> str | None:
     random one for this run in RAY_AUTH_TOKEN, which Ray's own processes inherit. Ray's servers
     listen on every interface (Ray 2.60 has no option to bind them to loopback), so the token is
     what keeps others out. Returns a warning line when authentication stays off, else None."""
-    import ray
+    import ray  # optional dependency: only runs that use Ray call this
     env = os.environ
     mode = env.get("RAY_AUTH_MODE")
     if mode is not None and mode.lower() != "token":
         return (f"megarl: RAY_AUTH_MODE={mode}: the Ray pool accepts anyone who can reach this machine's Ray ports "
                 "(they run code as you); unset it to use a token (docs/security.md)")
     try:
-        from ray._private.authentication import authentication_token_setup as setup
-        from ray._raylet import AuthenticationTokenLoader
+        from ray._private.authentication import authentication_token_setup as setup  # optional (Ray), as above
+        from ray._raylet import AuthenticationTokenLoader  # optional (Ray), as above
     except ImportError:
         return (f"megarl: Ray {ray.__version__} has no token authentication: the Ray pool accepts anyone who can "
                 "reach this machine's Ray ports; install a Ray that has it or firewall them (docs/security.md)")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 
 from megarl.parallel import cpu_compat, loopback
 
@@ -85,8 +87,6 @@ def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int 
     """Set up megatron's parallel_state for (TP, CP, PP, virtual PP) over all ranks;
     DP = world / (TP x CP x PP); MoE experts split over EP ranks taken from DP x CP (expert TP = TP).
     Calling again with the same layout is a no-op; another is refused."""
-    from megatron.core import parallel_state as ps
-
     vpp = vpp if vpp and vpp > 1 else None
     world = dist.get_world_size()
     if world % (tp * cp * pp):
@@ -108,14 +108,11 @@ def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int 
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
                                  create_gloo_process_groups=torch.cuda.is_available())
     if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return layout()
 
 
 def layout() -> Layout:
-    from megatron.core import parallel_state as ps
-
     return Layout(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                   pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
@@ -125,37 +122,29 @@ def layout() -> Layout:
 
 
 def destroy_model_parallel() -> None:
-    from megatron.core import parallel_state as ps
-
     ps.destroy_model_parallel()
 
 
 def tp_group():
-    from megatron.core import parallel_state as ps
     return ps.get_tensor_model_parallel_group()
 
 
 def cp_group():
-    from megatron.core import parallel_state as ps
     return ps.get_context_parallel_group()
 
 
 def pp_group():
-    from megatron.core import parallel_state as ps
     return ps.get_pipeline_model_parallel_group()
 
 
 def dp_group():
-    from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group()
 
 
 def ep_group():
-    from megatron.core import parallel_state as ps
     return ps.get_expert_model_parallel_group()
 
 
 def pp_last_rank() -> int:
     """Global rank of the last pipeline stage in this rank's pipeline."""
-    from megatron.core import parallel_state as ps
     return ps.get_pipeline_model_parallel_last_rank()

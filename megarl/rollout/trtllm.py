@@ -37,6 +37,7 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout import trtllm_placement as placement
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.trtllm_args import (KEY, KV_TAG, WEIGHTS_TAG, Features, check_config,  # noqa: F401
                                         completion_from_output, detect_features, llm_kwargs, logprob_mode,
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 def _logprob_mode_enum():
     """1.3's SamplingParams.logprobs_mode takes its LogprobMode enum where one is defined."""
     try:
-        from tensorrt_llm.sampling_params import LogprobMode
+        from tensorrt_llm.sampling_params import LogprobMode  # optional dependency (megarl[trtllm])
     except ImportError:
         return None
     return LogprobMode
@@ -64,7 +65,6 @@ class TRTLLMEngine(BaseRollout):
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, tp_group=None, pad_token_id: int | None = None,
                  expected_names: list[str] | None = None, device: str | torch.device | None = None):
         super().__init__(cfg, role="rollout")
-        from megarl.rollout import trtllm_placement as placement
         self.comm = Group(tp_group)
         self.leader = self.comm.rank == 0
         if self.comm.size not in (1, cfg.tensor_model_parallel_size):
@@ -80,7 +80,7 @@ class TRTLLMEngine(BaseRollout):
         if cfg.enable_sleep_mode and cfg.load_format == "dummy" and self.sleep_weights == "keep" and self.leader:
             log.info("TensorRT-LLM %s has no %s memory tag: the weights stay on the GPU during sleep",
                      self.features.version, WEIGHTS_TAG)
-        from tensorrt_llm._torch.utils import get_device_uuid
+        from tensorrt_llm._torch.utils import get_device_uuid  # optional dependency (megarl[trtllm])
         # Where this rank's bucket tensors live for the IPC handles: its own GPU.
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         index = self.device.index or 0
@@ -95,7 +95,7 @@ class TRTLLMEngine(BaseRollout):
         self.llm = None
         self.released: set[str] = set()
         self.asleep = False
-        from tensorrt_llm.llmapi import llm_args
+        from tensorrt_llm.llmapi import llm_args  # optional dependency (megarl[trtllm])
         # Built on every rank, so a bad engine_kwargs key stops every rank alike.
         kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)
 

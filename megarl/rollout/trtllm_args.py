@@ -45,7 +45,7 @@ LOGPROBS_NEEDED = "TensorRT-LLM >= 1.3 (SamplingParams.logprobs_mode, PR #9675)"
 
 def require_tensorrt_llm():
     try:
-        import tensorrt_llm
+        import tensorrt_llm  # optional dependency (megarl[trtllm])
     except Exception as err:  # ImportError, or a CUDA/driver error raised while importing
         raise ImportError(
             f"rollout.name=trtllm needs the tensorrt_llm package ({LOGPROBS_NEEDED}), which does not import "
@@ -96,7 +96,7 @@ def memory_type_enum(args_mod):
     mem = getattr(args_mod, "ExecutorMemoryType", None)
     if mem is None:
         try:
-            from tensorrt_llm._torch.virtual_memory import ExecutorMemoryType as mem
+            from tensorrt_llm._torch.virtual_memory import ExecutorMemoryType as mem  # optional (megarl[trtllm])
         except ImportError:
             return None
     return mem
@@ -106,7 +106,7 @@ def detect_features(tllm) -> Features:
     """What this tensorrt_llm accepts, read from its classes (dataclass fields, pydantic model fields,
     the LLM constructor's named parameters), not from its version string."""
     sampling = frozenset(f.name for f in dataclasses.fields(tllm.SamplingParams) if f.init)
-    from tensorrt_llm.llmapi import llm_args as args_mod
+    from tensorrt_llm.llmapi import llm_args as args_mod  # optional dependency (megarl[trtllm])
     model = getattr(args_mod, "TorchLlmArgs", None) or getattr(args_mod, "LlmArgs")
     llm = frozenset(set(getattr(model, "model_fields", {})) | _init_params(tllm.LLM.__init__))
     mem = memory_type_enum(args_mod)

@@ -11,19 +11,18 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from torch.multiprocessing.reductions import reduce_tensor
 
 
 def bucket_handles(named: Iterable[tuple[str, torch.Tensor]], device_uuid: str) -> dict[str, str]:
     """{device UUID: base64 of pickled [(HF name, torch IPC handle)]}, the worker extension's format."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     handles = [(name, reduce_tensor(t.detach().contiguous())) for name, t in named]
     return {device_uuid: base64.b64encode(pickle.dumps(handles)).decode("ascii")}
 
 
 def checkpoint_names(model_dir: str) -> list[str]:
     """Tensor names of an HF checkpoint (what a full sync must deliver), from safetensors headers."""
-    from safetensors import safe_open
     names: list[str] = []
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:

@@ -47,7 +47,7 @@ class DeviceReportingExtension(_Base):
     each worker runs on, for the placement check on versions whose wrapper lacks it."""
 
     def report_device_id(self) -> str:
-        from tensorrt_llm._torch.utils import get_device_uuid
+        from tensorrt_llm._torch.utils import get_device_uuid  # optional dependency: runs in TRT-LLM's workers
         return get_device_uuid(self.device_id)
 
 

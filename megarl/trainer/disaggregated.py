@@ -19,6 +19,15 @@ import os
 import socket
 import time
 
+import torch.distributed as dist
+
+from megarl.algos.kl import make_kl_controller
+from megarl.checkpoint_engine.distributed import DisaggregatedReceiver, DisaggregatedSender
+from megarl.checkpoint_engine.source import ShardSource
+from megarl.models.hf_checkpoint import HFCheckpoint
+from megarl.parallel.loopback import listening_store
+from megarl.reward.manager import build_reward_manager
+from megarl.rollout.registry import build_rollout
 from megarl.trainer.parts import RolloutParts, TrainerParts, build_roles, build_shared
 
 
@@ -44,7 +53,6 @@ class UpdateSignal:
     ADDRESS_KEY = "megarl/async/signal_address"
 
     def __init__(self, ranks, nnodes: int = 1):
-        from megarl.parallel.loopback import listening_store
         self.store = None
         if ranks.role == "trainer" and ranks.rank == 0:
             host = "127.0.0.1" if nnodes == 1 else "0.0.0.0"
@@ -72,11 +80,6 @@ class UpdateSignal:
 
 
 def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
-    from megarl.algos.kl import make_kl_controller
-    from megarl.checkpoint_engine.distributed import DisaggregatedSender
-    from megarl.checkpoint_engine.source import ShardSource
-    from megarl.reward.manager import build_reward_manager
-
     shared = build_shared(cfg, ranks, log)
     shared.val_loader = None                  # validation runs on the rollout ranks
     roles = build_roles(cfg, shared)
@@ -90,11 +93,6 @@ def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
 
 
 def build_rollout_parts(cfg, ranks, log) -> RolloutParts:
-    from megarl.checkpoint_engine.distributed import DisaggregatedReceiver
-    from megarl.models.hf_checkpoint import HFCheckpoint
-    from megarl.reward.manager import build_reward_manager
-    from megarl.rollout.registry import build_rollout
-
     shared = build_shared(cfg, ranks, log)
     engine = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
                            device=ranks.device)

@@ -15,22 +15,30 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from transformers import AutoTokenizer
+
+from megarl.algos.kl import make_kl_controller
+from megarl.checkpoint_engine import build_checkpoint_engine
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
 from megarl.config.model_path import model_path_state
+from megarl.data.build import build_loaders
 from megarl.reward.loading import load_object
+from megarl.reward.manager import build_reward_manager
+from megarl.rollout.multiturn import build_agent_loop
+from megarl.rollout.registry import build_rollout
+from megarl.workers.actor import ActorWorker
+from megarl.workers.critic import CriticWorker
+from megarl.workers.reference import ReferenceWorker
+from megarl.workers.reward_model import RewardModelWorker
 
-if TYPE_CHECKING:       # annotations only: the roles import megatron
+if TYPE_CHECKING:       # annotations only
     from transformers import PreTrainedTokenizerBase
 
     from megarl.algos.kl import AdaptiveKLController, FixedKLController
     from megarl.data.loader import PromptLoader
     from megarl.reward.manager import RewardManager
     from megarl.rollout.base import RolloutEngine
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.critic import CriticWorker
-    from megarl.workers.reference import ReferenceWorker
-    from megarl.workers.reward_model import RewardModelWorker
 
 
 class WeightSync(Protocol):
@@ -112,10 +120,6 @@ def total_steps(cfg, loader) -> int:
 
 def build_shared(cfg, ranks, log) -> Shared:
     """The checkpoint (created and checked), the tokenizer, the data loaders and the step count."""
-    from transformers import AutoTokenizer
-
-    from megarl.data.build import build_loaders
-
     ensure_model(cfg, ranks)
     m = cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
@@ -130,33 +134,22 @@ def build_shared(cfg, ranks, log) -> Shared:
 
 def build_roles(cfg, shared: Shared) -> dict:
     """The megatron roles, each from the run's resolved config (its own optimizer step count)."""
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.critic import CriticWorker
-    from megarl.workers.reference import ReferenceWorker
-
     run_cfg = cfg.resolved(shared.total_steps)
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     roles = dict(actor=ActorWorker.from_config(run_cfg),
                  ref=ReferenceWorker.from_config(run_cfg) if needs_ref else None,
                  critic=CriticWorker.from_config(run_cfg) if cfg.critic.enable else None, reward_model=None)
     if cfg.reward_model.enable:
-        from megarl.workers.reward_model import RewardModelWorker
         roles["reward_model"] = RewardModelWorker.from_config(run_cfg)
     return roles
 
 
 def build_parts(cfg, ranks, log) -> TrainerParts:
-    from megarl.algos.kl import make_kl_controller
-    from megarl.checkpoint_engine import build_checkpoint_engine
-    from megarl.reward.manager import build_reward_manager
-    from megarl.rollout.registry import build_rollout
-
     shared = build_shared(cfg, ranks, log)
     roles = build_roles(cfg, shared)
     rollout = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
                             device=ranks.device)
     if cfg.rollout.multi_turn.enable:
-        from megarl.rollout.multiturn import build_agent_loop
         rollout = build_agent_loop(cfg, rollout, shared.tokenizer)
     weight_sync = build_checkpoint_engine(cfg, roles["actor"], rollout, ranks.rollout_group)
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main else None

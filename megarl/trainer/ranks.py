@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
-from megarl.config import ConfigError, ExperimentConfig
+from megarl.config import ConfigError
+from megarl.config.experiment import ExperimentConfig
 from megarl.parallel import state
 from megarl.parallel.bridge import Bridge, job_store
 from megarl.parallel.launch_env import rank_env

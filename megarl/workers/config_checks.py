@@ -6,6 +6,7 @@ that ExperimentConfig runs once when built (megarl/config/experiment.py RULES, M
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
+from megarl.models.spec import ModelSpec, check_experts, check_window
 
 
 def _layouts(cfg, critic: bool = True) -> list[tuple[str, object]]:
@@ -134,7 +135,6 @@ def _model_layouts(cfg) -> list[tuple[str, object]]:
 
 def check_model_spec(cfg, hf_config: dict) -> None:
     """Expert-parallel layouts (MoE) and Mistral's sliding window, judged on megarl's ModelSpec."""
-    from megarl.models.spec import ModelSpec, check_experts, check_window
     try:
         spec = ModelSpec.from_hf_config(hf_config)
     except ValueError:

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.models.context_parallel import gather_sequence, split_sequence
 from megarl.parallel import cpu_compat, sequence, state
@@ -165,8 +166,6 @@ class Schedule(cpu_compat.Boundary):
         """Run `micro` (micro-batch i `cols[i]` columns wide; an int: the padded width `seq`, one
         shape for all) through megatron's schedule; forward-only when loss_fn is None. Returns, on
         the last stage, one dict per micro-batch (outputs, or loss metrics); [] elsewhere."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         lay = self.layout
         for mb in micro:
             batching.check_device(mb, self.device)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megarl.models import mcore
 from megarl.models.build import build_gpt, transformer_config
@@ -45,8 +49,6 @@ class Shards(cpu_compat.Boundary):
         """This rank's model: one GPTModel per virtual-pipeline chunk (one without VPP), each
         with the global index of its first layer. Chunk v of stage p holds the layers of virtual
         stage v*PP + p (megatron's interleaved order)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
         models, offsets = [], []
         for v in range(self.layout.vpp):
             vp = v if self.layout.vpp > 1 else None
@@ -60,8 +62,6 @@ class Shards(cpu_compat.Boundary):
     def wrap(self) -> list:
         """The chunks as the schedule runs them: Float16Module below fp32, DDP when trainable
         (a frozen role's parameters stop requiring gradients instead)."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer.module import Float16Module
         out = []
         for model in self.models:
             if self.dtype != torch.float32:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
 
 from megarl.parallel import cpu_compat, state
 from megarl.protocol import DataProto
@@ -122,5 +123,4 @@ class Update(cpu_compat.Boundary):
 
 def finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
     """megatron's finalize_model_grads without the division by the schedule's token count."""
-    from megatron.core.distributed import finalize_model_grads
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -9,9 +9,10 @@ max_num_batched_tokens padded tokens), each prompt's K/V written once, into its 
 n samples share (megarl/rollout/native/kv_cache.py); every iteration decodes one token for all
 active rows (on CUDA by replaying a CUDA graph captured for the bucketed shape,
 megarl/rollout/native/rows.py) and samples on the device; a finished sample's row goes to the
-next waiting prompt, and its group when the prompt's last sample finishes. Every rank of the TP group runs the same loop on the same inputs and
-samples the same tokens (counter-based randomness over the gathered logits), so no token
-broadcast is needed.
+next waiting prompt, and its group when the prompt's last sample finishes (one call's loop:
+megarl/rollout/native/scheduler.py). Every rank of the TP group runs the same loop on the same
+inputs and samples the same tokens (counter-based randomness over the gathered logits), so no
+token broadcast is needed.
 
 Rows: max_num_seqs at most, fewer where the KV cache would not fit the memory budget
 (kv_cache_gb, or gpu_memory_utilization of the device minus what is already allocated; on CPU
@@ -27,19 +28,18 @@ implies for a failed sync).
 from __future__ import annotations
 
 import gc
-from collections import deque
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
 from megarl.models.hf_config import read_hf_config
 from megarl.rollout.hf_weights import buckets, iter_hf_weights
-from megarl.rollout.native import host_budget, sampler
+from megarl.rollout.native import host_budget
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
-from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, bucket
+from megarl.rollout.native.scheduler import Scheduler
+from megarl.rollout.native.rows import DecodeStep, Rows
 from megarl.rollout.native.tp import ShardPlan, TPComm
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
@@ -199,7 +199,7 @@ class NativeEngine(BaseRollout):
             self.rows = Rows(self.cache.rows, self.cache.groups, max(T, old.max_tokens if old else 0),
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return _Scheduler(self, prompts, sampling, seed).run()
+        return Scheduler(self, prompts, sampling, seed).run()
 
     def _capacity(self, prompts: int, n: int, prompt_len: int, gen_len: int, penalty: bool) -> tuple[int, int]:
         """(rows, groups) for this call: max_num_seqs rows at most (and no more than the call
@@ -242,161 +242,3 @@ class NativeEngine(BaseRollout):
             total = torch.cuda.get_device_properties(self.device).total_memory
             return self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held
         return host_budget.cpu_budget_bytes(self.gpu_memory_utilization, held)
-
-
-class _Scheduler:
-    """One generate() call: the queue, the active rows (0..B-1) and groups (0..G-1), the decode loop.
-
-    Per iteration: batched prefill of as many waiting prompts as free rows, free groups (and the
-    prefill token budget) allow; one decode step for all active rows; then one read of which rows
-    hit a stop token (the only host sync of a step; lengths are tracked on the host). Finished
-    rows' tokens and log-probs come back in one copy, the last active rows move into their
-    places, and so do the last active groups into the places of groups whose samples all finished.
-    """
-
-    def __init__(self, engine: "NativeEngine", prompts, sampling: SamplingParams, seed: int):
-        self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
-        self.R, self.Gcap = engine.cache.rows, engine.cache.groups
-        stops = sorted(sampling.stop_ids)
-        self.stops = torch.tensor(stops, dtype=torch.long, device=engine.device) if stops else None
-        self.out: list[list[Completion | None]] = [[None] * sampling.n for _ in prompts]
-        # Host mirrors. Rows 0..B-1: which (prompt, sample) each holds, its group, its step.
-        self.prompt = np.zeros(self.R, dtype=np.int64)
-        self.sample = np.zeros(self.R, dtype=np.int64)
-        self.grp = np.zeros(self.R, dtype=np.int64)
-        self.steps = np.zeros(self.R, dtype=np.int64)
-        # Groups 0..G-1: their prompt's length and how many of its samples are still running.
-        self.glen = np.zeros(self.Gcap, dtype=np.int64)
-        self.live = np.zeros(self.Gcap, dtype=np.int64)
-        self.B = self.G = 0
-
-    def _admit(self, idx: list[int]) -> None:
-        """Prefill prompts `idx` in one pass into groups G..G+k-1; their n samples take rows
-        B..B+k*n-1."""
-        e, n, rows, dev = self.e, self.sp.n, self.e.rows, self.e.device
-        k, first, g0 = len(idx), self.B, self.G
-        M, last = k * n, self.B + k * n
-        lens = [len(self.prompts[i]) for i in idx]
-        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(self.prompts[i], dtype=torch.long) for i in idx],
-                                              batch_first=True).to(dev)                      # [k, P]
-        lengths = torch.tensor(lens, dtype=torch.long, device=dev)
-        groups = torch.arange(g0, g0 + k, device=dev)
-        logits = e.model.prefill(ids, lengths, e.cache, groups, e.comm)                     # [k, V]
-        src = torch.arange(k, device=dev).repeat_interleave(n)                              # [M] prompt of each row
-        samples = torch.arange(n, device=dev).repeat(k)
-        rows.key[first:last] = sampler.sample_keys(self.seed, torch.tensor(idx, dtype=torch.long, device=dev)[src],
-                                                   samples)
-        rows.step[first:last] = 0
-        rows.pos[first:last] = lengths[src]
-        rows.grp[first:last] = groups[src]
-        rows.member[first:last] = samples
-        rows.glen[g0:g0 + k] = lengths
-        if rows.seen is not None:
-            V = e.args.vocab_size                 # padding scatters into an extra column, dropped
-            pad = torch.arange(ids.shape[1], device=dev)[None, :] >= lengths[:, None]
-            seen = torch.zeros(M, V + 1, dtype=torch.bool, device=dev)
-            seen.scatter_(1, ids.masked_fill(pad, V)[src], True)
-            rows.seen[first:last] = seen[:, :V]
-        rows.record(first, last, logits[src], self.sp)
-        self.prompt[first:last] = np.repeat(idx, n)
-        self.sample[first:last] = np.tile(np.arange(n), k)
-        self.grp[first:last] = np.repeat(np.arange(g0, g0 + k), n)
-        self.steps[first:last] = 1
-        self.glen[g0:g0 + k] = lens
-        self.live[g0:g0 + k] = n
-        self.B, self.G = last, g0 + k
-        e.stats["prefills"] += k
-        e.stats["prefill_batches"] += 1
-
-    def _retire(self) -> None:
-        """Record finished rows; move the last active rows (and groups) into the freed places."""
-        e, rows, B = self.e, self.e.rows, self.B
-        if B == 0:
-            return
-        stopped = np.zeros(B, dtype=bool)
-        if self.stops is not None:           # the one read-back per step
-            stopped[torch.isin(rows.tok[:B], self.stops).nonzero().flatten().cpu().numpy()] = True
-        done = stopped | (self.steps[:B] >= self.sp.max_tokens)
-        fin = np.flatnonzero(done)
-        if not len(fin):
-            return
-        width = int(self.steps[fin].max())
-        fin_t = torch.from_numpy(fin).to(e.device)
-        toks = rows.out_tok[fin_t, :width].cpu().tolist()
-        logps = rows.out_logp[fin_t, :width].cpu().tolist()
-        for r, t, lp in zip(fin.tolist(), toks, logps):
-            s = int(self.steps[r])
-            self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], "stop" if stopped[r] else "length")
-        e.stats["generated_tokens"] += int(self.steps[fin].sum())
-        np.subtract.at(self.live, self.grp[fin], 1)
-        keep = B - len(fin)
-        holes = fin[fin < keep]
-        movers = np.flatnonzero(~done[keep:]) + keep
-        if len(movers):
-            e.cache.move_rows(movers.tolist(), holes.tolist(), int(self.steps[movers].max()))
-            rows.move(movers.tolist(), holes.tolist())
-            for a in (self.prompt, self.sample, self.grp, self.steps):
-                a[holes] = a[movers]
-        rows.reset(keep, B)
-        self.B = keep
-        self._retire_groups()
-
-    def _retire_groups(self) -> None:
-        """Groups whose samples all finished are free; the last active groups move into them."""
-        G = self.G
-        empty = np.flatnonzero(self.live[:G] == 0)
-        if not len(empty):
-            return
-        keep = G - len(empty)
-        holes = empty[empty < keep]
-        movers = np.flatnonzero(self.live[keep:G] > 0) + keep
-        if len(movers):
-            e, rows = self.e, self.e.rows
-            e.cache.move_groups(movers.tolist(), holes.tolist(), int(self.glen[movers].max()))
-            rows.glen[torch.from_numpy(holes).to(e.device)] = rows.glen[torch.from_numpy(movers).to(e.device)]
-            for a in (self.glen, self.live):
-                a[holes] = a[movers]
-            remap = np.arange(G)
-            remap[movers] = holes
-            self.grp[:self.B] = remap[self.grp[:self.B]]
-            rows.grp[:self.B] = torch.from_numpy(self.grp[:self.B]).to(e.device)
-            e.stats["group_moves"] += len(movers)
-        self.live[keep:G] = 0
-        self.G = keep
-
-    def _step(self) -> None:
-        e, B, G = self.e, self.B, self.G
-        Ls = int(self.steps[:B].max())        # generated keys: the newest goes to steps - 1
-        Lp = int(self.glen[:G].max())
-        if e.decode.static:                   # static shapes: bucketed rows, groups and spans
-            B, G = bucket(B, self.R), bucket(G, self.Gcap)
-            Ls, Lp = bucket(Ls, e.cache.gen_len, SPAN_UNIT), bucket(Lp, e.cache.prompt_len, SPAN_UNIT)
-        e.decode(B, (G, self.sp.n, Lp, Ls), self.sp)
-        self.steps[:self.B] += 1
-        e.stats["decode_steps"] += 1
-
-    def run(self) -> list[list[Completion]]:
-        n, budget = self.sp.n, self.e.max_num_batched_tokens
-        queue = deque(range(len(self.prompts)))
-
-        def room(extra: int) -> bool:         # rows and a group for one more prompt
-            return self.R - self.B - extra * n >= n and self.Gcap - self.G - extra >= 1
-        while queue or self.B:
-            admitted = False
-            while queue and room(0):
-                idx, longest = [], 0
-                while queue and room(len(idx)):
-                    longest_next = max(longest, len(self.prompts[queue[0]]))
-                    if idx and (len(idx) + 1) * longest_next > budget:
-                        break
-                    idx.append(queue.popleft())
-                    longest = longest_next
-                self._admit(idx)
-                admitted = True
-            if admitted:
-                self._retire()
-            if not self.B:
-                continue
-            self._step()
-            self._retire()
-        return self.out  # type: ignore[return-value]
