@@ -8,7 +8,7 @@ What it checks, cheapest first, reading only small files (no torch, no model wei
 - prompt + response fit the model's positions (and rollout.max_model_len);
 - the rollout engine is known and importable; a custom class or tools file loads;
 - the reward function (or manager) imports and has the right signature;
-- model.external_lib imports; the run directory is writable.
+- model.external_lib imports; the run directory is writable and has room for a checkpoint.
 The layout is checked by the config itself (ExperimentConfig) and against the model here.
 """
 from __future__ import annotations
@@ -35,6 +35,8 @@ def preflight(cfg) -> None:
     check_reward(cfg)
     import_external_libs(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    from megarl.diskspace import check_free_space
+    check_free_space(cfg)     # a full disk passes the write check (an empty file needs no blocks)
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
 

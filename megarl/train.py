@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import time
 
 from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
-from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
+from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent
+from megarl.parallel.supervise import LogCopy, run_tree
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,22 +77,20 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"megarl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     print(f"megarl: starting {nproc} process{'es' if nproc > 1 else ''}; log {log_path}", flush=True)
+    log = LogCopy(log_path)
+
+    def copy(chunk: bytes) -> None:
+        try:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+        except OSError:
+            pass                     # a closed console must not stop the run; the log keeps it
+        log.write(chunk)
     try:
-        with open(log_path, "ab") as log:
-            # The child gets SIGTERM if this process dies (torchrun then stops its ranks).
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    preexec_fn=child_dies_with_us())
-            try:
-                while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
-                    log.write(chunk)
-                    log.flush()
-                return proc.wait()
-            except KeyboardInterrupt:
-                proc.send_signal(signal.SIGINT)
-                return proc.wait()
+        # Every process of the run stays below this one and ends with it (megarl/parallel/supervise.py).
+        return run_tree(cmd, env, copy)
     finally:
+        log.close()
         lock.release()
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ConfigError
+from megarl.trainer.faults import fault_point
 
 POINTER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -81,10 +82,51 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed for a reason outside the program (a full disk, a lost mount): one line."""
+
+
 def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
     """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir).
     An existing global_step_N is never replaced in silence: an incomplete one is moved aside to
-    global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`)."""
+    global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`).
+    A save that fails on the filesystem (ENOSPC, EIO, ...) removes its partial directory and
+    raises CheckpointSaveError naming the step, the error and the last complete checkpoint."""
+    try:
+        return _save(root, step, roles, trainer_state, rank, keep, say)
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        cause = _os_error(err)
+        if cause is None or isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        if rank == 0:
+            shutil.rmtree(step_dir(root, step) + ".tmp", ignore_errors=True)   # gives the space back
+        last = latest_step_dir(root)
+        raise CheckpointSaveError(
+            f"saving step {step} failed on rank {rank}: {cause.strerror or cause}"
+            + (f" ({cause.filename})" if cause.filename else "") + f"; the partial save was removed and the last "
+            f"complete checkpoint is {last or 'none'}; free space (or fix the filesystem), then run the same "
+            "command to resume") from None
+
+
+def _os_error(err: BaseException, depth: int = 0) -> OSError | None:
+    """The OSError behind `err`: itself, its cause/context, or a rank's failure inside torch's
+    CheckpointException (megatron's writer processes send theirs back that way)."""
+    if err is None or depth > 6:
+        return None
+    if isinstance(err, OSError) and err.errno is not None:
+        return err
+    inner = [pair[0] for pair in getattr(err, "failures", {}).values() if isinstance(pair, tuple)]
+    for e in (*inner, err.__cause__, err.__context__):
+        found = _os_error(e, depth + 1) if isinstance(e, BaseException) else None
+        if found is not None:
+            return found
+    if "No space left on device" in str(err):  # megatron's writer can report it only as text
+        import errno
+        return OSError(errno.ENOSPC, "No space left on device")
+    return None
+
+
+def _save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
     final = step_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
@@ -94,6 +136,7 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
     for name, worker in roles.items():
         worker.save_checkpoint(os.path.join(tmp, name))
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    fault_point("save", step, rank)
     _barrier()
     if rank == 0:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # written last: marks completeness
@@ -149,20 +192,102 @@ def resume_dir(cfg) -> str | None:
 
 
 def load(path: str, roles: dict, rank: int, world: int) -> dict:
-    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. A file that
-    cannot be read is one line naming the step, the file and trainer.resume_mode."""
-    for name, worker in roles.items():
-        sub = os.path.join(path, name)
-        if not os.path.isdir(sub):
+    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. A missing,
+    truncated or unreadable file is one line naming the step, the file and trainer.resume_mode,
+    found before anything is loaded where it can be (damaged_file)."""
+    for name in roles:
+        if not os.path.isdir(os.path.join(path, name)):
             raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
                               "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
+    state_file = os.path.join(path, "trainer_state.pt")
+    problem = damaged_file(path, [], None)
+    state = None if problem else _reading(path, state_file, lambda: torch.load(state_file, weights_only=False))
+    # RNG streams are restored when the world size is the one saved (the resume is then bitwise)
+    rng_file = os.path.join(path, "rng", f"rank_{rank}.pt") if state and state.get("world") == world else None
+    problem = problem or damaged_file(path, list(roles), rng_file)
+    if problem:
+        raise _damaged(path, *problem)
+    for name, worker in roles.items():
+        sub = os.path.join(path, name)
         _reading(path, sub, lambda: worker.load_checkpoint(sub))
-    state = _reading(path, os.path.join(path, "trainer_state.pt"),
-                     lambda: torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False))
-    rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
-    if state.get("world") == world and os.path.isfile(rng_file):
+    if rng_file:
         set_rng_state(_reading(path, rng_file, lambda: torch.load(rng_file, weights_only=False)))
     return state
+
+
+def damaged_file(path: str, roles: list[str], rng_file: str | None) -> tuple[str, str] | None:
+    """(file, what is wrong) for the first file of the step checkpoint `path` that is missing or
+    truncated, reading no pickle: zip archives (torch.save) are CRC-checked, JSON parsed, torch's
+    distributed-checkpoint metadata walked opcode by opcode, and each .distcp file's size
+    compared with the byte ranges that metadata gives it."""
+    import zipfile
+
+    def zip_ok(f: str) -> str | None:
+        try:
+            with zipfile.ZipFile(f) as z:
+                bad = z.testzip()
+            return f"holds a corrupt entry ({bad})" if bad else None
+        except (zipfile.BadZipFile, EOFError, OSError) as err:
+            return f"is truncated or not a torch file ({err})"
+
+    checks = [("trainer_state.pt", zip_ok)] + ([(os.path.relpath(rng_file, path), zip_ok)] if rng_file else [])
+    for role in roles:
+        checks += [(f"{role}/metadata.json", _json_ok), (f"{role}/common.pt", zip_ok),
+                   (f"{role}/.metadata", _pickle_complete), (f"{role}/hf/config.json", _json_ok)]
+    for rel, check in checks:
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            return rel, "is missing"
+        try:
+            why = check(f)
+        except (ValueError, OSError) as err:   # JSONDecodeError is a ValueError
+            why = f"cannot be parsed ({type(err).__name__}: {str(err)[:120]})"
+        if why:
+            return rel, why
+    for role in roles:
+        found = _short_distcp(os.path.join(path, role))
+        if found:
+            return f"{role}/{found[0]}", found[1]
+    return None
+
+
+def _json_ok(f: str) -> None:
+    import json
+    with open(f) as fh:
+        json.load(fh)
+
+
+def _pickle_complete(f: str) -> str | None:
+    import pickletools
+    with open(f, "rb") as fh:
+        try:
+            for op, _, _ in pickletools.genops(fh):
+                if op.name == "STOP":
+                    return None
+        except Exception as err:  # genops raises ValueError on a cut opcode, and others
+            return f"is truncated ({type(err).__name__})"
+    return "is truncated (no end of pickle)"
+
+
+def _short_distcp(role_dir: str) -> tuple[str, str] | None:
+    from torch.distributed.checkpoint import FileSystemReader
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(role_dir).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = os.path.join(role_dir, name)
+        if not os.path.isfile(f):
+            return name, "is missing"
+        size = os.path.getsize(f)
+        if size < end:
+            return name, f"is truncated ({size} bytes; its metadata needs {end})"
+    return None
+
+
+def _damaged(step_path: str, rel: str, why: str) -> ConfigError:
+    return ConfigError(f"cannot resume from {os.path.basename(step_path)}: {rel} {why}; the checkpoint is damaged: "
+                       "start over with trainer.resume_mode=disable, or pick an earlier one with trainer.resume_mode="
+                       "resume_path trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode")
 
 
 def _reading(step_path: str, what: str, fn):
@@ -170,9 +295,12 @@ def _reading(step_path: str, what: str, fn):
         return fn()
     except ConfigError:
         raise
-    except Exception as err:  # megatron's CheckpointException runs to hundreds of lines: keep the first
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException of hundreds of lines
         first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-        raise ConfigError(f"cannot resume from {os.path.basename(step_path)}: reading {what} failed "
-                          f"({type(err).__name__}: {first[:300]}); the checkpoint is damaged: start over with "
-                          "trainer.resume_mode=disable, or pick an earlier one with trainer.resume_mode=resume_path "
-                          "trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode") from None
+        if getattr(err, "failures", None):   # the failing rank's own exception, not torch's wrapper
+            inner = next(iter(err.failures.values()))[0]
+            first = f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+        raise _damaged(step_path, os.path.relpath(what, step_path),
+                       f"could not be read ({type(err).__name__}: {first[:300]})") from None

@@ -8,6 +8,7 @@ import sys
 
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
+from megarl.trainer.checkpointing import CheckpointSaveError
 from megarl.trainer.metrics import MetricsLogger
 
 
@@ -62,8 +63,9 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
               file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
-    except RewardFailure as err:  # a deadline breach or too many failed samples: one line, the cause
-        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+    except (RewardFailure, CheckpointSaveError) as err:  # a reward's deadline or failures, a full disk: one line
+        if rank == 0 or isinstance(err, CheckpointSaveError):
+            print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         tell_launcher(err)
         return 3
     except BadStepLimit as err:

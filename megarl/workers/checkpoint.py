@@ -54,6 +54,8 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
+    from megarl.parallel.supervise import megatron_writer_dies_with_rank
+    megatron_writer_dies_with_rank()      # megatron's writer helper must not outlive this rank
     dist_checkpointing.save(sd, path)
     if dist.get_rank() == 0:  # after megatron's save, which wants an empty directory
         _write_hf_aux(path, engine)
