@@ -205,6 +205,10 @@ def load(path: str, roles: dict, rank: int, world: int) -> dict:
     # RNG streams are restored when the world size is the one saved (the resume is then bitwise)
     rng_file = os.path.join(path, "rng", f"rank_{rank}.pt") if state and state.get("world") == world else None
     problem = problem or damaged_file(path, list(roles), rng_file)
+    if dist.is_initialized():    # every rank stops on the same line (one rank's rng file, say), none hangs
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), None)
     if problem:
         raise _damaged(path, *problem)
     for name, worker in roles.items():

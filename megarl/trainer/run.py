@@ -15,8 +15,18 @@ from megarl.trainer.metrics import MetricsLogger
 def tell_launcher(err: BaseException) -> None:
     """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
     none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-    ErrorHandler().record_exception(err)   # a no-op unless torchrun set TORCHELASTIC_ERROR_FILE
+    import json
+    import os
+    import time
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")   # set by torchrun; absent otherwise
+    if not path:
+        return
+    # torch's ErrorHandler.record_exception format, with the one-line message where it puts the
+    # traceback: these errors are the user's to fix, and torchrun's summary prints that field.
+    line = f"{type(err).__name__}: {err}"
+    with open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                               "timestamp": str(int(time.time()))}}}, f)
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
