@@ -245,7 +245,7 @@ def damaged_file(path: str, roles: list[str], rng_file: str | None) -> tuple[str
         try:
             why = check(f)
         except (ValueError, OSError) as err:   # JSONDecodeError is a ValueError
-            why = f"cannot be parsed ({type(err).__name__}: {str(err)[:120]})"
+            why = f"is truncated or corrupt ({type(err).__name__}: {str(err)[:120]})"
         if why:
             return rel, why
     for role in roles:
