@@ -15,7 +15,7 @@ import shutil
 
 from megarl.config.errors import ConfigError
 
-MARGIN = 16 << 20          # logs, metrics, the pointer file
+MARGIN = 2 << 20           # logs (the launcher reserves 1 MiB ahead of its log), metrics, the pointer
 WEIGHT_FACTOR = 4          # checkpoint bytes per byte of the model's weight files (rounded up from 3.3)
 _STEP = re.compile(r"^global_step_(\d+)$")
 

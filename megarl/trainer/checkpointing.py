@@ -95,7 +95,7 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
     try:
         return _save(root, step, roles, trainer_state, rank, keep, say)
     except BaseException as err:  # torch's CheckpointException is a BaseException
-        cause = _os_error(err)
+        cause = _os_error(err) or _disk_full(root)
         if cause is None or isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         if rank == 0:
@@ -106,6 +106,17 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
             + (f" ({cause.filename})" if cause.filename else "") + f"; the partial save was removed and the last "
             f"complete checkpoint is {last or 'none'}; free space (or fix the filesystem), then run the same "
             "command to resume") from None
+
+
+def _disk_full(root: str) -> OSError | None:
+    """torch's zip writer reports a short write as "unexpected pos N vs M", without an errno:
+    a failed save on a filesystem with (almost) no room left is taken as a full disk."""
+    import errno
+    try:
+        full = shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, "No space left on device", root) if full else None
 
 
 def _os_error(err: BaseException, depth: int = 0) -> OSError | None:
