@@ -246,6 +246,7 @@ def damaged_file(path: str, roles: list[str], rng_file: str | None) -> tuple[str
             return f"is truncated or not a torch file ({err})"
 
     checks = [("trainer_state.pt", zip_ok)] + ([(os.path.relpath(rng_file, path), zip_ok)] if rng_file else [])
+    roles = [r for r in roles if _is_megatron(os.path.join(path, r))]
     for role in roles:
         checks += [(f"{role}/metadata.json", _json_ok), (f"{role}/common.pt", zip_ok),
                    (f"{role}/.metadata", _pickle_complete), (f"{role}/hf/config.json", _json_ok)]
@@ -264,6 +265,12 @@ def damaged_file(path: str, roles: list[str], rng_file: str | None) -> tuple[str
         if found:
             return f"{role}/{found[0]}", found[1]
     return None
+
+
+def _is_megatron(role_dir: str) -> bool:
+    """A megatron distributed checkpoint (any of its files left), not some other worker's format."""
+    names = os.listdir(role_dir) if os.path.isdir(role_dir) else []
+    return any(n in ("metadata.json", "common.pt", ".metadata") or n.endswith(".distcp") for n in names)
 
 
 def _json_ok(f: str) -> None:
