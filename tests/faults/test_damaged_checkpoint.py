@@ -104,6 +104,7 @@ def test_truncated_shard_is_one_line_at_the_command_line(sync_chain, addition_mo
     assert lines and lines[0].startswith(f"megarl: config error: trainer.resume_mode: cannot resume from "
                                          f"global_step_{STEPS}: actor/__1_0.distcp is truncated (1000 bytes"), out[-3000:]
     assert sum(line.startswith("megarl: config error:") for line in out.splitlines()) == 1, out[-3000:]
-    assert "Traceback (most recent call last)" not in out, out[-3000:]
+    # no traceback of megarl's or torch's checkpoint reader (torchrun still prints its own summary)
+    assert "megarl/trainer" not in out and "CheckpointException" not in out and "EOFError" not in out, out[-3000:]
     after = _digests(run_dir)
     assert {k: v for k, v in after.items() if not k.startswith("logs/")} == before
