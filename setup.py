@@ -30,7 +30,10 @@ setup(
         "matplotlib>=3.8",                 # the reward-curve PNG
     ],
     extras_require={
-        "trtllm": ["tensorrt-llm>=1.3"],
+        # The 1.3 line megarl was written against (1.3.0rc21, what NeMo-RL 7ea279a pins); not yet run
+        # against it. PyPI holds only a stub for it: the wheel comes from NVIDIA's index
+        # (pip install 'megarl[trtllm]' --extra-index-url https://pypi.nvidia.com), see docs/trtllm.md.
+        "trtllm": ["tensorrt-llm>=1.3.0rc21,<1.4"],
         "te": ["transformer-engine[pytorch]"],
         "logging": ["tensorboard", "wandb"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],

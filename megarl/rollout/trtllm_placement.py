@@ -1,29 +1,37 @@
 """Where TensorRT-LLM's TP workers run: on exactly the GPUs of the rollout TP group's ranks.
 
-With `orchestrator_type="ray"` TensorRT-LLM starts a Ray instance of its own on the leader's host
-(unless told to join another) and one Ray actor per TP rank, on the GPUs that Ray sees. Under
-torchrun or Slurm megarl owns the GPUs, so:
+How TensorRT-LLM's Ray executor assigns GPUs (tensorrt_llm/executor/ray/executor.py at 061a914e,
+executor/ray/gpu_worker.py at a3dfe261; executor/ray_executor.py at 0777969c and
+executor/ray_gpu_worker.py at 8579c297 before the move):
+  - it sets RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, attaches to a running Ray cluster
+    (address="auto") unless TLLM_RAY_FORCE_LOCAL_CLUSTER=1, else starts a local one that sees the
+    GPUs CUDA_VISIBLE_DEVICES names, and makes a PACK placement group of num_gpus=1 workers;
+  - each worker gets the leader's whole environment (runtime_env env_vars = os.environ), so
+    CUDA_VISIBLE_DEVICES and PYTHONPATH travel with it;
+  - RayWorkerWrapper.__init__ does `int(ray.get_gpu_ids()[0])` (Ray returns the worker's own
+    CUDA_VISIBLE_DEVICES entry, ray/_private/worker.py) and maps it back with
+    `list(map(int, CUDA_VISIBLE_DEVICES.split(",")))`: the entries must be integer ordinals; a
+    GPU UUID raises ValueError in every version read.
 
-  1. every rank of the rollout TP group reports (host, device UUID); the group must sit on one host;
-  2. the leader builds the LLM with CUDA_VISIBLE_DEVICES set to exactly those UUIDs, in TP-rank
-     order (`only_devices`): the Ray instance TensorRT-LLM starts, and so its workers, see only
-     the group's GPUs. The user never runs `ray start`; the instance goes with llm.shutdown()
-     (TRTLLMEngine.close). An explicit placement in engine_kwargs.trtllm (ray_placement_config,
-     placement_groups) overrides this, and the check below still runs;
-  3. after start-up, `check_worker_devices` compares the UUIDs the workers report
-     (`report_device_id`, on TensorRT-LLM's Ray workers and on the extension below for versions
-     without it) with the group's, and stops with the fix on any mismatch.
-
-Set equality is what the refit needs: every rank puts the full tensors of a bucket on its own GPU
-and keys the IPC handles by its UUID; each worker opens the handles of the GPU it runs on.
-Each rank must be able to name the other ranks' GPUs (torchrun, or srun without per-task GPU
-binding); a launcher that hides them makes the workers fail to start or the check fail.
+So the leader starts the LLM inside `worker_env`: CUDA_VISIBLE_DEVICES = the group's ordinals in
+TP-rank order (each rank's device index translated through the launcher's own
+CUDA_VISIBLE_DEVICES, `device_ordinal`), TLLM_RAY_FORCE_LOCAL_CLUSTER=1 (a Ray instance of its
+own, never another rollout group's on the same node; an explicit setting is kept), and megarl's
+source root prepended to PYTHONPATH so the workers import the extension below without megarl
+being pip-installed (on this node; workers on other nodes of an existing Ray cluster need megarl
+installed there, and `start_failure` says so in one line). A launcher that hides the other ranks'
+GPUs from the leader's process (Slurm with ConstrainDevices and per-task binding) leaves the
+workers no GPU: run the rollout TP group's ranks with the node's GPUs visible. Everything is
+restored afterwards; the leader's CUDA context already exists
+and is not affected. After start-up `check_worker_devices` compares the UUIDs the workers report
+(RayWorkerWrapper.report_device_id) with the group's and stops with the fix on any mismatch.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+from pathlib import Path
 
 try:                                       # the worker-side class; TensorRT-LLM imports it by name
     from tensorrt_llm.llmapi.rlhf_utils import WorkerExtension as _Base
@@ -36,7 +44,7 @@ PLACEMENT_KEYS = ("ray_placement_config", "placement_groups", "placement_bundle_
 
 class DeviceReportingExtension(_Base):
     """TensorRT-LLM's RLHF worker extension (update_weights from IPC handles) plus the device UUID
-    each worker runs on, for the placement check."""
+    each worker runs on, for the placement check on versions whose wrapper lacks it."""
 
     def report_device_id(self) -> str:
         from tensorrt_llm._torch.utils import get_device_uuid
@@ -47,43 +55,86 @@ def host_name() -> str:
     return socket.gethostname()
 
 
-def group_devices(members: list[tuple[str, str]], tp_size: int) -> list[str]:
-    """The TP group's GPU UUIDs in rank order, from each rank's (host, UUID)."""
-    hosts = sorted({h for h, _ in members})
+def megarl_root() -> str:
+    """The directory that holds the megarl package (what the workers need on PYTHONPATH)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def device_ordinal(index: int, visible: str | None) -> str:
+    """How a fresh process on this host names this rank's device `index`: the index itself, or the
+    launcher's CUDA_VISIBLE_DEVICES entry at that index (checked by `group_devices`, on every rank)."""
+    if not visible:
+        return str(index)
+    entries = [e.strip() for e in visible.split(",")]
+    return entries[index] if index < len(entries) else f"cuda:{index} of CUDA_VISIBLE_DEVICES={visible}"
+
+
+def group_devices(members: list[tuple[str, str, str]], tp_size: int) -> tuple[list[str], list[int]]:
+    """The TP group's (GPU UUIDs, CUDA ordinals) in rank order, from each rank's (host, UUID, ordinal)."""
+    hosts = sorted({m[0] for m in members})
     if len(hosts) > 1:
         raise RuntimeError(f"the rollout TP group spans hosts {hosts}; megarl places TensorRT-LLM's TP workers on one "
                            "host: keep tensor_model_parallel_size <= GPUs per node")
-    uuids = [u for _, u in members]
+    uuids, ordinals = [m[1] for m in members], [str(m[2]) for m in members]
     if len(uuids) != tp_size:
         raise RuntimeError(f"tensor_model_parallel_size={tp_size} but the engine got {len(uuids)} rank(s) in its TP "
                            "group: build it on every rank of the group with tp_group=<that group>")
     if len(set(uuids)) != len(uuids):
         raise RuntimeError(f"ranks of the rollout TP group share a GPU ({uuids}); give each rank its own GPU "
                            "(LOCAL_RANK -> cuda device)")
-    return uuids
+    bad = [o for o in ordinals if not o.isdigit()]
+    if bad:
+        raise RuntimeError(f"the rollout TP group's GPUs are named {ordinals} by CUDA_VISIBLE_DEVICES, but TensorRT-LLM's "
+                           "Ray workers parse integer ids (executor/ray/gpu_worker.py): set CUDA_VISIBLE_DEVICES to "
+                           "integer ordinals (not GPU UUIDs or MIG ids)")
+    return uuids, [int(o) for o in ordinals]
+
+
+def worker_environment(ordinals: list[int], env: dict[str, str]) -> dict[str, str]:
+    """The variables to set while the LLM starts (see the module docstring)."""
+    paths = [megarl_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != megarl_root()]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(o) for o in ordinals),
+            "TLLM_RAY_FORCE_LOCAL_CLUSTER": env.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1"),
+            "PYTHONPATH": os.pathsep.join(paths)}
 
 
 @contextlib.contextmanager
-def only_devices(uuids: list[str]):
-    """CUDA_VISIBLE_DEVICES = these UUIDs while the LLM starts (CUDA accepts UUIDs there, which do
-    not depend on the launcher's device numbering); restored afterwards. This process's own CUDA
-    context is already made and is not affected; the processes started meanwhile inherit it."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+def worker_env(ordinals: list[int]):
+    """os.environ carries `worker_environment` while the LLM starts; restored afterwards."""
+    overrides = worker_environment(ordinals, dict(os.environ))
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
     try:
-        yield
+        yield overrides
     finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_failure(err: BaseException) -> str | None:
+    """One line for the start-up failures megarl's placement can cause, else None."""
+    chain, seen = [], err
+    while seen is not None:
+        chain.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    text = " <- ".join(chain)
+    if "worker extension" in text or "died during initialization" in text:
+        return (f"TensorRT-LLM's Ray workers did not start ({text}): they import {EXTENSION} from PYTHONPATH, which "
+                f"megarl sets to {megarl_root()} for them; where they run on another node (an existing Ray cluster), "
+                f"install megarl there too (pip install -e <checkout>)")
+    return None
 
 
 def check_worker_devices(worker_uuids: list[str], group_uuids: list[str]) -> None:
-    """The engine's workers must run on exactly the TP group's GPUs, one each."""
-    workers = sorted(str(u) for u in worker_uuids)
-    group = sorted(str(u) for u in group_uuids)
-    if workers != group:
-        raise RuntimeError(f"TensorRT-LLM's TP workers run on GPUs {workers} but the rollout TP group's ranks hold "
-                           f"{group}: a weight refit would find no handle for some worker. Give each rank its own "
-                           "GPU, let every rank see the node's GPUs, and drop any placement from engine_kwargs.trtllm")
+    """Each worker must run on a GPU of the TP group, and no two on the same one (the refit keys
+    the IPC handles by UUID; which worker of Ray's bundle takes which GPU is Ray's choice)."""
+    workers = [str(u) for u in worker_uuids]
+    strays = [f"worker {i} on {u}" for i, u in enumerate(workers) if u not in group_uuids]
+    if strays or len(set(workers)) != len(workers) or len(workers) != len(group_uuids):
+        raise RuntimeError(f"TensorRT-LLM's TP workers run on GPUs {workers} ({', '.join(strays) or 'not one each'}) but "
+                           f"the rollout TP group's ranks hold {list(group_uuids)}: a weight refit would find no handle "
+                           "for some worker. Give each rank its own GPU, let the leader's process see the group's GPUs, "
+                           "and drop any placement from engine_kwargs.trtllm")

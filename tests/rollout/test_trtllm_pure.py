@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import sys
 import textwrap
 
 import pytest
@@ -103,16 +104,34 @@ def test_extractor_reads_the_fields_from_source(tmp_path):
     assert snap["sleep_config_fields"] == ["restore_modes"] and snap["executor_memory_types"] == ["kv_cache", "model"]
     assert snap["completion_output_fields"] == ["index", "token_ids"] and snap["logprob_fields"] == ["logprob", "rank"]
     assert snap["logprobs_modes"] == ["raw", "processed"] and snap["logprobs_format"] == "sampled_plus_topk_dict"
+    assert snap["fields"]["executor_memory_types"] == {"repo": "NVIDIA/TensorRT-LLM", "commit": "abc123",
+                                                       "path": "tensorrt_llm/llmapi/llm_args.py"}
+    # Newer layout: llm_args.py imports the enum from _torch/virtual_memory.py; the extractor follows it.
+    args = (tmp_path / "tensorrt_llm/llmapi/llm_args.py").read_text()
+    start = args.index("class ExecutorMemoryType")
+    (tmp_path / "tensorrt_llm/llmapi/llm_args.py").write_text(
+        "from ..._torch.virtual_memory import ExecutorMemoryType\n" + args[:start])
+    os.makedirs(tmp_path / "tensorrt_llm/_torch", exist_ok=True)
+    (tmp_path / "tensorrt_llm/_torch/virtual_memory.py").write_text(
+        "class ExecutorMemoryType(StrEnum):\n    MODEL_WEIGHTS_MAIN = 'model_weights'\n    KV_CACHE = 'kv_cache'\n")
+    snap = extract_snapshot.snapshot(extract_snapshot.reader(str(tmp_path), None), "def456")
+    assert snap["executor_memory_types"] == ["model_weights", "kv_cache"]
+    assert snap["fields"]["executor_memory_types"]["path"] == "tensorrt_llm/_torch/virtual_memory.py"
+    assert snap["fields"]["sampling_params_fields"]["path"] == "tensorrt_llm/sampling_params.py"
 
 
 @pytest.mark.parametrize("name", trtllm_fake.SNAPSHOTS)
 def test_snapshot_records_its_source(name):
     snap = trtllm_fake.load_snapshot(name)
-    assert snap["version"] in name and snap["provenance"], "each snapshot says where its fields come from"
+    assert snap["version"] in name and snap["stand_in"], "each snapshot says which commits stand in for its tag"
     for key in ("sampling_params_fields", "llm_args_fields", "kv_cache_config_fields", "completion_output_fields",
-                "executor_memory_types"):
-        assert snap[key], key
-    assert "kv_cache" in snap["executor_memory_types"]
+                "sampling_rules", "executor_memory_types"):
+        src = snap["fields"][key]
+        assert src["repo"] == "NVIDIA/TensorRT-LLM" and src["path"].startswith(("tensorrt_llm/", "tests/")), key
+        assert src["commit"] is None or len(src["commit"]) >= 7, key
+        assert src["commit"] or "commit" in src["note"], f"{key}: a field without a commit says why"
+        if key != "executor_memory_types":
+            assert snap[key], key
 
 
 def test_the_fakes_are_as_strict_as_the_snapshots(monkeypatch, dirs):
@@ -169,7 +188,8 @@ def test_llm_kwargs_fit_the_snapshot_and_sleep_keeps_or_drops_weights(monkeypatc
     keep = {m.value: v for m, v in kw["sleep_config"].restore_modes.items()}
     assert keep == {"kv_cache": "NONE"}, "load_format=auto: the weights stay on the GPU, never PINNED"
     drop = llm_kwargs(engine_cfg(load_format="dummy"), dirs["a"], feats, args)["sleep_config"].restore_modes
-    assert {m.value for m in drop} == set(feats.memory_tags) and set(drop.values()) == {"NONE"}
+    assert {m.value: v for m, v in drop.items()} == {"kv_cache": "NONE", "model_weights": "NONE"}, \
+        "only the weights and the KV cache are discarded; every other tag keeps its content"
     tllm.LLM(**llm_kwargs(engine_cfg(), dirs["a"], feats, args))   # the strict fake accepts every key
     with pytest.raises(ConfigError, match=r"no argument\(s\) \['gpu_memory_utilisation'\]"):
         llm_kwargs(engine_cfg(engine_kwargs={"trtllm": {"gpu_memory_utilisation": 0.5}}), dirs["a"], feats, args)
@@ -196,7 +216,9 @@ def test_sampling_kwargs_budget_and_greedy_n(monkeypatch):
     kw = sampling_kwargs(sp, feats, max_tokens=20, pad_token_id=0)
     assert kw["n"] == 4 and kw["max_tokens"] == 20 and kw["temperature"] == 0.7 and kw["seed"] == 5
     assert kw["stop_token_ids"] == [2, 9] and kw["end_id"] == -1 and kw["include_stop_str_in_output"]
-    assert kw["logprobs"] == 1 and kw["logprobs_mode"] == "processed" and kw["logprobs_simple_format"]
+    assert kw["logprobs"] == 0 and kw["logprobs_mode"] == "processed" and kw["logprobs_simple_format"]
+    tllm = sys.modules["tensorrt_llm"]
+    assert tllm.SamplingParams(**kw).logprobs == 0, "the strict fake accepts the pair (0 = the sampled token only)"
     assert "return_generation_logits" not in kw, "never a full-vocabulary transfer"
     kw = sampling_kwargs(SamplingParams(n=3, do_sample=False, top_k=5), feats, max_tokens=4)
     assert kw["n"] == 1 and kw["temperature"] == 0.0 and "top_k" not in kw, "greedy asks one, the engine copies"
@@ -219,20 +241,34 @@ def test_config_refusals(monkeypatch, dirs):
 
 # -- placement ------------------------------------------------------------------------------------------------
 def test_placement_checks():
-    assert placement.group_devices([("h", "GPU-a"), ("h", "GPU-b")], 2) == ["GPU-a", "GPU-b"]
+    members = [("h", "GPU-a", "2"), ("h", "GPU-b", "3")]
+    assert placement.group_devices(members, 2) == (["GPU-a", "GPU-b"], [2, 3])
     with pytest.raises(RuntimeError, match="spans hosts"):
-        placement.group_devices([("h1", "GPU-a"), ("h2", "GPU-b")], 2)
+        placement.group_devices([("h1", "GPU-a", "0"), ("h2", "GPU-b", "1")], 2)
     with pytest.raises(RuntimeError, match="share a GPU"):
-        placement.group_devices([("h", "GPU-a"), ("h", "GPU-a")], 2)
+        placement.group_devices([("h", "GPU-a", "0"), ("h", "GPU-a", "0")], 2)
     with pytest.raises(RuntimeError, match="got 1 rank"):
-        placement.group_devices([("h", "GPU-a")], 2)
+        placement.group_devices([("h", "GPU-a", "0")], 2)
+    with pytest.raises(RuntimeError, match="parse integer ids .* set CUDA_VISIBLE_DEVICES to integer ordinals"):
+        placement.group_devices([("h", "GPU-a", "GPU-a"), ("h", "GPU-b", "1")], 2)
+    assert placement.device_ordinal(1, None) == "1" and placement.device_ordinal(1, "4, 5,6") == "5"
+    assert placement.device_ordinal(0, "GPU-x") == "GPU-x", "refused by group_devices on every rank alike"
     placement.check_worker_devices(["GPU-b", "GPU-a"], ["GPU-a", "GPU-b"])
-    with pytest.raises(RuntimeError, match=r"run on GPUs \['GPU-a', 'GPU-c'\] but .* hold \['GPU-a', 'GPU-b'\]"):
+    with pytest.raises(RuntimeError, match=r"run on GPUs \['GPU-a', 'GPU-c'\] \(worker 1 on GPU-c\) but .* hold"):
         placement.check_worker_devices(["GPU-a", "GPU-c"], ["GPU-a", "GPU-b"])
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with placement.only_devices(["GPU-x", "GPU-y"]):
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-x,GPU-y"
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+    with pytest.raises(RuntimeError, match="not one each"):
+        placement.check_worker_devices(["GPU-a", "GPU-a"], ["GPU-a", "GPU-b"])
+    env = placement.worker_environment([2, 3], {"PYTHONPATH": "/x", "TLLM_RAY_FORCE_LOCAL_CLUSTER": "0"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["TLLM_RAY_FORCE_LOCAL_CLUSTER"] == "0", "an explicit one is kept"
+    assert env["PYTHONPATH"].split(os.pathsep) == [placement.megarl_root(), "/x"]
+    assert placement.worker_environment([0], {})["TLLM_RAY_FORCE_LOCAL_CLUSTER"] == "1"
+    before = {k: os.environ.get(k) for k in env}
+    with placement.worker_env([6, 7]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert {k: os.environ.get(k) for k in env} == before
+    line = placement.start_failure(RuntimeError("RayGPUWorker died during initialization"))
+    assert "pip install -e" in line and "\n" not in line
+    assert placement.start_failure(ValueError("CUDA out of memory")) is None
 
 
 def test_workers_land_on_the_groups_gpu_or_start_up_stops(monkeypatch, dirs):
@@ -242,8 +278,8 @@ def test_workers_land_on_the_groups_gpu_or_start_up_stops(monkeypatch, dirs):
     engine.close()
     assert engine.llm is None
     # Without the visibility restriction the worker lands on GPU 0: the UUID check stops start-up.
-    monkeypatch.setattr(placement, "only_devices", lambda uuids: __import__("contextlib").nullcontext())
-    with pytest.raises(RuntimeError, match="TP workers run on GPUs \\['GPU-fake-0'\\]"):
+    monkeypatch.setattr(placement, "worker_env", lambda ordinals: __import__("contextlib").nullcontext())
+    with pytest.raises(RuntimeError, match="TP workers run on GPUs \\['GPU-fake-0'\\] \\(worker 0 on GPU-fake-0\\)"):
         TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu:3")
     assert trtllm_fake.sys.modules["tensorrt_llm"].LLM.instances[-1].shut, "a failed start shuts the LLM down"
 
@@ -265,7 +301,7 @@ def test_sleep_drops_weights_and_the_kv_cache_wakes_after_the_refit(monkeypatch,
     ref = engine.generate([[3, 17, 42]], greedy)
     assert ref[0][0].token_ids == ref[0][1].token_ids, "greedy n=2 works: one request, copied"
     engine.sleep()
-    assert llm.released == set(engine.features.memory_tags), "dummy: weights dropped with the KV cache"
+    assert llm.released == {"kv_cache", "model_weights"}, "dummy: weights dropped with the KV cache, nothing else"
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate([[3, 17, 42]], greedy)
     mark = len(llm.events)
@@ -276,7 +312,7 @@ def test_sleep_drops_weights_and_the_kv_cache_wakes_after_the_refit(monkeypatch,
     assert llm.released == {"kv_cache"}
     engine.wake()
     assert not llm.released and llm.events[-1][0] == "resume kv_cache"
-    assert not any(e[0] == "host copy model" for e in llm.events), "no PINNED host round trip"
+    assert not any(e[0].startswith("host copy") for e in llm.events), "no PINNED host round trip"
     assert engine.generate([[3, 17, 42]], greedy)[0][0].token_ids == ref[0][0].token_ids
     engine.sleep()
     engine.wake()                                  # woken without a sync: dropped weights are refused
@@ -370,3 +406,53 @@ def test_tp2_group_over_gloo(dirs):
         "the other rank gets the leader's error instead of waiting forever"
     assert t0 == t1 and a0 == a1 and t0 == a0
     assert err <= conformance.TOL
+
+
+# -- benchmarks/trtllm_check.py, the GPU-node procedure ------------------------------------------------------------
+def test_trtllm_check_exits_2_in_one_line_without_tensorrt_llm(tmp_path):
+    import subprocess
+    proc = subprocess.run([sys.executable, "benchmarks/trtllm_check.py", "--model", str(tmp_path),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tensorrt_llm does not import here" in lines[0] and "pypi.nvidia.com" in lines[0]
+    assert not (tmp_path / "out").exists(), "nothing is written before the check can run"
+
+
+def test_trtllm_check_report_tables():
+    from benchmarks import trtllm_check
+    lead = {"ok": True, "features": "TensorRT-LLM 9.9", "workers": ["GPU-a"], "same_tokens_after_wake": True,
+            "peak_gpu_gb": 1.5, "phases": {"build_engine": 12.0, "sleep": 0.5},
+            "logprob_max_abs_diff_before_sleep": 0.01, "logprob_mean_abs_diff_before_sleep": 0.001,
+            "logprob_max_abs_diff_after_wake": 0.02, "logprob_mean_abs_diff_after_wake": 0.002}
+    report = {"date": "d", "versions": {"gpu": "H100"}, "runs": [
+        {"tp": 1, "ok": True, "verdict": True, "ranks": [lead]},
+        {"tp": 2, "ok": False, "verdict": False, "ranks": [{"ok": False, "error": "RuntimeError: boom"}]}]}
+    md = trtllm_check.markdown(report)
+    assert "## TP 1: passed" in md and "| build_engine | 12.000 | 12.000 |" in md and "| after_wake | 2.000e-02" in md
+    assert "## TP 2: FAILED" in md and "RuntimeError: boom" in md
+
+
+def _check_procedure(rank, world, model_dir):
+    from benchmarks import trtllm_check
+    sys.modules.update(trtllm_fake.build(V13))
+    torch.set_num_threads(1)
+    result = {"phases": {}}
+    trtllm_check._phases(rank, world, model_dir, {"max_tokens": 6, "gpu_memory_utilization": 0.3}, result,
+                         device="cpu")
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_trtllm_check_procedure_against_megatron_on_the_fake(tmp_path):
+    """The check's procedure end to end on one CPU rank: a real megatron actor, the engine on the
+    conformance fake (fp32, exact): log-probs equal megatron's before sleep and after the refit."""
+    from megarl.models.tiny import make_tiny_hf
+    from tests.distributed import run_ranks
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2", seed=1, vocab_size=301)
+    (result,) = run_ranks(1, _check_procedure, (path,))
+    assert result["same_tokens_after_wake"]
+    assert result["logprob_max_abs_diff_before_sleep"] <= 1e-4 and result["logprob_max_abs_diff_after_wake"] <= 1e-4
+    assert {"build_actor", "build_engine", "refit_first", "generate_before_sleep", "sleep", "refit_asleep", "wake",
+            "generate_after_wake", "megatron_log_prob_after_wake"} <= set(result["phases"])
+    assert result["workers"] == ["GPU-fake-0"]

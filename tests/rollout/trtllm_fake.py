@@ -1,16 +1,25 @@
 """A conformance fake of `tensorrt_llm`, built from one API snapshot (tests/assets/trtllm/*.json).
 
 FAKE, because tensorrt_llm cannot run here (no CUDA; its wheel comes from NVIDIA's index). It is
-as strict as the snapshot: SamplingParams is a dataclass of exactly the snapshot's init fields
-(an unknown keyword is Python's own TypeError), LLM / KvCacheConfig / SleepConfig reject unknown
-arguments with a ValueError as TensorRT-LLM's pydantic models do, greedy n>1 raises as 1.2's
-_validate does, and log-probs come back in the snapshot's format (1.2: top-K dicts in which the
-sampled token may be absent; 1.3: the sampled token plus the top K, or one float with
-logprobs_simple_format). Generation is real: a transformers model, step by step in fp32, so
-tokens and log-probs are exact. Workers are simulated: one per TP rank, on the GPUs that
-CUDA_VISIBLE_DEVICES names when the LLM starts (as TensorRT-LLM's own Ray instance would see),
-or on `FakeCluster.gpus` without it. A byte ledger follows what would be resident on the GPU
-(weights, KV cache, a bucket in flight) to check the order of wake and refit.
+as strict as what the snapshot records of the real source (each field's path and commit are in
+the snapshot's "fields"):
+  - SamplingParams is a dataclass of exactly the snapshot's init fields (an unknown keyword is
+    Python's own TypeError) whose _validate applies the snapshot's rules: ranges, best_of >= n,
+    greedy n>1, truncate_prompt_tokens, the log-prob rules (True->0 / False->None, the limit,
+    the simple format only with logprobs == 0 and without beam search, logprobs_mode raw by default);
+  - LLM / KvCacheConfig / SleepConfig reject unknown arguments as TensorRT-LLM's pydantic models do;
+    SleepConfig's restore modes must be the enum's tags and the snapshot's modes;
+  - workers are placed as the Ray executor places them (executor/ray/executor.py,
+    gpu_worker.py): a local Ray instance sees the GPUs CUDA_VISIBLE_DEVICES names when the LLM
+    starts, the workers inherit the leader's environment, and each parses its Ray GPU id with
+    int() and maps it through CUDA_VISIBLE_DEVICES parsed as integers (UUIDs raise ValueError);
+    the worker extension must import from the workers' PYTHONPATH (nothing is installed there);
+  - sleep releases memory by tag; on wake-up a tag with restore mode NONE comes back as garbage
+    (NaN), MEMSET as zeros, any other mode with its content. Where the snapshot has a
+    `model_weights` tag the parameters live there and the model's other buffers (the rotary
+    inv_freq) under `model`; without it both live under `model`.
+Generation is real: a transformers model, step by step in fp32, so tokens and log-probs are exact.
+A byte ledger follows what would be resident on the GPU (weights, KV cache, a bucket in flight).
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import torch
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "trtllm"
 SNAPSHOTS = sorted(p.name for p in ASSETS.glob("trtllm-*.json"))
 KV_BYTES = 1 << 20                          # the fake KV cache's size in the ledger
+KV, MODEL, WEIGHTS = "kv_cache", "model", "model_weights"
 
 
 def load_snapshot(name: str) -> dict:
@@ -36,11 +46,22 @@ def load_snapshot(name: str) -> dict:
 
 
 class FakeCluster:
-    """Where simulated workers land when CUDA_VISIBLE_DEVICES is unset."""
+    """The node: its GPUs in CUDA's own order (a process without CUDA_VISIBLE_DEVICES sees them all),
+    and which packages are installed in the Ray workers' Python (none: megarl is not pip-installed)."""
     gpus: list[str] = [f"GPU-fake-{i}" for i in range(8)]
+    installed: set[str] = set()
 
 
-def _strict_model(name: str, fields: list[str]):
+def visible_uuid(index: int) -> str:
+    """The UUID of device `index` as this process numbers it (through its CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return FakeCluster.gpus[index]
+    entry = visible.split(",")[index]
+    return entry if entry.startswith("GPU-") else FakeCluster.gpus[int(entry)]
+
+
+def _strict_model(name: str, fields: list[str], check=None):
     """A pydantic-like config class: keyword arguments, unknown ones rejected."""
     allowed = frozenset(fields)
 
@@ -48,6 +69,8 @@ def _strict_model(name: str, fields: list[str]):
         extra = sorted(set(kw) - allowed)
         if extra:
             raise ValueError(f"1 validation error for {name}\n{extra[0]}\n  Extra inputs are not permitted")
+        if check is not None:
+            check(kw)
         self.__dict__.update(kw)
 
     def __eq__(self, other):
@@ -64,24 +87,59 @@ DEFAULTS = {"max_tokens": 32, "n": 1, "include_stop_str_in_output": False, "deto
             "return_perf_metrics": False}
 
 
+def _coerce_logprobs(value, rules: dict):
+    """1.2: `logprobs and int(logprobs)` (True->1, False stays False); 1.3: True->0, False->None."""
+    if value is True:
+        return rules["logprobs_true_is"]
+    if value is False:
+        return rules["logprobs_false_is"]
+    return value and int(value) if rules["logprobs_true_is"] == 1 else (None if value is None else int(value))
+
+
+def _validate_logprobs(sp, rules: dict, modes) -> None:
+    sp.logprobs = _coerce_logprobs(sp.logprobs, rules)
+    sp.prompt_logprobs = _coerce_logprobs(sp.prompt_logprobs, rules)
+    limit = rules.get("logprobs_max")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(sp, name)
+        if limit is not None and value is not None and not 0 <= value <= limit:
+            raise ValueError(f"{name} must be between 0 and {limit}, got {name}={value}")
+    if rules.get("simple_format_needs_logprobs") is not None:
+        for flag, name in (("logprobs_simple_format", "logprobs"), ("prompt_logprobs_simple_format", "prompt_logprobs")):
+            if getattr(sp, flag) and getattr(sp, name) != 0:
+                raise ValueError(f"{flag}=True requires {name} == 0 (the sampled token only), "
+                                 f"got {name}={getattr(sp, name)}")
+        if rules.get("simple_format_no_beam_search") and sp.logprobs_simple_format and sp.use_beam_search:
+            raise ValueError("logprobs_simple_format=True is not supported with beam search")
+    if modes is not None:
+        if sp.logprobs_mode is None:
+            sp.logprobs_mode = rules["logprobs_mode_default"]
+        if str(getattr(sp.logprobs_mode, "value", sp.logprobs_mode)) not in modes:
+            raise ValueError(f"logprobs_mode must be one of {modes}, got {sp.logprobs_mode!r}")
+
+
 def _sampling_params_class(snap: dict):
-    modes = snap.get("logprobs_modes")
+    modes, rules = snap.get("logprobs_modes"), snap["sampling_rules"]
 
     def __post_init__(self):
+        self.best_of = self.best_of or self.n
         if self.top_p is not None and not 0 <= self.top_p <= 1:
             raise ValueError(f"require 0 <= top_p <= 1, got top_p={self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"require top_k >= 0, got top_k={self.top_k}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
-        self.best_of = self.best_of or self.n
-        greedy = ((self.temperature is None and self.top_p is None and self.top_k is None)
-                  or self.top_k == 1 or self.top_p == 0.0 or self.temperature == 0)
+        if self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
+        greedy = not self.use_beam_search and (
+            (self.temperature is None and self.top_p is None and self.top_k is None)
+            or self.top_k == 1 or self.top_p == 0.0 or self.temperature == 0)
         if self.best_of > 1 and greedy and not os.environ.get(snap.get("greedy_n_env", "TLLM_ALLOW_N_GREEDY_DECODING")):
             raise ValueError(f"Greedy decoding in the LLM API does not allow multiple returns. Please set to "
                              f"best_of=1, got best_of={self.best_of}.")
-        if modes is not None and self.logprobs_mode is not None and str(self.logprobs_mode) not in modes:
-            raise ValueError(f"logprobs_mode must be one of {modes}, got {self.logprobs_mode!r}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+        _validate_logprobs(self, rules, modes)
 
     fields = [(f, object, dataclasses.field(default=DEFAULTS.get(f))) for f in snap["sampling_params_fields"]]
     return dataclasses.make_dataclass("SamplingParams", fields, kw_only=True,
@@ -113,16 +171,15 @@ class _LLM:
     instances: list = []
 
     def __init__(self, **kwargs):
+        type(self).instances.append(self)
+        self.shut = False
         extra = sorted(set(kwargs) - set(self.snap["llm_args_fields"]))
         if extra:
             raise ValueError(f"1 validation error for TorchLlmArgs\n{extra[0]}\n  Extra inputs are not permitted")
         self.kwargs = kwargs
         self.tp = kwargs.get("tensor_parallel_size", 1)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else FakeCluster.gpus
-        if len(gpus) < self.tp:
-            raise RuntimeError(f"Ray sees {len(gpus)} GPU(s) for tensor_parallel_size={self.tp}")
-        self.workers = gpus[:self.tp]
+        self.sleep_modes = self._restore_modes(kwargs)
+        self.workers = self._start_workers(kwargs.get("ray_worker_extension_cls"))
         from transformers import AutoConfig, AutoModelForCausalLM
         path = kwargs["model"]
         if kwargs.get("load_format", "auto") == "dummy":
@@ -131,24 +188,46 @@ class _LLM:
             self.model = AutoModelForCausalLM.from_pretrained(path).eval()
         self.model.float()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_tag = WEIGHTS if WEIGHTS in (self.snap.get("executor_memory_types") or []) else MODEL
         self.released: set[str] = set()
-        self.sleep_modes = self._restore_modes(kwargs)
         self.events: list = []
         self.resident = self.weight_bytes + KV_BYTES
         self.peak = self.resident
         self.rpcs: list = []
-        self.shut = False
-        type(self).instances.append(self)
+
+    # -- start-up, as the Ray executor does it ---------------------------------------------------
+    def _start_workers(self, extension: str | None) -> list[str]:
+        """Ray started here sees the GPUs CUDA_VISIBLE_DEVICES names (all of them without it); worker
+        r takes Ray GPU slot r; RayWorkerWrapper does int(ray.get_gpu_ids()[0]) (Ray returns the
+        entry of the worker's inherited CUDA_VISIBLE_DEVICES) and maps it back through that list
+        parsed as integers; the worker then runs on that physical GPU."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        entries = visible.split(",") if visible else [str(i) for i in range(len(FakeCluster.gpus))]
+        if len(entries) < self.tp:
+            raise RuntimeError(f"the placement group needs {self.tp} GPU(s), Ray sees {len(entries)}")
+        workers = []
+        for slot in range(self.tp):
+            gpu = int(entries[slot])                                  # ValueError on a UUID, as the real one
+            if visible:
+                local = list(map(int, visible.split(","))).index(gpu)  # physical_to_local_id
+                gpu = int(visible.split(",")[local])
+            workers.append(FakeCluster.gpus[gpu])
+            if extension:
+                self._import_extension(extension)
+        return workers
+
+    @staticmethod
+    def _import_extension(qualname: str) -> None:
+        top = qualname.split(".")[0]
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if top not in FakeCluster.installed and not any(os.path.isdir(os.path.join(p, top)) for p in paths):
+            raise RuntimeError("RayGPUWorker died during initialization") from RuntimeError(
+                f"Failed to load worker extension '{qualname}'")
 
     def _restore_modes(self, kwargs) -> dict | None:
-        if "sleep_config" in kwargs:
-            modes = {m.value if isinstance(m, enum.Enum) else m: v
-                     for m, v in kwargs["sleep_config"].restore_modes.items()}
-            allowed = set(self.snap.get("restore_modes") or ["NONE", "PINNED"])
-            bad = sorted(set(modes.values()) - allowed)
-            if bad:
-                raise ValueError(f"unknown restore mode(s) {bad}")
-            return modes
+        if kwargs.get("sleep_config") is not None:
+            return {(m.value if isinstance(m, enum.Enum) else m): v
+                    for m, v in kwargs["sleep_config"].restore_modes.items()}
         if kwargs.get("enable_sleep"):
             return {}
         return None
@@ -158,6 +237,9 @@ class _LLM:
         self.resident += delta
         self.peak = max(self.peak, self.resident)
         self.events.append((what, self.resident))
+
+    def _bytes(self, tag: str) -> int:
+        return {KV: KV_BYTES, self.weight_tag: self.weight_bytes}.get(tag, 0)
 
     # -- RPCs --------------------------------------------------------------------------------------
     def _collective_rpc(self, method, args=()):
@@ -174,7 +256,7 @@ class _LLM:
         raise AttributeError(f"the workers have no method {method!r}")
 
     def _update_weights(self, handles):
-        if "model" in self.released:
+        if self.weight_tag in self.released:
             raise RuntimeError("CUDA error: an illegal memory access (weights released, not resumed)")
         if handles is None:
             return None
@@ -195,23 +277,27 @@ class _LLM:
         self._account(-bucket, "bucket out")
         return None
 
+    def _tensors(self, tag: str) -> list[torch.Tensor]:
+        if tag == self.weight_tag and tag != MODEL:
+            return list(self.model.parameters())
+        if tag == MODEL:
+            return list(self.model.buffers()) + (list(self.model.parameters()) if self.weight_tag == MODEL else [])
+        return []
+
     def _sleep(self, tags):
         if self.sleep_modes is None:
-            raise RuntimeError("sleep() needs the engine built with sleep support (sleep_config / enable_sleep)")
-        valid = set(self.snap["executor_memory_types"])
-        bad = sorted(set(tags) - valid)
-        if bad:
-            raise ValueError(f"unknown memory tag(s) {bad}")
+            raise ValueError("Sleep feature is not enabled, please set sleep_config in the LLM arguments.")
+        valid = set(self.snap["executor_memory_types"] or [])
+        for tag in tags:
+            if tag not in valid:
+                raise ValueError(f"'{tag}' is not a valid ExecutorMemoryType")
         for tag in tags:
             if tag in self.released:
                 continue
             self.released.add(tag)
-            if tag == "model":
-                self._account(-self.weight_bytes, "release model")
-                if self.sleep_modes.get(tag, "PINNED") == "PINNED":
-                    self.events.append(("host copy model", self.weight_bytes))
-            elif tag == "kv_cache":
-                self._account(-KV_BYTES, "release kv_cache")
+            self._account(-self._bytes(tag), f"release {tag}")
+            if self.sleep_modes.get(tag) not in ("NONE", "MEMSET") and self._bytes(tag):
+                self.events.append((f"host copy {tag}", self._bytes(tag)))
         return [None] * len(self.workers)
 
     def _wakeup(self, tags):
@@ -219,16 +305,16 @@ class _LLM:
             if tag not in self.released:
                 continue
             self.released.discard(tag)
-            if tag == "model":
-                self._account(self.weight_bytes, "resume model")
-                if self.sleep_modes.get(tag, "PINNED") == "NONE":    # contents not kept
-                    with torch.no_grad():
-                        for p in self.model.parameters():
-                            p.fill_(float("nan"))
-                else:
-                    self.events.append(("host copy model", self.weight_bytes))
-            elif tag == "kv_cache":
-                self._account(KV_BYTES, "resume kv_cache")
+            self._account(self._bytes(tag), f"resume {tag}")
+            mode = self.sleep_modes.get(tag)
+            with torch.no_grad():
+                for t in self._tensors(tag):
+                    if mode == "NONE":       # no backup: whatever the memory holds
+                        t.fill_(float("nan"))
+                    elif mode == "MEMSET":
+                        t.zero_()
+            if mode not in ("NONE", "MEMSET") and self._bytes(tag):
+                self.events.append((f"host copy {tag}", self._bytes(tag)))
         return [None] * len(self.workers)
 
     def shutdown(self):
@@ -236,8 +322,9 @@ class _LLM:
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, inputs, sampling_params=None):
-        if {"model", "kv_cache"} & self.released:
-            raise RuntimeError(f"generate() while {sorted(self.released)} are released")
+        blocked = {MODEL, self.weight_tag, KV} & self.released
+        if blocked:
+            raise RuntimeError(f"generate() while {sorted(blocked)} are released")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(inputs)
         if len(params) != len(inputs):
             raise ValueError("one SamplingParams per prompt")
@@ -256,30 +343,7 @@ class _LLM:
             for _ in range(sp.max_tokens):
                 if toks:
                     out = self.model(torch.tensor([toks[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-                logits = out.logits[0, -1].float()
-                raw = torch.log_softmax(logits, -1)
-                proc_logits = logits.clone()
-                if sp.repetition_penalty not in (None, 1.0):
-                    seen = torch.tensor(sorted(set(prompt + toks)))
-                    vals = proc_logits[seen]
-                    proc_logits[seen] = torch.where(vals > 0, vals / sp.repetition_penalty,
-                                                    vals * sp.repetition_penalty)
-                greedy = sp.temperature in (None, 0) or sp.top_k == 1
-                if greedy:
-                    tok = int(proc_logits.argmax())
-                    processed = torch.log_softmax(proc_logits, -1)
-                else:
-                    proc_logits = proc_logits / sp.temperature
-                    if sp.top_k:
-                        kth = proc_logits.topk(sp.top_k).values[-1]
-                        proc_logits[proc_logits < kth] = float("-inf")
-                    if sp.top_p is not None and sp.top_p < 1:
-                        order = proc_logits.argsort(descending=True)
-                        cum = torch.softmax(proc_logits[order], -1).cumsum(-1)
-                        drop = order[(cum - torch.softmax(proc_logits[order], -1)) > sp.top_p]
-                        proc_logits[drop] = float("-inf")
-                    processed = torch.log_softmax(proc_logits, -1)
-                    tok = int(torch.multinomial(processed.exp(), 1, generator=gen))
+                tok, raw, processed = self._step(out.logits[0, -1].float(), prompt + toks, sp, gen)
                 toks.append(tok)
                 entries.append(self._logprobs(tok, raw, processed, sp))
                 if sp.stop_token_ids and tok in sp.stop_token_ids:
@@ -290,26 +354,59 @@ class _LLM:
                     break
             if reason == "stop" and not sp.include_stop_str_in_output:
                 toks, entries = toks[:-1], entries[:-1]
-            outs.append(self.mod.CompletionOutput(index=j, token_ids=toks, logprobs=entries if sp.logprobs else [],
-                                                  finish_reason=reason))
+            outs.append(self.mod.CompletionOutput(index=j, token_ids=toks, finish_reason=reason,
+                                                  logprobs=entries if sp.logprobs is not None else []))
         return RequestOutput(prompt_token_ids=prompt, outputs=outs[:sp.n])
 
+    @staticmethod
+    def _step(logits, seen, sp, gen):
+        raw = torch.log_softmax(logits, -1)
+        proc = logits.clone()
+        if sp.repetition_penalty not in (None, 1.0):
+            ids = torch.tensor(sorted(set(seen)))
+            vals = proc[ids]
+            proc[ids] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if sp.temperature in (None, 0) or sp.top_k == 1:
+            return int(proc.argmax()), raw, torch.log_softmax(proc, -1)
+        proc = proc / sp.temperature
+        if sp.top_k:
+            kth = proc.topk(sp.top_k).values[-1]
+            proc[proc < kth] = float("-inf")
+        if sp.top_p is not None and sp.top_p < 1:
+            order = proc.argsort(descending=True)
+            probs = torch.softmax(proc[order], -1)
+            proc[order[(probs.cumsum(-1) - probs) > sp.top_p]] = float("-inf")
+        processed = torch.log_softmax(proc, -1)
+        return int(torch.multinomial(processed.exp(), 1, generator=gen)), raw, processed
+
     def _logprobs(self, tok, raw, processed, sp):
-        if not sp.logprobs:
+        if sp.logprobs is None or sp.logprobs is False:
             return None
         if self.snap.get("logprobs_modes") is None:
             # 1.2: the top-K only; the sampled token is there only when it ranks in the top K.
-            values = raw
-            top = values.topk(sp.logprobs)
+            top = raw.topk(sp.logprobs)
             return {int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(top.values, top.indices))}
-        values = processed if str(sp.logprobs_mode) == "processed" else raw
+        values = processed if str(getattr(sp.logprobs_mode, "value", sp.logprobs_mode)) == "processed" else raw
         if sp.logprobs_simple_format:
             return float(values[tok])
-        top = values.topk(sp.logprobs)
         out = {tok: Logprob(float(values[tok]), int((values > values[tok]).sum()) + 1)}
-        for r, (v, t) in enumerate(zip(top.values, top.indices)):
-            out.setdefault(int(t), Logprob(float(v), r + 1))
+        if sp.logprobs:                       # 1.3: the sampled token plus the top K
+            top = values.topk(sp.logprobs)
+            for r, (v, t) in enumerate(zip(top.values, top.indices)):
+                out.setdefault(int(t), Logprob(float(v), r + 1))
         return out
+
+
+def _sleep_config_check(snap: dict, mem_enum):
+    def check(kw):
+        modes = kw.get("restore_modes") or {}
+        allowed = snap.get("restore_modes") or []
+        for tag, mode in modes.items():
+            mem_enum(tag.value if isinstance(tag, enum.Enum) else tag)      # ValueError on an unknown tag
+            if str(mode) not in allowed:
+                raise ValueError(f"1 validation error for SleepConfig\nrestore_modes\n  Input should be one of "
+                                 f"{allowed}, got {mode!r}")
+    return check
 
 
 def build(snapshot_name: str) -> dict[str, types.ModuleType]:
@@ -318,19 +415,24 @@ def build(snapshot_name: str) -> dict[str, types.ModuleType]:
     root = types.ModuleType("tensorrt_llm")
     root.__version__ = snap["version"]
     root.__path__ = []
-    llm_cls = type("LLM", (_LLM,), {"snap": snap, "mod": root, "instances": []})
-    root.LLM = llm_cls
+    root.LLM = type("LLM", (_LLM,), {"snap": snap, "mod": root, "instances": []})
     root.SamplingParams = _sampling_params_class(snap)
     root.CompletionOutput = _completion_class(snap)
     args = types.ModuleType("tensorrt_llm.llmapi.llm_args")
     args.TorchLlmArgs = _strict_model("TorchLlmArgs", snap["llm_args_fields"])
     args.KvCacheConfig = _strict_model("KvCacheConfig", snap["kv_cache_config_fields"])
-    if snap.get("sleep_config_fields"):
-        args.SleepConfig = _strict_model("SleepConfig", snap["sleep_config_fields"])
+    mods = {}
+    if snap.get("executor_memory_types"):
+        mem = enum.Enum("ExecutorMemoryType", {t.strip("_").upper(): t for t in snap["executor_memory_types"]},
+                        type=str)
+        vm = types.ModuleType("tensorrt_llm._torch.virtual_memory")   # where the enum is defined
+        vm.ExecutorMemoryType = mem
+        args.ExecutorMemoryType = mem                                # and where newer commits import it
+        mods["tensorrt_llm._torch.virtual_memory"] = vm
+        if snap.get("sleep_config_fields"):
+            args.SleepConfig = _strict_model("SleepConfig", snap["sleep_config_fields"], _sleep_config_check(snap, mem))
     if snap.get("ray_placement_config_fields"):
         args.RayPlacementConfig = _strict_model("RayPlacementConfig", snap["ray_placement_config_fields"])
-    args.ExecutorMemoryType = enum.Enum("ExecutorMemoryType",
-                                        {t.upper(): t for t in snap["executor_memory_types"]}, type=str)
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
     llmapi.__path__ = []
     llmapi.llm_args = args
@@ -338,12 +440,12 @@ def build(snapshot_name: str) -> dict[str, types.ModuleType]:
     llmapi.SamplingParams = root.SamplingParams
     root.llmapi = llmapi
     utils = types.ModuleType("tensorrt_llm._torch.utils")
-    utils.get_device_uuid = lambda index: FakeCluster.gpus[index]
+    utils.get_device_uuid = visible_uuid
     torch_pkg = types.ModuleType("tensorrt_llm._torch")
     torch_pkg.__path__ = []
     torch_pkg.utils = utils
     return {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi, "tensorrt_llm.llmapi.llm_args": args,
-            "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils}
+            "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, **mods}
 
 
 def install(monkeypatch, snapshot_name: str) -> types.ModuleType:

@@ -6,8 +6,12 @@
 Reads the source with `ast` (nothing is imported, so no CUDA is needed): SamplingParams' init
 fields, the LLM args model's fields (TorchLlmArgs and the bases defined beside it), KvCacheConfig /
 SleepConfig / RayPlacementConfig fields, ExecutorMemoryType values, CompletionOutput / Logprob
-fields. Writes the JSON next to this file, every section marked complete, and prints its path.
-The conformance fake (tests/rollout/trtllm_fake.py) accepts exactly what a snapshot lists.
+fields. A class that llm_args.py imports instead of defining (ExecutorMemoryType lives in
+tensorrt_llm/_torch/virtual_memory.py) is followed through its `from ... import` line. Every
+field records the file and commit it was read from ("fields"). SamplingParams' validation rules
+("sampling_rules") are behaviour, not declarations: they are copied by hand from _validate into
+the snapshot and keep their own provenance there. Writes the JSON next to this file and prints
+its path; the conformance fake (tests/rollout/trtllm_fake.py) accepts exactly what it lists.
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ import sys
 
 FILES = {"sampling": "tensorrt_llm/sampling_params.py", "args": "tensorrt_llm/llmapi/llm_args.py",
          "result": "tensorrt_llm/executor/result.py", "version": "tensorrt_llm/version.py"}
+REPO = "NVIDIA/TensorRT-LLM"
+# Where a class may live when llm_args.py has no definition and no import naming it.
+FALLBACK = {"ExecutorMemoryType": "tensorrt_llm/_torch/virtual_memory.py"}
 
 
 def reader(root: str, tag: str | None):
@@ -30,6 +37,36 @@ def reader(root: str, tag: str | None):
 
 def classes(source: str) -> dict[str, ast.ClassDef]:
     return {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+
+
+def module_path(importer: str, node: ast.ImportFrom) -> str:
+    """The file an `from X import Y` in `importer` (a repository path) refers to."""
+    if node.level:
+        base = importer.split("/")[:-node.level]
+        parts = base + (node.module.split(".") if node.module else [])
+    else:
+        parts = node.module.split(".")
+    return "/".join(parts) + ".py"
+
+
+def find_class(name: str, path: str, read, depth: int = 3) -> tuple[ast.ClassDef | None, str]:
+    """The class `name` as `path` sees it: defined there, or followed through its imports."""
+    try:
+        tree = ast.parse(read(path))
+    except Exception:                      # a file that is not there at this commit
+        return None, path
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node, path
+    if depth:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+                found, where = find_class(name, module_path(path, node), read, depth - 1)
+                if found is not None:
+                    return found, where
+    if name in FALLBACK and path != FALLBACK[name]:
+        return find_class(name, FALLBACK[name], read, 0)
+    return None, path
 
 
 def _no_init(value: ast.expr | None) -> bool:
@@ -85,22 +122,28 @@ def snapshot(read, commit: str | None) -> dict:
         for table in (sampling, args):
             if "LogprobMode" in table:
                 modes = enum_values(table["LogprobMode"])
-    return {
-        "schema": 1, "version": version, "commit": commit,
-        "complete": {k: True for k in ("sampling_params_fields", "llm_args_fields", "kv_cache_config_fields",
-                                       "sleep_config_fields", "completion_output_fields")},
-        "provenance": {"all": f"extract_snapshot.py from {FILES} at {commit or 'a checkout'}"},
+    mem, mem_path = find_class("ExecutorMemoryType", FILES["args"], read)
+    src = lambda path: {"repo": REPO, "path": path, "commit": commit}
+    snap = {
+        "schema": 2, "version": version, "commit": commit,
+        "stand_in": None if commit else "read from a checkout without git metadata",
         "sampling_params_fields": sp,
         "llm_args_fields": pyd(llm_model),
         "kv_cache_config_fields": pyd("KvCacheConfig"),
         "sleep_config_fields": pyd("SleepConfig"),
         "ray_placement_config_fields": pyd("RayPlacementConfig"),
-        "executor_memory_types": enum_values(args["ExecutorMemoryType"]) if "ExecutorMemoryType" in args else None,
+        "executor_memory_types": enum_values(mem) if mem is not None else None,
         "completion_output_fields": own_fields(result["CompletionOutput"]),
         "logprob_fields": own_fields(result["Logprob"]),
         "logprobs_modes": modes,
         "logprobs_format": "sampled_plus_topk_dict" if "logprobs_mode" in sp else "topk_dict",
     }
+    where = {"sampling_params_fields": FILES["sampling"], "logprobs_modes": FILES["sampling"],
+             "completion_output_fields": FILES["result"], "logprob_fields": FILES["result"],
+             "executor_memory_types": mem_path}
+    snap["fields"] = {key: src(where.get(key, FILES["args"])) for key in snap
+                      if key.endswith(("_fields", "_types", "_modes"))}
+    return snap
 
 
 def main(argv: list[str]) -> str:
@@ -114,6 +157,10 @@ def main(argv: list[str]) -> str:
         commit = None
     snap = snapshot(read, commit)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"trtllm-{snap['version']}.json")
+    if os.path.exists(out):                # keep what is kept by hand (sampling_rules, restore_modes, ...)
+        with open(out) as f:
+            old = json.load(f)
+        snap = {**old, **snap, "fields": {**old.get("fields", {}), **snap["fields"]}}
     with open(out, "w") as f:
         json.dump(snap, f, indent=1, sort_keys=True)
     print(out)

@@ -1,0 +1,232 @@
+"""The first command for a TensorRT-LLM user: megarl's TensorRT-LLM path on this node, one report.
+
+    python benchmarks/trtllm_check.py --model <HF checkpoint dir> [--out trtllm_check_report]
+
+Nothing in megarl has executed against real TensorRT-LLM before this command; send the report
+(trtllm_check.md and trtllm_check.json under --out) back with an issue.
+
+For TP 1, and TP 2 where two GPUs exist, on spawned ranks of one node:
+  1. build the megatron actor from the checkpoint and the TensorRT-LLM engine (load_format=dummy,
+     sleep mode on), then sync the actor's weights into the engine (the first refit);
+  2. generate with log-probs; score the same tokens with the actor's compute_log_prob (megatron);
+  3. sleep; refit while asleep (what a training step does); wake;
+  4. generate again with the same seed; compare tokens with step 2 and log-probs with megatron's.
+Every phase is timed on every rank (rank 0's figures are reported, with the slowest rank's).
+Where tensorrt_llm does not import, or there is no CUDA device, it says so in one line and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PROMPTS = [[5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4]]
+TOL = 5e-2                      # bf16 engine against a bf16 trainer: a mismatch far above this is a bug
+
+
+def preflight() -> str | None:
+    """One line saying why this node cannot run the check, or None. Cheap: no megarl import."""
+    try:
+        import tensorrt_llm  # noqa: F401
+    except Exception as err:
+        return (f"tensorrt_llm does not import here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): "
+                "install it on a CUDA node from NVIDIA's index (pip install 'megarl[trtllm]' "
+                "--extra-index-url https://pypi.nvidia.com) and run this again")
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible: run benchmarks/trtllm_check.py on a GPU node"
+    return None
+
+
+def _rank(rank: int, world: int, port: int, model: str, out: str, args: dict) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    result: dict = {"rank": rank, "phases": {}}
+    try:
+        _phases(rank, world, model, args, result)
+        result["ok"] = True
+    except BaseException:
+        result.update(ok=False, error=traceback.format_exc())
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _phases(rank: int, world: int, model: str, args: dict, result: dict, device: str = "cuda") -> None:
+    """The procedure on one rank. device="cpu" exists for the CPU test against the conformance fake
+    (tests/rollout/test_trtllm_pure.py); on a GPU node it is always cuda."""
+    import torch
+
+    from megarl.parallel import state
+    from megarl.protocol import DataProto
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.hf_weights import buckets
+    from megarl.rollout.trtllm import TRTLLMEngine
+    from megarl.workers.actor import ActorWorker
+    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    phases = result["phases"]
+
+    def timed(name, fn):
+        sync()
+        start = time.perf_counter()
+        value = fn()
+        sync()
+        phases[name] = round(time.perf_counter() - start, 4)
+        return value
+
+    actor = timed("build_actor", lambda: ActorWorker(ModelConfig(path=model), ActorConfig(
+        ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,
+        megatron=MegatronConfig(tensor_model_parallel_size=world))))
+    cfg = RolloutConfig(name="trtllm", tensor_model_parallel_size=world, load_format="dummy", enable_sleep_mode=True,
+                        free_cache_engine=True, prompt_length=32, response_length=args["max_tokens"],
+                        gpu_memory_utilization=args["gpu_memory_utilization"])
+    engine = timed("build_engine", lambda: TRTLLMEngine(model, cfg, tp_group=state.tp_group(),
+                                                        device=torch.device("cuda", rank) if cuda else "cpu"))
+    result["features"] = engine.features.summary()
+    result["workers"] = engine.llm._collective_rpc("report_device_id") if engine.leader else None
+
+    def refit():
+        for bucket in buckets(actor.hf_tensors(), bucket_bytes=256 << 20):
+            engine.update_weights(bucket)
+        engine.finalize_weights()
+
+    sp = SamplingParams(n=2, max_tokens=args["max_tokens"], temperature=1.0, seed=7)
+
+    def generate_and_score(tag):
+        batch = timed(f"generate_{tag}", lambda: engine.generate_sequences(DataProto(
+            non_tensor_batch={"prompt_token_ids": PROMPTS}, meta_info={"sampling": sp})))
+        log_probs, _ = timed(f"megatron_log_prob_{tag}", lambda: actor.compute_log_prob(
+            batch, temperature=1.0, with_entropy=False))
+        mask = batch.batch["response_mask"].bool()
+        diff = (log_probs.float().cpu() - batch.batch["rollout_log_probs"].float())[mask].abs()
+        result[f"logprob_max_abs_diff_{tag}"] = diff.max().item()
+        result[f"logprob_mean_abs_diff_{tag}"] = diff.mean().item()
+        return batch.batch["responses"].tolist()
+
+    timed("refit_first", refit)
+    before = generate_and_score("before_sleep")
+    timed("sleep", engine.sleep)
+    timed("refit_asleep", refit)
+    timed("wake", engine.wake)
+    after = generate_and_score("after_wake")
+    result["same_tokens_after_wake"] = before == after
+    result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
+    engine.close()
+    state.destroy_model_parallel()
+
+
+def run_tp(tp: int, model: str, args: dict) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_rank, args=(tp, port, model, out, args), nprocs=tp, join=False,
+                                 start_method="spawn")
+        try:
+            while not ctx.join(timeout=args["timeout"]):
+                pass
+        except Exception as err:
+            failure = str(err)
+        else:
+            failure = None
+        ranks = []
+        for r in range(tp):
+            path = os.path.join(out, f"rank{r}.json")
+            ranks.append(json.load(open(path)) if os.path.exists(path) else {"rank": r, "ok": False,
+                                                                              "error": failure or "no result"})
+    return {"tp": tp, "ok": all(r.get("ok") for r in ranks), "ranks": ranks}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
+    for dist in ("tensorrt-llm", "tensorrt_llm", "megatron-core", "transformers", "ray"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# megarl TensorRT-LLM check ({report['date']})", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in report["versions"].items()]
+    for run in report["runs"]:
+        lead = run["ranks"][0]
+        lines += ["", f"## TP {run['tp']}: {'passed' if run['ok'] and run.get('verdict') else 'FAILED'}", ""]
+        if not lead.get("ok"):
+            lines += ["```", str(lead.get("error", ""))[-4000:], "```"]
+            continue
+        lines += [f"- {lead.get('features')}", f"- workers on {lead.get('workers')}",
+                  f"- same tokens after sleep/refit/wake: {lead.get('same_tokens_after_wake')}",
+                  f"- peak GPU memory (rank 0): {lead.get('peak_gpu_gb')} GB", ""]
+        lines += ["| log-prob vs megatron | max abs | mean abs |", "|---|---|---|"]
+        for tag in ("before_sleep", "after_wake"):
+            lines.append(f"| {tag} | {lead[f'logprob_max_abs_diff_{tag}']:.3e} | {lead[f'logprob_mean_abs_diff_{tag}']:.3e} |")
+        lines += ["", "| phase | rank 0 (s) | slowest rank (s) |", "|---|---|---|"]
+        for name, sec in lead["phases"].items():
+            slowest = max(r["phases"].get(name, 0) for r in run["ranks"] if r.get("ok"))
+            lines.append(f"| {name} | {sec:.3f} | {slowest:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="an HF checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--out", default="trtllm_check_report")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--timeout", type=float, default=1800)
+    opts = parser.parse_args(argv)
+    problem = preflight()
+    if problem:
+        print(f"trtllm_check: {problem}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(os.path.join(opts.model, "config.json")):
+        print(f"trtllm_check: --model {opts.model} has no config.json: pass an HF checkpoint directory", file=sys.stderr)
+        return 2
+    import torch
+    args = {"max_tokens": opts.max_tokens, "gpu_memory_utilization": opts.gpu_memory_utilization,
+            "timeout": opts.timeout}
+    runs = []
+    for tp in [1, 2] if torch.cuda.device_count() >= 2 else [1]:
+        run = run_tp(tp, opts.model, args)
+        lead = run["ranks"][0]
+        run["verdict"] = bool(run["ok"] and lead.get("same_tokens_after_wake")
+                              and max(lead["logprob_max_abs_diff_before_sleep"],
+                                      lead["logprob_max_abs_diff_after_wake"]) <= TOL)
+        runs.append(run)
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([sys.executable] + sys.argv), "versions": versions(), "tolerance": TOL, "runs": runs}
+    os.makedirs(opts.out, exist_ok=True)
+    with open(os.path.join(opts.out, "trtllm_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(opts.out, "trtllm_check.md"), "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    print(f"report: {opts.out}/trtllm_check.md and .json: please send both back")
+    return 0 if all(r["verdict"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

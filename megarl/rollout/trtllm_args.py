@@ -1,0 +1,285 @@
+"""What megarl asks of TensorRT-LLM: feature detection, the LLM's and SamplingParams' arguments,
+the sleep plan, and reading log-probs back. Pure functions of the rollout config and the detected
+features (tested on CPU against the snapshots in tests/assets/trtllm/).
+
+Versions, by feature detection (never by version string; `detect_features`):
+  SamplingParams.logprobs_mode         (1.3+, PR #9675) raw / processed log-probs. Without it
+                                       (1.2.x) the log-probs are top-K dicts that may omit the
+                                       sampled token: 1.2 is refused for rollouts.
+  SamplingParams.logprobs_simple_format one float per token. `_validate` accepts it only with
+                                       logprobs == 0, which means "the sampled token only".
+  LLM arg sleep_config / enable_sleep  1.3+ SleepConfig(restore_modes) / 1.2's switch
+  ExecutorMemoryType.model_weights     the weights under a tag of their own: only they (and the
+                                       KV cache) may come back without their content.
+
+Log-probs: the trainer scores log_softmax(logits / T) of the sampled token, before top-k/top-p
+and penalties (greedy: T=1). TensorRT-LLM reports "raw" (before temperature) or "processed"
+(after temperature, penalties and top-k/top-p). raw is exact when T=1 (or greedy); processed
+when only temperature applies. Any other mix has no exact source and is refused with the fix.
+
+Sleep (only with enable_sleep_mode=True): SleepConfig.restore_modes names two tags, both NONE
+(released, nothing copied, garbage on wake-up): `kv_cache`, and `model_weights` when the weights
+come from syncs (load_format=dummy; the next full sync rewrites them). Every other tag
+(`model`, `model_extra`, `executor_extra`, `sampler`, `draft_model_weights`, ...) is left out of
+restore_modes and is never released, so it keeps its content. A build without a
+`model_weights` tag keeps the weights on the GPU: its `model` tag holds other buffers too, and
+discarding those would corrupt the model silently (TensorRT-LLM's own discard test and verl's
+rollout set NONE on MODEL_WEIGHTS_MAIN and KV_CACHE only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.errors import ConfigError
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.config import RolloutConfig
+
+KEY = "actor_rollout_ref.rollout"
+KV_TAG = "kv_cache"
+WEIGHTS_TAG = "model_weights"
+LOGPROBS_NEEDED = "TensorRT-LLM >= 1.3 (SamplingParams.logprobs_mode, PR #9675)"
+
+
+def require_tensorrt_llm():
+    try:
+        import tensorrt_llm
+    except Exception as err:  # ImportError, or a CUDA/driver error raised while importing
+        raise ImportError(
+            f"rollout.name=trtllm needs the tensorrt_llm package ({LOGPROBS_NEEDED}), which does not import "
+            f"here ({type(err).__name__}: {err}). Install it on a CUDA machine from NVIDIA's index "
+            "(pip install 'megarl[trtllm]' --extra-index-url https://pypi.nvidia.com), or use rollout.name=native"
+        ) from err
+    return tensorrt_llm
+
+
+# -- feature detection ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Features:
+    version: str
+    sampling_fields: frozenset[str]        # SamplingParams' init fields
+    llm_fields: frozenset[str]             # what LLM(...) accepts: its args model's fields + named params
+    memory_tags: tuple[str, ...]           # ExecutorMemoryType values (the "_no_capture" ones left out)
+
+    @property
+    def logprobs_mode(self) -> bool:
+        return "logprobs_mode" in self.sampling_fields
+
+    @property
+    def simple_format(self) -> bool:
+        return "logprobs_simple_format" in self.sampling_fields
+
+    @property
+    def sleep(self) -> str | None:
+        return "sleep_config" if "sleep_config" in self.llm_fields else (
+            "enable_sleep" if "enable_sleep" in self.llm_fields else None)
+
+    def summary(self) -> str:
+        return (f"TensorRT-LLM {self.version}: logprobs_mode={self.logprobs_mode} "
+                f"logprobs_simple_format={self.simple_format} sleep={self.sleep or 'none'} "
+                f"weights_tag={WEIGHTS_TAG in self.memory_tags}")
+
+
+def _init_params(fn) -> set[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+
+
+def memory_type_enum(args_mod):
+    """ExecutorMemoryType: defined in tensorrt_llm/_torch/virtual_memory.py, imported by
+    llmapi/llm_args.py on newer commits; None where neither has it (1.2.0rc2)."""
+    mem = getattr(args_mod, "ExecutorMemoryType", None)
+    if mem is None:
+        try:
+            from tensorrt_llm._torch.virtual_memory import ExecutorMemoryType as mem
+        except ImportError:
+            return None
+    return mem
+
+
+def detect_features(tllm) -> Features:
+    """What this tensorrt_llm accepts, read from its classes (dataclass fields, pydantic model fields,
+    the LLM constructor's named parameters), not from its version string."""
+    sampling = frozenset(f.name for f in dataclasses.fields(tllm.SamplingParams) if f.init)
+    from tensorrt_llm.llmapi import llm_args as args_mod
+    model = getattr(args_mod, "TorchLlmArgs", None) or getattr(args_mod, "LlmArgs")
+    llm = frozenset(set(getattr(model, "model_fields", {})) | _init_params(tllm.LLM.__init__))
+    mem = memory_type_enum(args_mod)
+    tags = tuple(str(m.value) for m in mem if not str(m.value).startswith("_")) if mem is not None else ()
+    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags)
+
+
+# -- engine arguments --------------------------------------------------------------------------------
+def max_model_len(cfg: RolloutConfig) -> int | None:
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    if cfg.prompt_length and cfg.response_length:
+        return cfg.prompt_length + cfg.response_length
+    return None
+
+
+def sleep_weights(cfg: RolloutConfig, feats: Features) -> str:
+    """What sleep() does with the weights: "drop" (tag model_weights, restore mode NONE; the next
+    full sync rewrites them) when they come from syncs (load_format=dummy) and the build has that
+    tag, else "keep" (they stay on the GPU)."""
+    return "drop" if cfg.load_format == "dummy" and WEIGHTS_TAG in feats.memory_tags else "keep"
+
+
+def sleep_tags(weights: str) -> list[str]:
+    """The tags sleep() releases: the KV cache, and the weights when dropped. Nothing else."""
+    return [KV_TAG] + ([WEIGHTS_TAG] if weights == "drop" else [])
+
+
+def check_config(cfg: RolloutConfig, feats: Features) -> None:
+    """Refusals that need no GPU: each one line with the fix, before anything starts."""
+    if not feats.logprobs_mode:
+        raise ConfigError(f"TensorRT-LLM {feats.version} cannot return the sampled token's log-prob exactly (its top-K "
+                          f"log-probs may omit the sampled token); rollouts need {LOGPROBS_NEEDED}: upgrade "
+                          "tensorrt_llm or use rollout.name=native", f"{KEY}.name")
+    if cfg.free_cache_engine and not cfg.enable_sleep_mode:
+        raise ConfigError("free_cache_engine=true needs enable_sleep_mode=true with rollout.name=trtllm (TensorRT-LLM "
+                          "frees its memory only with sleep support built in); set enable_sleep_mode=true or "
+                          "free_cache_engine=false", f"{KEY}.free_cache_engine")
+    if cfg.enable_sleep_mode and (feats.sleep != "sleep_config" or KV_TAG not in feats.memory_tags):
+        # enable_sleep alone has no per-tag restore modes: megarl could not release the KV cache
+        # without a host copy of everything else.
+        raise ConfigError(f"TensorRT-LLM {feats.version} has no SleepConfig(restore_modes) with memory tags (sleep: "
+                          f"{feats.sleep or 'none'}); megarl needs TensorRT-LLM >= 1.3 for sleep: upgrade, or set "
+                          "enable_sleep_mode=false and free_cache_engine=false", f"{KEY}.enable_sleep_mode")
+    logprob_mode(SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                repetition_penalty=cfg.repetition_penalty, do_sample=cfg.do_sample))
+
+
+def sleep_config(tllm_args_mod, weights: str):
+    """SleepConfig(restore_modes): NONE for exactly the tags sleep() releases (see the module
+    docstring); no other tag is named, so none loses its content."""
+    mem = memory_type_enum(tllm_args_mod)
+    return tllm_args_mod.SleepConfig(restore_modes={mem(tag): "NONE" for tag in sleep_tags(weights)})
+
+
+def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mod: Any,
+               extension: str | None = None) -> dict[str, Any]:
+    """Arguments of tensorrt_llm.LLM from the rollout config, only those this version has;
+    `engine_kwargs.trtllm` is applied last, verbatim (a key set to null there removes ours)."""
+    max_len = max_model_len(cfg)
+    kw: dict[str, Any] = {
+        "model": model_dir,
+        "backend": "pytorch",
+        "tensor_parallel_size": cfg.tensor_model_parallel_size,
+        "dtype": cfg.dtype,
+        "max_batch_size": cfg.max_num_seqs,
+        "max_num_tokens": cfg.max_num_batched_tokens,
+        "max_seq_len": max_len,
+        # Its default (1024) would cut long prompts; multi-turn continuations hold the response so far.
+        "max_input_len": max_len if cfg.multi_turn.enable else cfg.prompt_length,
+        "load_format": "dummy" if cfg.load_format == "dummy" else "auto",
+        "kv_cache_config": tllm_args_mod.KvCacheConfig(free_gpu_memory_fraction=cfg.gpu_memory_utilization,
+                                                       enable_block_reuse=cfg.enable_prefix_caching),
+        "enable_chunked_prefill": cfg.enable_chunked_prefill,
+        "orchestrator_type": "ray",
+        "ray_worker_extension_cls": extension,
+        # TensorRT-LLM's custom all-reduce was reported to hurt RL convergence across instances.
+        "allreduce_strategy": "NCCL",
+    }
+    if cfg.enable_sleep_mode:
+        kw["sleep_config"] = sleep_config(tllm_args_mod, sleep_weights(cfg, feats))
+    kw = {k: v for k, v in kw.items() if v is not None}
+    for key, value in (cfg.engine_kwargs.get("trtllm") or {}).items():
+        if value is None:
+            kw.pop(key, None)
+        else:
+            kw[key] = value
+    unknown = sorted(set(kw) - feats.llm_fields)
+    if unknown:
+        raise ConfigError(f"TensorRT-LLM {feats.version}'s LLM has no argument(s) {unknown}: remove them from "
+                          "engine_kwargs.trtllm", f"{KEY}.engine_kwargs.trtllm")
+    return kw
+
+
+# -- sampling and log-probs ----------------------------------------------------------------------------
+def logprob_mode(sp: SamplingParams) -> str:
+    """Which TensorRT-LLM log-prob equals the trainer's log_softmax(logits / T) of the sampled token:
+    raw when T is 1 (greedy counts as T=1), processed when only temperature applies; else refused."""
+    if sp.greedy or sp.temperature == 1.0:
+        return "raw"
+    if sp.top_k == -1 and sp.top_p == 1.0 and sp.repetition_penalty == 1.0:
+        return "processed"
+    raise ConfigError(f"temperature={sp.temperature} together with top_k={sp.top_k}/top_p={sp.top_p}/"
+                      f"repetition_penalty={sp.repetition_penalty}: TensorRT-LLM reports log-probs before temperature "
+                      "(raw) or after top-k/top-p and penalties (processed), never the trainer's "
+                      "log_softmax(logits/T); "
+                      "set temperature=1.0, or drop top_k/top_p/repetition_penalty, or use rollout.name=native",
+                      f"{KEY}.temperature")
+
+
+def response_budget(sp: SamplingParams, prompt_len: int, max_len: int | None) -> int:
+    """max_tokens = min(response budget, room left in max_model_len after the prompt)."""
+    room = sp.max_tokens if max_len is None else min(sp.max_tokens, max_len - prompt_len)
+    if room < 1:
+        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in max_model_len={max_len}; "
+                         "raise max_model_len or shorten the prompt (prompt_length / prompt_truncation=left)")
+    return room
+
+
+def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
+                    pad_token_id: int | None = None) -> dict[str, Any]:
+    """Arguments of tensorrt_llm.SamplingParams for one prompt. Greedy always asks n=1: TensorRT-LLM
+    refuses greedy n>1 without TLLM_ALLOW_N_GREEDY_DECODING, and greedy samples are identical
+    anyway (the engine copies the one completion n times)."""
+    mode = logprob_mode(sp)
+    kw: dict[str, Any] = {
+        "n": 1 if sp.greedy else sp.n,
+        "max_tokens": max_tokens,
+        "temperature": 0.0 if sp.greedy else sp.temperature,
+        "top_k": None if sp.greedy or sp.top_k == -1 else sp.top_k,
+        "top_p": None if sp.greedy or sp.top_p == 1.0 else sp.top_p,
+        "repetition_penalty": None if sp.repetition_penalty == 1.0 else sp.repetition_penalty,
+        "seed": sp.seed,
+        # EOS handling is ours: end_id=-1 turns the built-in one off, stop_token_ids carry EOS
+        # unless ignore_eos, and the stop token stays in the output (the policy learns to stop).
+        "end_id": -1,
+        "pad_id": pad_token_id,
+        "stop_token_ids": sorted(sp.stop_ids) or None,
+        "include_stop_str_in_output": True,
+        "detokenize": False,
+        # The sampled token's log-prob: with the simple format logprobs must be 0 (_validate),
+        # which means the sampled token only; without it, 1 gives the sampled token plus the top 1.
+        "logprobs": 0 if feats.simple_format else 1,
+        "logprobs_mode": mode,
+        "logprobs_simple_format": True if feats.simple_format else None,
+    }
+    kw = {k: v for k, v in kw.items() if v is not None}
+    unknown = sorted(set(kw) - feats.sampling_fields)
+    if unknown:                            # would be a TypeError inside TensorRT-LLM's dataclass
+        raise ConfigError(f"TensorRT-LLM {feats.version}'s SamplingParams has no field(s) {unknown}; rollouts need "
+                          f"{LOGPROBS_NEEDED}", f"{KEY}.name")
+    return kw
+
+
+def _logprob_value(entry: Any) -> float:
+    return float(entry.logprob if hasattr(entry, "logprob") else entry)
+
+
+def completion_from_output(output: Any) -> Completion:
+    """One tensorrt_llm CompletionOutput -> Completion with the *sampled* token's log-probs, read from
+    the simple format (one float per token) or the dict format ({token id: Logprob})."""
+    tokens = [int(t) for t in output.token_ids]
+    per_token = output.logprobs or []
+    if len(per_token) != len(tokens):
+        raise RuntimeError(f"TensorRT-LLM returned {len(per_token)} log-prob entries for {len(tokens)} tokens")
+    logps = []
+    for pos, (tok, entry) in enumerate(zip(tokens, per_token)):
+        if isinstance(entry, dict):
+            if tok not in entry:          # never take another entry of the dict
+                raise RuntimeError(f"TensorRT-LLM log-probs at position {pos} lack the sampled token {tok} "
+                                   f"(entries for {sorted(entry)[:5]})")
+            logps.append(_logprob_value(entry[tok]))
+        else:
+            logps.append(float(entry))
+    reason = {"stop": "stop", "length": "length"}.get(str(output.finish_reason), "abort")
+    return Completion(tokens, logps, reason)
