@@ -2,21 +2,24 @@
 
     python benchmarks/addition_task.py [--warm-steps 350] [--more-sft 300] [--rl-steps 60] [--rl-lr 1e-4 3e-4]
     python benchmarks/addition_task.py --compare-threads     # warm-start speed, 1 vs 2 torch threads
+    python benchmarks/addition_task.py --smoke               # CI: a few steps of each part
 
 Prints, side by side: the warm start's wall time and held-out accuracy (greedy and sampled at
 T=1), the accuracy after `--more-sft` further supervised steps (the headroom is learnable), and
 after `--rl-steps` of plain single-process GRPO built from megarl.algos (reward-driven training
 closes part of it). This is a sanity check of the task, not of megarl's distributed trainer.
 
-Measured (2 shared cores, 1 thread): warm start 350 steps in 15 s -> held-out 0.43 greedy / 0.30
-sampled; +300 SFT steps -> 0.84 / 0.72; plain GRPO (16 prompts x 8, lr 1e-4, one update per
-batch) -> 0.52 / 0.37 after 60 steps, most of it in the first 40; lr 3e-4 and above degrades.
+Measured (wave 1, 2 shared cores, load not recorded, 1 thread; docs/benchmarks.md): warm start
+350 steps in 15 s -> held-out 0.43 greedy / 0.30 sampled; +300 SFT steps -> 0.84 / 0.72; plain
+GRPO (16 prompts x 8, lr 1e-4, one update per batch) -> 0.52 / 0.37 after 60 steps, most of it
+in the first 40; lr 3e-4 and above degrades.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import os
 import time
 
 import numpy as np
@@ -27,7 +30,7 @@ from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss
 from megarl.examples.addition.model import build_model, build_tokenizer
 from megarl.examples.addition.task import AdditionTask, answer_text, prompt_text, split_problems
 from megarl.examples.addition.warmstart import accuracy, supervised_train
-from megarl.reward import default_compute_score
+from megarl.reward.rules import default_compute_score
 
 
 def exact(text: str, truth: str) -> float:
@@ -132,6 +135,9 @@ def compare_threads(steps: int = 30, repeats: int = 3) -> None:
                       "ratio_2_over_1": round(med[2] / med[1], 2)}), flush=True)
 
 
+SMOKE = dict(warm_steps=10, more_sft=5, rl_steps=2, prompts=2, n=2)   # --smoke (CI): it runs, not what it learns
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm-steps", type=int, default=None, help="default: the bootstrap's")
@@ -149,7 +155,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for this model)")
     ap.add_argument("--reward", choices=["exact", "partial"], default="exact")
     ap.add_argument("--compare-threads", action="store_true", help="only time the warm start at 1 vs 2 threads")
+    ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.compare_threads:
         compare_threads()
         return
@@ -191,6 +200,9 @@ def main() -> None:
                                   "val_t1": t, "rl_s": round(time.perf_counter() - t0, 1)}), flush=True)
         res[f"rl_lr{lr:g}"] = {"steps": args.rl_steps, "greedy": g, "t1": t}
     print("summary", json.dumps(res))
+    import resource
+    print(f"peak resident MiB: main {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} (one process; "
+          f"load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -90,20 +90,19 @@ def run_tests(out: str) -> dict:
 
 
 def update_step(device: str, dry: bool, micro: int) -> dict:
-    from benchmarks.gpu_update_step import run
-    args = ["--device", device, "--micro", str(micro), "--json", os.devnull]
-    args += ["--shape", "tiny", "--log-prob-micro", "4", "--repeats", "1", "--warmup", "0", "--peak-tflops", "0.1"] \
-        if dry else ["--shape", "0.86b", "--model-dir", "/tmp/megarl_gpu_check_0.86b"]
-    return run(args)
+    from benchmarks.gpu_update_step import run, table
+    args = ["--micro", str(micro), "--json", os.devnull]
+    args += ["--smoke"] if dry else ["--device", device, "--shape", "0.86b",
+                                     "--model-dir", "/tmp/megarl_gpu_check_0.86b"]
+    result = run(args)
+    print(table(result), flush=True)
+    return result
 
 
 def rollout(device: str, dry: bool, out: str) -> dict:
     from benchmarks.rollout_throughput import main
     if dry:
-        args = ["--device", device, "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab-size", "512",
-                "--prompts", "2",
-                "--n", "2", "--max-tokens", "8", "--shortest", "4", "--longest", "8", "--repeats", "1",
-                "--model-dir", os.path.join(out, "rollout_model_dry")]
+        args = ["--device", device, "--smoke", "--model-dir", os.path.join(out, "rollout_model_dry")]
     else:
         # the 0.86B benchmark shape (the toy tokenizer's vocabulary is what it trains to, <= 32768)
         args = ["--device", device, "--dtype", "bfloat16", "--layers", "16", "--hidden", "2048", "--heads", "16",

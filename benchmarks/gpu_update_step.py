@@ -3,6 +3,7 @@ offload frees, and the weight sync into the built-in engine, on one rank.
 
     python benchmarks/gpu_update_step.py --device cuda --shape 0.86b            # the GPU issue's benchmark
     python benchmarks/gpu_update_step.py --device cpu --shape tiny --peak-tflops 0.1   # plumbing, seconds
+    python benchmarks/gpu_update_step.py --smoke        # CI: the tiny shape on CPU, one repeat
 
 The 0.86b shape is a random Qwen2 model: hidden 2048, 16 layers, 16 heads / 4 KV heads, FFN 5632,
 vocab 32768; each update is 32 sequences of 256 prompt + 768 response tokens, bf16, one
@@ -34,6 +35,7 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
 }
+SMOKE = dict(device="cpu", shape="tiny", log_prob_micro=4, repeats=1, warmup=0, peak_tflops=0.1)
 # (sequences, prompt, response) per update
 BATCH = {"0.86b": (32, 256, 768), "tiny": (4, 8, 8)}
 
@@ -68,7 +70,7 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.config import load_config
     from megarl.models.flops import forward_flops, training_flops
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
     from megarl.trainer.memory import PhaseMemory
     from megarl.trainer.mfu import resolve_peak_flops
@@ -151,7 +153,10 @@ def run(argv=None) -> dict:
     ap.add_argument("--peak-tflops", type=float, default=None, help="one device's peak (default: by GPU name)")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--smoke", action="store_true", help=f"CI's shape on CPU: {SMOKE}")
     a = ap.parse_args(argv)
+    if a.smoke:
+        vars(a).update(SMOKE)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_update_step: no CUDA device visible; use --device cpu --shape tiny for a dry run")
     from megarl.models.tiny import make_tiny_hf
@@ -160,30 +165,38 @@ def run(argv=None) -> dict:
         path = a.model_dir or os.path.join(tmp, "model")
         if not os.path.isfile(os.path.join(path, "config.json")):
             make_tiny_hf(path, "qwen2", tokenizer=False, **SHAPES[a.shape])
-        result = run_local(1, measure, (path, a))[0]
+        ranks = run_local(1, measure, (path, a))
+        result = {**ranks[0], "peak_resident_mb": ranks.peak_mb}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
 
 
-def main() -> None:
-    r = run()
+def table(r: dict) -> str:
     B, P, R = r["batch"]
-    print(f"model: Qwen2 {r['shape']} ({r['params'] / 1e9:.2f}B parameters), {r['device']} {r['dtype']}; "
+    lines = [f"model: Qwen2 {r['shape']} ({r['params'] / 1e9:.2f}B parameters), {r['device']} {r['dtype']}; "
           f"{B} sequences x {P}+{R} tokens, micro-batch {r['micro']}, distributed optimizer "
-          f"{'on' if r['distributed_optimizer'] else 'off'}; medians after warm-up")
+          f"{'on' if r['distributed_optimizer'] else 'off'}; medians after warm-up; load average "
+          f"{os.getloadavg()[0]:.1f}"]
     for k in ("update_policy", "compute_log_prob"):
         mfu = r.get(f"{k}_mfu")
-        print(f"  {k:17s} {r[k + '_s']:.3f} s  {r[k + '_tflops']:.1f} TFLOP/s  MFU "
+        lines.append(f"  {k:17s} {r[k + '_s']:.3f} s  {r[k + '_tflops']:.1f} TFLOP/s  MFU "
               + (f"{mfu:.3f} (peak {r['peak_tflops']:g} TFLOP/s)" if mfu is not None else f"n/a ({r['peak_source']})"))
     o = r["offload"]
-    print(f"  offload: trainer state on the device {o['resident_gb_before']:.2f} GB -> "
+    lines.append(f"  offload: trainer state on the device {o['resident_gb_before']:.2f} GB -> "
           f"{o['resident_gb_after']:.2f} GB; "
           f"onload {o['onload_s']:.3f} s")
     w = r["weight_sync"]
-    print(f"  weight sync -> native engine: {w['seconds']:.3f} s, {w['gb_per_s']:.2f} GB/s ({w['gb']:.2f} GB)")
-    print(f"  peak memory per phase: {json.dumps({k: round(v, 3) for k, v in r['memory'].items()})}")
+    lines.append(f"  weight sync -> native engine: {w['seconds']:.3f} s, {w['gb_per_s']:.2f} GB/s ({w['gb']:.2f} GB)")
+    lines.append(f"  peak memory per phase: {json.dumps({k: round(v, 3) for k, v in r['memory'].items()})}")
+    peaks = ", ".join(f"rank {i} {mb:.0f}" for i, mb in enumerate(r["peak_resident_mb"]))
+    lines.append(f"  peak resident MiB: {peaks}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(table(run()))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Times of the launch path, with megarl.parallel.launch_check as the job (2 ranks, gloo):
+"""Times of the launch path, with megarl.launch_check as the job (2 ranks, gloo):
 a run from start to finish, and from one rank failing (raise / SIGKILL / hang) to every rank gone.
 
     python benchmarks/launch_times.py                 # launch/torchrun.sh on this machine
     python benchmarks/launch_times.py --slurm         # also sbatch on the cluster in $SLURM_CONF
                                                       # (e.g. launch/slurm/local_cluster.sh start)
+    python benchmarks/launch_times.py --smoke         # CI: the SIGKILL case only
 The hang case is bounded by trainer.collective_timeout_s (--timeout); the others should not be.
 """
 from __future__ import annotations
@@ -15,7 +16,11 @@ import sys
 import tempfile
 import time
 
-ENV = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.parallel.launch_check"}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.peak_memory import ProcessPeaks  # noqa: E402
+
+ENV = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launch_check"}
 FAIL_LINE = "fails at step"
 
 
@@ -56,20 +61,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--slurm", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0, help="trainer.collective_timeout_s for the runs")
+    parser.add_argument("--smoke", action="store_true", help="CI: only the SIGKILL case")
     args = parser.parse_args()
     launchers = [("torchrun.sh", torchrun)] + ([("sbatch quickstart", sbatch)] if args.slurm else [])
     cases = [("ok, 5 steps", {}), ("raise", {"MEGARL_CHECK_FAIL": "1:3:raise"}),
              ("SIGKILL", {"MEGARL_CHECK_FAIL": "1:3:kill"}), ("hang", {"MEGARL_CHECK_FAIL": "1:3:hang"})]
-    print(f"{'launcher':18} {'case':12} {'start-to-end s':>15} {'failure-to-end s':>17}  result")
+    if args.smoke:
+        cases = [c for c in cases if c[0] == "SIGKILL"]
+    print(f"{'launcher':18} {'case':12} {'start-to-end s':>15} {'failure-to-end s':>17}  result  peak resident MiB")
     for name, launch in launchers:
         for case, env in cases:
-            with tempfile.TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp, ProcessPeaks() as peaks:
                 total = "5" if case.startswith("ok") else "100"
                 wall, after_fail, result = launch(tmp, [f"trainer.total_training_steps={total}",
                                                         f"trainer.collective_timeout_s={args.timeout}"],
                                                   {**env, "MEGARL_CHECK_STEP_S": "0.1"})
             after = f"{after_fail:.2f}" if after_fail is not None else "-"
-            print(f"{name:18} {case:12} {wall:15.2f} {after:>17}  {result}", flush=True)
+            ranks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(peaks.peak_mb.items()) if k.startswith("rank"))
+            print(f"{name:18} {case:12} {wall:15.2f} {after:>17}  {result}  {ranks or '-'}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Multi-turn rollouts: turns batched across trajectories vs one trajectory at a time, side by side.
 
     python benchmarks/multiturn_batching.py [--prompts 32] [--n 4] [--repeats 3] [--threads 1]
+    python benchmarks/multiturn_batching.py --smoke       # CI: 2 prompts, a 20-step model, one repeat
 
 The tool-use model of megarl/examples/tool_use (trained here first, ~250 SFT steps, unless
 --model points at a saved one) on the built-in engine: every trajectory is "call the calculator,
@@ -25,10 +26,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megarl.examples.tool_use import model as tool_model  # noqa: E402
+from megarl.parallel.local_ranks import resident_mb  # noqa: E402
 from megarl.rollout.base import SamplingParams  # noqa: E402
 from megarl.rollout.config import MultiTurnConfig  # noqa: E402
 from megarl.rollout.multiturn import AgentLoop, load_tools  # noqa: E402
 from megarl.rollout.native import NativeEngine  # noqa: E402
+
+
+SMOKE = dict(prompts=2, n=2, repeats=1, sft_steps=20)   # --smoke (CI): it runs, not how fast
 
 
 def main() -> None:
@@ -38,13 +43,17 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sft-steps", type=int, default=250, help="SFT steps of the model trained here (no --model)")
+    ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     torch.set_num_threads(args.threads)
     tok = tool_model.build_tokenizer()
     path = args.model
     if path is None:
         path = tempfile.mkdtemp(prefix="tool_model_")
-        model, _ = tool_model.train(tok)
+        model, _ = tool_model.train(tok, steps=args.sft_steps)
         model.save_pretrained(path)
     engine = NativeEngine.from_pretrained(path)
     loop = AgentLoop(engine, tok, load_tools("megarl/examples/tool_use/tools.yaml"), MultiTurnConfig(enable=True))
@@ -75,7 +84,9 @@ def main() -> None:
           f"threads={args.threads}, same tokens in both arms: {same}")
     for name in arms:
         print(f"{name:>10}: median {med[name]:.3f}s  ({generated / med[name]:.0f} tokens/s)  runs {seconds[name]}")
-    print(f"batched / sequential speed-up: {med['sequential'] / med['batched']:.2f}x")
+    print(f"batched / sequential speed-up: {med['sequential'] / med['batched']:.2f}x (load average "
+          f"{os.getloadavg()[0]:.1f})")
+    print(f"peak resident MiB: main {resident_mb():.0f} (one process)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python benchmarks/rollout_throughput.py --device cuda --dtype bfloat16 --layers 24 --hidden 1024 \
         --vocab-size 32000 --prompts 64 --n 8 --max-tokens 256      # issue 16's GPU shape
     python benchmarks/rollout_throughput.py --shape quickstart      # seconds per generate, quickstart shape
+    python benchmarks/rollout_throughput.py --smoke --model-dir /tmp/toy_smoke   # CI: tiny model, one repeat
 
 Same ~20M-parameter Qwen2-style model (random init, local BPE tokenizer: benchmarks/toy_model.py),
 same prompts (16 text snippets of 16..96 tokens), n=4 samples each, up to 128 new tokens,
@@ -56,6 +57,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.toy_model import build, corpus  # noqa: E402
+from megarl.parallel.local_ranks import resident_mb  # noqa: E402
 from megarl.rollout.base import SamplingParams  # noqa: E402
 from megarl.rollout.hf import HFEngine  # noqa: E402
 from megarl.rollout.native import NativeEngine  # noqa: E402
@@ -330,6 +332,11 @@ def quickstart_step(args) -> dict:
     return med
 
 
+# --smoke (CI, and gpu_check --dry-run): a tiny model, a few short rows, one timed run
+SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab_size=512, prompts=2, n=2, max_tokens=8,
+             shortest=4, longest=8, repeats=1)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default="/tmp/megarl_toy_bench")
@@ -366,7 +373,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab-size", type=int, default=8192, help="tokenizer size (only when it is built)")
     ap.add_argument("--shape", choices=["default", "quickstart"], default="default",
                     help="quickstart: seconds per generate at configs/quickstart.yaml's shape instead")
+    ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
 
     torch.set_num_threads(args.threads)
     if args.shape == "quickstart":
@@ -429,6 +439,8 @@ def main(argv=None) -> dict:
     for other in [k for k in runs if k != "native"]:
         print(f"  ratio native / {other:8s} = {med['native'] / med[other]:.2f}x tokens/s "
               f"({cpu_med['native'] / cpu_med[other]:.2f}x per CPU-second)")
+    print(f"  peak resident memory: {resident_mb():.0f} MiB (this one process, every engine in it; load average "
+          f"{os.getloadavg()[0]:.1f})")
     c = native.cache                      # the n samples of a prompt share its K/V (kv_cache.py)
     copies = c.bytes_per_token() * c.rows * (c.prompt_len + c.gen_len)
     print(f"  native: KV cache {c.nbytes() / 2**20:.1f} MiB for {c.rows} rows and {c.groups} prompt groups "

@@ -1,6 +1,7 @@
 """A small Qwen2-style model and a BPE tokenizer built locally (no hub access), for benchmarks.
 
     python benchmarks/toy_model.py /tmp/toy          # writes config.json, weights, tokenizer.json
+    python benchmarks/toy_model.py /tmp/toy --smoke  # CI: a 512-token tokenizer and a 2-layer model
 
 The tokenizer is trained on this Python's own standard-library sources (deterministic for a
 given Python), the model is randomly initialised with a fixed seed.
@@ -68,6 +69,14 @@ def build(out_dir: str, vocab_size: int = 8192, **model_kwargs):
     return tok, n_params
 
 
+SMOKE = dict(vocab_size=512, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128)   # --smoke (CI)
+
+
 if __name__ == "__main__":
-    tok, n = build(sys.argv[1] if len(sys.argv) > 1 else "/tmp/megarl_toy")
-    print(f"tokenizer: {len(tok)} tokens; model: {n / 1e6:.1f}M parameters")
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default="/tmp/megarl_toy")
+    ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}")
+    a = ap.parse_args()
+    tok, n = build(a.out, **(SMOKE if a.smoke else {}))
+    print(f"tokenizer: {len(tok)} tokens; model: {n / 1e6:.2f}M parameters")

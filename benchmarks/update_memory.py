@@ -5,6 +5,7 @@ the actor's compute_log_prob and update_policy, side by side, on a long-tailed l
     python benchmarks/update_memory.py --vocab 152064        # the 152k-vocabulary memory figure
     python benchmarks/update_memory.py --megarl /work/main   # the same run on another checkout (today's code)
     python benchmarks/update_memory.py --device cuda         # where a GPU is lent
+    python benchmarks/update_memory.py --smoke               # CI: a tiny shape, one repeat
 
 Lengths: prompts uniform in [prompt/2, prompt], responses geometric with mean `--mean-response`,
 5% of them at `--response` (the cap), like GSM8K rollouts with a few runaway answers. One process
@@ -149,6 +150,12 @@ def run_row(path, a, row, data):
             "held_mib": None if held is None else held / 2**20, "offload_cycle_s": cycle_s}
 
 
+# --smoke (CI): a tiny model and batch, one repeat, the first and last rows (padded static; packed,
+# token budget and offload: between them every path a row takes)
+SMOKE = dict(batch=4, micro=2, prompt=8, response=16, mean_response=6.0, max_tokens=32, vocab=512, hidden=64,
+             layers=2, repeats=1, rows="0,4")
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -165,7 +172,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--megarl", default=None, help="import megarl from this checkout (e.g. /work/main: today's code)")
     p.add_argument("--rows", default=None, help="comma-separated row numbers to run (default all)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}")
     a = p.parse_args(argv)
+    if a.smoke:
+        vars(a).update(SMOKE)
     sys.path.insert(0, os.path.abspath(a.megarl or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -197,6 +207,9 @@ def main(argv=None) -> list[dict]:
         cycle = "-" if r["offload_cycle_s"] is None else f"{r['offload_cycle_s']:.3f}"
         print(f"{r['name']:<21}{r['lp_s']:>11.3f}{r['up_s']:>10.3f}{r['lp_mib']:>14.1f}{r['up_mib']:>12.1f}"
               f"{r['padding']:>9.3f}{held:>21}{cycle:>18}")
+    import resource
+    print(f"peak resident MiB: main {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} (one process, "
+          f"every row; load average {os.getloadavg()[0]:.1f})")
     if a.device == "cpu" and any(r["offload_cycle_s"] is not None for r in results):
         print("offload acts on CUDA only (on CPU the device's memory is host memory): the offload row shows "
               "what stays held here; run with --device cuda for the saving")

@@ -21,11 +21,10 @@ from megarl.parallel.local_ranks import launched, run_local  # noqa: E402
 
 
 def convert(rank: int, world: int, hf: str, out: str, tp: int, pp: int, head: str) -> None:
-    from megarl.workers.checkpoint import save_checkpoint
     from megarl.workers.engine import EngineSpec, MegatronEngine
     eng = MegatronEngine(EngineSpec(hf, tp=tp, pp=pp, head=head, trainable=False, dtype="float32",
                                     head_from_checkpoint=head == "value" and _has_score(hf)))
-    save_checkpoint(out, eng, with_optimizer=False)
+    eng.save_checkpoint(out, with_optimizer=False)
 
 
 def _has_score(hf: str) -> bool:

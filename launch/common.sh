@@ -16,7 +16,17 @@ megarl_die() { echo "megarl: $*" >&2; exit 2; }
 # starts) and sets MEGARL_RUN_DIR, MEGARL_LOG_DIR, MEGARL_NNODES, MEGARL_NPROC_PER_NODE,
 # MEGARL_COLLECTIVE_TIMEOUT_S, MEGARL_SHUTDOWN_WAIT_S.
 megarl_resolve() {
-    local out
-    out=$("$PYTHON" -m megarl.parallel.launch_env "$@") || exit 2
-    eval "$out"
+    local vars key value
+    vars=$(mktemp) || exit 2
+    # Values come back in a file (NUL-separated pairs), never through `eval`: whatever the config's
+    # modules print (a user's reward file, say) goes to the terminal and cannot become shell code.
+    if ! "$PYTHON" -m megarl.launch_vars --env-file "$vars" "$@"; then
+        rm -f "$vars"
+        exit 2
+    fi
+    while IFS= read -r -d '' key && IFS= read -r -d '' value; do
+        [[ $key =~ ^MEGARL_[A-Z_]+$ ]] || { rm -f "$vars"; megarl_die "unexpected name from launch_vars: $key"; }
+        printf -v "$key" '%s' "$value"
+    done <"$vars"
+    rm -f "$vars"
 }

@@ -8,6 +8,6 @@ __all__ = ["DataProto"]
 
 def __getattr__(name: str):
     if name == "DataProto":
-        from megarl.protocol import DataProto
+        from megarl.protocol import DataProto  # lazy: megarl-train refuses a bad config before torch loads
         return DataProto
     raise AttributeError(f"module 'megarl' has no attribute {name!r}")

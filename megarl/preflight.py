@@ -3,11 +3,15 @@
     megarl-train runs `preflight(cfg)` right after the config loads; a problem is one
     `megarl: config error: <key>: <what>; <fix>` line and exit code 2, with no rank started.
 
-What it checks, cheapest first, reading only small files (no torch, no model weights):
-- data files exist, parse and hold rows; the model path exists (or a bootstrap creates it);
-- prompt + response fit the model's positions (and rollout.max_model_len);
-- the rollout engine is known and importable; a custom class or tools file loads;
+What it checks, model first, reading no model weights:
+- the model path is a checkpoint of a supported architecture, or the absent path its own config's
+  bootstrap builds (megarl/config/model_path.py); prompt + response fit its positions;
+- data files exist, are readable UTF-8 / parquet files with the prompt column;
+- the rollout engine is known and importable; a custom class or tools file loads; the device
+  and logger packages asked for are here (megarl/preflight_run.py);
 - the reward function (or manager) imports and has the right signature;
+- with the tokenizer at hand: each split tokenized as the ranks do it, usable rows vs the batch
+  size, the reward on one real row (a bootstrapped model: right after the launcher builds it);
 - model.external_lib imports; the run directory is writable and has room for a checkpoint.
 The layout is checked by the config itself (ExperimentConfig) and against the model here.
 """
@@ -20,6 +24,10 @@ import os
 import tempfile
 
 from megarl.config.errors import ConfigError
+from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_reward_fn
+from megarl.config.model_path import model_path_state
+from megarl.preflight_run import (check_architecture, check_columns, check_datasets, check_device, check_loggers,
+                                  check_reward_on_a_row, load_tokenizer, tokenizer_available)
 
 # Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
 ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
@@ -29,16 +37,39 @@ _RO = "actor_rollout_ref.rollout"
 
 def preflight(cfg) -> None:
     """Raise ConfigError (one line) for the first problem found; return quietly otherwise."""
-    check_data(cfg)
-    check_model_paths(cfg)
-    check_engine(cfg)
-    check_reward(cfg)
     import_external_libs(cfg)
+    check_model_paths(cfg)                     # first: a missing model is the first thing to fix
+    check_data(cfg)
+    check_engine(cfg)
+    check_device(cfg)
+    check_loggers(cfg)
+    check_reward(cfg)
+    if tokenizer_available(cfg):               # else after the bootstrap: bootstrap_and_check()
+        check_with_tokenizer(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
     from megarl.diskspace import check_free_space
     check_free_space(cfg)     # a full disk passes the write check (an empty file needs no blocks)
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
+
+
+def check_with_tokenizer(cfg) -> None:
+    """The data as the ranks tokenize it, and the reward on one real row."""
+    train = check_datasets(cfg, load_tokenizer(cfg))
+    check_reward_on_a_row(cfg, train)
+
+
+def bootstrap_and_check(cfg) -> None:
+    """Build a bootstrapped model here, in the launcher, so the checks that need its tokenizer run
+    before any rank starts (the ranks then find the model in place)."""
+    m = cfg.model
+    if model_path_state(m.path, m.bootstrap) != "bootstrap":
+        return
+    from megarl.trainer.parts import import_path
+    import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
+    if model_path_state(m.path, None) != "ready":
+        raise ConfigError(f"{m.path} still holds no config.json after the bootstrap", "actor_rollout_ref.model.bootstrap")
+    check_with_tokenizer(cfg)
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -51,17 +82,35 @@ def check_data(cfg) -> None:
             rows = count_rows(path, key)
             if rows == 0:
                 raise ConfigError(f"{path} holds no rows; give a file with prompts", key)
+            if not (cfg.data.custom_cls or {}).get("path"):   # a custom dataset class reads its own columns
+                check_columns(path, key, cfg.data.prompt_key)
 
 
 def count_rows(path: str, key: str) -> int:
     """Rows in a data file, reading only what is needed to know that it parses and is not empty."""
+    if os.path.isdir(path):
+        inside = sorted(f for f in os.listdir(path) if os.path.splitext(f)[1] in (".parquet", ".jsonl", ".json"))
+        raise ConfigError(f"{path} is a directory; give the data file itself"
+                          + (f", e.g. {os.path.join(path, inside[0])}" if inside else ""), key)
     if not os.path.isfile(path):
         hint = " (relative paths in a config file are taken from that file's folder)" if not os.path.isabs(path) else ""
         raise ConfigError(f"data file not found: {path}{hint}", key)
+    try:
+        return _count_rows(path, key)
+    except UnicodeDecodeError as err:
+        bom = " (it starts with a UTF-16 byte-order mark)" if err.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ConfigError(f"{path} is not UTF-8 text{bom}; save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)",
+                          key) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {path} ({err.strerror or type(err).__name__}); check its permissions",
+                          key) from None
+
+
+def _count_rows(path: str, key: str) -> int:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional at run time: only for .parquet files
             return pq.ParquetFile(path).metadata.num_rows
         except Exception as err:
             raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})", key) from None
@@ -98,7 +147,7 @@ def read_json(path: str, key: str) -> dict:
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:        # ValueError: bad JSON or not UTF-8
         raise ConfigError(f"{path}: cannot read ({type(err).__name__}: {err})", key) from None
 
 
@@ -108,15 +157,12 @@ def check_model_paths(cfg) -> None:
         raise ConfigError("no model: set it to an HF checkpoint directory (config.json + *.safetensors), or set "
                           "actor_rollout_ref.model.bootstrap to a function that creates one", key)
     config_json = os.path.join(m.path, "config.json")
-    if not os.path.isfile(config_json):
-        if not m.bootstrap:
-            what = "does not exist" if not os.path.exists(m.path) else "holds no config.json"
-            raise ConfigError(f"{m.path} {what}; point it at an HF checkpoint directory (relative paths in a config "
-                              "file are taken from that file's folder), or set model.bootstrap", key)
+    if model_path_state(m.path, m.bootstrap) == "bootstrap":
         check_import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")
         check_run_dir(os.path.dirname(os.path.abspath(m.path)), key)
     else:
         hf = read_json(config_json, key)
+        check_architecture(hf, config_json)    # before the layout: GPT-2's n_head is not num_attention_heads
         cfg.check_model(hf)   # layout against heads/layers; lengths against positions
     bootstrapping = not os.path.isfile(config_json)  # the bootstrap may write the tokenizer too
     if m.tokenizer_path and m.tokenizer_path != m.path and not bootstrapping and not os.path.exists(m.tokenizer_path):
@@ -149,15 +195,14 @@ def check_engine(cfg) -> None:
         raise ConfigError(f"rollout.name={ro.name} needs the {module!r} package, which is not installed here; "
                           "install it or use rollout.name=native", key)
     if ro.name == "custom":
-        from megarl.rollout.custom import load_user_class
+        from megarl.rollout.custom import load_user_class  # lazy: loads torch, which the launcher avoids
         load_user_class(ro.custom_cls_path, ro.custom_cls_name)
     if ro.multi_turn.enable and ro.multi_turn.tool_config_path:
-        from megarl.rollout.multiturn.tools import load_tools
+        from megarl.rollout.multiturn.tools import load_tools  # lazy: loads torch, which the launcher avoids
         load_tools(ro.multi_turn.tool_config_path)
 
 
 def check_reward(cfg) -> None:
-    from megarl.reward.loading import RewardFnSpec, load_class, load_reward_fn
     kind = cfg.reward_model.reward_manager
     crf = cfg.custom_reward_function
     if kind in ("naive", "batch"):
@@ -169,7 +214,6 @@ def check_reward(cfg) -> None:
 
 def check_import_path(ref: str, key: str) -> None:
     """`pkg.module:function` or `file.py:function` resolves to something callable."""
-    from megarl.reward.loading import get_attr, import_path
     if ":" not in ref:
         raise ConfigError(f"{ref!r} is not an import path; write 'pkg.module:function' or 'file.py:function'", key)
     path, name = ref.rsplit(":", 1)
@@ -192,9 +236,10 @@ def import_external_libs(cfg) -> None:
 
 # -- outputs --------------------------------------------------------------------------------------------
 def check_run_dir(path: str, key: str) -> None:
-    """`path` can be created and written (creating it now, as the run would)."""
+    """`path` can be created and written (creating it now, as the run would: mode 0700)."""
+    from megarl.durable import make_private_dir
     try:
-        os.makedirs(path, exist_ok=True)
+        make_private_dir(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
             pass
     except OSError as err:

@@ -28,6 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from megarl import plain_state
+from megarl.plain_state import load_plain, save_plain
+
 _OWN = ("batch", "non_tensor_batch", "meta_info")
 
 
@@ -247,13 +250,15 @@ class DataProto:
                          {k: copy.deepcopy(v) for k, v in self.non_tensor_batch.items()}, copy.deepcopy(self.meta_info))
 
     def save_to_disk(self, path: str) -> None:
-        torch.save({"batch": dict(self.batch.items()), "size": len(self),
-                    "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}, path)
+        save_plain(self, path)
 
     @classmethod
     def load_from_disk(cls, path: str) -> "DataProto":
-        d = torch.load(path, weights_only=False)
-        return cls(TensorBatch(d["batch"], batch_size=d["size"]), d["non_tensor_batch"], d["meta_info"])
+        """Read with torch's weights-only unpickler (megarl.plain_state): loading runs no code."""
+        got = load_plain(path)
+        if not isinstance(got, cls):
+            raise ValueError(f"{path} does not hold a DataProto")
+        return got
 
     def __repr__(self) -> str:
         return (f"DataProto(B={len(self)}, batch={sorted(self.batch.keys())}, "
@@ -268,3 +273,11 @@ def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     width = max(t.shape[1] for t in tensors)
     padded = [torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t for t in tensors]
     return torch.cat(padded)
+
+
+# A checkpoint (the async trainer's in-flight batch) may hold a DataProto: as its parts.
+plain_state.register(
+    "DataProto", DataProto,
+    lambda d: {"batch": dict(d.batch.items()), "size": len(d), "non_tensor_batch": d.non_tensor_batch,
+               "meta_info": d.meta_info},
+    lambda f: DataProto(TensorBatch(f["batch"], batch_size=f["size"]), f["non_tensor_batch"], f["meta_info"]))

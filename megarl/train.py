@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
 from megarl.config import ConfigError, ExperimentConfig, load_config
 from megarl.config.experiment import read_hf_config
+from megarl.config.verl_keys import refuse_hydra_flags
+from megarl.launch_output import RankOutput
+from megarl.preflight_run import tokenizer_available
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent
 from megarl.parallel.supervise import LogCopy, run_tree
+from megarl.preflight import preflight
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="show every warning (megatron's notices about optional NVIDIA packages included)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
 
 
 def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
@@ -40,7 +45,6 @@ def load_checked(config: str | None, overrides: list[str], check_all: bool = Tru
     (files, model, lengths, engine, reward, run directory) before any process starts."""
     cfg = load_config(config, overrides)
     if check_all:
-        from megarl.preflight import preflight
         preflight(cfg)
     elif cfg.model.path:
         hf = read_hf_config(cfg.model.path)
@@ -78,17 +82,17 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     log_path = os.path.join(log_dir, f"megarl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     print(f"megarl: starting {nproc} process{'es' if nproc > 1 else ''}; log {log_path}", flush=True)
     log = LogCopy(log_path)
+    echo = RankOutput(sys.stdout.buffer, log_path)   # a rank's config error ends the console copy
 
     def copy(chunk: bytes) -> None:
         try:
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
+            echo.write(chunk)
         except OSError:
             pass                     # a closed console must not stop the run; the log keeps it
         log.write(chunk)
     try:
         # Every process of the run stays below this one and ends with it (megarl/parallel/supervise.py).
-        return run_tree(cmd, env, copy)
+        return echo.exit_code(run_tree(cmd, env, copy))
     finally:
         log.close()
         lock.release()
@@ -96,7 +100,6 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
 
 def single_process_env() -> dict[str, str]:
     """The variables torchrun would set, for a one-process run."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -109,13 +112,17 @@ def config_error(err: ConfigError) -> int:
     if _rank() == 0:
         print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
     if _launched_by_a_launcher() and "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from megarl.trainer.run import tell_launcher
+        from megarl.trainer.run import tell_launcher  # lazy: the ranks' code (torch, megatron)
         tell_launcher(err)
     return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        refuse_hydra_flags(argv)
+    except ConfigError as err:
+        return config_error(err)
     args = parse_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"          # ranks inherit it
@@ -129,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         if args.check:
-            print("megarl: config and inputs check out; nothing was started")
+            later = ("" if tokenizer_available(cfg) else " (the data is tokenized and scored once the bootstrap has "
+                     "built the model, before the first run's ranks start)")
+            print(f"megarl: config and inputs check out{later}; nothing was started")
             return 0
         if not launched:
             if cfg.trainer.nnodes > 1:
                 raise ConfigError("trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch or torchrun on "
                                   "every node")
+            from megarl.preflight import bootstrap_and_check
+            bootstrap_and_check(cfg)
             return spawn_ranks(cfg, argv)
         lock = None
         if _rank() == 0 and LOCK_HELD_ENV not in os.environ:  # started by torchrun/srun directly
@@ -144,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron's TP/SP overlap orders its kernels by relying on one hardware queue; it must be
     # set before CUDA starts. The user's own value wins.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    import torch
+    import torch  # lazy: torch loads only once the config is accepted
     quiet_known_noise(cpu=cfg.trainer.device == "cpu" or not torch.cuda.is_available())
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import record  # lazy, as torch above
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
     try:

@@ -8,12 +8,26 @@ checks into one function and one spawn. `fn` must be importable (module level).
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import tempfile
 import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+
+# Results are any Python object a check returns (sets, tuple keys, ...), so they travel as pickles,
+# written by this test's own child processes into a private temporary directory (mode 0700) and
+# read back by the parent only. megarl itself unpickles no file (docs/security.md).
+def _write(path: str, obj) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f)
+
+
+def _read(path: str):
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def free_port() -> int:
@@ -29,9 +43,9 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn, args, env: dict) -
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         result = fn(rank, world, *args)
-        torch.save({"ok": True, "result": result}, path)
+        _write(path, {"ok": True, "result": result})
     except BaseException:  # report to the parent instead of dying silently
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        _write(path, {"ok": False, "error": traceback.format_exc()})
         raise
     finally:
         if torch.distributed.is_initialized():
@@ -55,7 +69,7 @@ def run_ranks(world_size: int, fn, args: tuple = (), env: dict | None = None, ti
             if not os.path.exists(path):
                 errors.append(f"rank {rank} left no result")
                 continue
-            got = torch.load(path, weights_only=False)
+            got = _read(path)
             if not got["ok"]:
                 errors.append(f"rank {rank}:\n{got['error']}")
             results.append(got.get("result"))

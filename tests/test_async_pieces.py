@@ -147,35 +147,55 @@ def test_partial_rollout_continues_under_new_weights(tiny):
     assert all(math.isfinite(lp) and lp <= 0 for gr in runs[0] for c in gr for lp in c.log_probs)
 
 
-def test_stale_groups_are_regenerated_or_dropped(tiny):
-    """RolloutWorker.enforce_staleness on a real native engine (one rollout rank)."""
-    import numpy as np
+def _native_engine(path):
     from transformers import AutoModelForCausalLM
 
-    from megarl.config import load_config
-    from megarl.parallel.state import Layout
-    from megarl.protocol import DataProto
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.registry import build_rollout
+    engine = build_rollout(RolloutConfig(name="native", dtype="float32"), path)
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
+    engine.finalize_weights()
+    return engine
+
+
+def _rollout_worker(engine, overrides):
+    """A RolloutWorker of one rollout rank (no torch.distributed), on a real native engine."""
+    from megarl.config import load_config
+    from megarl.parallel.state import Layout
     from megarl.rollout.sampling import train_sampling
     from megarl.trainer.fit_async import RolloutWorker
-    from megarl.trainer.parts import Parts
+    from megarl.trainer.parts import RolloutParts
     from megarl.trainer.ranks import Ranks
 
-    engine = build_rollout(RolloutConfig(name="native", dtype="float32"), tiny)
-    engine.update_weights(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict().items())
-    engine.finalize_weights()
     cfg = load_config(None, ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=4",
-                             "async_training.max_staleness=1"])
+                             *overrides])
     w = RolloutWorker.__new__(RolloutWorker)
     w.cfg, w.acfg, w.version = cfg, cfg.async_training, 3
-    w.p = Parts(*[None] * 13)
-    w.p.rollout, w.p.pad_token_id = engine, 0
+    w.p = RolloutParts(tokenizer=None, pad_token_id=0, train_loader=None, val_loader=None, total_steps=0,
+                       rollout=engine, weight_sync=None, reward=None)
     w.ranks = Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu"), train=Layout(1, 1, 1, 0, 0, 0),
                     rollout_tp=1, rollout_dp=1, rollout_dp_rank=0, rollout_tp_rank=0, rollout_group=None)
     w.sampling = train_sampling(cfg.rollout, [2])
-    prompts = DataProto(non_tensor_batch={"prompt_token_ids": np.array([[5, 17, 42], [3, 3, 9], [7, 8]], dtype=object),
-                                          "uid": np.array(["a", "b", "c"], dtype=object)})
+    return w
+
+
+PROMPTS3 = [[5, 17, 42], [3, 3, 9], [7, 8]]
+
+
+def _prompts():
+    import numpy as np
+
+    from megarl.protocol import DataProto
+    return DataProto(non_tensor_batch={"prompt_token_ids": np.array(PROMPTS3, dtype=object),
+                                       "uid": np.array(["a", "b", "c"], dtype=object)})
+
+
+def test_stale_groups_are_regenerated_or_dropped(tiny):
+    """RolloutWorker.enforce_staleness on a real native engine (one rollout rank)."""
+    import dataclasses
+
+    w = _rollout_worker(_native_engine(tiny), ["async_training.max_staleness=1"])
+    prompts = _prompts()
     batch = w.generate(prompts, t=4)
     assert (batch.batch["token_versions"][batch.batch["response_mask"] > 0] == 3).all()
     # Pretend prompt "b"'s second sample began under version 1: 2 behind version 3 (batch 4).
@@ -185,6 +205,19 @@ def test_stale_groups_are_regenerated_or_dropped(tiny):
     assert m["stale_groups"] == 1 and m["regenerated_groups"] == 1 and len(kept) == 6
     assert sorted(kept.non_tensor_batch["uid"].tolist()) == ["a", "a", "b", "b", "c", "c"]
     assert (kept.batch["token_versions"][kept.batch["response_mask"] > 0] == 3).all()
-    w.acfg.stale_samples = "drop"
+    w.acfg = dataclasses.replace(w.acfg, stale_samples="drop")
     kept, m = w.enforce_staleness(batch, prompts, t=4)
     assert m["dropped_groups"] == 1 and kept.non_tensor_batch["uid"].tolist() == ["a", "a", "c", "c"]
+
+
+def test_rollout_ranks_sample_with_rollout_seed(tiny):
+    """Disaggregated placement: the rollout ranks' sampling seed is rollout.seed when set, as in
+    the colocated loop (it used to be trainer.seed there, so rollout.seed was accepted and ignored)."""
+    engine = _native_engine(tiny)
+
+    def responses(*overrides):
+        return _rollout_worker(engine, overrides).generate(_prompts(), t=4).batch["responses"]
+
+    by_rollout_seed = responses("trainer.seed=1", "actor_rollout_ref.rollout.seed=5")
+    assert torch.equal(by_rollout_seed, responses("trainer.seed=5"))
+    assert not torch.equal(by_rollout_seed, responses("trainer.seed=1"))

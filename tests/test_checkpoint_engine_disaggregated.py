@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.checkpoint_engine_helpers import PROMPTS, Faulty, engine_mismatch
+from tests.helpers.checkpoint_engine import PROMPTS, Faulty, engine_mismatch
 from tests.distributed import run_ranks
 
 TRAINERS, ENGINES = [0, 1], [2, 3]
@@ -31,18 +31,21 @@ def check_disaggregated(rank, world, path):
                                                       DisaggregatedSender)
     from megarl.checkpoint_engine.source import ShardSource
     from megarl.models.hf_checkpoint import HFCheckpoint
+    from megarl.parallel.bridge import Bridge, job_store
     from megarl.rollout.base import SamplingParams
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
 
-    dist.init_process_group("gloo")
+    store, _, _ = job_store(120)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world)
+    everyone = Bridge(store, "world", range(world), rank)      # the transport's groups: bridges, as in a run
     ckpt = HFCheckpoint(path)
     spec = ckpt.spec()
     full = {n: ckpt.read_full(n) for n in ckpt.names()}
     out = {}
     for tp, pp, rtp in ((2, 1, 2), (1, 2, 1)):
         trainer_rank = (lambda t, d, p: t) if tp == 2 else (lambda t, d, p: p)
-        groups = DisaggregatedGroups.create(tp, pp, trainer_rank, ENGINES)
+        groups = DisaggregatedGroups.create(tp, pp, trainer_rank, ENGINES, store, rank, everyone, tag=f"{tp}x{pp}")
         engine_group = dist.new_group(ENGINES) if rtp == 2 else None    # every rank creates every group
         weights = {n: t.clone() for n, t in full.items()}
         r = {}

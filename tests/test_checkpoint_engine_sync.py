@@ -20,26 +20,14 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.checkpoint_engine_helpers import (PROMPTS, TEMP, Faulty, actor_at, engine_mismatch, full_export,
-                                             native_engine, perturb, rollout_groups, rollout_vs_actor)
+from tests.helpers.checkpoint_engine import (PROMPTS, TEMP, Faulty, actor_at, engine_mismatch, experiment, full_export,
+                                             generated_batch, native_engine, perturb, rollout_groups, rollout_vs_actor)
 from tests.distributed import run_ranks
 
 LAYOUTS = [(2, 2), (2, 1), (1, 2)]
 LOGPROB_TOL = 1e-5
 BUCKET_MB = 0.1                            # the small model (0.65 MB) moves in several buckets
 BIG_BUCKET_MB = 1
-
-
-def experiment(path: str, tp: int, pp: int, rtp: int, **ce):
-    from megarl.config import load_config
-    overrides = [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=4",
-                 f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
-                 f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
-                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                 "data.train_batch_size=4"]
-    overrides += [f"actor_rollout_ref.rollout.checkpoint_engine.{k}={v}" for k, v in ce.items()]
-    return load_config(None, overrides)
 
 
 def check_colocated(rank, world, path, big_path, disk_dir):
@@ -103,7 +91,7 @@ def check_colocated(rank, world, path, big_path, disk_dir):
             out["disk_metrics"] = [disk.sync(), disk.sync()]
             out["disk_path"] = disk.last_path
             out["disk_export"] = full_export(actor)
-            batch = rollout_batch(engine_for_tokens(path))
+            batch = generated_batch(engine_for_tokens(path))
             out["disk_batch"] = batch
             out["disk_actor_logprobs"] = actor.compute_log_prob(batch, TEMP, with_entropy=False)[0]
         del actor
@@ -136,14 +124,6 @@ def engine_for_tokens(path):
     """A TP-1 native engine on the HF weights, only to produce fixed token rows for scoring."""
     from megarl.rollout.native import NativeEngine
     return NativeEngine.from_pretrained(path)
-
-
-def rollout_batch(engine):
-    from megarl.protocol import DataProto
-    from megarl.rollout.base import SamplingParams
-    batch = DataProto(non_tensor_batch={"prompt_token_ids": [list(p) for p in PROMPTS]},
-                      meta_info={"sampling": SamplingParams(n=2, max_tokens=6, temperature=TEMP, seed=3)})
-    return engine.generate_sequences(batch)
 
 
 @pytest.fixture(scope="module")

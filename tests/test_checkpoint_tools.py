@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.test_models_distributed import assert_same_tensors
+from tests.helpers.megatron_roles import assert_same_tensors
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -216,3 +216,29 @@ def test_enforce_eager_acts_for_native_and_is_refused_where_no_engine_captures_g
     for name in ("hf", "trtllm"):
         with pytest.raises(ConfigError, match="enforce_eager: false asks for CUDA graphs"):
             load_config(None, [f"actor_rollout_ref.rollout.name={name}", "actor_rollout_ref.rollout.enforce_eager=false"])
+
+
+def test_built_config_is_frozen_and_roles_own_their_layout():
+    """Once built and validated the tree refuses changes; derived values go in a resolved copy."""
+    import dataclasses
+
+    from megarl.config.typed import FrozenConfigError
+    cfg = load_config(None, ["critic.enable=true", "trainer.total_epochs=2"])
+    for set_it in (lambda: setattr(cfg.actor.optim, "total_training_steps", 9),
+                   lambda: setattr(cfg.trainer, "seed", 3),
+                   lambda: setattr(cfg.actor_rollout_ref, "rollout", None),
+                   lambda: setattr(cfg, "critic", None)):
+        with pytest.raises(FrozenConfigError, match="frozen"):
+            set_it()
+    # The critic and the reference take the actor's layout as a copy, not the actor's own object.
+    actor, critic, ref = cfg.actor.megatron, cfg.critic.megatron, cfg.actor_rollout_ref.ref.megatron
+    assert critic is not actor and ref is not actor and critic == actor == ref
+    run = cfg.resolved(17)
+    assert run.actor.optim.total_training_steps == 17 and run.critic.optim.total_training_steps == 17
+    assert cfg.actor.optim.total_training_steps == -1           # the built tree is unchanged
+    with pytest.raises(FrozenConfigError):
+        run.trainer.seed = 3
+    # An explicit step count stays; replace() builds a new (unfrozen) section.
+    assert load_config(None, ["actor_rollout_ref.actor.optim.total_training_steps=5"]).resolved(17) \
+        .actor.optim.total_training_steps == 5
+    assert dataclasses.replace(cfg.trainer, seed=3).seed == 3

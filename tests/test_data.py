@@ -12,7 +12,7 @@ from megarl.data.config import DataConfig
 from megarl.data.dataset import RLDataset
 from megarl.data.loader import PromptLoader
 from megarl.data.templates import NAMED
-from tests.reward_helpers import text_tokenizer
+from tests.helpers.reward import text_tokenizer
 
 
 def row(prompt, truth="1", **extra):

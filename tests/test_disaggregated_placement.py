@@ -19,7 +19,7 @@ def check_placement(rank, world, path):
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.base import SamplingParams
     from megarl.trainer.ranks import destroy, setup_ranks
-    from tests.checkpoint_engine_helpers import PROMPTS, Faulty, actor_at, engine_mismatch, native_engine, perturb
+    from tests.helpers.checkpoint_engine import PROMPTS, Faulty, actor_at, engine_mismatch, native_engine, perturb
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=3",
                              "actor_rollout_ref.rollout.placement=disaggregated", "trainer.device=cpu",
@@ -44,11 +44,8 @@ def check_placement(rank, world, path):
                                      keep_previous=True)
 
     def export():       # the actor's HF tensors, on every rank of both sides
-        box = [{n: t.clone() for n, t in actor.hf_tensors()} if ranks.role == "trainer" else None]
-        if ranks.role == "trainer" and ranks.rank != 0:
-            box = [None]
-        dist.broadcast_object_list(box, src=0, group=ranks.world_group)
-        return box[0]
+        mine = {n: t.clone() for n, t in actor.hf_tensors()} if ranks.role == "trainer" else None
+        return ranks.world_group.broadcast_object(mine if ranks.global_rank == 0 else None, src=0)
 
     from megarl.trainer.disaggregated import UpdateSignal
     signal = UpdateSignal(ranks)

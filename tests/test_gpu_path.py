@@ -1,6 +1,6 @@
 """The GPU path's logic, checked on CPU: batches on the model's device, offload/onload around the
 rollout, peak memory per phase, MFU (FLOPs by hand, peaks by GPU name), and the gpu check's report
-plumbing. The same worker checks run on CUDA in tests/gpu (tests/worker_checks.py)."""
+plumbing. The same worker checks run on CUDA in tests/gpu (tests/helpers/worker_checks.py)."""
 import json
 import math
 import os
@@ -17,7 +17,7 @@ from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.mfu import MFUMeter, PhaseWork, resolve_peak_flops, table_peak_tflops
 from megarl.workers.offload import HostStash
 from tests.distributed import run_ranks
-from tests.worker_checks import check_all
+from tests.helpers.worker_checks import check_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

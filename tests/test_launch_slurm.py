@@ -1,13 +1,14 @@
 """launch/slurm/*.sbatch on a real one-node Slurm that the test installs and starts itself.
 
 launch/slurm/local_cluster.sh installs Debian's slurmctld, slurmd and slurm-client (apt-get, when
-missing), writes a slurm.conf into a temporary directory (auth/none, linuxproc, free non-default
-ports) and starts both daemons; the module's fixture stops exactly those at the end. Where Slurm
+missing), writes a slurm.conf into a temporary directory (munge authentication with a key of its
+own, linuxproc, free non-default ports on 127.0.0.1) and starts munged and both daemons; the
+module's fixture stops exactly those at the end. Where Slurm
 cannot be installed or started (not root, no apt-get, no network), every test here is skipped
 with the reason.
 
 The quickstart tests run the real trainer (megarl.train) on a small warm-started model. The
-failure-injection and requeue tests run megarl.parallel.launch_check (MEGARL_ENTRY), a real gloo
+failure-injection and requeue tests run megarl.launch_check (MEGARL_ENTRY), a real gloo
 job that takes megarl-train's arguments plus knobs for slow steps and failing ranks.
 """
 import os
@@ -62,7 +63,7 @@ class Cluster:
         assert out.returncode == 0, f"{' '.join(args)}: {out.stderr}"
         return out.stdout
 
-    def submit(self, script: str, *args: str, sbatch_flags: tuple = (), entry: str = "megarl.parallel.launch_check",
+    def submit(self, script: str, *args: str, sbatch_flags: tuple = (), entry: str = "megarl.launch_check",
                env: dict | None = None) -> str:
         job_env = {**self.env, "PYTHON": sys.executable, "MEGARL_ENTRY": entry, **(env or {})}
         out = subprocess.run(["sbatch", "--parsable", f"--output={self.dir}/slurm-%j.out", *sbatch_flags,
@@ -118,13 +119,8 @@ def steps_of(run_dir) -> list[int]:
     return [r["step"] for r in read_metrics(str(run_dir))]
 
 
-@pytest.fixture(scope="module")
-def model_dir(addition_model_dir):
-    return addition_model_dir
-
-
-def short_run(model_dir, run_dir, steps):
-    return (f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
+def short_run(addition_model_dir, run_dir, steps):
+    return (f"actor_rollout_ref.model.path={addition_model_dir}", f"trainer.default_local_dir={run_dir}",
             f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.save_freq=2",
             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4",
@@ -132,10 +128,10 @@ def short_run(model_dir, run_dir, steps):
 
 
 @pytest.mark.timeout(420)
-def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir, tmp_path):
+def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     begin = time.monotonic()
-    job_id = cluster.submit(QUICKSTART, *short_run(model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
     job = cluster.wait(job_id, timeout=300)
     print(f"\nquickstart submit-to-complete {time.monotonic() - begin:.1f}s")
     out = cluster.output(job_id)
@@ -151,7 +147,7 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir,
 
     # The real trainer cancelled mid-run and submitted again continues from its checkpoint.
     run2 = tmp_path / "run2"
-    job_id = cluster.submit(QUICKSTART, *short_run(model_dir, run2, 40), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, 40), entry=QUICKSTART_ENTRY)
     pointer, deadline = run2 / "latest_checkpointed_iteration.txt", time.monotonic() + 240
     while not pointer.exists():
         assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
@@ -160,7 +156,7 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, model_dir,
     cluster.slurm("scancel", job_id)
     assert cluster.wait(job_id)["JobState"] == "CANCELLED"
     saved = int(pointer.read_text())
-    job2 = cluster.submit(QUICKSTART, *short_run(model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
+    job2 = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
     done = cluster.wait(job2, timeout=300)
     out2 = cluster.output(job2)
     assert done["JobState"] == "COMPLETED", out2[-3000:]
@@ -286,7 +282,38 @@ def test_local_cluster_script_reports_its_daemons(cluster):
     assert got.returncode == 0
     assert "slurmctld running" in got.stdout and "slurmd running" in got.stdout and "idle" in got.stdout
     conf = open(cluster.env["SLURM_CONF"]).read()
-    for line in ("AuthType=auth/none", "ProctrackType=proctrack/linuxproc", f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
+    for line in ("AuthType=auth/munge", "CredType=cred/munge", "ProctrackType=proctrack/linuxproc", f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
                  f"StateSaveLocation={cluster.dir}/state"):
         assert line in conf
     assert shlex.split(cluster.slurm("sinfo", "-h", "-o", "%c"))[0] == cluster.env["MEGARL_SLURM_CPUS"]
+
+
+def test_local_cluster_authenticates_with_munge_and_listens_on_loopback(cluster, tmp_path):
+    """A client holding another munge key is refused; the daemons listen on 127.0.0.1 only."""
+    munge_dir = os.path.join(cluster.dir, "munge")
+    assert os.stat(cluster.dir).st_mode & 0o777 == 0o700 and os.stat(munge_dir).st_mode & 0o777 == 0o700
+    assert "munged running" in cluster.script("status", timeout=60).stdout
+    port = int(cluster.env["MEGARL_SLURM_PORT"])
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.split("\n")
+    local = [line.split()[3] for line in listening if line.split() and line.split()[3].endswith((f":{port}", f":{port + 1}"))]
+    assert sorted(local) == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], local
+    # The same cluster seen through a munged with a different key: every request is refused.
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    subprocess.run(["mungekey", "--create", f"--keyfile={other}/munge.key"], check=True)
+    subprocess.run(["munged", "--force", f"--socket={other}/sock", f"--key-file={other}/munge.key",
+                    f"--pid-file={other}/pid", f"--log-file={other}/log", f"--seed-file={other}/seed"], check=True)
+    try:
+        conf = open(cluster.env["SLURM_CONF"]).read().replace(f"socket={munge_dir}/munge.socket", f"socket={other}/sock")
+        (other / "slurm.conf").write_text(conf)
+        env = {**cluster.env, "SLURM_CONF": str(other / "slurm.conf")}
+        log = os.path.join(cluster.dir, "slurmctld.log")
+        seen = os.path.getsize(log)
+        got = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=60)
+        assert got.returncode != 0, got
+        with open(log) as f:
+            f.seek(seen)
+            assert "Munge decode failed: Invalid credential" in f.read()     # slurmctld's own reason
+        assert subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, timeout=60).returncode == 0
+    finally:
+        subprocess.run(["kill", open(other / "pid").read().strip()])

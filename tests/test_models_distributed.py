@@ -15,112 +15,14 @@ import os
 import pytest
 import torch
 
-from megarl.models.tiny import make_tiny_hf, token_rows
-from megarl.protocol import DataProto
+from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
+from tests.helpers.megatron_roles import (TEMP, TOL, assert_same_tensors, diff, grad_errors, hf_actor_reference,
+                                          hf_critic_reference, make_actor, make_batch, nan_loss, policy_loss,
+                                          value_loss)
 
 LAYOUTS = [(2, 2, 1), (2, 1, 2), (1, 2, 4), (1, 1, 2)]  # (TP, PP, micro-batch); DP = 4 / (TP x PP)
-TEMP = 0.7
-TOL = 1e-4
-
-
-def make_batch(vocab: int, B: int = 8, R: int = 6, seed: int = 0) -> DataProto:
-    """Right-padded prompt+response rows of different lengths, advantages and returns."""
-    g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(2, 7, (B,), generator=g)
-    rlen = torch.randint(1, R + 1, (B,), generator=g)
-    return DataProto.from_dict({**token_rows(plen, rlen, R, vocab, g, pad=2),
-                                "advantages": torch.randn(B, R, generator=g), "returns": torch.randn(B, R, generator=g)})
-
-
-def policy_loss(out, mb):
-    """A token-mean policy-gradient loss with an entropy bonus, normalised over the mini-batch."""
-    m = mb.batch["response_mask"]
-    loss = ((-(out["log_probs"] * mb.batch["advantages"]) - 0.01 * out["entropy"]) * m).sum()
-    loss = loss / mb.meta_info["global_tokens"]
-    # Metrics are averaged over micro-batches; a share times their count averages to the exact total.
-    return loss, {"actor/pg_loss": loss.detach() * mb.meta_info["global_micro_batches"]}
-
-
-def value_loss(out, mb):
-    m = mb.batch["response_mask"]
-    loss = (((out["values"] - mb.batch["returns"]) ** 2) * m).sum() / mb.meta_info["global_tokens"]
-    return loss, {"critic/vf_loss": loss.detach() * mb.meta_info["global_micro_batches"]}
-
-
-def nan_loss(out, mb):
-    loss, metrics = policy_loss(out, mb)
-    return loss * float("nan"), metrics
-
-
-# -- transformers references (parent process) ---------------------------------------------------------------
-def _positions(data: DataProto, R: int, S: int) -> torch.Tensor:
-    return (data.batch["prompt_lens"][:, None] - 1 + torch.arange(R)).clamp(max=S - 1)
-
-
-def hf_actor_reference(path: str, data: DataProto) -> dict:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = data.batch["input_ids"]
-    logits = model(ids).logits
-    R = data.batch["responses"].shape[1]
-    picked = (logits / TEMP).gather(1, _positions(data, R, ids.shape[1])[..., None].expand(-1, -1, logits.shape[-1]))
-    lsm = picked.log_softmax(-1)
-    mask = data.batch["response_mask"]
-    lp = lsm.gather(-1, data.batch["responses"][..., None]).squeeze(-1) * mask
-    ent = -(lsm.exp() * lsm).sum(-1) * mask
-    data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
-    loss, _ = policy_loss({"log_probs": lp, "entropy": ent}, data)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    if model.config.tie_word_embeddings:
-        grads.pop("lm_head.weight", None)
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
-    return {"logits": logits.detach(), "log_probs": lp.detach(), "entropy": ent.detach(), "grads": grads,
-            "grad_norm": norm}
-
-
-def hf_critic_reference(path: str, data: DataProto) -> dict:
-    from transformers import AutoModelForSequenceClassification
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-    ids = data.batch["input_ids"]
-    hidden = model.model(ids).last_hidden_state
-    per_pos = model.score(hidden)[..., 0]  # [B, S]
-    R = data.batch["responses"].shape[1]
-    mask = data.batch["response_mask"]
-    values = per_pos.gather(1, _positions(data, R, ids.shape[1])) * mask
-    data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
-    last = data.batch["prompt_lens"] + data.batch["response_lens"] - 1
-    scores = per_pos.gather(1, last[:, None]).squeeze(1)  # a reward model reads the last token
-    loss, _ = value_loss({"values": values}, data)
-    loss.backward()
-    return {"values": values.detach(), "scores": scores.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
-
-
 # -- the spawned checks ---------------------------------------------------------------------------------------
-def _actor(path, tp, pp, micro, **optim):
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
-    # entropy_coeff: policy_loss has an entropy bonus, so the entropy must carry gradients.
-    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, entropy_coeff=0.01,
-                      megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-                      optim=OptimConfig(**{"lr": 1e-3, **optim}))
-    return ActorWorker(ModelConfig(path=path), cfg)
-
-
-def _grad_errors(engine, ref_grads) -> tuple[float, set]:
-    worst, seen = 0.0, set()
-    for name, g in engine.hf_grads():
-        seen.add(name)
-        worst = max(worst, (g.cpu() - ref_grads[name]).abs().max().item())
-    return worst, seen
-
-
-def _diff(a, b) -> float:
-    return (a.cpu() - b).abs().max().item()
-
-
 def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: str):
     from megarl.parallel import cpu_compat, state
     from megarl.workers.config import CriticConfig, CriticModelConfig, MegatronConfig, ModelConfig, RefConfig
@@ -133,14 +35,14 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
         ref = refs[family]
         data = make_batch(ref["logits"].shape[-1])
         for tp, pp, micro in LAYOUTS:
-            actor = _actor(path, tp, pp, micro)
-            r = {"logits": _diff(actor.engine.logits(data.batch["input_ids"], micro), ref["logits"])}
+            actor = make_actor(path, micro, tp=tp, pp=pp)
+            r = {"logits": diff(actor.engine.logits(data.batch["input_ids"], micro), ref["logits"])}
             lp, ent = actor.compute_log_prob(data, TEMP)
-            r["log_probs"], r["entropy"] = _diff(lp, ref["log_probs"]), _diff(ent, ref["entropy"])
+            r["log_probs"], r["entropy"] = diff(lp, ref["log_probs"]), diff(ent, ref["entropy"])
             actor.engine.accumulate(data, micro, actor._process(TEMP, True, True), policy_loss)
-            r["grad"], r["grad_names"] = _grad_errors(actor.engine, ref["grads"])
+            r["grad"], r["grad_names"] = grad_errors(actor.engine, ref["grads"])
             r["metrics"] = actor.update_policy(data, policy_loss, TEMP)
-            r["moved"] = _diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])
+            r["moved"] = diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])
             out["layouts"][(family, tp, pp, micro)] = r
             del actor
             state.destroy_model_parallel()
@@ -159,15 +61,15 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     layout = MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     critic = CriticWorker(CriticConfig(model=CriticModelConfig(path=rm_path, init_from="path"), megatron=layout,
                                        ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2))
-    out["values"] = _diff(critic.compute_values(data), refs["critic"]["values"])
+    out["values"] = diff(critic.compute_values(data), refs["critic"]["values"])
     critic.engine.accumulate(data, 2, value_outputs, value_loss)
-    out["critic_grad"], out["critic_grad_names"] = _grad_errors(critic.engine, refs["critic"]["grads"])
+    out["critic_grad"], out["critic_grad_names"] = grad_errors(critic.engine, refs["critic"]["grads"])
     losses = [critic.update_critic(data, value_loss)["critic/vf_loss"] for _ in range(3)]
     out["critic_losses"] = losses
     del critic
     from megarl.workers.reward_model import RewardModelWorker
     rm = RewardModelWorker(ModelConfig(path=rm_path), CriticConfig(megatron=layout), actor_vocab=301, micro_batch_size=2)
-    out["rm_scores"] = _diff(rm.compute_scores(data), refs["critic"]["scores"])
+    out["rm_scores"] = diff(rm.compute_scores(data), refs["critic"]["scores"])
     del rm
     fresh = CriticWorker(CriticConfig(model=CriticModelConfig(path=path, init_from="actor"), megatron=layout,
                                       ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2))
@@ -178,14 +80,14 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     del fresh, fresh_rm
 
     refw = ReferenceWorker(ModelConfig(path=path), RefConfig(megatron=layout, param_offload=True), micro_batch_size=2)
-    out["ref"] = _diff(refw.compute_ref_log_prob(data, TEMP), refs["qwen2"]["log_probs"])
+    out["ref"] = diff(refw.compute_ref_log_prob(data, TEMP), refs["qwen2"]["log_probs"])
     del refw
 
-    actor = _actor(path, 2, 2, 2, lr_decay_style="linear", lr_decay_steps=4)
+    actor = make_actor(path, 2, tp=2, pp=2, lr_decay_style="linear", lr_decay_steps=4)
     before = actor.compute_log_prob(data, TEMP)[0]
     skipped = actor.update_policy(data, nan_loss, TEMP)
     out["nan_skipped"] = skipped["actor/skipped_steps"]
-    out["nan_unchanged"] = _diff(actor.compute_log_prob(data, TEMP)[0], before)
+    out["nan_unchanged"] = diff(actor.compute_log_prob(data, TEMP)[0], before)
     actor.update_policy(data, policy_loss, TEMP)
     saved_lp = actor.compute_log_prob(data, TEMP)[0]
     actor.save_checkpoint(os.path.join(ckpt_dir, "actor"))
@@ -193,16 +95,16 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     after_two = actor.compute_log_prob(data, TEMP)[0]
     del actor
     state.destroy_model_parallel()
-    resumed = _actor(path, 1, 2, 4, lr_decay_style="linear", lr_decay_steps=4)
+    resumed = make_actor(path, 4, tp=1, pp=2, lr_decay_style="linear", lr_decay_steps=4)
     resumed.load_checkpoint(os.path.join(ckpt_dir, "actor"))
     m2b = resumed.update_policy(data, policy_loss, TEMP)
-    out["resume"] = (_diff(resumed.compute_log_prob(data, TEMP)[0], after_two), m2["actor/lr"], m2b["actor/lr"])
+    out["resume"] = (diff(resumed.compute_log_prob(data, TEMP)[0], after_two), m2["actor/lr"], m2b["actor/lr"])
     del resumed
     # A reference built from the distributed checkpoint alone (megatron.dist_checkpointing_path).
     from_ckpt = ReferenceWorker(ModelConfig(path=None), RefConfig(megatron=MegatronConfig(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
         dist_checkpointing_path=os.path.join(ckpt_dir, "actor"))), micro_batch_size=4)
-    out["from_dist_ckpt"] = _diff(from_ckpt.compute_ref_log_prob(data, TEMP), saved_lp.cpu())
+    out["from_dist_ckpt"] = diff(from_ckpt.compute_ref_log_prob(data, TEMP), saved_lp.cpu())
     return out
 
 
@@ -253,9 +155,3 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
     assert_same_tensors(tiny_models["rm"], str(tmp_path / "critic_hf"))
 
 
-def assert_same_tensors(a: str, b: str) -> None:
-    from safetensors.torch import load_file
-    x, y = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
-    assert sorted(x) == sorted(y)
-    for name in x:
-        assert x[name].dtype == y[name].dtype and torch.equal(x[name], y[name]), name

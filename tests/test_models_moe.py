@@ -20,7 +20,8 @@ import torch
 
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
-from tests.test_models_distributed import TEMP, TOL, hf_actor_reference, make_batch, policy_loss
+from tests.helpers.megatron_roles import (TEMP, TOL, assert_same_tensors, hf_actor_reference, make_actor, make_batch,
+                                          policy_loss)
 
 # (family, TP, PP, EP, micro-batch); DP = 4 / (TP x PP); EP takes DP ranks.
 LAYOUTS = [("qwen3", 2, 2, 1, 2), ("mistral", 2, 1, 1, 2), ("qwen3_moe", 1, 1, 2, 2), ("qwen3_moe", 2, 1, 2, 2),
@@ -28,21 +29,9 @@ LAYOUTS = [("qwen3", 2, 2, 1, 2), ("mistral", 2, 1, 1, 2), ("qwen3_moe", 1, 1, 2
 NO_AUX = {"router_aux_loss_coef": 0.0}
 
 
-def _actor(path, tp, pp, ep, micro, override=None):
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
-    # entropy_coeff: policy_loss has an entropy bonus, so update_policy's entropy carries gradients.
-    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, entropy_coeff=0.01,
-                      megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                              expert_model_parallel_size=ep),
-                      optim=OptimConfig(lr=1e-3))
-    return ActorWorker(ModelConfig(path=path, override_config=dict(override or {})), cfg)
-
-
 def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_dir: str):
-    from tests.checkpoint_engine_helpers import (engine_mismatch, full_export, native_engine, perturb,
+    from tests.helpers.checkpoint_engine import (engine_mismatch, experiment, full_export, native_engine, perturb,
                                                  rollout_groups, rollout_vs_actor)
-    from tests.test_checkpoint_engine_sync import experiment
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.parallel import state
 
@@ -52,7 +41,7 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_d
     out: dict = {"layouts": {}}
     for family, tp, pp, ep, micro in LAYOUTS:
         ref, data = refs[family], make_batch(301)
-        actor = _actor(models[family], tp, pp, ep, micro, NO_AUX)
+        actor = make_actor(models[family], micro, tp=tp, pp=pp, ep=ep, override=NO_AUX)
         exported = full_export(actor)
         r = {"export_exact": sorted(exported) == sorted(hf_tensors[family]) and
              all(torch.equal(exported[n], hf_tensors[family][n]) for n in exported),
@@ -73,7 +62,7 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_d
         state.destroy_model_parallel()
 
     # Resume across a layout change: saved at PP2 x EP2, loaded at EP4 (one expert per rank).
-    actor = _actor(models["qwen2_moe"], 1, 1, 4, 2, NO_AUX)
+    actor = make_actor(models["qwen2_moe"], 2, tp=1, pp=1, ep=4, override=NO_AUX)
     actor.load_checkpoint(f"{ckpt_dir}/qwen2_moe")
     out["resumed_ep4"] = diff(actor.compute_log_prob(make_batch(301), TEMP)[0], refs["qwen2_moe"]["log_probs"])
     del actor
@@ -82,7 +71,7 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_d
     # The aux loss as the HF config says (router_aux_loss_coef=0.01), and the weight sync under EP.
     path = models["qwen3_moe"]
     data = make_batch(301)
-    actor = _actor(path, 1, 1, 2, 2)
+    actor = make_actor(path, 2, tp=1, pp=1, ep=2)
     for c in actor.engine.chunks:
         c.train()                          # the router adds its loss in training mode only
     actor.engine.accumulate(data, 2, actor._process(TEMP, True, True), policy_loss)
@@ -90,7 +79,7 @@ def check_models(rank, world, models: dict, refs: dict, hf_tensors: dict, ckpt_d
     out["aux_metrics"] = actor.update_policy(data, policy_loss, TEMP)
     del actor
     state.destroy_model_parallel()
-    actor = _actor(path, 2, 1, 2, 2)
+    actor = make_actor(path, 2, tp=2, pp=1, ep=2)
     out["sync"] = {}
     for rtp in (2, 1):
         group = rollout_groups(rtp)
@@ -201,7 +190,6 @@ def test_new_architectures_and_expert_parallel_match_transformers(tiny_models, t
     assert out["resumed_ep4"] < TOL
     # the MoE distributed checkpoint exports back to the HF tensors, bit for bit
     from checkpoints_tools.megatron_to_hf import export
-    from tests.test_models_distributed import assert_same_tensors
     export(str(tmp_path / "qwen2_moe"), str(tmp_path / "qwen2_moe_hf"))
     assert_same_tensors(tiny_models["qwen2_moe"], str(tmp_path / "qwen2_moe_hf"))
     for rtp, s in out["sync"].items():

@@ -15,8 +15,8 @@ from megarl.models.convert import (EMBED, OUTPUT, checkpoint_to_hf, hf_shapes, h
                                    tp_dim)
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout, layer_offset
-from megarl.models.tiny import make_tiny_hf, token_rows
-from megarl.protocol import DataProto
+from megarl.models.tiny import make_tiny_hf
+from tests.helpers.megatron_roles import make_batch
 from megarl.workers import batching
 from megarl.workers.config import OptimConfig
 from megarl.workers.preflight import EngineSpec, read_spec, resolve_dtype
@@ -208,15 +208,9 @@ def test_token_log_probs_drop_padding_and_match_log_softmax():
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
 
 
-def make_batch(vocab: int = 50, B: int = 4, R: int = 5, seed: int = 0) -> DataProto:
-    g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(1, 6, (B,), generator=g)
-    rlen = torch.randint(0, R + 1, (B,), generator=g)
-    return DataProto.from_dict(token_rows(plen, rlen, R, vocab, g, pad=3))
-
-
 def test_batch_checks_and_positions():
-    data = make_batch()
+    # prompts of 1-5 tokens, responses of 0-5 (empty ones included)
+    data = make_batch(50, B=4, R=5, prompts=(1, 6), min_response=0, pad=3, targets=False)
     batching.check_batch(data, need_mask=True)
     pos = batching.response_positions(data.batch["prompt_lens"], 5, data.batch["input_ids"].shape[1])
     assert torch.equal(pos[:, 0], data.batch["prompt_lens"] - 1)

@@ -22,7 +22,7 @@ from megarl.rollout.config import MultiTurnConfig
 from megarl.rollout.multiturn import AgentLoop, load_tools
 from megarl.rollout.native import NativeEngine
 from tests.distributed import run_ranks
-from tests.multiturn_helpers import prompt_batch, rows
+from tests.helpers.multiturn import prompt_batch, rows
 
 PROBLEMS = [(3, 4), (9, 8), (0, 5), (7, 7), (2, 9), (6, 1), (5, 5), (8, 3), (1, 0), (4, 6)]
 SEED_TOOLS = os.path.join("megarl", "examples", "tool_use", "tools.yaml")

@@ -1,4 +1,4 @@
-"""The agent loop's control flow, driven by a scripted FAKE engine (tests/multiturn_helpers.py):
+"""The agent loop's control flow, driven by a scripted FAKE engine (tests/helpers/multiturn.py):
 batching of turns, cuts after calls, parallel-call limits, error/timeout paths, the response
 budget, max turns, simulated users, seeds, metrics, and the config entry point. The real engine
 and the log-prob contract are in tests/test_multiturn_engine.py."""
@@ -9,14 +9,14 @@ import textwrap
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError, build_config, load_config
 from megarl.examples.tool_use.model import build_tokenizer, call_text
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import MultiTurnConfig, RolloutConfig
 from megarl.rollout.multiturn import AgentLoop, build_agent_loop, load_tools, multiturn_metrics
 from megarl.rollout.multiturn.loop import turn_seed
 from megarl.rollout.trtllm import detect_features, llm_kwargs
-from tests.multiturn_helpers import ScriptedEngine, fake_log_prob, prompt_batch, rows
+from tests.helpers.multiturn import ScriptedEngine, fake_log_prob, prompt_batch, rows
 from tests.rollout import trtllm_fake
 
 TOK = build_tokenizer()
@@ -220,7 +220,7 @@ def test_config_entry_point_with_seed_keys(tmp_path, monkeypatch):
     assert cfg.rollout.multi_turn.enable
     engine = ScriptedEngine(TOK, solver)
     loop = build_agent_loop(cfg, engine, TOK)
-    assert loop.engine is engine and loop.calls is engine.calls     # unknown attributes reach the engine
+    assert loop.engine is engine and not hasattr(loop, "calls")     # the contract by name, nothing forwarded
     assert loop.renderer.mode == "plain" and list(loop.tools) == ["calculator"]
     out = loop.generate_sequences(prompt_batch(TOK, ["Q: 5+1\n"], ["6"], sampling(n=1)))
     assert rows(out, TOK)[0]["text"].endswith("A: 6" + EOS)
@@ -253,8 +253,34 @@ def test_tools_in_prompt_rerenders_chat_prompts(tmp_path):
     assert prompt == "tools: calculator search\nQ: 2+3\n"
     assert TOK.decode(out.batch["input_ids"][0, :len(TOK.encode(prompt))].tolist()) == prompt
     assert rows(out, TOK)[0]["text"].endswith("A: 5" + EOS)
-    cfg = load_config(None, [f"actor_rollout_ref.rollout.tools={tmp_path / 'tools.yaml'}"])
-    cfg.data.chat_template = TOOLS_TEMPLATE
-    assert build_agent_loop(cfg, engine, TOK).prompt_template == TOOLS_TEMPLATE
-    cfg.rollout.multi_turn.tools_in_prompt = False
-    assert build_agent_loop(cfg, engine, TOK).prompt_template is None
+    def cfg(**multi_turn):      # a built config is frozen: one per variant
+        return build_config({"data": {"chat_template": TOOLS_TEMPLATE},
+                             "actor_rollout_ref": {"rollout": {"tools": str(tmp_path / "tools.yaml"),
+                                                               "multi_turn": multi_turn}}})
+    assert build_agent_loop(cfg(), engine, TOK).prompt_template == TOOLS_TEMPLATE
+    assert build_agent_loop(cfg(tools_in_prompt=False), engine, TOK).prompt_template is None
+
+
+def test_continuations_get_a_prompt_limit_not_a_changed_guard(tmp_path):
+    """Later turns' prompts hold the response so far: the loop passes them a limit of
+    prompt_length + max_tokens as an argument; the engine's own guard never changes."""
+    from megarl.rollout.prompts import PromptGuard
+
+    class Guarded(ScriptedEngine):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.guard, self.limits = PromptGuard(max_length=8), []
+
+        def generate(self, prompts, sampling, prompt_limit=None):
+            self.limits.append((prompt_limit, self.guard.max_length, max(map(len, prompts))))
+            return super().generate(self.guard.apply(prompts, max_length=prompt_limit), sampling)
+
+    engine = Guarded(TOK, solver)
+    loop = AgentLoop(engine, TOK, calculator_tools(tmp_path), MultiTurnConfig(enable=True))
+    out = loop.generate_sequences(prompt_batch(TOK, ["Q: 3+4\n"], ["7"], sampling(n=1)))
+    assert rows(out, TOK)[0]["text"].endswith("A: 7" + EOS)
+    later = engine.limits[1:]
+    assert engine.limits[0][:2] == (None, 8) and [x[:2] for x in later] == [(8 + 80, 8)] * len(later)
+    assert len(engine.limits) > 1 and max(n for *_, n in engine.limits) > 8     # longer than the guard's own 8
+    with pytest.raises(ValueError, match="prompt_length=8"):
+        engine.generate([[1] * 9], sampling(n=1))

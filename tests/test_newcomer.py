@@ -189,7 +189,7 @@ def test_messages_ending_with_the_answer_follow_verls_convention(tmp_path):
 def test_reward_deadline_names_the_function_and_the_slowest_samples(tmp_path):
     from megarl.reward.loading import RewardFnSpec
     from megarl.reward.manager import RewardDeadline, RewardManager
-    from tests.reward_helpers import rollout_batch, tokenizer
+    from tests.helpers.reward import rollout_batch, tokenizer
     fn = tmp_path / "slow.py"
     fn.write_text("import time\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    time.sleep(0.4 if extra_info['index'] == 1 else 0.01)\n    return 1.0\n"
@@ -250,9 +250,9 @@ def test_verl_spellings_and_imports():
     assert DataProto.__module__ == "megarl.protocol"
 
 
-def test_readme_configuration_example_checks_out(tmp_path, addition_model_dir):
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split("## Configuration", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+def test_configuration_page_example_checks_out(tmp_path, addition_model_dir):
+    text = open(os.path.join(ROOT, "docs", "configuration.md")).read()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     first = block.split("\n")[:3]
     args = " ".join(line.rstrip("\\ ") for line in first).split()[1:]
     assert args[:2] == ["--config", "configs/quickstart.yaml"]

@@ -17,7 +17,7 @@ import torch
 
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
-from tests.test_models_distributed import make_batch, policy_loss, value_loss
+from tests.helpers.megatron_roles import make_batch, policy_loss, value_loss
 
 TEMP = 0.7
 MODES = [("packed", None), ("packed", 24), ("padded", 30)]  # (layout, token budget); baseline: padded, None
@@ -33,7 +33,7 @@ def _run_modes(engine, data, forward, train, keys):
     for layout, budget in [("padded", None)] + MODES:
         if layout == "padded" and budget and engine.layout.pp > 1:
             continue
-        engine.packed = layout == "packed"
+        engine.schedule.packed = layout == "packed"
         engine.take_padding()
         rows = engine.forward_rows(data, 2, forward, keys, max_tokens=budget)
         engine.accumulate(data, 2, train, policy_loss if "log_probs" in keys else value_loss, max_tokens=budget)

@@ -18,7 +18,8 @@ import torch
 
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
-from tests.test_models_distributed import TEMP, TOL, _diff, _grad_errors, hf_actor_reference, make_batch, policy_loss
+from tests.helpers.megatron_roles import (TEMP, TOL, diff, grad_errors, hf_actor_reference, make_actor, make_batch,
+                                          policy_loss)
 
 # (TP, CP, PP, VPP, SP, micro); DP = 4 / (TP x CP x PP)
 LAYOUTS = {
@@ -30,17 +31,6 @@ LAYOUTS = {
 }
 
 
-def _actor(path, tp, cp, pp, vpp, sp, micro, **optim):
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
-    mc = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp)
-    # entropy_coeff: policy_loss has an entropy bonus, so the entropy must carry gradients.
-    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, megatron=mc, entropy_coeff=0.01,
-                      optim=OptimConfig(**{"lr": 1e-3, **optim}))
-    return ActorWorker(ModelConfig(path=path), cfg)
-
-
 def _hf_grads(engine) -> dict:
     return {n: g.cpu() for n, g in engine.hf_grads()}
 
@@ -50,16 +40,16 @@ def check_layouts(rank, world, path: str, ref: dict, ckpt_dir: str):
     data = make_batch(301, seed=5)
     out: dict = {"layouts": {}}
     for key, (tp, cp, pp, vpp, sp, micro) in LAYOUTS.items():
-        actor = _actor(path, tp, cp, pp, vpp, sp, micro)
+        actor = make_actor(path, micro, tp=tp, cp=cp, pp=pp, vpp=vpp, sp=sp)
         eng = actor.engine
         r = {"sp": eng.config.sequence_parallel, "chunks": len(eng.models)}
         logits = eng.logits(data.batch["input_ids"], micro)
-        r["logits"] = _diff(logits, ref["logits"])
+        r["logits"] = diff(logits, ref["logits"])
         r["logits_raw"] = logits
         lp, ent = actor.compute_log_prob(data, TEMP)
-        r["log_probs"], r["entropy"] = _diff(lp, ref["log_probs"]), _diff(ent, ref["entropy"])
+        r["log_probs"], r["entropy"] = diff(lp, ref["log_probs"]), diff(ent, ref["entropy"])
         eng.accumulate(data, micro, actor._process(TEMP, True, True), policy_loss)
-        r["grad"], r["grad_names"] = _grad_errors(eng, ref["grads"])
+        r["grad"], r["grad_names"] = grad_errors(eng, ref["grads"])
         r["grads_raw"] = _hf_grads(eng) if key in ("tp2", "tp2_sp", "cp2_pp2_vpp2", "pp2_vpp2") else None
         if key == "tp2":  # the SP-off twin: logits and gradients are all it is for
             out["layouts"][key] = r
@@ -69,7 +59,7 @@ def check_layouts(rank, world, path: str, ref: dict, ckpt_dir: str):
         if key == "pp2_vpp2":  # HF -> megatron chunks -> HF, bit for bit, before any update
             r["export"] = {n: t.clone() for n, t in eng.hf_tensors()}
         r["metrics"] = actor.update_policy(data, policy_loss, TEMP)
-        r["moved"] = _diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])
+        r["moved"] = diff(actor.compute_log_prob(data, TEMP)[0], ref["log_probs"])
         if key == "pp2_vpp2":  # a checkpoint per chunk, then one more step to compare the resume with
             actor.save_checkpoint(os.path.join(ckpt_dir, "vpp"))
             r["lp_saved"] = actor.compute_log_prob(data, TEMP)[0]
@@ -80,7 +70,8 @@ def check_layouts(rank, world, path: str, ref: dict, ckpt_dir: str):
         state.destroy_model_parallel()
     # Resume the PP2 x VPP2 checkpoint under TP2xSP x CP2 (no chunks, another TP and CP).
     for key in ("tp2_sp_cp2",):
-        actor = _actor(path, *LAYOUTS[key])
+        tp, cp, pp, vpp, sp, micro = LAYOUTS[key]
+        actor = make_actor(path, micro, tp=tp, cp=cp, pp=pp, vpp=vpp, sp=sp)
         actor.load_checkpoint(os.path.join(ckpt_dir, "vpp"))
         loaded = actor.compute_log_prob(data, TEMP)[0]
         actor.update_policy(data, policy_loss, TEMP)

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from megarl.trainer.metrics import read_metrics
-from tests.test_trainer_e2e import finish, train
+from tests.helpers.training_runs import finish, train
 
 
 @pytest.mark.timeout(600)
@@ -19,6 +19,7 @@ def test_trainer_runs_with_virtual_pipeline(tmp_path):
     run = tmp_path / "vpp"
     code, out = finish(train([
         f"actor_rollout_ref.model.path={tmp_path / 'model4'}",
+        "actor_rollout_ref.model.bootstrap=megarl.examples.addition:bootstrap",   # builds only its own path
         "actor_rollout_ref.model.bootstrap_kwargs={warm_start_steps: 20, seed: 0, max_digits: 2, eval_rows: 16, "
         "num_hidden_layers: 4}",
         f"trainer.default_local_dir={run}", "trainer.total_training_steps=2", "trainer.save_freq=2",

@@ -10,7 +10,7 @@ import torch
 from megarl.config import ConfigError, load_config
 from megarl.reward.loading import RewardFnSpec
 from megarl.reward.manager import RewardFailure, RewardManager, build_reward_manager
-from tests.reward_helpers import rollout_batch, text_tokenizer, tokenizer
+from tests.helpers.reward import rollout_batch, text_tokenizer, tokenizer
 
 CUSTOM = '''
 import time

@@ -5,7 +5,7 @@ import pytest
 
 from megarl.config import ConfigError, load_config
 from megarl.reward.manager import RewardFailure, build_reward_manager
-from tests.reward_helpers import rollout_batch, tokenizer
+from tests.helpers.reward import rollout_batch, tokenizer
 
 FUNCS = '''
 import os, time

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from megarl.trainer.metrics import read_metrics
-from tests.test_trainer_e2e import finish, stable, train
+from tests.helpers.training_runs import finish, stable, train
 
 STEPS = 4
 

@@ -7,71 +7,20 @@ rule rewards, step checkpoints. Each run is `python -m megarl.train` started as 
 - a save interrupted half-way leaves the previous checkpoint as the latest, and it loads;
 - NaN updates are skipped with a warning and the run stops after trainer.max_bad_steps.
 """
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from megarl.trainer.metrics import read_metrics
-
-# clocks and memory readings differ between any two runs
-VOLATILE = re.compile(r"^(time|timing_s/|timing_per_token_ms/|perf/(throughput|time_per_step|mfu/)|reward/latency_s"
-                      r"|weight_sync/(seconds|gb_per_s|peak_extra_mb)|memory/)")
-
-
-@pytest.fixture(scope="module")
-def model_dir(addition_model_dir):
-    return addition_model_dir
-
-
-def overrides(model_dir, run_dir, *extra):
-    return [f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
-            "trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.test_freq=3",
-            "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.optim.lr=1e-4", "trainer.max_actor_ckpt_to_keep=2",
-            "algorithm.filter_groups.enable=false", *extra]
-
-
-def train(args, **popen):
-    cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **popen)
-
-
-def finish(proc, timeout=600):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
-
-
-def kill_tree(proc):
-    """SIGKILL the launcher and every rank, as a scheduler's job kill does (torchrun starts its
-    workers in sessions of their own, so a process-group kill would miss them)."""
-    import psutil
-    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    psutil.wait_procs(procs, timeout=30)
-
-
-def stable(record):
-    return {k: v for k, v in record.items() if not VOLATILE.match(k)}
-
+from tests.helpers.training_runs import finish, kill_tree, overrides, stable, train
 
 @pytest.mark.timeout(900)
-def test_short_run_then_exact_resume_after_sigkill(model_dir, tmp_path):
+def test_short_run_then_exact_resume_after_sigkill(addition_model_dir, tmp_path):
     # Run A: never killed.
     run_a = tmp_path / "a"
-    code, out = finish(train(overrides(model_dir, run_a)))
+    code, out = finish(train(overrides(addition_model_dir, run_a)))
     assert code == 0, out[-3000:]
     rows = read_metrics(str(run_a))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
@@ -89,7 +38,7 @@ def test_short_run_then_exact_resume_after_sigkill(model_dir, tmp_path):
 
     # Run B: SIGKILL the whole job while it works on step 5 (its checkpoint is step 4).
     run_b = tmp_path / "b"
-    proc = train(overrides(model_dir, run_b))
+    proc = train(overrides(addition_model_dir, run_b))
     pointer = run_b / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 600
     while not (pointer.is_file() and pointer.read_text().strip() == "4"):
@@ -97,7 +46,7 @@ def test_short_run_then_exact_resume_after_sigkill(model_dir, tmp_path):
         assert time.time() < deadline
         time.sleep(0.05)
     kill_tree(proc)
-    code, out = finish(train(overrides(model_dir, run_b)))
+    code, out = finish(train(overrides(addition_model_dir, run_b)))
     assert code == 0, out[-3000:]
     assert "resumed from" in out and "at step 4" in out
     resumed = {r["step"]: r for r in read_metrics(str(run_b))}
@@ -107,10 +56,10 @@ def test_short_run_then_exact_resume_after_sigkill(model_dir, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_nan_updates_are_skipped_then_the_run_stops(model_dir, tmp_path):
+def test_nan_updates_are_skipped_then_the_run_stops(addition_model_dir, tmp_path):
     # An absurd learning rate overflows the weights at the first update; every later loss is NaN.
     run = tmp_path / "nan"
-    code, out = finish(train(overrides(model_dir, run, "actor_rollout_ref.actor.optim.lr=1e30",
+    code, out = finish(train(overrides(addition_model_dir, run, "actor_rollout_ref.actor.optim.lr=1e30",
                                        "trainer.max_bad_steps=2", "trainer.test_freq=-1", "trainer.save_freq=1")))
     assert code != 0
     assert "skipped for a NaN/inf loss or grad norm" in out

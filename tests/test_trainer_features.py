@@ -15,13 +15,8 @@ import torch
 from megarl.trainer.metrics import read_metrics
 
 
-@pytest.fixture(scope="module")
-def model_dir(addition_model_dir):
-    return addition_model_dir
-
-
-def short(model_dir, run_dir, *extra):
-    return ["--config", "configs/quickstart.yaml", f"actor_rollout_ref.model.path={model_dir}",
+def short(addition_model_dir, run_dir, *extra):
+    return ["--config", "configs/quickstart.yaml", f"actor_rollout_ref.model.path={addition_model_dir}",
             f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
             "trainer.val_before_train=false", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4",
@@ -34,8 +29,8 @@ def run(args, timeout=600):
 
 
 @pytest.mark.timeout(700)
-def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(model_dir, tmp_path):
-    code, out = run(short(model_dir, tmp_path / "ppo",
+def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(addition_model_dir, tmp_path):
+    code, out = run(short(addition_model_dir, tmp_path / "ppo",
                           "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.save_freq=2",
                           "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
                           "actor_rollout_ref.actor.use_kl_loss=true",
@@ -62,9 +57,9 @@ def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(model_dir, tmp_path
 
 
 @pytest.mark.timeout(700)
-def test_dapo_dynamic_sampling_scored_by_a_reward_model(model_dir, tmp_path):
+def test_dapo_dynamic_sampling_scored_by_a_reward_model(addition_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForSequenceClassification
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lm = AutoModelForCausalLM.from_pretrained(addition_model_dir, dtype=torch.float32)
     cfg = lm.config
     cfg.num_labels = 1
     torch.manual_seed(0)
@@ -72,9 +67,9 @@ def test_dapo_dynamic_sampling_scored_by_a_reward_model(model_dir, tmp_path):
     rm.model.load_state_dict(lm.model.state_dict())
     rm_dir = str(tmp_path / "rm")
     rm.save_pretrained(rm_dir)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(addition_model_dir).save_pretrained(rm_dir)
 
-    code, out = run(short(model_dir, tmp_path / "dapo",
+    code, out = run(short(addition_model_dir, tmp_path / "dapo",
                           "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
                           "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
                           "reward_model.enable=true", f"reward_model.model.path={rm_dir}"))
@@ -88,7 +83,7 @@ def test_dapo_dynamic_sampling_scored_by_a_reward_model(model_dir, tmp_path):
 
     # With a 0/1 reward some groups do not vary: they are dropped and the engine, put to sleep
     # after each step's rollout (free_cache_engine), generates more rounds within one step.
-    code, out = run(short(model_dir, tmp_path / "dapo_rounds", "algorithm.filter_groups.enable=true",
+    code, out = run(short(addition_model_dir, tmp_path / "dapo_rounds", "algorithm.filter_groups.enable=true",
                           "algorithm.filter_groups.metric=acc", "actor_rollout_ref.rollout.free_cache_engine=true",
                           "custom_reward_function.path=tests/assets/length_parity_reward.py"))
     assert code == 0, out[-4000:]

@@ -8,23 +8,5 @@
     rollout_correction.py  rollout/trainer mismatch metrics and truncated importance sampling
     metrics.py             data, timing and throughput metrics with verl's names
 
-Names below are imported on first use, so that loading a config (megarl.algos.config) stays
-free of torch.
+Import names from the module that defines them (the package itself exports nothing).
 """
-import importlib
-
-_EXPORTS = {
-    "compute_advantage": "advantages", "get_adv_estimator": "advantages",
-    "apply_kl_penalty": "kl", "kl_penalty": "kl", "make_kl_controller": "kl",
-    "make_actor_loss_fn": "loss_fn", "make_critic_loss_fn": "loss_fn", "mean_metrics": "loss_fn",
-    "agg_loss": "losses", "get_policy_loss": "losses",
-    "compute_data_metrics": "metrics", "compute_timing_metrics": "metrics", "compute_throughput_metrics": "metrics",
-    "rollout_mismatch_metrics": "rollout_correction", "DynamicSampler": "dapo", "overlong_penalty": "dapo",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"megarl.algos.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'megarl.algos' has no attribute {name!r}")

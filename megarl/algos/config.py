@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarl.config.typed import require
+from megarl.config.errors import ConfigError
+from megarl.config.typed import Section, closest, require
 
 # Advantage estimators that compare the n responses of one prompt with each other (need n >= 2).
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
@@ -16,7 +17,7 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 @dataclass
-class KLControlConfig:
+class KLControlConfig(Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
     horizon: int = 10000
@@ -29,7 +30,7 @@ class KLControlConfig:
 
 
 @dataclass
-class FilterGroupsConfig:
+class FilterGroupsConfig(Section):
     """DAPO dynamic sampling: drop groups whose `metric` has zero variance and refill the batch."""
     enable: bool = False
     metric: str = "acc"                    # "acc", "score", "seq_reward", or another per-sample reward field
@@ -40,7 +41,7 @@ class FilterGroupsConfig:
 
 
 @dataclass
-class OverlongBufferConfig:
+class OverlongBufferConfig(Section):
     """DAPO's soft overlong punishment inside the last `len` tokens of the response budget."""
     enable: bool = False
     len: int = 16
@@ -53,7 +54,7 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(Section):
     """Rollout/trainer mismatch: truncated importance sampling from the rollout's log-probs."""
     # None: only log the mismatch. token/sequence: truncated IS (verl's); masked_token/masked_sequence:
     # masked IS; icepop: tokens whose ratio leaves [1/c, c] are masked (megarl/algos/rollout_correction.py).
@@ -65,7 +66,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Section):
     adv_estimator: str = "gae"             # gae, grpo, drgrpo, rloo, reinforce_plus_plus, remax, ...
     gamma: float = 1.0
     lam: float = 1.0
@@ -81,7 +82,6 @@ class AlgorithmConfig:
         require(0 <= self.gamma <= 1, "gamma", "must be within [0, 1]")
         require(0 <= self.lam <= 1, "lam", "must be within [0, 1]")
         if self.adv_estimator not in ADV_ESTIMATORS:
-            from megarl.config.typed import closest
             hint = closest(self.adv_estimator, list(ADV_ESTIMATORS))
             require(False, "adv_estimator", f"unknown estimator {self.adv_estimator!r}; "
                     + (f"did you mean {hint!r}? " if hint else "") + f"choose one of {', '.join(ADV_ESTIMATORS)}")
@@ -96,3 +96,19 @@ class AlgorithmConfig:
     @property
     def is_group_relative(self) -> bool:
         return self.adv_estimator in GROUP_ESTIMATORS
+
+
+# -- rules across sections (run once by ExperimentConfig; `cfg` is the ExperimentConfig) --------
+def check_group_size(cfg) -> None:
+    """A group-relative estimator compares the responses of one prompt."""
+    algo, n = cfg.algorithm, cfg.rollout.n
+    if algo.is_group_relative and n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} compares the responses of one "
+                          f"prompt, so it needs actor_rollout_ref.rollout.n >= 2 (got {n})",
+                          "actor_rollout_ref.rollout.n")
+
+
+def check_critic_on(cfg) -> None:
+    if cfg.algorithm.needs_critic and not cfg.critic.enable:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or pick "
+                          "a critic-free estimator such as grpo", "critic.enable")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from megarl.algos.tensor_ops import group_rows
+from megarl.protocol import DataProto
 
 
 def groups_with_variance(uid, values) -> np.ndarray:
@@ -71,7 +72,6 @@ class DynamicSampler:
 
     def take(self):
         """The first `prompts_wanted` kept groups, whole."""
-        from megarl.protocol import DataProto
         batch = DataProto.concat(self.parts)
         order, rows = [], []
         for uid, idx in group_rows(batch.non_tensor_batch["uid"]).items():

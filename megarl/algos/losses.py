@@ -144,8 +144,3 @@ def value_loss(vpreds: torch.Tensor, returns: torch.Tensor, old_values: torch.Te
                "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}
     return loss, metrics
 
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, for workers that hold full logits."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)

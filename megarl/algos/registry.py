@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.typed import closest
 
 
 class Registry:
@@ -27,7 +28,6 @@ class Registry:
 
     def get(self, name: str) -> Callable[..., Any]:
         if name not in self._fns:
-            from megarl.config.typed import closest
             hint = closest(name, sorted(self._fns))
             fix = f"did you mean {hint!r}? " if hint else ""
             raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(sorted(self._fns))}", self.key)

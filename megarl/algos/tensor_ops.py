@@ -42,6 +42,3 @@ def group_rows(uids: Sequence | np.ndarray) -> dict[object, list[int]]:
         groups[uid].append(row)
     return dict(groups)
 
-
-def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
-    return mask.sum(-1)                                                           # [B]

@@ -16,18 +16,15 @@ The plan (plan.py) is computed once per engine_sync; metrics are
 """
 from __future__ import annotations
 
-from megarl.checkpoint_engine.config import CheckpointEngineConfig
+import torch.distributed as dist
+
+from megarl.checkpoint_engine.base import WeightSyncError
+from megarl.checkpoint_engine.colocated import ColocatedSync
+from megarl.checkpoint_engine.disk import DiskSync
+from megarl.checkpoint_engine.source import ShardSource
 from megarl.config.errors import ConfigError
 
-__all__ = ["build_checkpoint_engine", "CheckpointEngineConfig", "WeightSyncError"]
-
-
-def __getattr__(name: str):
-    # Loading a config imports this package; torch comes in only when a sync is built.
-    if name == "WeightSyncError":
-        from megarl.checkpoint_engine.base import WeightSyncError
-        return WeightSyncError
-    raise AttributeError(name)
+__all__ = ["WeightSyncError", "build_checkpoint_engine"]
 
 _KEY = "actor_rollout_ref.rollout.checkpoint_engine"
 
@@ -35,8 +32,6 @@ _KEY = "actor_rollout_ref.rollout.checkpoint_engine"
 def build_checkpoint_engine(cfg, actor, rollout=None, rollout_group=None):
     """The weight sync for this experiment. `rollout_group`: this rank's rollout-TP group (None at
     rollout TP 1), checked against the config. Every rank calls this (it agrees on a plan)."""
-    from megarl.checkpoint_engine.source import ShardSource
-
     ce, ro = cfg.rollout.checkpoint_engine, cfg.rollout
     backend = ce.backend
     if backend == "auto":
@@ -48,14 +43,11 @@ def build_checkpoint_engine(cfg, actor, rollout=None, rollout_group=None):
     source = ShardSource.from_actor(actor)
     bucket_bytes = int(ce.bucket_size_mb * 2**20)
     if backend == "disk":
-        from megarl.checkpoint_engine.disk import DiskSync
         return DiskSync(source, ce.disk_dir, bucket_bytes, keep=ce.disk_keep, aux_from=cfg.model.path)
     if rollout is None:
         raise ValueError("backend=colocated needs the rollout engine of this rank (build_rollout(...))")
     if rollout_group is not None:
-        import torch.distributed as dist
         if dist.get_world_size(rollout_group) != ro.tensor_model_parallel_size:
             raise ConfigError(f"the rollout group has {dist.get_world_size(rollout_group)} ranks, the config says "
                               f"{ro.tensor_model_parallel_size}", "actor_rollout_ref.rollout.tensor_model_parallel_size")
-    from megarl.checkpoint_engine.colocated import ColocatedSync
     return ColocatedSync(source, rollout, bucket_bytes, overlap=ce.overlap)

@@ -12,6 +12,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.bridge import Bridge
 from megarl.rollout.base import RolloutEngine
 
 
@@ -26,7 +27,10 @@ def describe(err: BaseException) -> str:
 def agree(failed: bool, values: list[float], group=None, device="cpu") -> tuple[bool, list[float]]:
     """One all-reduce (MAX) over `group`: did any rank fail, and the largest of each value."""
     t = torch.tensor([float(failed), *values], dtype=torch.float64, device=device)
-    if dist.is_initialized():
+    if isinstance(group, Bridge):        # spans both sides of a disaggregated job (on its own device)
+        t = t.to(group.device)
+        group.all_reduce(t, op=dist.ReduceOp.MAX)
+    elif dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     out = t.tolist()
     return out[0] > 0, out[1:]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint_engine.base import conclude, metrics
 from megarl.checkpoint_engine.memory import PeakMemory
+from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import Bucket, build_plan, local_names, stage_names
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
@@ -44,25 +45,6 @@ def gather_in_place(buf: torch.Tensor, rank: int, size: int, group, async_op: bo
         return [_all_gather(buf, buf[rank * n:(rank + 1) * n], group=group, async_op=async_op)]
     return [dist.broadcast(part, src=dist.get_global_rank(group, r), group=group, async_op=async_op)
             for r, part in enumerate(buf.chunk(size))]
-
-
-class _Transfer:
-    """One bucket on the move: its buffer, the collectives filling it, the sends reading it."""
-
-    def __init__(self, buf: torch.Tensor | None, filling=(), then=None):
-        self.buf, self.filling, self.then, self.sending = buf, list(filling), then, []
-
-    def ready(self) -> torch.Tensor | None:
-        for work in self.filling:
-            work.wait()
-        if self.then is not None:          # the source's broadcasts: read while we load the bucket
-            self.sending.extend(self.then())
-        return self.buf
-
-    def finish(self) -> None:
-        for work in self.sending:
-            work.wait()
-        self.buf = None
 
 
 class _Buffers:
@@ -137,17 +119,17 @@ class ColocatedSync:
             elif self.src.pp > 1:
                 yield e, None, buf[T * G + e.offset: T * G + e.offset + e.numel]
 
-    def _start(self, bucket: Bucket) -> _Transfer:
+    def _start(self, bucket: Bucket) -> Transfer:
         src, T = self.src, self.src.tp
         numel = bucket.numel(T, with_local=src.pp > 1)   # PP = 1: local entries come from the params
         if numel == 0:
-            return _Transfer(None)
+            return Transfer(None)
         buf = self._buffers.take(numel)
         stage_rank, packed = self.stage_src[bucket.stage], self._packed(bucket)
         segments = list(self._segments(bucket, buf))
         if bucket.stage != src.pp_rank:  # another stage's bucket: receive it
             views = [buf] if packed else [v for _, _, v in segments]
-            return _Transfer(buf, [dist.broadcast(v, src=stage_rank, group=src.pp_group, async_op=True)
+            return Transfer(buf, [dist.broadcast(v, src=stage_rank, group=src.pp_group, async_op=True)
                                    for v in views])
         G = bucket.gather_numel
         # What this rank sends for each segment: its own shard (from the parameter unless packed).
@@ -169,7 +151,7 @@ class ColocatedSync:
             def then():
                 return [dist.broadcast(t, src=stage_rank, group=src.pp_group, async_op=True)
                         for t in ([buf] if packed else sent)]
-        return _Transfer(buf, filling, then)
+        return Transfer(buf, filling, then)
 
     def _load(self, bucket: Bucket, buf: torch.Tensor | None) -> None:
         own = self.src.params if bucket.stage == self.src.pp_rank else None
@@ -184,33 +166,14 @@ class ColocatedSync:
     def _sync(self) -> dict[str, float]:
         """Collective: every rank calls it. Raises WeightSyncError (on every rank) if any failed."""
         buckets = self.plan.buckets
-        error: BaseException | None = None
-        wire = 0
         start = time.perf_counter()
         sizes = [b.numel(self.src.tp, self.src.pp > 1) for b in buckets]
         slot = max([n for n in sizes if n * self.dtype.itemsize <= self.bucket_bytes] + [0])
         self._buffers = _Buffers(slot, 2 if self.overlap else 1, self.dtype, self.device)
         with torch.no_grad(), PeakMemory(self.device) as mem:
             try:
-                nxt = self._start(buckets[0]) if buckets else None
-                for k, bucket in enumerate(buckets):
-                    cur, nxt = nxt, None
-                    buf = cur.ready()
-                    wire += 0 if buf is None else buf.numel() * buf.element_size()
-                    if self.overlap and k + 1 < len(buckets):
-                        nxt = self._start(buckets[k + 1])
-                    if error is None:      # after a failure, keep moving buckets so no rank hangs
-                        try:
-                            self._load(bucket, buf)
-                        except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
-                            error = err
-                    cur.finish()
-                    del buf, cur
-                    if nxt is None and k + 1 < len(buckets):
-                        nxt = self._start(buckets[k + 1])
-            except BaseException:          # a collective failed: no agreement is possible, stop here
-                self.engine.abort_weight_update()
-                raise
+                error, wire = run_pipeline(buckets, self._start, self._load, overlap=self.overlap,
+                                           abort=self.engine.abort_weight_update)
             finally:
                 self._buffers = None
         seconds = time.perf_counter() - start

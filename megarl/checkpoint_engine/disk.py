@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from megarl.checkpoint_engine.base import WeightSyncError, agree, conclude, metrics
 from megarl.checkpoint_engine.colocated import gather_in_place
@@ -79,7 +80,6 @@ class DiskSync:
 
     def _write_stage(self, tmp: str) -> int:
         """Gather this stage's buckets (DP replica 0) and write them on TP rank 0; bytes written."""
-        from safetensors.torch import save_file
         src, T, written = self.src, self.src.tp, 0
         if src.dp_rank != 0:
             return 0

@@ -1,8 +1,9 @@
 """Disaggregated weight sync: the rollout engine runs on ranks of its own, and the buckets cross
-torch.distributed groups that span the trainer's ranks and the engine's.
+bridges (megarl/parallel/bridge.py) that span the trainer's ranks and the engine's.
 
-    # every rank of the world, once, in the same order (new_group is collective):
-    groups = DisaggregatedGroups.create(tp=2, pp=1, trainer_rank=megatron_rank_fn, engine_ranks=[2, 3])
+    # every rank of the job (each builds the bridges it belongs to):
+    groups = DisaggregatedGroups.create(tp=2, pp=1, trainer_rank=megatron_rank_fn, engine_ranks=[2, 3],
+                                        store=store, rank=global_rank, everyone=world_bridge)
     # trainer ranks (megatron shards):
     sender = DisaggregatedSender(source, groups, bucket_bytes=512 << 20)
     # engine ranks (one rollout engine per rank; its own TP group inside):
@@ -16,8 +17,8 @@ run at once, on different groups, so engine ranks receive from T senders in para
 bucket is posted before the engine loads this one. DP replicas other than 0 send nothing.
 
 How a job uses it (rollout.placement=disaggregated, megarl/trainer/ranks.py): trainer ranks are
-[0, N) with megatron's layout over them only, engine ranks [N, world); the groups are created
-over the whole world before each side takes its own default group. The transport itself takes
+[0, N) with megatron's layout over them only, engine ranks [N, world); each side is a
+torch.distributed job of its own, and only bridges reach across. The transport itself takes
 any rank numbering through `trainer_rank(t, dp, p)`. With `keep_previous` the receiver holds the
 last complete weights and reloads them when a sync fails (the engine keeps generating on them).
 """
@@ -28,14 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megarl.checkpoint_engine.base import WeightSyncError, conclude, metrics
 from megarl.checkpoint_engine.memory import PeakMemory
+from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import TransferPlan, build_plan
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
 from megarl.models.spec import ModelSpec
+from megarl.parallel.bridge import Bridge
 from megarl.rollout.base import RolloutEngine
 
 
@@ -49,15 +51,18 @@ class DisaggregatedGroups:
     tp: int
     pp: int
     senders: dict[tuple[int, int], int]    # (t, p) -> the trainer rank that sends those shards
-    groups: dict[tuple[int, int], object]  # (t, p) -> group {sender} + engine ranks
+    groups: dict[tuple[int, int], Bridge]  # (t, p) -> {sender} + engine ranks (only those this rank is in)
     engine_ranks: list[int]
-    everyone: object = None                # the group of all participants (None: the world)
+    everyone: Bridge                       # every rank of both sides
+    rank: int                              # this rank's global rank
 
     @classmethod
     def create(cls, tp: int, pp: int, trainer_rank: Callable[[int, int, int], int], engine_ranks: list[int],
-               everyone=None) -> "DisaggregatedGroups":
-        """Every rank of the world calls this, identically. `trainer_rank(t, dp, p)` gives the
-        global rank of a training shard, e.g. lambda t, d, p: megatron_rank(t, d, p, tp, dp)."""
+               store, rank: int, everyone: Bridge, device: torch.device | str = "cpu", tag: str = "sync",
+               timeout_s: float = 600.0) -> "DisaggregatedGroups":
+        """Every rank of the job calls this, identically. `trainer_rank(t, dp, p)` gives the global
+        rank of a training shard, e.g. lambda t, d, p: megatron_rank(t, d, p, tp, dp); `tag` names
+        this set of bridges in the store (one tag per set)."""
         senders, groups = {}, {}
         for p in range(pp):
             for t in range(tp):
@@ -65,8 +70,10 @@ class DisaggregatedGroups:
                 if senders[(t, p)] in engine_ranks:
                     raise ValueError(f"trainer rank {senders[(t, p)]} is also an engine rank; the two sides "
                                      "of a disaggregated sync must not overlap")
-                groups[(t, p)] = dist.new_group(sorted([senders[(t, p)], *engine_ranks]))
-        return cls(tp, pp, senders, groups, list(engine_ranks), everyone)
+                members = [senders[(t, p)], *engine_ranks]
+                if rank in members:
+                    groups[(t, p)] = Bridge(store, f"{tag}/{t}.{p}", members, rank, device, timeout_s)
+        return cls(tp, pp, senders, groups, list(engine_ranks), everyone, rank)
 
 
 def disaggregated_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, dtype: torch.dtype,
@@ -76,8 +83,7 @@ def disaggregated_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, dty
 
 def _check_same(plan: TransferPlan, dtype: torch.dtype, group) -> None:
     mine = f"{plan.digest()}/{dtype}"
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = group.all_gather_object(mine)
     if len(set(every)) != 1:
         raise RuntimeError(f"trainer and engine ranks built different weight-sync plans ({sorted(set(every))}): "
                            "they must use the same model config, layout, bucket size and dtype")
@@ -95,7 +101,7 @@ class DisaggregatedSender:
         self.dtype, self.device = source.dtype, source.device
         self.plan = disaggregated_plan(source.spec, source.tp, source.pp, bucket_bytes, self.dtype, source.head)
         key = (source.tp_rank, source.pp_rank)
-        self.sends = source.dp_rank == 0 and groups.senders[key] == dist.get_rank()
+        self.sends = source.dp_rank == 0 and groups.senders[key] == groups.rank
         _check_same(self.plan, self.dtype, groups.everyone)
 
     def sync(self) -> dict[str, float]:
@@ -103,27 +109,25 @@ class DisaggregatedSender:
             return self._sync()
 
     def _sync(self) -> dict[str, float]:
-        src, key = self.src, (self.src.tp_rank, self.src.pp_rank)
-        wire, in_flight = 0, []
+        src = self.src
+        mine = [b for b in self.plan.buckets if self.sends and b.stage == src.pp_rank]
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
-            for bucket in self.plan.buckets if self.sends else ():
-                if bucket.stage != src.pp_rank:
-                    continue
-                buf = torch.empty(bucket.gather_numel, dtype=self.dtype, device=self.device)
-                for e in bucket.entries:
-                    buf[e.offset:e.offset + e.numel].copy_(src.params[e.name].reshape(-1))
-                in_flight.append(dist.broadcast(buf, src=self.g.senders[key], group=self.g.groups[key],
-                                                async_op=True))
-                wire += buf.numel() * buf.element_size()
-                del buf
-                if len(in_flight) > 1:         # at most two buckets on the move
-                    in_flight.pop(0).wait()
-            for work in in_flight:
-                work.wait()
+            # Nothing to load here: each bucket's send is waited for once the next one is posted
+            # (at most two buckets on the move).
+            _, wire = run_pipeline(mine, self._start, lambda bucket, buf: None, overlap=True, abort=lambda: None)
         seconds, peak, wire = conclude(None, None, [time.perf_counter() - start, mem.extra_mb, float(wire)],
                                        self.g.everyone, self.device)
         return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
+
+    def _start(self, bucket) -> Transfer:
+        """Copy this rank's shards of `bucket` into a buffer and broadcast it to the engine ranks."""
+        key = (self.src.tp_rank, self.src.pp_rank)
+        buf = torch.empty(bucket.gather_numel, dtype=self.dtype, device=self.device)
+        for e in bucket.entries:
+            buf[e.offset:e.offset + e.numel].copy_(self.src.params[e.name].reshape(-1))
+        work = self.g.groups[key].broadcast(buf, src=self.g.senders[key], async_op=True)
+        return Transfer(buf, sending=[work])
 
 
 class DisaggregatedReceiver:
@@ -152,43 +156,26 @@ class DisaggregatedReceiver:
         self.engine.finalize_weights()
         return True
 
-    def _start(self, bucket) -> tuple[torch.Tensor, list]:
+    def _start(self, bucket) -> Transfer:
         G = bucket.gather_numel
         buf = torch.empty(self.g.tp * G, dtype=self.dtype, device=self.device)
-        works = [dist.broadcast(buf[t * G:(t + 1) * G], src=self.g.senders[(t, bucket.stage)],
-                                group=self.g.groups[(t, bucket.stage)], async_op=True) for t in range(self.g.tp)]
-        return buf, works
+        works = [self.g.groups[(t, bucket.stage)].broadcast(buf[t * G:(t + 1) * G], src=self.g.senders[(t, bucket.stage)],
+                                                            async_op=True) for t in range(self.g.tp)]
+        return Transfer(buf, filling=works)
 
     def sync(self) -> dict[str, float]:
         buckets = self.plan.buckets
-        error: BaseException | None = None
-        wire = 0
         kept: list[torch.Tensor] = []
+
+        def load(bucket, buf: torch.Tensor) -> None:
+            if self.keep_previous:
+                kept.append(buf if self.device.type == "cpu" else buf.to("cpu"))
+            feed(self.engine, bucket_stream(self.plan, bucket, buf, 0, None, self.want), self.want is not None)
+
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
-            try:
-                nxt = self._start(buckets[0]) if buckets else None
-                for k, bucket in enumerate(buckets):
-                    (buf, works), nxt = nxt, None
-                    for w in works:
-                        w.wait()
-                    wire += buf.numel() * buf.element_size()
-                    if self.overlap and k + 1 < len(buckets):
-                        nxt = self._start(buckets[k + 1])
-                    if self.keep_previous:
-                        kept.append(buf if self.device.type == "cpu" else buf.to("cpu"))
-                    if error is None:      # after a failure, keep receiving so no sender hangs
-                        try:
-                            feed(self.engine, bucket_stream(self.plan, bucket, buf, 0, None, self.want),
-                                 self.want is not None)
-                        except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
-                            error = err
-                    del buf
-                    if nxt is None and k + 1 < len(buckets):
-                        nxt = self._start(buckets[k + 1])
-            except BaseException:          # a broken group: no agreement is possible, stop here
-                self.engine.abort_weight_update()
-                raise
+            error, wire = run_pipeline(buckets, self._start, load, overlap=self.overlap,
+                                       abort=self.engine.abort_weight_update)
         try:
             seconds, peak, wire = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb, float(wire)],
                                            self.g.everyone, self.device)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.models.convert import expert_of, to_global, to_local
 from megarl.models.spec import ModelSpec
+from megarl.parallel import state
 
 
 @dataclass
@@ -40,7 +41,6 @@ class ShardSource:
     @classmethod
     def from_actor(cls, actor) -> "ShardSource":
         """The actor's live shards (`model_chunks`, one `layer_offsets` entry each) and megatron's groups."""
-        from megarl.parallel import state
         eng = actor.engine
         lay = eng.layout
         params = {}

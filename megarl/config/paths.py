@@ -9,7 +9,16 @@ trainer.log_dir) are where a run writes, not inputs: they stay relative to the w
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """ORG/NAME, as a Hugging Face hub id is written (left as written when no such path exists)."""
+    return bool(_HUB_ID.fullmatch(value)) and not value.startswith(".")
+
 
 ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
 # Keys whose values are input files or directories (or lists of them).
@@ -27,6 +36,9 @@ INPUT_PATH_KEYS = (
     *(f"{role}.megatron.dist_checkpointing_path" for role in ROLES),
 )
 # Keys that may name a module instead of a file: resolved only when they look like a file path.
+# Keys that may hold a hub id (ORG/NAME), which megarl refuses with the download command.
+HUB_ID_OR_DIR = {"actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
+                 "critic.model.tokenizer_path", "reward_model.model.path"}
 MODULE_OR_FILE = {"custom_reward_function.path", "actor_rollout_ref.rollout.custom_cls_path", "data.custom_cls.path"}
 
 
@@ -41,6 +53,8 @@ def _resolve_one(value: Any, base: str, key: str) -> Any:
         return value  # references resolve later; `~` is the user's home, not the file's folder
     if os.path.isabs(value) or (key in MODULE_OR_FILE and not _looks_like_file(value)):
         return value
+    if key in HUB_ID_OR_DIR and looks_like_hub_id(value) and not os.path.exists(os.path.join(base, value)):
+        return value  # verl's habit, a hub id: left as written so the error can say how to download it
     return os.path.normpath(os.path.join(base, value))
 
 

@@ -28,7 +28,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         (True,), "megarl's engine shares the training ranks unless actor_rollout_ref.rollout.placement="
                  "disaggregated gives it ranks of its own; set that instead"),
     **{f"{role}.strategy": (
-        ("megatron",), "megarl trains with megatron-core only (TP x PP x DP, see the README's layout table); "
+        ("megatron",), "megarl trains with megatron-core only (TP x PP x DP, see the layout table in docs/launch.md); "
                        "remove the key or set megatron") for role in ROLES},
     "actor_rollout_ref.actor.ppo_micro_batch_size": (
         (None,), "verl's deprecated global micro batch is not used; set "

@@ -201,3 +201,50 @@ def require(cond: bool, key: str, message: str) -> None:
     """Raise a ConfigError for `key` unless `cond` holds (for __post_init__ checks)."""
     if not cond:
         raise ConfigError(message, key)
+
+
+class FrozenConfigError(AttributeError):
+    """Raised when code sets a field of a config that was frozen after validation."""
+
+
+class Section:
+    """Base of every config dataclass. An experiment tree is frozen once built and validated
+    (`freeze`): setting a field then raises, so no part of a run changes what another part reads.
+    Values derived later (the step count, known once the data is loaded) go in a resolved copy
+    (`derive`), never into the tree itself."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise FrozenConfigError(f"{type(self).__name__}.{name}: the config is frozen once validated; build a "
+                                    "new one (load_config with overrides, or dataclasses.replace)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(obj: Any, path: str = "config") -> Any:
+    """Freeze a config tree in place (every dataclass in it must be a Section); returns it."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if not isinstance(obj, Section):
+            raise TypeError(f"{path} is a {type(obj).__name__}, not a megarl.config.typed.Section: derive config "
+                            "dataclasses from Section so the built tree can be frozen")
+        for f in dataclasses.fields(obj):
+            freeze(getattr(obj, f.name), f"{path}.{f.name}")
+        object.__setattr__(obj, "_frozen", True)
+    return obj
+
+
+def derive(tree: Any, values: dict[str, Any]) -> Any:
+    """A frozen copy of a frozen tree with `values` ({dotted path: value}) set: the resolved view
+    of a run. The tree itself is left as it was."""
+    import copy
+    out = copy.deepcopy(tree)
+    for path, value in values.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for name in parents:
+            node = getattr(node, name)
+        if not any(f.name == leaf for f in dataclasses.fields(node)):
+            raise KeyError(f"no config field {path}")
+        object.__setattr__(node, leaf, value)
+    return out

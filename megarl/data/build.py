@@ -12,13 +12,13 @@ from __future__ import annotations
 from megarl.config.errors import ConfigError
 from megarl.data.dataset import RLDataset
 from megarl.data.loader import PromptLoader
+from megarl.reward.loading import construct, load_class
 
 
 def build_dataset(config, files: list[str], tokenizer, split: str = "train"):
     custom = config.custom_cls or {}
     if not custom.get("path"):
         return RLDataset(files, tokenizer, config, split)
-    from megarl.reward.loading import construct, load_class
     key = "data.custom_cls"
     if not custom.get("name"):
         raise ConfigError("needs both path and name, e.g. {path: my_data.py, name: MyDataset}", key)

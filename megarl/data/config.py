@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     train_files: str | list[str] = field(default_factory=list)  # .jsonl / .json / .parquet files
     val_files: str | list[str] = field(default_factory=list)
     prompt_key: str = "prompt"             # a string, or a list of chat messages

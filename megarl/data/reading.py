@@ -76,7 +76,7 @@ def _read_json_array(path: str, text: str) -> FileRows:
 
 
 def _read_parquet(path: str) -> FileRows:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional at run time: only for .parquet files (a second to load)
     out = FileRows(path)
     try:
         table = pq.read_table(path)

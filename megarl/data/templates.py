@@ -8,6 +8,7 @@ Jinja), so a named template behaves exactly as if the tokenizer shipped it.
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
+from megarl.config.typed import closest
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -36,7 +37,6 @@ def resolve_chat_template(name: str | None, tokenizer) -> str | None:
         return name
     if name in NAMED:
         return NAMED[name]
-    from megarl.config.typed import closest
     hint = closest(name, list(NAMED))
     raise ConfigError(f"unknown chat template {name!r}; " + (f"did you mean {hint!r}? " if hint else "")
                       + f"use {', '.join(NAMED)}, a Jinja string, or null for the tokenizer's own", "data.chat_template")

@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -92,7 +96,6 @@ def _no_te_router_gemm() -> None:
     """megatron-core 0.16's router gating references `te_general_gemm`, which it defines only
     when Transformer Engine imports; without TE the name is missing and routing raises
     NameError. Define it as None, which selects megatron's own torch.mm path."""
-    from megatron.core.transformer.moe import moe_utils
     moe_utils.__dict__.setdefault("te_general_gemm", None)
 
 
@@ -135,7 +138,6 @@ class ValueHead(MegatronModule):
         if self.config.sequence_parallel:
             # hidden is split over TP along the sequence; every TP rank computes every value
             # (the head is replicated), so the backward keeps this rank's slice instead of summing.
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight), None  # [s, b, 1]
 
@@ -171,7 +173,6 @@ def _route_loss_per_micro_batch(model: GPTModel) -> None:
     micro-batch's token count and relies on finalize_model_grads dividing by the total; megarl's
     gradient contract drops that division (megarl/workers/engine.py). So the routers add their
     loss unscaled, and the engine sets the coefficient per mini-batch (moe_loss_scale)."""
-    from megatron.core.transformer.moe.router import Router
     for m in model.modules():
         if isinstance(m, Router):
             m.calculate_per_token_loss = False
@@ -181,7 +182,6 @@ def _mark_tensor_parallel(model: GPTModel, head: str) -> None:
     """megatron tags TP-split weights (`tensor_model_parallel`, `partition_dim`) only inside its
     random initialisation, which megarl skips because it loads weights; the grad norm and
     optimizers need the tags, so set them from megarl's own sharding map."""
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     for name, param in model.named_parameters():
         dim = tp_dim(name, head)
         if dim is not None and not hasattr(param, "tensor_model_parallel"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 
 from megarl.models.attention import SDPACoreAttention
 
@@ -100,7 +101,6 @@ class CPCoreAttention(SDPACoreAttention):
         if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
             self.cp_group = pg_collection.cp
         else:
-            from megatron.core import parallel_state as ps
             self.cp_group = ps.get_context_parallel_group()
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.models.convert import Slice, hf_shapes
+from megarl.models.hf_config import find_hf_config, read_hf_config
 from megarl.models.spec import ModelSpec
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -30,11 +31,9 @@ AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 class HFCheckpoint:
     def __init__(self, path: str):
         self.path = path
-        cfg = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg):
+        if find_hf_config(path) is None:
             raise ValueError(f"{path}: no config.json; point at an HF checkpoint directory")
-        with open(cfg) as f:
-            self.config = json.load(f)
+        self.config = read_hf_config(path)
         self._map: dict[str, str] | None = None  # read on first use, after the config was judged
         self._handles: dict[str, object] = {}
 

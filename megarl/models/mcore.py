@@ -12,7 +12,7 @@ in 0.16.1, 0.17.1, 0.18.2 and 0.19.0 (read from Megatron-LM's core_v* tags). Wha
   * 0.19 logs "GPTModel IS DEPRECATED" in favour of HybridModel (0.18+). megarl still builds
     GPTModel on every version: HybridModel splits each GPT layer into an attention layer and an MLP
     layer (pattern "*-" per layer), which renames every layer parameter megarl's conversion maps
-    and checkpoints use. The move is planned in the README ("megatron-core versions").
+    and checkpoints use. The move is planned in docs/models.md ("megatron-core versions").
   * 0.19's synchronous dist-checkpoint save runs through its own deprecated "mcore" async path and
     logs "MCore's async save is deprecated"; megarl saves synchronously and has nothing to move.
 """
@@ -21,20 +21,21 @@ from __future__ import annotations
 import importlib.util
 import inspect
 
+from megatron.core import package_info
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+from megatron.core.transformer import transformer_block, transformer_layer
+
 HAS_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
 
 
 def version() -> tuple[int, ...]:
-    from megatron.core import package_info
     return (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
 
 
 def missing() -> list[str]:
     """The features megarl uses that this megatron-core lacks (empty when all are there)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    from megatron.core.transformer import transformer_block, transformer_layer
-    from megatron.core.models.gpt import GPTModel
 
     gaps = []
     checks = {

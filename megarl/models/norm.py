@@ -43,7 +43,7 @@ def norm_class(config):
     if getattr(config, "transformer_impl", "local") != "transformer_engine":
         return Norm
     try:
-        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.extensions.transformer_engine import TENorm  # optional extra megarl[te]
     except ImportError as err:
         raise ValueError("override_transformer_config.transformer_impl=transformer_engine needs "
                          "transformer_engine installed; remove the override to use megarl's torch norm") from err

@@ -12,6 +12,10 @@ import argparse
 import os
 
 import torch
+import transformers as tf
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 
 def token_rows(plen: torch.Tensor, rlen: torch.Tensor, R: int, vocab: int, g: torch.Generator,
                pad: int = 0) -> dict[str, torch.Tensor]:
@@ -47,9 +51,6 @@ FAMILIES = {  # family -> (config class, model class prefix, extra config)
 
 
 def make_tokenizer(path: str, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     words = specials + [f"w{i}" for i in range(vocab_size - len(specials))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -64,7 +65,6 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.d
     """Save a random-init model of `family` (see FAMILIES; `score_head`: *ForSequenceClassification,
     1 label). MoE routers get weights large enough that the top-k choice is clear-cut, so parity
     checks do not flip an expert on a 1e-7 difference."""
-    import transformers as tf
 
     cfg_name, prefix, extra = FAMILIES[family]
     cfg_cls = getattr(tf, cfg_name)

@@ -1,10 +1,16 @@
 """Run megatron-core 0.16.1 on CPU (gloo): the one place megarl bends megatron for a machine
-without CUDA. Both entry points do nothing when CUDA is present; only megarl/parallel/state.py,
-megarl/workers/engine.py and megarl/workers/checkpoint.py use them.
+without CUDA. Nothing is installed or entered when CUDA is present.
 
-    cpu_compat.install()          # once per process (state.init_distributed does it)
-    with cpu_compat.scope():      # around every call into megatron (engine methods, checkpoints)
-        ...
+    cpu_compat.install()            # once per process: state.init_distributed does it
+    class MegatronEngine(cpu_compat.Boundary): ...   # every method of the engine and its parts
+                                                      # runs inside scope(); nothing else enters it
+    python -m megarl.parallel.cpu_compat --fingerprints   # after reading a new megatron's source
+
+The boundary is the engine (megarl/workers/engine.py) and its four parts: they are the only
+objects that call into megatron, and every method defined on a Boundary subclass is entered
+through scope(), so a new method cannot forget it. install() refuses, in one line, a
+megatron-core whose patched functions differ from the 0.16.1 source this file was written for
+(FINGERPRINTS below).
 
 What it replaces, and why (megatron-core assumes a CUDA device in these places):
   * `torch.cuda.current_device()` -> 0, mapped to CPU below. Pipeline p2p buffers, RoPE,
@@ -28,11 +34,17 @@ tensors (megarl/workers/optim.py).
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import hashlib
+import inspect
+import textwrap
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megarl.config.errors import ConfigError
 
 _INSTALLED = False
 _DEPTH = 0
@@ -91,17 +103,21 @@ class _NullStream:
         return False
 
 
+@functools.cache
 def needed() -> bool:
     return not torch.cuda.is_available()
 
 
 def install() -> bool:
-    """Install the torch.cuda stand-ins (idempotent). Returns True when active, False with CUDA."""
+    """Install the torch.cuda stand-ins (idempotent). Returns True when active, False with CUDA.
+    Refuses (UnsupportedMegatron, one line) a megatron-core whose patched functions differ from
+    the source this shim was checked against."""
     global _INSTALLED
     if not needed():
         return False
     if _INSTALLED:
         return True
+    verify_megatron()
     cuda = torch.cuda
     cuda.current_device = lambda: 0
     cuda.synchronize = lambda *a, **k: None
@@ -112,33 +128,111 @@ def install() -> bool:
     # Sequence parallelism forks megatron's CUDA RNG tracker around dropout; without CUDA there
     # is no CUDA generator to swap, and dropout draws from torch's CPU generator anyway.
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    _map_in_backward()
+    fork = vars(CudaRNGStatesTracker)["fork"]
+
+    @functools.wraps(fork)     # (keeps megatron's function reachable for fingerprints())
+    def no_fork(self, name=None):
+        return contextlib.nullcontext()
+    CudaRNGStatesTracker.fork = no_fork
+    for cls in _backward_classes():
+        cls.backward = _in_mode(vars(cls)["backward"])
     _INSTALLED = True
     return True
 
 
-def _map_in_backward() -> None:
-    """Run the backward of megatron's tensor-parallel autograd functions under the CUDA->CPU
-    mapping: autograd calls them outside any active TorchFunctionMode, and under sequence
-    parallelism they allocate `device=torch.cuda.current_device()` buffers there."""
+# -- what is patched, pinned to the megatron-core source it was written for -------------------------
+# The stand-ins above assume what these megatron functions do (allocate on current_device(), fork
+# a CUDA generator). Each entry is a fingerprint (sha256 of the function's AST: comments and
+# layout do not count) of megatron-core 0.16.1's source; a version where one differs, is missing or
+# adds an autograd Function with its own backward is refused: the shim is unchecked there.
+# Regenerate after reading the new source: python -m megarl.parallel.cpu_compat --fingerprints
+CHECKED_VERSION = "0.16.1"
+FINGERPRINTS = {
+    'megatron.core.tensor_parallel.layers.LinearWithFrozenWeight.backward': '04c8c092434c2602',
+    'megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward': 'ae5e70562c9d6ec5',
+    'megatron.core.tensor_parallel.mappings._AllGatherFromTensorParallelRegion.backward': 'aa9b1c4761b989da',
+    'megatron.core.tensor_parallel.mappings._AllToAll.backward': '42840faed516195c',
+    'megatron.core.tensor_parallel.mappings._CopyToModelParallelRegion.backward': 'cb8f7f9a723b222e',
+    'megatron.core.tensor_parallel.mappings._GatherFromModelParallelRegion.backward': 'ea2317c5c19ba486',
+    'megatron.core.tensor_parallel.mappings._GatherFromSequenceParallelRegion.backward': '5fcb7a40d8cf528b',
+    'megatron.core.tensor_parallel.mappings._ReduceFromModelParallelRegion.backward': 'a40d72988641319e',
+    'megatron.core.tensor_parallel.mappings._ReduceScatterToSequenceParallelRegion.backward': 'bed96d2e70f2f87b',
+    'megatron.core.tensor_parallel.mappings._ReduceScatterToTensorParallelRegion.backward': 'a673277f9c60b8af',
+    'megatron.core.tensor_parallel.mappings._ScatterToModelParallelRegion.backward': 'a673277f9c60b8af',
+    'megatron.core.tensor_parallel.mappings._ScatterToSequenceParallelRegion.backward': 'cc73078d2ace82ef',
+    'megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork': '8a55c86259e819a9',
+    'megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler.backward': 'e68f72ecf35bff6d',
+    'megatron.core.transformer.moe.moe_utils.RandomSTE.backward': 'a89ba05a176ad0c1',
+    'megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.backward': '00d1eaa3176acd19',
+}
+
+
+class UnsupportedMegatron(ConfigError):
+    """The environment's megatron-core is not the one the shim was checked against (megarl-train
+    prints it as one line and exits 2, like any preflight error)."""
+
+
+def _backward_classes() -> list[type]:
+    """megatron's autograd Functions whose backward runs under the CUDA->CPU mapping: autograd
+    calls them outside any active TorchFunctionMode, and under sequence parallelism (and MoE's
+    all-gather dispatcher) they allocate `device=torch.cuda.current_device()` buffers there."""
     import importlib
-    from megatron.core.tensor_parallel import layers, mappings
-    # MoE: the all-gather dispatcher's backward allocates on current_device() too.
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    found = []
+    for name in ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
+                 "megatron.core.transformer.moe.moe_utils"):
+        for obj in vars(importlib.import_module(name)).values():
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj) \
+                    and obj not in found:
+                found.append(obj)
+    return found
 
-    def wrap(backward):
-        @functools.wraps(backward)
-        def run(ctx, *grads):
-            with _CudaToCpu():
-                return backward(ctx, *grads)
-        return staticmethod(run)
 
-    for module in (layers, mappings, moe_utils):
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj):
-                obj.backward = wrap(vars(obj)["backward"].__func__ if isinstance(vars(obj)["backward"], staticmethod)
-                                    else vars(obj)["backward"])
+def _patched_functions() -> dict:
+    """{qualified name: megatron's own function} for every symbol install() replaces or wraps."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    out = {"megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork": vars(CudaRNGStatesTracker)["fork"]}
+    for cls in _backward_classes():
+        fn = vars(cls)["backward"]
+        out[f"{cls.__module__}.{cls.__qualname__}.backward"] = fn.__func__ if isinstance(fn, staticmethod) else fn
+    return out
+
+
+def _fingerprint(fn) -> str:
+    fn = inspect.unwrap(fn)          # install()'s own wrapper (functools.wraps) leads back to megatron's
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):   # built without readable source: cannot be the checked one
+        return "no source"
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+def fingerprints() -> dict[str, str]:
+    return {name: _fingerprint(fn) for name, fn in sorted(_patched_functions().items())}
+
+
+def verify_megatron(expected: dict[str, str] | None = None) -> None:
+    """Raise UnsupportedMegatron (one line) unless every patched symbol matches `expected`
+    (default: FINGERPRINTS, megatron-core 0.16.1)."""
+    from megatron.core.package_info import __version__ as version
+    expected = FINGERPRINTS if expected is None else expected
+    got = fingerprints()
+    for name in sorted(set(got) | set(expected)):
+        if got.get(name) != expected.get(name):
+            how = "is new" if name not in expected else "is missing" if name not in got else "differs"
+            raise UnsupportedMegatron(
+                f"megatron-core {version}: {name} {how} from the {CHECKED_VERSION} source megarl's CPU shim "
+                f"(megarl/parallel/cpu_compat.py) was checked against; on CPU install megatron-core=={CHECKED_VERSION} "
+                "(on CUDA no shim is used)")
+
+
+def _in_mode(backward):
+    fn = backward.__func__ if isinstance(backward, staticmethod) else backward
+
+    @functools.wraps(fn)
+    def run(ctx, *grads):
+        with _CudaToCpu():
+            return fn(ctx, *grads)
+    return staticmethod(run)
 
 
 @contextlib.contextmanager
@@ -146,7 +240,7 @@ def scope():
     """Map CUDA device arguments to CPU for the duration (re-entrant; nothing when not installed).
     Megatron's backward runs inside too: on CPU autograd uses the calling thread."""
     global _DEPTH
-    if not _INSTALLED or _DEPTH:
+    if _DEPTH or not install():      # (install: once per process; False when CUDA is present)
         yield
         return
     _DEPTH += 1
@@ -157,8 +251,7 @@ def scope():
         _DEPTH -= 1
 
 
-def scoped(fn):
-    """Decorator: run `fn` inside scope()."""
+def _scoped(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         with scope():
@@ -166,5 +259,33 @@ def scoped(fn):
     return run
 
 
+class Boundary:
+    """Base of every object that calls into megatron (the engine and its parts,
+    megarl/workers/engine.py): each method and property defined on a subclass runs inside
+    scope(), so a method added later cannot miss it. A generator method is scoped while it is
+    called, not while it is iterated (the caller's code runs between its items)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, attr in list(vars(cls).items()):
+            if name in ("__init_subclass__", "__class_getitem__"):
+                continue
+            if inspect.isfunction(attr):
+                setattr(cls, name, _scoped(attr))
+            elif isinstance(attr, (staticmethod, classmethod)):
+                setattr(cls, name, type(attr)(_scoped(attr.__func__)))
+            elif isinstance(attr, property):
+                setattr(cls, name, property(*(f and _scoped(f) for f in (attr.fget, attr.fset, attr.fdel)),
+                                            attr.__doc__))
+
+
 def active() -> bool:
     return _INSTALLED
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--fingerprints"]:
+        sys.exit("usage: python -m megarl.parallel.cpu_compat --fingerprints")
+    for key, value in fingerprints().items():
+        print(f"    {key!r}: {value!r},")

@@ -1,20 +1,13 @@
 """What a launcher and a rank need to agree on: the layout, the run directory, the timeouts.
 
-    python -m megarl.parallel.launch_env --config configs/quickstart.yaml [overrides ...] \
-        [--nnodes N] [--nproc-per-node P] [--by "what starts them"]
-
-prints shell assignments (MEGARL_RUN_DIR=..., MEGARL_NPROC_PER_NODE=..., ...) that
-launch/torchrun.sh and launch/slurm/job.sh `eval`. It validates the whole config first, so a bad
-key or a layout that the allocation cannot hold stops the job with one line before any rank starts.
-Inside a rank, `rank_env(cfg)` reads the torchrun/srun variables and checks them against the config.
+`shell_assignments(cfg)` and `check_launch(...)` serve the launch scripts' command
+(`python -m megarl.launch_vars`, megarl/launch_vars.py). Inside a rank, `rank_env(cfg)` reads the
+torchrun/srun variables and checks them against the config.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import shlex
-import sys
 from dataclasses import dataclass
 
 from megarl.config import ConfigError, ExperimentConfig
@@ -76,29 +69,3 @@ def check_launch(cfg: ExperimentConfig, nnodes: int | None, nproc_per_node: int 
     if nproc_per_node is not None and tr.n_gpus_per_node != nproc_per_node:
         raise ConfigError(f"is {tr.n_gpus_per_node}, but {by} starts {nproc_per_node} process(es) per node; "
                           "drop the override or change the allocation", "trainer.n_gpus_per_node")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.parallel.launch_env", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", "-c")
-    parser.add_argument("--nnodes", type=int, help="nodes the launcher runs on (checked against trainer.nnodes)")
-    parser.add_argument("--nproc-per-node", type=int, help="processes it starts per node (checked)")
-    parser.add_argument("--by", default="the launcher")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    from megarl.preflight import preflight
-    from megarl.train import load_checked  # the exact checks megarl-train applies
-    try:
-        cfg = load_checked(args.config, args.overrides, check_all=False)
-        check_launch(cfg, args.nnodes, args.nproc_per_node, by=args.by)
-        preflight(cfg)  # after the layout check: it creates the run directory
-    except ConfigError as err:
-        print(f"megarl: config error: {err}", file=sys.stderr)
-        return 2
-    for key, value in shell_assignments(cfg).items():
-        print(f"{key}={shlex.quote(value)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

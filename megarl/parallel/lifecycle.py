@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 
 from megarl.config.errors import ConfigError
+from megarl.durable import make_private_dir
 
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".megarl.lock"
@@ -69,9 +73,18 @@ class RunDirLock:
         self.fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        import fcntl
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        make_private_dir(os.path.dirname(self.path))
+        try:
+            # O_NOFOLLOW: a symlink planted at the lock's name is refused, not followed and truncated.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise ConfigError(f"{self.path} is a symbolic link; megarl will not follow it (someone else may have "
+                              "planted it). Remove it, and check who can write to the run directory", self.key) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"{self.path} is not a regular file; remove it", self.key)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.parallel import cpu_compat
+from megarl.parallel import cpu_compat, loopback
 
 
 def device() -> torch.device:
@@ -32,8 +32,11 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(timeout_s: float = 600.0) -> None:
-    """Start torch.distributed from the environment (idempotent); on CPU install the megatron shim."""
+def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = None,
+                     world_size: int | None = None) -> None:
+    """Start torch.distributed (idempotent); on CPU install the megatron shim. Without `store`
+    the default group is every rank in the environment; with it (a prefix of the job's store),
+    the `world_size` ranks that pass the same store: one side of a disaggregated job."""
     cpu_compat.install()
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
@@ -43,9 +46,15 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         if key not in os.environ:
             raise RuntimeError(f"environment variable {key} is not set; start megarl with torchrun, srun "
                                "(launch/) or megarl-train, which set it")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        # On one node without torchrun's agent store, the store listens on loopback only (parallel/loopback.py).
+        store = loopback.job_store(timeout)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
     # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank and warns)
-    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device() if torch.cuda.is_available() else None)
+    dist.init_process_group(backend(), timeout=timeout, device_id=device() if torch.cuda.is_available() else None,
+                            **where)
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,6 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
-@cpu_compat.scoped
 def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int | None = None,
                         ep: int = 1) -> Layout:
     """Set up megatron's parallel_state for (TP, CP, PP, virtual PP) over all ranks;
@@ -140,11 +148,6 @@ def pp_group():
 def dp_group():
     from megatron.core import parallel_state as ps
     return ps.get_data_parallel_group()
-
-
-def model_parallel_group():
-    from megatron.core import parallel_state as ps
-    return ps.get_model_parallel_group()
 
 
 def ep_group():

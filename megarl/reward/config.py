@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 @dataclass
-class CustomRewardFunctionConfig:
+class CustomRewardFunctionConfig(Section):
     """A user's `fn(data_source, solution_str, ground_truth, extra_info=None, **kw) -> float | dict`."""
     path: str | None = None                # a .py file or an importable module
     name: str = "compute_score"
@@ -16,7 +16,7 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Section):
     enable: bool = False                   # score with a model (critic backbone + score head)
     model: dict[str, Any] = field(default_factory=dict)  # {path, tokenizer_path}
     micro_batch_size_per_gpu: int = 4

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.reward.rules import default_compute_score
 
 SAMPLE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BATCH_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -59,6 +60,14 @@ def get_attr(module, name: str, key: str, what: str):
     return getattr(module, name)
 
 
+def load_object(ref: str, key: str, what: str = "function"):
+    """`pkg.module:name` or `path/file.py:name` -> the object, with one-line errors naming `key`."""
+    path, _, name = ref.rpartition(":")
+    if not path or not name:
+        raise ConfigError(f"{ref!r} is not an import path; write 'pkg.module:{what}' or 'file.py:{what}'", key)
+    return get_attr(import_path(path, key), name, key, what)
+
+
 def check_signature(fn, names: tuple[str, ...], kwargs: dict, key: str) -> None:
     """Refuse a function that cannot be called as fn(**{names}, **kwargs), in one line."""
     try:
@@ -87,7 +96,6 @@ class RewardFnSpec:
 
     def load(self):
         if self.path is None:
-            from megarl.reward.rules import default_compute_score
             return default_compute_score
         fn = get_attr(import_path(self.path, "custom_reward_function.path"), self.name,
                       "custom_reward_function.name", "function")

@@ -27,8 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from megarl.algos.dapo import overlong_penalty
 from megarl.config.errors import ConfigError
+from megarl.parallel.actor_pool import PoolDeadline
+from megarl.protocol import DataProto
 from megarl.reward.loading import RewardFnSpec, construct, load_class, load_reward_fn
+from megarl.reward.pool import RayScoringPool
 from megarl.reward.rules import check_data_sources, format_reward
 from megarl.reward.scoring import Outcome, Sample, call_in_process, normalise
 
@@ -164,12 +168,18 @@ class RewardManager:
                 fut = _in_daemon_thread(lambda: ("outcomes", self._score_batched(samples)))
             elif self.pool is not None:
                 deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
-                fut = _in_daemon_thread(lambda: ("outcomes", self.pool.score(samples, deadline=deadline,
-                                                                             scorer=self.scorer)))
+                fut = _in_daemon_thread(lambda: ("outcomes", self._score_in_pool(samples, deadline)))
             else:
                 fut = cf.Future()
                 fut.set_result(("outcomes", self._score_in_process(samples)))
         return RewardFuture(fut, batch, started)
+
+    def _score_in_pool(self, samples: list[Sample], deadline: float | None) -> list[Outcome]:
+        try:
+            return self.pool.score(samples, deadline=deadline)
+        except PoolDeadline as late:          # the pool stays whole for whoever handles the error
+            raise deadline_error(self.scorer, self.deadline_s, len(samples), late.done,
+                                 slowest_samples(samples, late.seconds, late.running)) from None
 
     def _score_in_process(self, samples: list[Sample]) -> list[Outcome]:
         """One sample after another, each bounded by timeout_s and by what is left of the deadline."""
@@ -247,7 +257,6 @@ class RewardManager:
 
     def _with_text(self, batch):
         """The batch a custom manager sees: the original plus decoded prompt/response text."""
-        from megarl.protocol import DataProto
         prompts, responses = self._texts(batch)
         view = DataProto(batch.batch, dict(batch.non_tensor_batch), batch.meta_info)
         view.non_tensor_batch["prompt_text"] = np.array(prompts, dtype=object)
@@ -331,7 +340,6 @@ class RewardManager:
             res.extra_info["format"] = ok.tolist()
             res.metrics["reward/format_ok"] = ok.mean().item()
         if self.overlong is not None and self.overlong.enable:
-            from megarl.algos.dapo import overlong_penalty
             lens = response_lengths(batch).cpu()
             pen = overlong_penalty(lens, self.max_response_length, self.overlong.len, self.overlong.penalty_factor)
             res.token_level_scores += place_scores(batch, pen)
@@ -362,6 +370,5 @@ def build_reward_manager(cfg, tokenizer, pool: Any = None) -> RewardManager:
         return RewardManager(tokenizer, spec, kind="custom", custom=custom, **common)
     spec, _ = load_reward_fn(cfg.custom_reward_function, batched=kind == "batch")
     if pool is None and rm.launch_reward_fn_async and kind == "naive":
-        from megarl.reward.pool import RayScoringPool
         pool = RayScoringPool(spec, rm.num_workers, rm.timeout_s)
     return RewardManager(tokenizer, spec, kind=kind, pool=pool, **common)

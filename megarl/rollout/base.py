@@ -1,7 +1,9 @@
 """The rollout contract every engine implements (native, trtllm, hf, a user's class).
 
-    engine.generate(prompts, sampling) -> per prompt, n Completions (token ids, the log-prob of
-                                          each sampled token, finish reason)
+    engine.generate(prompts, sampling, prompt_limit=None)
+                                       -> per prompt, n Completions (token ids, the log-prob of
+                                          each sampled token, finish reason); prompt_limit: this
+                                          call's longest prompt (None: rollout.prompt_length)
     engine.update_weights(bucket)      -> load one bucket of HF-named full tensors
     engine.finalize_weights()          -> all buckets are in: the new weights become active
     engine.weight_shard(name)          -> optional: the part of a tensor this rank holds, so a sync
@@ -27,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from megarl import plain_state
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 
@@ -85,6 +88,9 @@ class SamplingParams:
         return replace(self, **changes)
 
 
+plain_state.register_dataclass(SamplingParams)   # checkpoints hold the async loop's sampling
+
+
 @dataclass(frozen=True)
 class ShardSlice:
     """The part of a full HF tensor one engine rank holds: `full.narrow(dim, start, stop - start)`,
@@ -110,8 +116,10 @@ class RolloutEngine(ABC):
     """Token-level engine contract. Engines are built per rank by megarl.rollout.registry."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """For each prompt, `sampling.n` completions."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        """For each prompt, `sampling.n` completions. `prompt_limit` replaces the configured prompt
+        length for this call (the agent loop's continuations hold the response so far)."""
 
     @abstractmethod
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -157,7 +165,8 @@ class BaseRollout(RolloutEngine):
         self.config = config
         self.role = role
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
         raise NotImplementedError(f"{type(self).__name__} implements neither generate() nor generate_sequences()")
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -172,11 +181,13 @@ class BaseRollout(RolloutEngine):
         return generate_sequences_via(self, batch, batch.meta_info.get("pad_token_id", 0))
 
 
-def admit(engine, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+def admit(engine, prompts: list[list[int]], sampling: SamplingParams,
+          prompt_limit: int | None = None) -> list[list[int]]:
     """What every built-in engine checks before generating: sampling parameters, its prompt
-    guard (refuse or left-truncate), that it is awake, and that its last weight sync completed."""
+    guard (refuse or left-truncate, at prompt_limit when given), that it is awake, and that its
+    last weight sync completed."""
     sampling.validate()
-    prompts = engine.guard.apply(prompts)
+    prompts = engine.guard.apply(prompts, max_length=prompt_limit)
     if engine.asleep:
         raise RuntimeError("rollout engine is asleep: call wake() before generate()")
     engine.weights.check_ready()
@@ -189,16 +200,23 @@ def generate_sequences_via(engine: RolloutEngine, batch: DataProto, pad_token_id
     ones included), so input_ids are what the trainer must score."""
     sampling: SamplingParams = batch.meta_info["sampling"]
     sampling.validate()
-    prompts = [list(p) for p in batch.non_tensor_batch["prompt_token_ids"]]
-    guard = getattr(engine, "guard", None)
-    if guard is not None:
-        prompts = guard.apply(prompts)     # idempotent: generate() applying it again changes nothing
-        kept = np.empty(len(prompts), dtype=object)
-        for i, p in enumerate(prompts):
-            kept[i] = list(p)
-        batch.non_tensor_batch["prompt_token_ids"] = kept
+    prompts = guard_batch_prompts(getattr(engine, "guard", None), batch,
+                                  [list(p) for p in batch.non_tensor_batch["prompt_token_ids"]])
     groups = engine.generate(prompts, sampling)
     return pack_completions(batch, groups, pad_token_id=pad_token_id)
+
+
+def guard_batch_prompts(guard, batch: DataProto, prompts: list[list[int]]) -> list[list[int]]:
+    """The engine's prompt guard over `prompts` (refuse or left-truncate), written back as the
+    batch's `prompt_token_ids` so the trainer scores exactly what was generated from. Idempotent:
+    the engine's generate() applying the guard again changes nothing. No guard: as given."""
+    if guard is not None:
+        prompts = guard.apply(prompts)
+    kept = np.empty(len(prompts), dtype=object)
+    for i, p in enumerate(prompts):
+        kept[i] = list(p)
+    batch.non_tensor_batch["prompt_token_ids"] = kept
+    return prompts
 
 
 def pack_completions(batch: DataProto, groups: list[list[Completion]], pad_token_id: int) -> DataProto:

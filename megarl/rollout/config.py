@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.checkpoint_engine.config import CheckpointEngineConfig
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 def check_sampling(obj, prefix: str = "") -> None:
@@ -23,7 +22,7 @@ def check_sampling(obj, prefix: str = "") -> None:
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Section):
     """Validation sampling (`rollout.val_kwargs`)."""
     temperature: float = 0.0
     top_p: float = 1.0
@@ -36,7 +35,7 @@ class SamplingConfig:
 
 
 @dataclass
-class MultiTurnConfig:
+class MultiTurnConfig(Section):
     """Multi-turn rollouts with tools (megarl/rollout/multiturn); `rollout.tools=tools.yaml` turns it on."""
     enable: bool = False
     max_assistant_turns: int | None = None  # None: until no tool call or the response budget is spent
@@ -73,14 +72,42 @@ class MultiTurnConfig:
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(Section):
     timeout: float = 60.0
     max_attempts: int = 3
     max_connections: int = 1000
 
 
+# The weight sync's section sits under rollout's (actor_rollout_ref.rollout.checkpoint_engine.*,
+# as in verl); megarl/checkpoint_engine reads it from here.
 @dataclass
-class RolloutConfig:
+class CheckpointEngineConfig(Section):
+    # colocated: the engine shares the training ranks (all-gather + broadcast in buckets);
+    # distributed: the engine has ranks of its own, buckets cross a group spanning both;
+    # disk: HF safetensors written to `disk_dir` for an engine in another job.
+    backend: Literal["auto", "colocated", "distributed", "disk"] = "auto"  # auto: from rollout.placement
+    bucket_size_mb: float = 512            # one bucket's buffer (MiB); a rank holds at most two, plus one tensor
+    overlap: bool = True                   # move the next bucket while the engine loads this one
+    disk_dir: str | None = None            # backend=disk: where step_NNNNNN/ exports and `latest` go
+    disk_keep: int = 2                     # backend=disk: newest exports kept (older ones are deleted)
+    update_weights_bucket_megabytes: float | None = None  # verl's name for bucket_size_mb
+    # distributed only (null: true there): engine ranks keep the last complete weights in host
+    # memory (one model copy per engine rank) and reload them when a sync fails, so the engine goes
+    # on generating on its old weights. false: an in-place engine (native, hf) refuses to generate
+    # until a sync succeeds.
+    keep_previous_weights: bool | None = None
+
+    def __post_init__(self):
+        if self.update_weights_bucket_megabytes is not None:
+            self.bucket_size_mb = self.update_weights_bucket_megabytes
+        require(self.bucket_size_mb > 0, "bucket_size_mb", "must be > 0 (MiB)")
+        require(self.backend != "disk" or bool(self.disk_dir), "disk_dir",
+                "backend=disk needs disk_dir=<a directory the engine's job can read>")
+        require(self.disk_keep >= 1, "disk_keep", "must be >= 1 (the newest export is always kept)")
+
+
+@dataclass
+class RolloutConfig(Section):
     # Engine: native (built in, runs anywhere), trtllm (TensorRT-LLM), hf (transformers' generate),
     # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name).
     # vllm and sglang are recognised and refused with a message saying they are not integrated.

@@ -156,9 +156,10 @@ class CustomRollout(RolloutEngine):
         return DataProto(non_tensor_batch=nt, meta_info={"sampling": sampling, "n": sampling.n,
                                                           "pad_token_id": self.pad_token_id})
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
         sampling.validate()
-        prompts = self.guard.apply(prompts)
+        prompts = self.guard.apply(prompts, max_length=prompt_limit)
         if _overrides(self.user, "generate"):
             groups = self.user.generate(prompts, sampling)
             if len(groups) != len(prompts) or any(len(g) != sampling.n for g in groups):

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
-from megarl.rollout.native.engine import resolve_dtype
+from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
 
@@ -25,10 +26,9 @@ class HFEngine(BaseRollout):
                  prompt_length: int | None = None, prompt_truncation: str = "error", pad_token_id: int = 0,
                  load_format: str = "auto", config=None):
         super().__init__(config, role="rollout")
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = rollout_dtype(dtype, self.device)
         if load_format == "dummy":              # weights come from the first sync
             cfg = AutoConfig.from_pretrained(model_dir)
             model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
@@ -76,10 +76,9 @@ class HFEngine(BaseRollout):
         self.asleep = False
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        from transformers import GenerationConfig
-
-        prompts = admit(self, prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        prompts = admit(self, prompts, sampling, prompt_limit)
         sp, P = sampling, max(map(len, prompts))
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

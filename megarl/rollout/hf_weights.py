@@ -9,25 +9,16 @@ Reading tensor by tensor (safetensors' lazy `safe_open`) keeps at most one bucke
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Iterable, Iterator
 
 import torch
-
-
-def read_hf_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: rollout needs an HF model directory (config.json + weights)")
-    with open(path) as f:
-        return json.load(f)
+from safetensors import safe_open
 
 
 def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if files:
-        from safetensors import safe_open
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.rollout.base import Completion, SamplingParams
-from megarl.trainer.generation import step_seed
+from megarl.rollout.sampling import step_seed
 
 
 @dataclass

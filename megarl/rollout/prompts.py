@@ -2,6 +2,7 @@
 
     guard = PromptGuard(max_length=cfg.prompt_length, truncation=cfg.prompt_truncation, vocab_size=V)
     prompts = guard.apply(prompts)        # raises before anything runs; guard.truncated counts
+    prompts = guard.apply(prompts, max_length=L)   # this call's own limit (agent-loop continuations)
 
 Empty prompts are refused. Prompts longer than `max_length` are refused (truncation="error") or
 keep their last `max_length` tokens (truncation="left", the end of a chat is what the model
@@ -25,7 +26,9 @@ class PromptGuard:
         if self.truncation not in ("error", "left"):
             raise ValueError(f"prompt_truncation={self.truncation!r} must be 'error' or 'left'")
 
-    def apply(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    def apply(self, prompts: Sequence[Sequence[int]], max_length: int | None = None) -> list[list[int]]:
+        """`max_length`: this call's limit in place of the configured one (None: the configured one)."""
+        limit = self.max_length if max_length is None else max_length
         if len(prompts) == 0:
             raise ValueError("generate() got no prompts")
         out, cut = [], 0
@@ -42,15 +45,15 @@ class PromptGuard:
                 bad = next(t for t in p if t < 0 or t >= self.vocab_size)
                 raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {self.vocab_size}); "
                                  "was it tokenized with another tokenizer?")
-            if self.max_length is not None and len(p) > self.max_length:
+            if limit is not None and len(p) > limit:
                 if self.truncation == "left":
-                    p, cut = p[-self.max_length:], cut + 1
+                    p, cut = p[-limit:], cut + 1
                 else:
                     self.refused += 1
                     raise ValueError(
-                        f"prompt {i} has {len(p)} tokens, more than rollout.prompt_length={self.max_length}; "
+                        f"prompt {i} has {len(p)} tokens, more than rollout.prompt_length={limit}; "
                         f"set actor_rollout_ref.rollout.prompt_truncation=left to keep its last "
-                        f"{self.max_length} tokens, or raise prompt_length (data.max_prompt_length)")
+                        f"{limit} tokens, or raise prompt_length (data.max_prompt_length)")
             out.append(p)
         self.truncated += cut                # counted only once the whole batch is accepted
         return out

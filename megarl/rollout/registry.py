@@ -23,7 +23,12 @@ from megarl.config.errors import ConfigError
 from megarl.config.typed import closest
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.custom import CustomRollout, load_user_class
+from megarl.rollout.hf import HFEngine
+from megarl.models.hf_config import hf_vocab_size, read_hf_config
+from megarl.rollout.native import NativeEngine, TPComm, host_budget
 from megarl.rollout.prompts import PromptGuard
+from megarl.rollout.trtllm import TRTLLMEngine
 
 ENGINES = ("native", "trtllm", "hf", "custom")
 NOT_INTEGRATED = ("vllm", "sglang")
@@ -41,12 +46,9 @@ def _pad_id(tokenizer) -> int:
 
 def _vocab_size(model_path: str | None, tokenizer) -> int | None:
     """The model's vocabulary (config.json), else the tokenizer's, else unknown (no id check)."""
-    import json
-    import os
-    path = os.path.join(model_path or "", "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f).get("vocab_size")
+    V = hf_vocab_size(model_path)
+    if V is not None:
+        return V
     return len(tokenizer) if tokenizer is not None else None
 
 
@@ -77,8 +79,6 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
     device = torch.device(device)
 
     if name == "native":
-        from megarl.rollout.hf_weights import read_hf_config
-        from megarl.rollout.native import NativeEngine, TPComm
         comm = TPComm(tp_group)
         if tp_group is not None and comm.size != cfg.tensor_model_parallel_size:
             raise ConfigError(f"the rollout TP group has {comm.size} ranks but tensor_model_parallel_size="
@@ -88,14 +88,17 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
                         prompt_truncation=cfg.prompt_truncation, sleep_level=2 if cfg.load_format == "dummy" else 1,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=bool(cfg.enforce_eager))
+        held = host_budget.resident_bytes()     # before the engine's weights
         engine = NativeEngine(read_hf_config(model_path), comm=comm, device=device, config=cfg,
                               **_options(NativeEngine, defaults, user, name))
+        if device.type != "cuda":               # several ranks share the host: stop now if a step cannot fit
+            host_budget.check_fits(engine, cfg.prompt_length or 1, cfg.response_length or 1, cfg.n,
+                                   int(cfg.checkpoint_engine.bucket_size_mb * 2**20), held_before=held)
         if cfg.load_format != "dummy":
             engine.load_hf_dir(model_path)
         return engine
 
     if name == "hf":
-        from megarl.rollout.hf import HFEngine
         if cfg.tensor_model_parallel_size != 1:
             raise ConfigError("the hf engine holds one whole model per rank; set tensor_model_parallel_size=1 "
                               "or use rollout.name=native for TP", f"{_KEY}.tensor_model_parallel_size")
@@ -104,11 +107,9 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
         return HFEngine(model_path, device=device, config=cfg, **_options(HFEngine, defaults, user, name))
 
     if name == "trtllm":
-        from megarl.rollout.trtllm import TRTLLMEngine
         return TRTLLMEngine(model_path, cfg, tp_group=tp_group, pad_token_id=pad,
                             device=device if device.type == "cuda" else None)
 
-    from megarl.rollout.custom import CustomRollout, load_user_class
     cls = load_user_class(cfg.custom_cls_path, cfg.custom_cls_name)
     try:
         user_engine = cls(cfg, role, **user)

@@ -15,6 +15,15 @@ from collections.abc import Sequence
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 
+_MASK62 = (1 << 62) - 1
+
+
+def step_seed(base: int, step: int, stream: int = 0) -> int:
+    """A sampling seed per (run seed, step, stream). Every step draws fresh randomness, and a
+    resumed run repeats a step's samples exactly."""
+    x = (base * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK62
+    return x or 1
+
 
 def _response_length(cfg: RolloutConfig) -> int:
     if cfg.response_length is None:

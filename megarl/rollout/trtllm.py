@@ -136,8 +136,9 @@ class TRTLLMEngine(BaseRollout):
     def _rpc(self, method: str, *args) -> None:
         self._on_leader(lambda: self.llm._collective_rpc(method, args))
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        prompts = admit(self, prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        prompts = admit(self, prompts, sampling, prompt_limit)
         # On every rank (same prompts everywhere), so a refusal stops every rank alike.
         kws = [sampling_kwargs(sampling, self.features, response_budget(sampling, len(p), self.max_len),
                                self.pad_token_id) for p in prompts]

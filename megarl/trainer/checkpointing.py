@@ -6,10 +6,14 @@
             actor/  critic/                   megatron distributed checkpoints (reshardable)
             trainer_state.pt                  step, data position, KL controller, bad-step count
             rng/rank_<r>.pt                   each rank's torch / numpy / python RNG streams
+            manifest.json                     SHA-256 of every file above (verified_io)
         global_step_20.tmp/                   a save in progress: ignored and removed on resume
 
 A save writes into `global_step_N.tmp`, every rank finishes, then rank 0 renames it and moves
 the pointer file atomically: a job killed mid-save resumes from the previous complete step.
+Files are 0600, directories 0700, and everything is fsynced before the rename and the pointer.
+trainer_state.pt and rng/*.pt hold plain data read with torch's weights-only unpickler; a resume
+reads nothing until verified_io.verify accepts the step (see docs/security.md).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ConfigError
+from megarl.trainer import verified_io
 from megarl.trainer.faults import fault_point
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -90,6 +95,7 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
     """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir).
     An existing global_step_N is never replaced in silence: an incomplete one is moved aside to
     global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`).
+    Before the rename every file is made private, fsynced and listed in manifest.json (verified_io).
     A save that fails on the filesystem (ENOSPC, EIO, ...) removes its partial directory and
     raises CheckpointSaveError naming the step, the error and the last complete checkpoint."""
     try:
@@ -142,15 +148,18 @@ def _save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, kee
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        verified_io.make_private_dir(root)
+        os.makedirs(os.path.join(tmp, "rng"), mode=0o700)
     _barrier()
     for name, worker in roles.items():
         worker.save_checkpoint(os.path.join(tmp, name))
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    verified_io.save_plain(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     fault_point("save", step, rank)
-    _barrier()
     if rank == 0:
-        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # written last: marks completeness
+        verified_io.save_plain(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # marks completeness
+    _barrier()
+    verified_io.seal(tmp)
+    if rank == 0:
         if os.path.isdir(final):
             if os.path.isfile(os.path.join(final, "trainer_state.pt")):
                 (say or print)(f"megarl: replacing the earlier run's checkpoint {final}")
@@ -161,10 +170,8 @@ def _save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, kee
                 os.replace(final, aside)
                 (say or print)(f"megarl: {final} had no trainer_state.pt (an incomplete save); moved it to {aside}")
         os.replace(tmp, final)
-        pointer_tmp = os.path.join(root, POINTER + ".tmp")
-        with open(pointer_tmp, "w") as f:
-            f.write(str(step))
-        os.replace(pointer_tmp, os.path.join(root, POINTER))
+        verified_io.fsync_dir(root)
+        verified_io.write_durably(os.path.join(root, POINTER), str(step))
         _prune(root, keep)
     _barrier()
     return final
@@ -203,107 +210,35 @@ def resume_dir(cfg) -> str | None:
 
 
 def load(path: str, roles: dict, rank: int, world: int) -> dict:
-    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. A missing,
-    truncated or unreadable file is one line naming the step, the file and trainer.resume_mode,
-    found before anything is loaded where it can be (damaged_file)."""
-    for name in roles:
-        if not os.path.isdir(os.path.join(path, name)):
-            raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
-                              "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
-    state_file = os.path.join(path, "trainer_state.pt")
-    problem = damaged_file(path, [], None)
-    state = None if problem else _reading(path, state_file, lambda: torch.load(state_file, weights_only=False))
-    # RNG streams are restored when the world size is the one saved (the resume is then bitwise)
-    rng_file = os.path.join(path, "rng", f"rank_{rank}.pt") if state and state.get("world") == world else None
-    problem = problem or damaged_file(path, list(roles), rng_file)
-    if dist.is_initialized():    # every rank stops on the same line (one rank's rng file, say), none hangs
-        found: list = [None] * dist.get_world_size()
-        dist.all_gather_object(found, problem)
-        problem = next((p for p in found if p), None)
-    if problem:
-        raise _damaged(path, *problem)
+    """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. Collective.
+    Nothing is read before verified_io.verify accepts the whole step (owner, mode, manifest
+    digests). A file that fails either way is one line naming the step, the file and the fix."""
+    try:
+        verified_io.verify(path)
+    except verified_io.Refused as err:
+        raise ConfigError(f"cannot resume from {os.path.basename(os.path.normpath(path))}: {err}; megarl loads no "
+                          "checkpoint file it cannot vouch for. If you trust it, fix its owner/mode; otherwise start "
+                          "over with trainer.resume_mode=disable, or pick an earlier step with trainer.resume_mode="
+                          "resume_path trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode") from None
     for name, worker in roles.items():
         sub = os.path.join(path, name)
+        if not os.path.isdir(sub):
+            raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
+                              "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
         _reading(path, sub, lambda: worker.load_checkpoint(sub))
-    if rng_file:
-        set_rng_state(_reading(path, rng_file, lambda: torch.load(rng_file, weights_only=False)))
+    state = read_trainer_state(path)
+    rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
+    if state.get("world") == world:     # the same world: the resume is bitwise only with every stream
+        if not os.path.isfile(rng_file):
+            raise _damaged(path, os.path.relpath(rng_file, path), "is missing")
+        set_rng_state(_reading(path, rng_file, lambda: verified_io.load_plain(rng_file)))
     return state
 
 
-def damaged_file(path: str, roles: list[str], rng_file: str | None) -> tuple[str, str] | None:
-    """(file, what is wrong) for the first file of the step checkpoint `path` that is missing or
-    truncated, reading no pickle: zip archives (torch.save) are CRC-checked, JSON parsed, torch's
-    distributed-checkpoint metadata walked opcode by opcode, and each .distcp file's size
-    compared with the byte ranges that metadata gives it."""
-    import zipfile
-
-    def zip_ok(f: str) -> str | None:
-        try:
-            with zipfile.ZipFile(f) as z:
-                bad = z.testzip()
-            return f"holds a corrupt entry ({bad})" if bad else None
-        except (zipfile.BadZipFile, EOFError, OSError) as err:
-            return f"is truncated or not a torch file ({err})"
-
-    checks = [("trainer_state.pt", zip_ok)] + ([(os.path.relpath(rng_file, path), zip_ok)] if rng_file else [])
-    roles = [r for r in roles if _is_megatron(os.path.join(path, r))]
-    for role in roles:
-        checks += [(f"{role}/metadata.json", _json_ok), (f"{role}/common.pt", zip_ok),
-                   (f"{role}/.metadata", _pickle_complete), (f"{role}/hf/config.json", _json_ok)]
-    for rel, check in checks:
-        f = os.path.join(path, rel)
-        if not os.path.isfile(f):
-            return rel, "is missing"
-        try:
-            why = check(f)
-        except (ValueError, OSError) as err:   # JSONDecodeError is a ValueError
-            why = f"is truncated or corrupt ({type(err).__name__}: {str(err)[:120]})"
-        if why:
-            return rel, why
-    for role in roles:
-        found = _short_distcp(os.path.join(path, role))
-        if found:
-            return f"{role}/{found[0]}", found[1]
-    return None
-
-
-def _is_megatron(role_dir: str) -> bool:
-    """A megatron distributed checkpoint (any of its files left), not some other worker's format."""
-    names = os.listdir(role_dir) if os.path.isdir(role_dir) else []
-    return any(n in ("metadata.json", "common.pt", ".metadata") or n.endswith(".distcp") for n in names)
-
-
-def _json_ok(f: str) -> None:
-    import json
-    with open(f) as fh:
-        json.load(fh)
-
-
-def _pickle_complete(f: str) -> str | None:
-    import pickletools
-    with open(f, "rb") as fh:
-        try:
-            for op, _, _ in pickletools.genops(fh):
-                if op.name == "STOP":
-                    return None
-        except Exception as err:  # genops raises ValueError on a cut opcode, and others
-            return f"is truncated ({type(err).__name__})"
-    return "is truncated (no end of pickle)"
-
-
-def _short_distcp(role_dir: str) -> tuple[str, str] | None:
-    from torch.distributed.checkpoint import FileSystemReader
-    ends: dict[str, int] = {}
-    for info in FileSystemReader(role_dir).read_metadata().storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        f = os.path.join(role_dir, name)
-        if not os.path.isfile(f):
-            return name, "is missing"
-        size = os.path.getsize(f)
-        if size < end:
-            return name, f"is truncated ({size} bytes; its metadata needs {end})"
-    return None
+def read_trainer_state(path: str) -> dict:
+    """trainer_state.pt of a step that load() has verified."""
+    state_file = os.path.join(path, "trainer_state.pt")
+    return _reading(path, state_file, lambda: verified_io.load_plain(state_file))
 
 
 def _damaged(step_path: str, rel: str, why: str) -> ConfigError:

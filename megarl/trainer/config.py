@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     project_name: str = "megarl"
     experiment_name: str = "run"
     total_epochs: int = 1
@@ -71,7 +71,7 @@ class TrainerConfig:
 
 
 @dataclass
-class AsyncTrainingConfig:
+class AsyncTrainingConfig(Section):
     """`async_training.*`: used with `actor_rollout_ref.rollout.placement=disaggregated`, where the
     engine on its own ranks generates batch k+1 while the trainer updates on batch k
     (megarl/trainer/fit_async.py). Names after verl's fully-async recipe where it has one."""

@@ -16,18 +16,22 @@ from contextlib import contextmanager
 
 import torch
 
-from megarl.algos import (DynamicSampler, apply_kl_penalty, compute_advantage, compute_data_metrics,
-                          compute_throughput_metrics, compute_timing_metrics, make_actor_loss_fn, make_critic_loss_fn,
-                          rollout_mismatch_metrics)
+from megarl.algos.advantages import compute_advantage
+from megarl.algos.dapo import DynamicSampler
+from megarl.algos.kl import apply_kl_penalty
+from megarl.algos.loss_fn import make_actor_loss_fn, make_critic_loss_fn
+from megarl.algos.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from megarl.algos.rollout_correction import rollout_mismatch_metrics
 from megarl.protocol import DataProto
 from megarl.reward.manager import RewardFailure
-from megarl.rollout.sampling import train_sampling, val_sampling
+from megarl.rollout.multiturn import multiturn_metrics
+from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
 from megarl.trainer.faults import fault_point
-from megarl.trainer.generation import broadcast_object, generate, step_seed
+from megarl.trainer.generation import broadcast_object, generate, sampling_seed
 from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.mfu import MFUMeter
-from megarl.trainer.parts import Parts
+from megarl.trainer.parts import TrainerParts
 from megarl.trainer.validation import validate
 
 
@@ -36,7 +40,7 @@ class BadStepLimit(RuntimeError):
 
 
 class RLTrainer:
-    def __init__(self, cfg, ranks, parts: Parts, logger):
+    def __init__(self, cfg, ranks, parts: TrainerParts, logger):
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.step, self.bad_steps = 0, 0
         self.total_steps = parts.total_steps
@@ -97,8 +101,7 @@ class RLTrainer:
 
     @property
     def sampling_seed(self) -> int:
-        """rollout.seed when set (verl's key for the engine's sampling), else trainer.seed."""
-        return self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.trainer.seed
+        return sampling_seed(self.cfg)
 
     def _sample(self, prompts: DataProto) -> DataProto:
         sampling = self.sampling.with_(seed=step_seed(self.sampling_seed, self.step))
@@ -119,7 +122,6 @@ class RLTrainer:
         p = self.p
         batch = generate(p.rollout, prompts, sampling, self.ranks, p.pad_token_id)
         if self.cfg.rollout.multi_turn.enable:
-            from megarl.rollout.multiturn import multiturn_metrics
             self.extra.update(multiturn_metrics(batch))
         return batch
 

@@ -35,11 +35,13 @@ from megarl.algos.staleness import stale_rows, staleness_metrics
 from megarl.protocol import DataProto
 from megarl.rollout.base import pack_completions
 from megarl.rollout.partial import ChunkedGeneration
+from megarl.rollout.sampling import train_sampling, val_sampling
 from megarl.trainer import checkpointing
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.faults import fault_point
 from megarl.trainer.fit import RLTrainer
-from megarl.trainer.generation import generate, shard_rows, step_seed
+from megarl.trainer.generation import generate, sampling_seed, shard_rows, step_seed
+from megarl.trainer.validation import validate
 
 
 class AsyncRLTrainer(RLTrainer):
@@ -48,7 +50,7 @@ class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg, ranks, parts, logger):
         super().__init__(cfg, ranks, parts, logger)
         self.next_batch: DataProto | None = None    # handed over, not trained on yet
-        self.signal = UpdateSignal(ranks)
+        self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         self.val_results: dict[int, dict] = {}
 
     def fit(self) -> None:
@@ -100,7 +102,7 @@ class AsyncRLTrainer(RLTrainer):
         super().resume()
         path = checkpointing.resume_dir(self.cfg)
         if path is not None:
-            state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+            state = checkpointing.read_trainer_state(path)   # verified by super().resume()
             self.next_batch = state.get("inflight_batch")
 
 
@@ -110,9 +112,8 @@ class RolloutWorker:
     def __init__(self, cfg, ranks, parts, logger):
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.acfg = cfg.async_training
-        self.signal = UpdateSignal(ranks)
+        self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         eos = [parts.tokenizer.eos_token_id]
-        from megarl.rollout.sampling import train_sampling, val_sampling
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
         self.version = 0
         self.val: dict[int, dict] = {}
@@ -160,7 +161,7 @@ class RolloutWorker:
 
     # -- generation with versions -------------------------------------------------------------------
     def generate(self, prompts: DataProto, t: int, stream: int = 0) -> DataProto:
-        sampling = self.sampling.with_(seed=step_seed(self.cfg.trainer.seed, t, stream))
+        sampling = self.sampling.with_(seed=step_seed(sampling_seed(self.cfg), t, stream))
         if not self.acfg.partial_rollout:
             batch = generate(self.p.rollout, prompts, sampling, self.ranks, self.p.pad_token_id)
             tv = torch.full_like(batch.batch["responses"], -1)
@@ -184,7 +185,7 @@ class RolloutWorker:
                 gen.step(self.p.rollout, self.version)
             flags = torch.tensor([float(not gen.done), float(self.signal.arrived(self.version + 1))],
                                  device=r.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=r.group)
             if flags[1] > 0:
                 self._take_update()                # interrupts every unfinished sequence here
             elif flags[0] == 0:
@@ -202,7 +203,7 @@ class RolloutWorker:
         if r.world == 1:
             return out
         gathered: list = [None] * r.world
-        dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None)
+        dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None, group=r.group)
         return DataProto.concat([g for g in gathered if g is not None])
 
     # -- weight updates, validation, staleness ---------------------------------------------------
@@ -221,8 +222,7 @@ class RolloutWorker:
     def _validate(self, version: int) -> None:
         if self.p.val_loader is None:
             return
-        from megarl.trainer.validation import validate
-        sampling = self.val_sampling.with_(seed=step_seed(self.cfg.trainer.seed, 0, stream=1))
+        sampling = self.val_sampling.with_(seed=step_seed(sampling_seed(self.cfg), 0, stream=1))
         self.val[version] = validate(self.p, self.ranks, sampling)
 
     def enforce_staleness(self, batch: DataProto, prompts: DataProto, t: int) -> tuple[DataProto, dict]:

@@ -11,15 +11,12 @@ import torch.distributed as dist
 
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
+from megarl.rollout.sampling import step_seed
 
-_MASK62 = (1 << 62) - 1
-
-
-def step_seed(base: int, step: int, stream: int = 0) -> int:
-    """A sampling seed per (run seed, step, stream). Every step draws fresh randomness, and a
-    resumed run repeats a step's samples exactly."""
-    x = (base * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK62
-    return x or 1
+def sampling_seed(cfg) -> int:
+    """The run's sampling seed: rollout.seed when set (verl's key for the engine's sampling), else
+    trainer.seed. Both loops (colocated and the disaggregated rollout ranks) draw from it."""
+    return cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
 
 
 def shard_rows(n: int, parts: int, index: int) -> np.ndarray:
@@ -38,7 +35,7 @@ def generate(engine, prompts: DataProto, sampling: SamplingParams, ranks, pad_to
     if ranks.world == 1:
         return out
     gathered: list = [None] * ranks.world
-    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None)
+    dist.all_gather_object(gathered, out if ranks.rollout_tp_rank == 0 else None, group=ranks.group)
     parts = [g for g in gathered if g is not None]     # rank order = rollout-DP order
     batch = DataProto.concat(parts)
     batch.meta_info.pop("sampling", None)

@@ -109,7 +109,7 @@ class MetricsLogger:
 class _TensorBoard:
     def __init__(self, logdir: str):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional extra megarl[logging]
         except ImportError as err:  # tensorboard is an optional extra
             raise RuntimeError("trainer.logger includes tensorboard but the package is missing; "
                                "pip install tensorboard (or megarl[logging])") from err
@@ -128,7 +128,7 @@ class _TensorBoard:
 class _WandB:
     def __init__(self, project: str, experiment: str, config: dict | None, run_dir: str):
         try:
-            import wandb
+            import wandb  # optional extra megarl[logging]
         except ImportError as err:
             raise RuntimeError("trainer.logger includes wandb but the package is missing; "
                                "pip install wandb (or megarl[logging])") from err

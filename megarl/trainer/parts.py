@@ -1,39 +1,66 @@
 """Build every part of a run from the config, on every rank.
 
-    parts = build_parts(cfg, ranks, log)
+    parts = build_parts(cfg, ranks, log)          # colocated: TrainerParts with the engine
+    shared = build_shared(cfg, ranks, log)        # what every role needs (both placements)
 
 Order matters for memory and for errors: the model checkpoint is created if asked (rank 0, the
 others wait), its config is checked against the layout before any weights load, then the
-megatron roles, the rollout engine and the weight sync are built.
+megatron roles, the rollout engine and the weight sync are built. The parts of the two sides of
+a disaggregated run are built in megarl/trainer/disaggregated.py from the same `build_shared`.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Protocol
 
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
+from megarl.config.model_path import model_path_state
+from megarl.reward.loading import load_object
+
+if TYPE_CHECKING:       # annotations only: the roles import megatron
+    from transformers import PreTrainedTokenizerBase
+
+    from megarl.algos.kl import AdaptiveKLController, FixedKLController
+    from megarl.data.loader import PromptLoader
+    from megarl.reward.manager import RewardManager
+    from megarl.rollout.base import RolloutEngine
+    from megarl.workers.actor import ActorWorker
+    from megarl.workers.critic import CriticWorker
+    from megarl.workers.reference import ReferenceWorker
+    from megarl.workers.reward_model import RewardModelWorker
+
+
+class WeightSync(Protocol):
+    """A checkpoint engine transport (colocated, disk, or one half of the disaggregated one)."""
+    def sync(self) -> dict[str, float]: ...
 
 
 @dataclass
-class Parts:
-    tokenizer: Any
+class Shared:
+    """What every role of a run needs, on every rank (build_shared)."""
+    tokenizer: PreTrainedTokenizerBase
     pad_token_id: int
-    train_loader: Any
-    val_loader: Any
-    actor: Any
-    ref: Any                      # None unless a KL term needs it
-    critic: Any                   # None unless the critic is on
-    rollout: Any
-    weight_sync: Any
-    reward: Any                   # rank 0 only; None elsewhere
-    reward_model: Any             # None unless reward_model.enable
-    kl_ctrl: Any
+    train_loader: PromptLoader
+    val_loader: PromptLoader | None
     total_steps: int
+
+
+@dataclass
+class TrainerParts(Shared):
+    """The megatron roles and what feeds them: every rank of a colocated run, the trainer ranks
+    of a disaggregated one (there `rollout` is None and `val_loader` is None: both live on the
+    rollout ranks, and `weight_sync` is the sending half)."""
+    actor: ActorWorker
+    ref: ReferenceWorker | None            # None unless a KL term needs it
+    critic: CriticWorker | None            # None unless the critic is on
+    reward_model: RewardModelWorker | None  # None unless reward_model.enable
+    rollout: RolloutEngine | None
+    weight_sync: WeightSync                # ColocatedSync / DiskSync, or DisaggregatedSender
+    reward: RewardManager | None           # rank 0 only; None elsewhere
+    kl_ctrl: AdaptiveKLController | FixedKLController
 
     def padding_metrics(self) -> dict:
         """perf/padding_ratio: tokens the megatron roles computed / real tokens, over every pass
@@ -52,33 +79,29 @@ class Parts:
         return roles
 
 
-def import_path(spec: str, key: str):
-    """`pkg.module:attr` -> the object, with a one-line error naming the key."""
-    import importlib
-    module, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(module)
-        return getattr(obj, attr) if attr else obj
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot import {spec!r} ({err}); give it as package.module:function", key) from None
+@dataclass
+class RolloutParts(Shared):
+    """The rollout ranks of a disaggregated run: the engine and the receiving half of the sync."""
+    rollout: RolloutEngine
+    weight_sync: WeightSync                # DisaggregatedReceiver
+    reward: RewardManager | None           # first rollout rank, for validation; None elsewhere
 
 
-def ensure_model(cfg, ranks) -> None:
-    """Create the HF checkpoint with `model.bootstrap` when it is missing (rank 0; others wait)."""
+def ensure_model(cfg, ranks) -> dict:
+    """Create the HF checkpoint with `model.bootstrap` when it is missing (global rank 0; every
+    rank of the job waits), then check its config against the layout. Returns that config."""
     m = cfg.model
     if not m.path:
         raise ConfigError("no model: set actor_rollout_ref.model.path to an HF checkpoint directory",
                           "actor_rollout_ref.model.path")
-    if ranks.is_main and not os.path.isfile(os.path.join(m.path, "config.json")):
-        if not m.bootstrap:
-            raise ConfigError(f"{m.path} holds no config.json; point it at an HF checkpoint directory (or set "
-                              "model.bootstrap to a function that creates one)", "actor_rollout_ref.model.path")
-        import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
-    dist.barrier()
+    if ranks.global_rank == 0 and model_path_state(m.path, m.bootstrap) == "bootstrap":   # config/model_path.py's rules
+        load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
+    ranks.barrier_all()
     hf = read_hf_config(m.path)
     if hf is None:
         raise ConfigError(f"{m.path} still holds no config.json after bootstrap", "actor_rollout_ref.model.bootstrap")
     cfg.check_model(hf)
+    return hf
 
 
 def total_steps(cfg, loader) -> int:
@@ -87,17 +110,11 @@ def total_steps(cfg, loader) -> int:
     return cfg.trainer.total_epochs * loader.batches_per_epoch
 
 
-def build_parts(cfg, ranks, log) -> Parts:
+def build_shared(cfg, ranks, log) -> Shared:
+    """The checkpoint (created and checked), the tokenizer, the data loaders and the step count."""
     from transformers import AutoTokenizer
 
-    from megarl.algos.kl import make_kl_controller
-    from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.data.build import build_loaders
-    from megarl.reward.manager import build_reward_manager
-    from megarl.rollout.registry import build_rollout
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.critic import CriticWorker
-    from megarl.workers.reference import ReferenceWorker
 
     ensure_model(cfg, ranks)
     m = cfg.model
@@ -106,30 +123,45 @@ def build_parts(cfg, ranks, log) -> Parts:
     train_loader, val_loader = build_loaders(cfg.data, tokenizer)
     for loader in (train_loader, val_loader):
         summary = getattr(getattr(loader, "dataset", None), "summary", None)
-        if summary is not None:
+        if summary is not None and log is not None:
             log.info(f"megarl: {summary()}")
-    steps = total_steps(cfg, train_loader)
-    for optim in (cfg.actor.optim, cfg.critic.optim):
-        if optim.total_training_steps < 0:
-            optim.total_training_steps = steps
+    return Shared(tokenizer, pad, train_loader, val_loader, total_steps(cfg, train_loader))
 
-    actor = ActorWorker.from_config(cfg)
+
+def build_roles(cfg, shared: Shared) -> dict:
+    """The megatron roles, each from the run's resolved config (its own optimizer step count)."""
+    from megarl.workers.actor import ActorWorker
+    from megarl.workers.critic import CriticWorker
+    from megarl.workers.reference import ReferenceWorker
+
+    run_cfg = cfg.resolved(shared.total_steps)
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref = ReferenceWorker.from_config(cfg) if needs_ref else None
-    critic = CriticWorker.from_config(cfg) if cfg.critic.enable else None
-    reward_model = None
+    roles = dict(actor=ActorWorker.from_config(run_cfg),
+                 ref=ReferenceWorker.from_config(run_cfg) if needs_ref else None,
+                 critic=CriticWorker.from_config(run_cfg) if cfg.critic.enable else None, reward_model=None)
     if cfg.reward_model.enable:
         from megarl.workers.reward_model import RewardModelWorker
-        reward_model = RewardModelWorker.from_config(cfg)
-    rollout = build_rollout(cfg.rollout, m.path, tokenizer, tp_group=ranks.rollout_group, device=ranks.device)
+        roles["reward_model"] = RewardModelWorker.from_config(run_cfg)
+    return roles
+
+
+def build_parts(cfg, ranks, log) -> TrainerParts:
+    from megarl.algos.kl import make_kl_controller
+    from megarl.checkpoint_engine import build_checkpoint_engine
+    from megarl.reward.manager import build_reward_manager
+    from megarl.rollout.registry import build_rollout
+
+    shared = build_shared(cfg, ranks, log)
+    roles = build_roles(cfg, shared)
+    rollout = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
+                            device=ranks.device)
     if cfg.rollout.multi_turn.enable:
         from megarl.rollout.multiturn import build_agent_loop
-        rollout = build_agent_loop(cfg, rollout, tokenizer)
-    weight_sync = build_checkpoint_engine(cfg, actor, rollout, ranks.rollout_group)
-    reward = build_reward_manager(cfg, tokenizer) if ranks.is_main else None
-    return Parts(tokenizer=tokenizer, pad_token_id=pad, train_loader=train_loader, val_loader=val_loader,
-                 actor=actor, ref=ref, critic=critic, rollout=rollout, weight_sync=weight_sync, reward=reward,
-                 reward_model=reward_model, kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl), total_steps=steps)
+        rollout = build_agent_loop(cfg, rollout, shared.tokenizer)
+    weight_sync = build_checkpoint_engine(cfg, roles["actor"], rollout, ranks.rollout_group)
+    reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main else None
+    return TrainerParts(**vars(shared), **roles, rollout=rollout, weight_sync=weight_sync, reward=reward,
+                        kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl))
 
 
 def write_run_dir(cfg, run_dir: str, config_path: str | None, overrides: list[str]) -> None:

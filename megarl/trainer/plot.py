@@ -16,9 +16,9 @@ def plot_reward_curve(run_dir: str, out: str | None = None) -> str | None:
     val = [(r["step"], r["val/accuracy"]) for r in rows if isinstance(r.get("val/accuracy"), (int, float))]
     if not train and not val:
         return None
-    import matplotlib
+    import matplotlib  # optional at run time: only for the reward-curve PNG (trainer.plot_reward_curve)
     matplotlib.use("Agg")  # no display on cluster nodes
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), which must precede it
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:

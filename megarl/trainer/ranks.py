@@ -8,23 +8,23 @@ node's neighbours), so rollout DP = world / rollout TP. The engine on each rank 
 one TP shard; each group generates its share of the prompts.
 
 Disaggregated placement (`rollout.placement=disaggregated`, `rollout.disaggregated_ranks=R`):
-the first world - R ranks train, the last R run the engine. Every group that spans both sides
-(the weight-sync groups, the batch hand-off) is created first, over the whole world; then each
-side makes its own ranks its default group, so megatron's parallel_state, checkpoints and every
-`dist.*` call without a group cover that side only (`rank`, `world`, `is_main` are side-local;
-`global_rank` and `world_group` reach across).
+the first world - R ranks train, the last R run the engine. Each side starts a torch.distributed
+job of its own over a prefix of the launcher's store, so megatron's parallel_state, checkpoints
+and the side's collectives (`ranks.group`) cover that side only (`rank`, `world`, `is_main` are
+side-local). What reaches across is a Bridge (megarl/parallel/bridge.py) built by its members:
+`world_group` (every rank), `handoff_group`, `sync_groups`; `global_rank` numbers the job.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.parallel import state
+from megarl.parallel.bridge import Bridge, job_store
 from megarl.parallel.launch_env import rank_env
 
 
@@ -39,18 +39,26 @@ class Ranks:
     rollout_dp: int
     rollout_dp_rank: int
     rollout_tp_rank: int
-    rollout_group: Any                     # this rank's rollout TP group (None at rollout TP 1)
+    rollout_group: dist.ProcessGroup | None    # this rank's rollout TP group (None at rollout TP 1)
     role: str = "colocated"                # colocated | trainer | rollout (disaggregated)
     global_rank: int = 0
-    world_group: Any = None                # disaggregated: every rank of both sides
-    handoff_group: Any = None              # disaggregated: the trainer ranks + the first rollout rank
-    sync_groups: Any = None                # disaggregated: checkpoint_engine DisaggregatedGroups
+    group: dist.ProcessGroup | None = None  # this side's ranks (all of them when colocated)
+    world_group: Bridge | None = None      # disaggregated: every rank of both sides
+    handoff_group: Bridge | None = None    # disaggregated: the trainer ranks + the first rollout rank
+    sync_groups: DisaggregatedGroups | None = None  # disaggregated: the weight-sync bridges
     n_trainers: int = 0                    # disaggregated: trainer ranks are [0, n_trainers)
-    store: Any = None                      # disaggregated: the job's key-value store (both sides)
+    store: dist.Store | None = None        # disaggregated: the job's key-value store (both sides)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def barrier_all(self) -> None:
+        """Wait for every rank of the job (both sides of a disaggregated one)."""
+        if self.world_group is not None:
+            self.world_group.barrier()
+        else:
+            dist.barrier(group=self.group)
 
     def describe(self, cfg: ExperimentConfig) -> list[str]:
         """Lines for the start-up log: what runs where."""
@@ -92,9 +100,9 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
     if torch.device(state.device()).type == "cpu":
         # Ranks on one host share its cores; oversubscribed OpenMP threads slow every rank down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    state.init_distributed(cfg.trainer.collective_timeout_s)
     if cfg.rollout.placement == "disaggregated":
         return _setup_disaggregated(cfg, env)
+    state.init_distributed(cfg.trainer.collective_timeout_s)
     layout = cfg.actor.megatron
     lay = state.init_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                     seed=layout.seed, cp=layout.context_parallel_size,
@@ -102,62 +110,54 @@ def setup_ranks(cfg: ExperimentConfig) -> Ranks:
                                     ep=layout.expert_model_parallel_size)
     rtp = cfg.rollout.tensor_model_parallel_size
     world, rank = dist.get_world_size(), dist.get_rank()
+    return Ranks(rank=rank, world=world, local_rank=env.local_rank, device=state.device(), train=lay,
+                 rollout_tp=rtp, rollout_dp=world // rtp, rollout_dp_rank=rank // rtp, rollout_tp_rank=rank % rtp,
+                 rollout_group=_rollout_tp_group(world, rank, rtp), group=dist.group.WORLD, global_rank=rank)
+
+
+def _rollout_tp_group(world: int, rank: int, rtp: int):
+    """This rank's block of rtp neighbours in the default group (None at rollout TP 1)."""
     group = None
     for first in range(0, world, rtp):    # every rank must take part in creating every group
         members = list(range(first, first + rtp))
         g = dist.new_group(members) if rtp > 1 else None
         if rank in members:
             group = g
-    return Ranks(rank=rank, world=world, local_rank=env.local_rank, device=state.device(), train=lay,
-                 rollout_tp=rtp, rollout_dp=world // rtp, rollout_dp_rank=rank // rtp, rollout_tp_rank=rank % rtp,
-                 rollout_group=group)
+    return group
 
 
 def _setup_disaggregated(cfg: ExperimentConfig, env) -> Ranks:
-    from torch.distributed.distributed_c10d import _get_default_group, _get_default_store, _update_default_pg
-
-    from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
-
-    world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = cfg.trainer.collective_timeout_s
+    store, rank, world = job_store(timeout)
     R = cfg.rollout.disaggregated_ranks
     N = world - R
+    is_trainer = rank < N
+    side, side_rank, side_size = ("trainer", rank, N) if is_trainer else ("rollout", rank - N, R)
+    state.init_distributed(timeout, store=dist.PrefixStore(f"megarl/{side}", store), rank=side_rank,
+                           world_size=side_size)
     tp, pp = cfg.actor.megatron.tensor_model_parallel_size, cfg.actor.megatron.pipeline_model_parallel_size
     dp = N // (tp * pp)
     rtp = cfg.rollout.tensor_model_parallel_size
-    # Collective on the whole world, in one order on every rank: every group either side needs.
-    world_group = _get_default_group()    # kept: destroy() makes it the default again
-    store = _get_default_store()
-    trainers, rollouts = dist.new_group(list(range(N))), dist.new_group(list(range(N, world)))
-    handoff = dist.new_group(list(range(N + 1)))
+    # The bridges: each rank builds those it belongs to, in one order on every rank.
+    everyone = Bridge(store, "world", range(world), rank, timeout_s=timeout)
+    handoff = Bridge(store, "handoff", range(N + 1), rank, timeout_s=timeout) if rank <= N else None
     sync_groups = DisaggregatedGroups.create(tp, pp, lambda t, d, p: megatron_rank(t, d, p, tp, dp),
-                                             list(range(N, world)), everyone=world_group)
-    group = None
-    for first in range(N, world, rtp):
-        members = list(range(first, first + rtp))
-        g = dist.new_group(members) if rtp > 1 else None
-        if rank in members:
-            group = g
-    is_trainer = rank < N
-    # From here on, each side's default group is its own ranks (see the module docstring).
-    _update_default_pg(trainers if is_trainer else rollouts)
-    common = dict(global_rank=rank, world_group=world_group, store=store, handoff_group=handoff, sync_groups=sync_groups,
-                  n_trainers=N, rollout_tp=rtp, rollout_dp=R // rtp, rollout_group=group, local_rank=env.local_rank,
-                  device=state.device())
+                                             list(range(N, world)), store, rank, everyone, device=state.device(),
+                                             timeout_s=timeout)
+    common = dict(global_rank=rank, world_group=everyone, store=store, handoff_group=handoff, sync_groups=sync_groups,
+                  n_trainers=N, rollout_tp=rtp, rollout_dp=R // rtp, local_rank=env.local_rank,
+                  device=state.device(), group=dist.group.WORLD)
     if is_trainer:
         lay = state.init_model_parallel(tp, pp, seed=cfg.actor.megatron.seed,
                                         ep=cfg.actor.megatron.expert_model_parallel_size)
-        return Ranks(rank=rank, world=N, train=lay, rollout_dp_rank=-1, rollout_tp_rank=-1, role="trainer", **common)
+        return Ranks(rank=rank, world=N, train=lay, rollout_dp_rank=-1, rollout_tp_rank=-1, role="trainer",
+                     rollout_group=None, **common)
     r = rank - N
     return Ranks(rank=r, world=R, train=state.Layout(tp, pp, dp, -1, -1, -1), rollout_dp_rank=r // rtp,
-                 rollout_tp_rank=r % rtp, role="rollout", **common)
+                 rollout_tp_rank=r % rtp, role="rollout", rollout_group=_rollout_tp_group(R, r, rtp), **common)
 
 
 def destroy(ranks: Ranks | None) -> None:
-    """End torch.distributed; a disaggregated side first gives the whole world back its default
-    group, so every group is torn down together."""
-    if not dist.is_initialized():
-        return
-    if ranks is not None and ranks.world_group is not None:
-        from torch.distributed.distributed_c10d import _update_default_pg
-        _update_default_pg(ranks.world_group)
-    dist.destroy_process_group()
+    """End torch.distributed (this side's job; the bridges end with their last reference)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

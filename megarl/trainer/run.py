@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.trainer.checkpointing import CheckpointSaveError
+from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
+from megarl.trainer.fit import BadStepLimit, RLTrainer
+from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
 from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.parts import build_parts, write_run_dir
+from megarl.trainer.plot import plot_reward_curve
+from megarl.trainer.ranks import destroy, setup_ranks
 
 
 def tell_launcher(err: BaseException) -> None:
@@ -30,11 +38,6 @@ def tell_launcher(err: BaseException) -> None:
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
-    from megarl.trainer.fit import BadStepLimit, RLTrainer
-    from megarl.trainer.parts import build_parts, write_run_dir
-    from megarl.trainer.plot import plot_reward_curve
-    from megarl.trainer.ranks import destroy, setup_ranks
-
     tr = cfg.trainer
     rank, ranks = 0, None
     try:
@@ -49,8 +52,6 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
             for line in ranks.describe(cfg):
                 log.info(f"megarl: {line}")
         if ranks.role == "trainer":
-            from megarl.trainer.disaggregated import build_trainer_parts
-            from megarl.trainer.fit_async import AsyncRLTrainer
             parts = build_trainer_parts(cfg, ranks, log)
         else:
             parts = build_parts(cfg, ranks, log)
@@ -89,8 +90,6 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
 def _run_rollout(cfg, ranks) -> int:
     """The rollout ranks of a disaggregated run (their errors reach the trainer side as a failed
     collective; torchrun / srun then stop the job, naming the rank)."""
-    from megarl.trainer.disaggregated import build_rollout_parts
-    from megarl.trainer.fit_async import RolloutWorker
 
     parts = build_rollout_parts(cfg, ranks, None)
     try:

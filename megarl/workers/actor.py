@@ -16,9 +16,11 @@ DP ranks and mini-batches, and adds actor/grad_norm, actor/lr, actor/skipped_ste
 """
 from __future__ import annotations
 
+import torch
+
 from megarl.parallel import state
 from megarl.protocol import DataProto
-from megarl.workers.config import ActorConfig, ModelConfig
+from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
 from megarl.workers.engine import EngineShardView, EngineSpec, MegatronEngine
 from megarl.workers.offload import RoleMemory, offload_plan
 from megarl.workers.outputs import log_prob_outputs
@@ -26,7 +28,6 @@ from megarl.workers.outputs import log_prob_outputs
 
 def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bool, optim=None, dtype: str = "auto",
                 timeout_s: float = 600.0, head_from_checkpoint: bool = False, role: str) -> EngineSpec:
-    from megarl.workers.config import MegatronConfig
     mc = role_cfg.megatron or MegatronConfig()
     return EngineSpec(
         model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
@@ -45,7 +46,6 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
 def _distributed_optimizer(mc) -> bool:
     """verl's default: the distributed optimizer wherever megatron's optimizer runs (CUDA)."""
     if mc.use_distributed_optimizer is None:
-        import torch
         return torch.cuda.is_available()
     return mc.use_distributed_optimizer
 
@@ -93,12 +93,10 @@ class ActorWorker(EngineShardView, RoleMemory):
                                  self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
-        from megarl.workers.checkpoint import save_checkpoint
-        save_checkpoint(path, self.engine)
+        self.engine.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
-        from megarl.workers.checkpoint import load_checkpoint
-        load_checkpoint(path, self.engine)
+        self.engine.load_checkpoint(path)
 
     def hf_tensors(self):
         return self.engine.hf_tensors()

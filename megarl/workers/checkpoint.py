@@ -1,7 +1,9 @@
 """Megatron distributed checkpoints of a role: model, optimizer, LR-schedule position.
 
-    save_checkpoint(dir, engine)     # every rank; torch_dist format through megatron.core.dist_checkpointing
-    load_checkpoint(dir, engine)     # any (TP, PP): tensors are stored with their global shapes
+    engine.save_checkpoint(dir)      # every rank; torch_dist format through megatron.core.dist_checkpointing
+    engine.load_checkpoint(dir)      # any (TP, PP): tensors are stored with their global shapes
+
+Called through the engine (megarl/workers/engine.py), whose cpu_compat boundary megatron needs on CPU.
 
 Layout of `dir`: megatron's files (one global tensor per parameter; fused QKV and gate/up are
 stored TP-independently by megatron's own sharding rules; transformer layers stacked along a
@@ -13,20 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
-from megarl.parallel import cpu_compat
-from megarl.workers.optim import apply_schedule
 
 META = "megarl"
 HF_DIR = "hf"
 
 
 def read_meta(path: str) -> dict:
-    from megatron.core import dist_checkpointing
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(f"{path}: not a megatron distributed checkpoint (no metadata.json)")
     common = dist_checkpointing.load_common_state_dict(path)
@@ -43,9 +44,7 @@ def _meta(engine) -> dict:
             "saved_layout": [engine.layout.tp, engine.layout.pp], "saved_cp_vpp": [engine.layout.cp, engine.layout.vpp]}
 
 
-@cpu_compat.scoped
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
-    from megatron.core import dist_checkpointing
     engine.onload()
     model_sd = _model_state(engine)
     sd = {**model_sd, META: _meta(engine)}
@@ -62,9 +61,7 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     dist.barrier()
 
 
-@cpu_compat.scoped
 def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
-    from megatron.core import dist_checkpointing
     meta = read_meta(path)
     if meta["head"] != engine.es.head:
         raise ValueError(f"{path}: holds a model with a {meta['head']!r} head; this role needs {engine.es.head!r}")
@@ -89,8 +86,7 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
                          f"unexpected {unexpected[:3]})")
     if load_optim:
         engine.optimizer.load_state_dict(loaded["optimizer"])
-        engine.sched_step = int(meta["sched_step"])
-        apply_schedule(engine.optimizer, engine.sched_step, engine.es.optim)
+        engine.update.resume(int(meta["sched_step"]))
 
 
 def _model_state(engine) -> dict:
@@ -103,7 +99,6 @@ def _model_state(engine) -> dict:
 
 
 def _has_optimizer(path: str) -> bool:
-    from megatron.core import dist_checkpointing
     return any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(path))
 
 
@@ -114,7 +109,6 @@ def _write_hf_aux(path: str, engine) -> None:
         json.dump(engine.spec.hf_config, f, indent=2)
     src = engine.es.model_path
     if src:
-        import shutil
         for name in AUX_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copyfile(os.path.join(src, name), os.path.join(out, name))
@@ -124,7 +118,6 @@ def plain_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint, whole, keyed by megatron's checkpoint key. Needs
     torch.distributed (one process is enough) but no megatron layout. Transformer layers come
     stacked: `decoder.layers.X` has a leading layer axis."""
-    from megatron.core import dist_checkpointing
 
     meta = dist_checkpointing.load_tensors_metadata(path)
     wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}

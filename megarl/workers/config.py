@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.config.typed import require
+from megarl.config.typed import Section, require
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     path: str | None = None                # an HF checkpoint directory (config.json + safetensors)
     tokenizer_path: str | None = None      # None: the same directory as `path`
     trust_remote_code: bool = False
@@ -32,7 +32,7 @@ class ModelConfig:
 
 
 @dataclass
-class MegatronConfig:
+class MegatronConfig(Section):
     """How one role's model is sharded. TP x CP x PP x DP must equal the number of ranks."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -79,7 +79,7 @@ class MegatronConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     optimizer: Literal["adam", "adamw"] = "adamw"
     lr: float = 1e-6
     min_lr: float = 0.0
@@ -102,12 +102,12 @@ class OptimConfig:
 
 
 @dataclass
-class PolicyLossConfig:
+class PolicyLossConfig(Section):
     loss_mode: str = "vanilla"             # a name in megarl.algos's policy-loss registry (vanilla, dual_clip, gspo, ...)
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Section):
     strategy: Literal["megatron"] = "megatron"
     ppo_mini_batch_size: int = 16          # prompts per optimiser step (x n responses each)
     ppo_micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one data-parallel rank
@@ -149,7 +149,7 @@ class ActorConfig:
 
 
 @dataclass
-class RefConfig:
+class RefConfig(Section):
     log_prob_micro_batch_size_per_gpu: int | None = None  # None: the actor's
     megatron: MegatronConfig | None = None  # None: the actor's layout
     param_offload: bool = False            # keep the frozen weights in host memory between uses
@@ -165,7 +165,7 @@ class CriticModelConfig(ModelConfig):
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(Section):
     enable: bool | None = None             # None: on exactly when the advantage estimator needs values (gae)
     strategy: Literal["megatron"] = "megatron"
     model: CriticModelConfig = field(default_factory=CriticModelConfig)

@@ -48,12 +48,10 @@ class CriticWorker(EngineShardView, RoleMemory):
                                  max_tokens=self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
 
     def save_checkpoint(self, path: str) -> None:
-        from megarl.workers.checkpoint import save_checkpoint
-        save_checkpoint(path, self.engine)
+        self.engine.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
-        from megarl.workers.checkpoint import load_checkpoint
-        load_checkpoint(path, self.engine)
+        self.engine.load_checkpoint(path)
 
     def hf_tensors(self):
         """The critic as an HF *ForSequenceClassification model's tensors (head as `score.weight`)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -182,8 +184,6 @@ def hidden_to_head(output_layer, sequence_parallel: bool) -> None:
     layer would: gathered over sequence parallelism, or marked for the TP all-reduce of its
     gradient) so the log-prob code applies the head itself, chunk by chunk. Parameters keep their
     names, so checkpoints, conversion maps and the optimizer see no change."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     def forward(input_, weight=None, runtime_gather_output=None):
         if sequence_parallel:

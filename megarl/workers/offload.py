@@ -15,6 +15,8 @@ saves nothing there (device memory is host memory), so the workers only call it 
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -84,7 +86,6 @@ def resident_bytes(tensors, device: torch.device) -> int:
 def offload_plan(mc, role: str, trainable: bool, device: torch.device) -> dict | None:
     """The engine.offload(...) arguments that `role.megatron.{param,grad,optimizer}_offload` ask
     for, or None; where they cannot act, one warning says why."""
-    import warnings
     if mc is None:
         return None
     asked = {"params": mc.param_offload, "grads": mc.grad_offload, "optimizer": mc.optimizer_offload}

@@ -16,6 +16,10 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megarl.config.errors import ConfigError
 from megarl.workers.config import OptimConfig
@@ -67,7 +71,6 @@ def apply_schedule(optimizer, step: int, cfg: OptimConfig) -> float:
 def _counts_in_norm(p: torch.nn.Parameter) -> bool:
     """A parameter's gradient enters the norm once: shared copies (a tied embedding's last-stage
     twin) and TP replicas (norms, a value head) only on TP rank 0."""
-    from megatron.core import parallel_state as ps
     if getattr(p, "shared", False):
         return False
     return getattr(p, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
@@ -100,7 +103,6 @@ class CPUAdamW:
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        from megatron.core import parallel_state as ps
         sq = torch.zeros((), dtype=torch.float64)
         expert = torch.zeros((), dtype=torch.float64)   # MoE experts differ over the EP ranks too
         for p in self.params:
@@ -130,8 +132,6 @@ class CPUAdamW:
 
     # -- checkpoints (megatron's format: per-parameter states sharded like the parameter) -------
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False):
-        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                                optim_state_to_sharding_state)
         if is_loading:
             self._init_state()
         state = self.optimizer.state_dict()
@@ -168,7 +168,6 @@ def build_optimizer(chunks: list[torch.nn.Module], cfg: OptimConfig, dtype: torc
                               "on CPU",
                               "megatron.use_distributed_optimizer")
         return CPUAdamW(chunks, cfg)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     ocfg = OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
                            clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -193,7 +192,6 @@ def optimizer_step(opt, max_norm: float, bad_loss: bool = False) -> tuple[bool, 
     if isinstance(opt, CPUAdamW):
         opt.clip(norm, max_norm)
     else:
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
         for part in _megatron_parts(opt):
             params = part.get_parameters()
             if params and not getattr(part, "is_stub_optimizer", False):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megarl.protocol import DataProto
 from megarl.workers.batching import response_positions
@@ -32,7 +33,6 @@ class MicroInput:
     def to(self, device) -> "MicroInput":
         p = self.packed_seq_params
         if p is not None:
-            from megatron.core.packed_seq_params import PackedSeqParams
             cu = p.cu_seqlens_q.to(device)
             p = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                 max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv)
@@ -55,14 +55,9 @@ def padded_input(mb: DataProto, seq: int) -> MicroInput:
     return MicroInput(ids, pos, None, index, last, b * seq)
 
 
-def packed_length(mb: DataProto) -> int:
-    return int((mb.batch["prompt_lens"] + mb.batch["response_lens"]).clamp(min=1).sum())
-
-
 def packed_input(mb: DataProto, length: int | None = None) -> MicroInput:
     """The rows' real tokens back to back in one [1, T] row; T = `length` (>= the real total)
     with the tail as a separate segment of pad tokens."""
-    from megatron.core.packed_seq_params import PackedSeqParams
     plen, rlen = mb.batch["prompt_lens"], mb.batch["response_lens"]
     lens = (plen + rlen).clamp(min=1)
     dev = plen.device

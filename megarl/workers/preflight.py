@@ -7,6 +7,7 @@ bad input in a second, on every rank alike (no rank is left waiting in a collect
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout
+from megarl.workers.checkpoint import read_meta
 from megarl.workers.config import OptimConfig
 
 
@@ -58,7 +60,6 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
     """The model's spec and its checkpoint, checked against the layout and (headers only) the
     tensors, before anything is allocated. Every rank runs this and fails the same way."""
     if es.dist_checkpoint:
-        from megarl.workers.checkpoint import read_meta
         meta = read_meta(es.dist_checkpoint)
         spec = ModelSpec.from_hf_config({**meta["hf_config"], **es.override_config})
         ckpt, hf_dtype = None, getattr(torch, meta["hf_dtype"])
@@ -78,7 +79,6 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         need = "lm" if es.head == "lm" else ("value" if es.head_from_checkpoint else "none")
         ckpt.validate(spec, head=need)
         hf_dtype = ckpt.dtype("model.embed_tokens.weight")
-    import os
     world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
     check_layout(spec, es.tp, es.pp, es.ep, world=world)
     check_chunks(spec, es.pp, es.vpp, es.role)

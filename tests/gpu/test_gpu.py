@@ -3,7 +3,7 @@
     python -m pytest -q tests/gpu                       # or: python benchmarks/gpu_check.py
     MEGARL_GPU_REPORT=dir python -m pytest -q tests/gpu   # also writes each test's figures as dir/<test>.json
 
-The worker checks are the very functions the CPU suite runs over gloo (tests/worker_checks.py,
+The worker checks are the very functions the CPU suite runs over gloo (tests/helpers/worker_checks.py,
 tests/test_gpu_path.py); the trainer runs reuse tests/test_trainer_e2e.py's command line, with
 the device keys a GPU user types (trainer.device=cuda, trainer.n_gpus_per_node, actor TP).
 """
@@ -18,8 +18,8 @@ import torch
 
 from megarl.trainer.metrics import read_metrics
 from tests.distributed import run_ranks
-from tests.test_trainer_e2e import finish, kill_tree, overrides, stable, train
-from tests.worker_checks import check_all
+from tests.helpers.training_runs import finish, kill_tree, overrides, stable, train
+from tests.helpers.worker_checks import check_all
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs CUDA: torch.cuda.is_available() is False (CI runs on CPU)")

@@ -9,7 +9,7 @@
 
 def bootstrap(model_dir: str, config=None, **kwargs) -> str:
     """`actor_rollout_ref.model.bootstrap: megarl.examples.addition:bootstrap` (see checkpoint.py)."""
-    from megarl.examples.addition.checkpoint import bootstrap as build   # torch/transformers only when used
+    from megarl.examples.addition.checkpoint import bootstrap as build  # lazy: configs name this package
     return build(model_dir, config, **kwargs)
 
 

@@ -7,6 +7,9 @@ weights from a fixed seed. Head counts are even so that TP=2 (and the rollout's 
 from __future__ import annotations
 
 import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+= ")
@@ -19,9 +22,6 @@ MODEL_DEFAULTS = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=
 
 
 def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
@@ -41,7 +41,6 @@ MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=
 def build_model(tokenizer, seed: int = 0, family: str = "qwen2", **overrides):
     """A randomly initialised Qwen2ForCausalLM (or Qwen3MoeForCausalLM, fp32) sized by
     MODEL_DEFAULTS plus `overrides`."""
-    import transformers
 
     if family not in ("qwen2", "qwen3_moe"):
         raise ValueError(f"family={family!r}: the addition model is built as qwen2 or qwen3_moe")

@@ -8,7 +8,7 @@
 
 def bootstrap(model_dir: str, config=None, **kwargs) -> str:
     """`actor_rollout_ref.model.bootstrap: megarl.examples.tool_use:bootstrap` (see model.py)."""
-    from megarl.examples.tool_use.model import bootstrap as build
+    from megarl.examples.tool_use.model import bootstrap as build  # lazy: configs name this package
     return build(model_dir, config, **kwargs)
 
 

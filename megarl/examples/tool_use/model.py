@@ -11,10 +11,16 @@ tokens (as Qwen2.5 makes <tool_call> one token), everything else one token per (
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import shutil
+import tempfile
 import time
 
 import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]          # printable ASCII: tool errors are readable
@@ -25,8 +31,6 @@ WORDS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
 def build_tokenizer(tool_tokens: bool = True):
     """tool_tokens=False: the tags and keys are spelled out character by character (so
     </tool_call> is 12 tokens and a turn cannot stop on it as a token)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + CHARS)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")   # one token per character
@@ -54,7 +58,6 @@ def answer_text(a: int, b: int) -> str:
 
 
 def build_model(tokenizer, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
@@ -112,10 +115,6 @@ def bootstrap(model_dir: str, config=None, *, steps: int = 250, seed: int = 0, o
     """`actor_rollout_ref.model.bootstrap: megarl.examples.tool_use:bootstrap`: train and save the
     model to `model_dir` and the tokenizer to `model_dir/tokenizer` (set model.tokenizer_path to it:
     next to a Qwen2 config.json, transformers 5 would load it as a Qwen2 tokenizer and lose spaces)."""
-    import json
-    import os
-    import shutil
-    import tempfile
     if os.path.isfile(os.path.join(model_dir, "config.json")) and not overwrite:
         return model_dir
     tok = build_tokenizer()
@@ -142,8 +141,6 @@ def bootstrap(model_dir: str, config=None, *, steps: int = 250, seed: int = 0, o
 
 def write_data(out_dir: str, val_count: int = 20, seed: int = 0) -> None:
     """verl-format rows for every single-digit problem: prompt "Q: a+b\n", ground truth a+b."""
-    import json
-    import os
     problems = [(a, b) for a in range(10) for b in range(10)]
     random.Random(seed).shuffle(problems)
     os.makedirs(out_dir, exist_ok=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from megarl.data.templates import resolve_chat_template
+from megarl.rollout.multiturn.interactions import load_interactions
 from megarl.rollout.multiturn.loop import AgentLoop, Trajectory, multiturn_metrics
 from megarl.rollout.multiturn.tools import Tool, load_tools
 
@@ -21,8 +23,6 @@ log = logging.getLogger("megarl.rollout.multiturn")
 
 def build_agent_loop(cfg, engine, tokenizer) -> AgentLoop:
     """The engine wrapped in the agent loop that `cfg` (ExperimentConfig) asks for."""
-    from megarl.data.templates import resolve_chat_template
-    from megarl.rollout.multiturn.interactions import load_interactions
 
     mt = cfg.rollout.multi_turn
     tools = load_tools(mt.tool_config_path) if mt.tool_config_path else {}

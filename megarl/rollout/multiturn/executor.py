@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.parallel.actor_pool import ActorPool, Job
 from megarl.rollout.multiturn.parser import ToolCall
 from megarl.rollout.multiturn.tools import Tool, load_implementation, tool_text
 
@@ -145,60 +146,21 @@ class _ToolActor:
 
 
 class _RayRunner:
-    def __init__(self, workers: int):
-        import ray
+    """Tool calls on Ray actors (megarl/parallel/actor_pool.py): a call past its limit has its
+    actor killed and replaced; a tool that kills its process is contained the same way."""
 
-        from megarl.reward.pool import ensure_ray
-        ensure_ray(max(workers, 1))
-        self._cls = ray.remote(num_cpus=0, max_restarts=0)(_ToolActor)
-        self.actors = [self._cls.remote() for _ in range(workers)]
-        ray.get([a.ready.remote() for a in self.actors])
-        self.replaced = 0
+    def __init__(self, workers: int):
+        self.pool = ActorPool(_ToolActor, workers)
+
+    @property
+    def replaced(self) -> int:
+        return self.pool.replaced
 
     def run(self, jobs: list[tuple[Tool, dict]], default_timeout: float) -> list[tuple[str, str]]:
-        import ray
-        from ray.exceptions import RayActorError
-        out: list[tuple[str, str] | None] = [None] * len(jobs)
-        waiting, idle = deque(range(len(jobs))), list(range(len(self.actors)))
-        running: dict = {}                     # ref -> (actor index, job index, deadline)
-        starting: dict = {}                    # ready ref of a replacement -> actor index
-        while waiting or running:
-            while idle and waiting:
-                w, i = idle.pop(), waiting.popleft()
-                tool, args = jobs[i]
-                ref = self.actors[w].call.remote(tool.implementation, args)
-                running[ref] = (w, i, time.monotonic() + (tool.timeout_s or default_timeout))
-            wait = max(0.0, min(d for _, _, d in running.values()) - time.monotonic()) if running else None
-            ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=wait)
-            for ref in ready:
-                if ref in starting:
-                    idle.append(starting.pop(ref))
-                    continue
-                w, i, _ = running.pop(ref)
-                try:
-                    out[i] = ray.get(ref)
-                    idle.append(w)
-                except RayActorError as err:   # the tool killed its process (os._exit, a crash)
-                    out[i] = ("error", f"the tool's worker died: {str(err).splitlines()[0]}")
-                    self._replace(w, starting)
-            now = time.monotonic()
-            for ref, (w, i, deadline) in list(running.items()):
-                if now >= deadline:
-                    del running[ref]
-                    out[i] = ("timeout", "")
-                    ray.kill(self.actors[w], no_restart=True)
-                    self._replace(w, starting)
-        if starting:                           # the pool is whole again for the next turn
-            ray.get(list(starting))
-        return out  # type: ignore[return-value]
-
-    def _replace(self, w: int, starting: dict) -> None:
-        self.actors[w] = self._cls.remote()
-        self.replaced += 1
-        starting[self.actors[w].ready.remote()] = w
+        done = self.pool.run([Job("call", (tool.implementation, args), tool.timeout_s or default_timeout)
+                              for tool, args in jobs])
+        return [("timeout", "") if d.timed_out else
+                ("error", f"the tool's worker died: {d.died}") if d.died is not None else d.value for d in done]
 
     def close(self) -> None:
-        import ray
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
+        self.pool.close()

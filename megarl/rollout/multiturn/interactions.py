@@ -28,13 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.loader import load_yaml_text
+from megarl.reward.loading import get_attr, import_path
 
 KEY = "actor_rollout_ref.rollout.interactions"
 BUILTIN = {"conversation": None}           # None: no simulated user
 
 
 def _load(ref: str, key: str, config: dict | None = None) -> Callable[..., Any]:
-    from megarl.reward.loading import get_attr, import_path
     if ":" in ref:
         path, name = ref.rsplit(":", 1)
     elif "." in ref and not ref.endswith(".py"):
@@ -59,7 +60,6 @@ def _load(ref: str, key: str, config: dict | None = None) -> Callable[..., Any]:
 
 
 def _from_file(path: str) -> dict[str, Callable[..., Any]]:
-    from megarl.config.loader import load_yaml_text
     key = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
     if not os.path.isfile(path):
         raise ConfigError(f"{path} does not exist", key)

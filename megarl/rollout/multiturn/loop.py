@@ -2,7 +2,7 @@
 
     loop = AgentLoop(engine, tokenizer, tools, cfg.rollout.multi_turn)
     out = loop.generate_sequences(batch)       # as an engine's; plus per-sample tool records
-    loop.update_weights(...), loop.sleep() ... # the wrapped engine's (also loop.engine)
+    loop.update_weights(...), loop.sleep() ... # the rollout contract, passed to loop.engine by name
 
 One round: every active trajectory's next turn goes to the engine in one generate() call (the
 first turn with n samples per prompt; later turns one continuation each, n=1, prompt = original
@@ -29,20 +29,21 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from megarl.protocol import DataProto
-from megarl.rollout.base import Completion, SamplingParams, pack_completions
+from megarl.rollout.base import (Completion, RolloutEngine, SamplingParams, ShardSlice, guard_batch_prompts,
+                                 pack_completions)
 from megarl.rollout.config import MultiTurnConfig
 from megarl.rollout.multiturn.executor import ToolExecutor, ToolResult
 from megarl.rollout.multiturn.interactions import pick
 from megarl.rollout.multiturn.parser import CLOSE, ToolCall, end_of_call, parse_tool_calls
 from megarl.rollout.multiturn.render import Renderer, truncate_tokens
 from megarl.rollout.multiturn.tools import Tool
+from megarl.rollout.native.sampler import mix64
 
 
 @dataclass
@@ -76,27 +77,14 @@ class Trajectory:
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    from megarl.rollout.native.sampler import mix64
     return mix64(mix64(seed) ^ (0xA5A5 + turn)) & ((1 << 62) - 1)
 
 
-@contextmanager
-def continuations_allowed(engine, extra: int):
-    """Continuation prompts hold the response so far: widen the engine's prompt-length guard by
-    the response budget for the loop's later turns (the original prompts were checked already)."""
-    guard = getattr(engine, "guard", None)
-    if guard is None or getattr(guard, "max_length", None) is None:
-        yield
-        return
-    old = guard.max_length
-    guard.max_length = old + extra
-    try:
-        yield
-    finally:
-        guard.max_length = old
+class AgentLoop(RolloutEngine):
+    """The rollout contract (megarl/rollout/base.py) over a wrapped engine: generation runs the
+    loop, every other call goes to the engine by name (a weight sync reaches the engine's
+    weight_shard through weight_shard() below)."""
 
-
-class AgentLoop:
     def __init__(self, engine, tokenizer, tools: dict[str, Tool], config: MultiTurnConfig | None = None, *,
                  template: str | None = None, interactions: dict | None = None, tp_group=None,
                  prompt_template: str | None = None, stop_at_call_token: bool = True):
@@ -113,12 +101,18 @@ class AgentLoop:
         self.group = tp_group
         self.totals: Counter = Counter()
 
-    # -- the engine's interface, delegated -------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        engine = self.__dict__.get("engine")
-        if engine is None:
-            raise AttributeError(name)
-        return getattr(engine, name)
+    # -- the rest of the rollout contract: the wrapped engine's ------------------------------------------
+    @property
+    def guard(self):
+        """The engine's prompt guard (None for an engine without one)."""
+        return getattr(self.engine, "guard", None)
+
+    def weight_shard(self, name: str) -> ShardSlice | None:
+        shard = getattr(self.engine, "weight_shard", None)
+        return shard(name) if shard is not None else None
+
+    def update_weight_shards(self, bucket) -> None:
+        self.engine.update_weight_shards(bucket)
 
     def update_weights(self, bucket) -> None:
         self.engine.update_weights(bucket)
@@ -139,8 +133,9 @@ class AgentLoop:
         self.executor.close()
 
     # -- generation --------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        trajs = self.run(prompts, sampling, [{}] * len(prompts))
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        trajs = self.run(prompts, sampling, [{}] * len(prompts), prompt_limit)
         n = sampling.n
         return [[t.completion() for t in trajs[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
@@ -151,13 +146,7 @@ class AgentLoop:
         sampling.validate()
         nt = batch.non_tensor_batch
         prompts = self._with_tool_list(batch, [list(p) for p in nt["prompt_token_ids"]])
-        guard = getattr(self.engine, "guard", None)
-        if guard is not None:
-            prompts = guard.apply(prompts)
-        kept = np.empty(len(prompts), dtype=object)
-        for i, p in enumerate(prompts):
-            kept[i] = list(p)
-        nt["prompt_token_ids"] = kept
+        prompts = guard_batch_prompts(self.guard, batch, prompts)
         rows = [{k: (nt[k][i] if k in nt else None) for k in ("data_source", "reward_model", "extra_info", "raw_prompt")}
                 for i in range(len(prompts))]
         for r in rows:
@@ -185,11 +174,16 @@ class AgentLoop:
         out.meta_info["metrics"] = {**multiturn_metrics(out), "timing_s/agent_loop": time.perf_counter() - started}
         return out
 
-    def run(self, prompts: list[list[int]], sampling: SamplingParams, samples: list[dict]) -> list[Trajectory]:
+    def run(self, prompts: list[list[int]], sampling: SamplingParams, samples: list[dict],
+            prompt_limit: int | None = None) -> list[Trajectory]:
         """n trajectories per prompt (the n of prompt i adjacent), finished."""
         stops = list(sampling.stop_token_ids) + ([self.call_stop] if self.call_stop is not None else [])
         eos = set(sampling.eos_token_ids) | ({self.tok.eos_token_id} if self.tok.eos_token_id is not None else set())
-        first = self.engine.generate(prompts, sampling.with_(stop_token_ids=stops))
+        first = self.engine.generate(prompts, sampling.with_(stop_token_ids=stops), prompt_limit)
+        # Later turns' prompts hold the response so far: the first turn's limit plus the response
+        # budget (the original prompts were checked already).
+        limit = prompt_limit if prompt_limit is not None else getattr(self.guard, "max_length", None)
+        later_limit = None if limit is None else limit + sampling.max_tokens
         trajs = [Trajectory(list(p), sampling.max_tokens, samples[i]) for i, p in enumerate(prompts)
                  for _ in range(sampling.n)]
         turns = [c for group in first for c in group]
@@ -212,8 +206,7 @@ class AgentLoop:
                 break
             seed = None if sampling.seed is None else turn_seed(sampling.seed, round_)
             sp = sampling.with_(n=1, seed=seed, max_tokens=max(t.room for t in active), stop_token_ids=stops)
-            with continuations_allowed(self.engine, sampling.max_tokens):
-                outs = self.engine.generate([t.prompt + t.tokens for t in active], sp)
+            outs = self.engine.generate([t.prompt + t.tokens for t in active], sp, later_limit)
             turns = [g[0] for g in outs]
         self.totals["trajectories"] += len(trajs)
         return trajs
@@ -270,7 +263,6 @@ class AgentLoop:
         """Rank 0 of the rollout TP group's value on every rank of it."""
         if self.group is None:
             return value
-        import torch.distributed as dist
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return value
         box = [value]
@@ -280,7 +272,6 @@ class AgentLoop:
     def _leader(self) -> bool:
         if self.group is None:
             return True
-        import torch.distributed as dist
         return not dist.is_initialized() or dist.get_rank(self.group) == 0
 
     def _run_tools(self, pending: list[tuple[Trajectory, list[ToolCall], bool]]) -> None:

@@ -34,7 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from megarl.config.errors import ConfigError
+from megarl.config.loader import load_yaml_text
+from megarl.reward.loading import get_attr, import_path
 from megarl.rollout.multiturn import builtins
 
 log = logging.getLogger("megarl.rollout.multiturn")
@@ -95,9 +99,7 @@ def _article(kind: str) -> str:
 
 def load_tools(path: str, key: str = TOOLS_KEY) -> dict[str, Tool]:
     """Read and check a tools.yaml; implementations are imported now, so a bad one stops the run here."""
-    import yaml
 
-    from megarl.config.loader import load_yaml_text
 
     if not os.path.isfile(path):
         raise ConfigError(f"tools file {path} does not exist; give the path of a tools.yaml", key)
@@ -243,7 +245,6 @@ def resolve_spec(spec: str, base: str) -> str:
 
 def load_implementation(spec: str, where: str, key: str = TOOLS_KEY) -> Callable[..., Any]:
     """`builtin:name`, `pkg.module:function` or `/path/file.py:function` -> the callable."""
-    from megarl.reward.loading import get_attr, import_path
 
     target, _, attr = spec.rpartition(":")
     if target == "builtin":

@@ -14,7 +14,8 @@ samples the same tokens (counter-based randomness over the gathered logits), so 
 broadcast is needed.
 
 Rows: max_num_seqs at most, fewer where the KV cache would not fit the memory budget
-(kv_cache_gb, or on GPU gpu_memory_utilization of the device minus what is already allocated).
+(kv_cache_gb, or gpu_memory_utilization of the device minus what is already allocated; on CPU
+of this rank's share of host memory minus the process's resident set: host_budget.py).
 Groups: enough for every row's prompt when n <= 2, else 2 * rows / n (a prompt whose first
 samples finished keeps its group until the last one does; the slack lets new prompts in).
 
@@ -33,8 +34,9 @@ import numpy as np
 import torch
 
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
-from megarl.rollout.hf_weights import buckets, iter_hf_weights, read_hf_config
-from megarl.rollout.native import sampler
+from megarl.models.hf_config import read_hf_config
+from megarl.rollout.hf_weights import buckets, iter_hf_weights
+from megarl.rollout.native import host_budget, sampler
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
 from megarl.rollout.native.rows import SPAN_UNIT, DecodeStep, Rows, bucket
@@ -43,8 +45,9 @@ from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
+def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The engine's weights dtype from `rollout.dtype` (the trainer's is workers.preflight.resolve_dtype).
+    `auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -63,7 +66,7 @@ class NativeEngine(BaseRollout):
         super().__init__(config, role="rollout")
         self.comm = comm or TPComm(None)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = rollout_dtype(dtype, self.device)
         self.args = ModelArgs.from_hf(hf_config)
         self.model = Transformer(self.args, self.comm.size, self.dtype, self.device)
         self.plan = ShardPlan(self.args, self.comm.rank, self.comm.size)
@@ -170,8 +173,9 @@ class NativeEngine(BaseRollout):
         self.asleep = False
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        prompts = admit(self, prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
         seed = sampling.seed
@@ -201,15 +205,14 @@ class NativeEngine(BaseRollout):
         """(rows, groups) for this call: max_num_seqs rows at most (and no more than the call
         needs), fewer where the KV cache and row state would not fit the memory budget:
         kv_cache_gb if set, on GPU gpu_memory_utilization of the device minus what is already
-        allocated (what the engine itself holds counts as free); on CPU unbounded."""
+        allocated (what the engine itself holds counts as free); on CPU the same fraction of this
+        rank's share of host memory minus the process's resident set (host_budget.py)."""
         def groups(rows: int) -> int:             # see the module docstring
             return max(1, min(prompts, rows, -(-2 * rows // n)))
         rows = min(self.max_num_seqs, prompts * n)
         budget = self._budget_bytes()
         if budget is not None:
-            per_token = self.cache.bytes_per_token()
-            per_row = per_token * gen_len + 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0)
-            per_group = per_token * prompt_len + 8
+            per_row, per_group = self.row_costs(prompt_len, gen_len, penalty)
 
             def cost(r: int) -> float:
                 return r * per_row + groups(r) * per_group
@@ -219,18 +222,26 @@ class NativeEngine(BaseRollout):
         else:                                     # unbounded: never shrink what is there
             rows = max(rows, self.cache.rows)
         rows = max(rows, n)
+        if budget is not None and self.device.type != "cuda" and n * per_row + per_group > budget:
+            raise host_budget.too_small(self, n, prompt_len, gen_len, n * per_row + per_group, budget)
         return rows, groups(rows)
+
+    def row_costs(self, prompt_len: int, gen_len: int, penalty: bool = False) -> tuple[int, int]:
+        """Bytes of one row (its K/V and row state) and of one prompt group."""
+        per_token = self.cache.bytes_per_token()
+        return (per_token * gen_len + 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0),
+                per_token * prompt_len + 8)
 
     def _budget_bytes(self) -> float | None:
         if self.kv_cache_gb is not None:
             return self.kv_cache_gb * 2**30
+        held = self.cache.nbytes()                # the engine's own cache and rows count as free
+        if self.rows is not None:
+            held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
         if self.device.type == "cuda":
-            held = self.cache.nbytes()
-            if self.rows is not None:
-                held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
             total = torch.cuda.get_device_properties(self.device).total_memory
             return self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held
-        return None
+        return host_budget.cpu_budget_bytes(self.gpu_memory_utilization, held)
 
 
 class _Scheduler:

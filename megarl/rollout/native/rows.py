@@ -18,6 +18,8 @@ dropped and captured again. Off CUDA (or with enforce_eager) the same function r
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from megarl.rollout.base import SamplingParams
@@ -101,7 +103,9 @@ class DecodeStep:
     """decode + sample + record for rows 0..B-1: a CUDA graph per (B, shape) on CUDA, else eager."""
 
     def __init__(self, engine, graphs: bool):
-        self.e = engine
+        # A proxy, not a reference: engine <-> step would be a cycle, and a dropped engine's
+        # weights and KV cache would stay resident until the next garbage collection.
+        self.e = weakref.proxy(engine)
         self.graphs_on = graphs and engine.device.type == "cuda"
         # Static shapes (bucketed batch, rounded span, parked padding rows) go with graphs; a
         # test may set this on CPU to run the padded path eagerly and compare it with the exact one.

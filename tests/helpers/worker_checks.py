@@ -73,7 +73,6 @@ def check_device_and_offload(rank: int, world: int, path: str, want_device: str)
     - an actor trained through an offload/onload cycle matches one trained without (bitwise on
       CPU fp32; on CUDA, atomics in embedding backward allow tiny differences: compared closely).
     """
-    from megarl.parallel import cpu_compat
     from megarl.workers import batching
     a = make_actor(path)
     b = make_actor(path)
@@ -92,21 +91,21 @@ def check_device_and_offload(rank: int, world: int, path: str, want_device: str)
     mb = batching.dp_slice(data, 0, 1)[:2].to(dev)
     mb.batch["advantages"] = mb.batch["advantages"].to("meta")
     try:
-        cpu_compat.scoped(eng._run)([mb], batching.seq_len(mb), lambda out, m: {}, None)
+        eng.schedule.run([mb], batching.seq_len(mb), lambda out, m: {}, None)
         refused = None
     except RuntimeError as err:
         refused = str(err)
     assert refused and "'advantages'" in refused and "meta" in refused, refused
 
     # 3. offload / onload of everything, bit-exact
-    params, grads, opt = eng.param_tensors(), eng.grad_tensors(), eng.optimizer_tensors()
+    params, grads, opt = eng.memory.param_tensors(), eng.memory.grad_tensors(), eng.memory.optimizer_tensors()
     assert params and grads and opt
     before = _snapshot(params + opt)
     resident = eng.resident_bytes()
     moved = eng.offload(params=True, grads=True, optimizer=True)
     left = eng.resident_bytes()
     all_empty = all(t.untyped_storage().nbytes() == 0 for t in params + grads + opt)
-    host_copies = [h for _, h, _ in eng.stash._held if h is not None]
+    host_copies = [h for _, h, _ in eng.memory.stash._held if h is not None]
     assert all_empty and left == 0 and moved == resident > 0, (all_empty, left, moved, resident)
     assert all(h.device.type == "cpu" for h in host_copies)
     eng.onload()
@@ -148,12 +147,12 @@ def check_weight_sync(rank: int, world: int, path: str, want_device: str) -> dic
     element the engine holds equals the actor's HF export, and the engine's sampled log-probs
     match the actor's recomputation (fp32 CPU: 1e-4; bf16 CUDA: the per-token mismatch is
     bounded and reported, as the trainer logs it each step in rollout_corr/*)."""
-    from megarl.algos import rollout_mismatch_metrics
+    from megarl.algos.rollout_correction import rollout_mismatch_metrics
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.config import load_config
     from megarl.protocol import DataProto
     from megarl.rollout.base import SamplingParams
-    from tests.checkpoint_engine_helpers import PROMPTS, TEMP, engine_mismatch, full_export, native_engine
+    from tests.helpers.checkpoint_engine import PROMPTS, TEMP, engine_mismatch, full_export, native_engine
 
     actor = make_actor(path)
     dev = actor.engine.device

@@ -22,7 +22,8 @@ class ScriptedEngine(RolloutEngine):
         self.tok, self.script = tokenizer, script
         self.calls: list[tuple[int, SamplingParams]] = []
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
         self.calls.append((len(prompts), sampling))
         out = []
         for p in prompts:

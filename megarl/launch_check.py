@@ -1,7 +1,7 @@
 """A small real distributed job that goes through the launch path the way megarl.train does.
 
-    MEGARL_ENTRY=megarl.parallel.launch_check launch/torchrun.sh configs/quickstart.yaml trainer.total_training_steps=5
-    MEGARL_ENTRY=megarl.parallel.launch_check sbatch launch/slurm/quickstart.sbatch trainer.save_freq=2
+    MEGARL_ENTRY=megarl.launch_check launch/torchrun.sh configs/quickstart.yaml trainer.total_training_steps=5
+    MEGARL_ENTRY=megarl.launch_check sbatch launch/slurm/quickstart.sbatch trainer.save_freq=2
 
 It takes megarl-train's arguments and config, starts the process group from env:// with
 trainer.collective_timeout_s, and per step all-reduces a known value, appends a record to
@@ -23,8 +23,14 @@ import sys
 import time
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from megarl.config import ConfigError, ExperimentConfig
 from megarl.parallel.launch_env import rank_env
+from megarl.train import load_checked, parse_args
+from megarl.trainer.metrics import MetricsLogger
 
 LATEST = "latest_checkpointed_iteration.txt"  # verl's name for the pointer to the newest step
 
@@ -39,7 +45,6 @@ def latest_step(run_dir: str) -> int:
 
 
 def save(run_dir: str, step: int, rank: int, state: dict) -> None:
-    import torch.distributed as dist
     step_dir = os.path.join(run_dir, f"global_step_{step}")
     os.makedirs(step_dir, exist_ok=True)
     with open(os.path.join(step_dir, f"rank_{rank}.json"), "w") as f:
@@ -80,10 +85,6 @@ def inject_failure(rank: int, step: int) -> None:
 
 
 def run(cfg: ExperimentConfig) -> int:
-    import torch
-    import torch.distributed as dist
-    from megarl.trainer.metrics import MetricsLogger
-
     env = rank_env(cfg)
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if use_cuda:  # one visible GPU per task (srun --gpus-per-task) or all of the node's
@@ -125,9 +126,6 @@ def run(cfg: ExperimentConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import record
-    from megarl.train import load_checked, parse_args
-
     # record() hands this rank's traceback to torchrun, whose failure summary then names the
     # rank and the exception; under srun the traceback is in the task's labelled output.
     @record

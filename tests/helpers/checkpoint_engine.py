@@ -7,6 +7,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from megarl.config import load_config
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
 
@@ -36,7 +37,7 @@ def rollout_groups(rtp: int):
 
 def native_engine(path: str, group, **kwargs):
     """A native engine without weights (load_format=dummy): they come from the first sync."""
-    from megarl.rollout.hf_weights import read_hf_config
+    from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
     return NativeEngine(read_hf_config(path), comm=TPComm(group), **kwargs)
 
@@ -119,3 +120,21 @@ class Faulty:
     def restore(self):
         for method in self.real:
             delattr(self.engine, method)
+
+
+def experiment(path: str, tp: int, pp: int, rtp: int, **ce):
+    overrides = [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=4",
+                 f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+                 f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "data.train_batch_size=4"]
+    overrides += [f"actor_rollout_ref.rollout.checkpoint_engine.{k}={v}" for k, v in ce.items()]
+    return load_config(None, overrides)
+
+
+def generated_batch(engine) -> DataProto:
+    """The engine's generate_sequences over PROMPTS (n=2, 6 tokens, seed 3)."""
+    batch = DataProto(non_tensor_batch={"prompt_token_ids": [list(p) for p in PROMPTS]},
+                      meta_info={"sampling": SamplingParams(n=2, max_tokens=6, temperature=TEMP, seed=3)})
+    return engine.generate_sequences(batch)

@@ -1,0 +1,83 @@
+"""A model path is what it says: a real checkpoint, or the one place a bootstrap may build.
+
+- `actor_rollout_ref.model.bootstrap` builds only into the path its own config names (the file,
+  with its bases, that sets `bootstrap:`; or the command line, when the command line sets it), and
+  only when that path does not exist yet. A config that inherits a bootstrap but points
+  `model.path` elsewhere (verl's `model.path=Qwen/Qwen2.5-0.5B-Instruct`, or a typo) loads that
+  path, so a missing one is an error, not a toy model built there.
+- A missing path that looks like a Hugging Face hub id (ORG/NAME) says how to download it.
+- A path that is a file, or a directory without config.json, is an error; nothing is created.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from megarl.config.errors import ConfigError
+from megarl.config.paths import looks_like_hub_id
+
+MODEL = ("actor_rollout_ref", "model")
+KEY = "actor_rollout_ref.model.path"
+def _model(raw: dict) -> dict:
+    node = raw
+    for part in MODEL:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def _own_path(config_path: str) -> tuple[bool, Any]:
+    """(whether this file or one of its bases sets a bootstrap, the model path that file names)."""
+    from megarl.config.loader import BASE_KEY, load_yaml_text, read_yaml
+    with open(config_path) as f:
+        alone = load_yaml_text(f, config_path) or {}
+    if _model(alone).get("bootstrap"):
+        return True, _model(read_yaml(config_path)).get("path")
+    bases = alone.get(BASE_KEY) or []
+    for base in reversed([bases] if isinstance(bases, str) else bases):   # the last base wins the merge
+        base = base if os.path.isabs(base) else os.path.join(os.path.dirname(os.path.abspath(config_path)), base)
+        found, path = _own_path(base)
+        if found:
+            return True, path
+    return False, None
+
+
+def confine_bootstrap(raw: dict, config_path: str | None, overrides: list[str]) -> dict:
+    """`raw` (merged file + overrides) with model.bootstrap cleared where model.path is not the path
+    the bootstrap's own config names (in place; returned for chaining)."""
+    model = _model(raw)
+    if not model.get("bootstrap"):
+        return raw
+    if any(o.split("=", 1)[0].lstrip("+") == "actor_rollout_ref.model.bootstrap" for o in overrides):
+        return raw                     # the command line set the bootstrap: its path is the final one
+    found, own = _own_path(config_path) if config_path else (False, None)
+    if found and own != model.get("path"):
+        model["bootstrap"] = None
+    return raw
+
+
+def missing_model(path: str) -> ConfigError:
+    if looks_like_hub_id(path) and not os.path.isabs(path):
+        name = path.split("/")[-1]
+        return ConfigError(f"{path} does not exist here; it looks like a Hugging Face hub id, and megarl loads "
+                           f"local checkpoints: run `huggingface-cli download {path} --local-dir models/{name}` "
+                           f"and set {KEY}=models/{name}", KEY)
+    hint = " (relative paths in a config file are taken from that file's folder)" if not os.path.isabs(path) else ""
+    return ConfigError(f"{path} does not exist{hint}; point it at an HF checkpoint directory (config.json + "
+                       "*.safetensors). A model.bootstrap builds only the path its own config names", KEY)
+
+
+def model_path_state(path: str, bootstrap: str | None) -> str:
+    """'ready' (holds config.json) or 'bootstrap' (absent, and this config's bootstrap builds it);
+    any other state raises a one-line ConfigError. Creates nothing."""
+    if os.path.isfile(path):
+        raise ConfigError(f"{path} is a file; give the HF checkpoint directory that holds config.json "
+                          f"(e.g. {os.path.dirname(path) or '.'})", KEY)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return "ready"
+        fix = ("; the bootstrap builds only into a path that does not exist yet: remove the directory or point "
+               "model.path elsewhere" if bootstrap else "; point it at an HF checkpoint directory")
+        raise ConfigError(f"{path} exists but holds no config.json{fix}", KEY)
+    if bootstrap:
+        return "bootstrap"
+    raise missing_model(path)

@@ -1,0 +1,105 @@
+"""Rules the rollout side sets across config sections: where the engine runs
+(rollout.placement) and what each placement supports, its TP, its lengths. Each is a small
+check that ExperimentConfig runs once when built (megarl/config/experiment.py RULES,
+MODEL_RULES); `cfg` is the ExperimentConfig.
+"""
+from __future__ import annotations
+
+from megarl.config.errors import ConfigError
+
+
+def _disaggregated(cfg) -> bool:
+    return cfg.rollout.placement == "disaggregated"
+
+
+def check_engine_ranks(cfg) -> None:
+    ro, tr = cfg.rollout, cfg.trainer
+    if _disaggregated(cfg) and ro.disaggregated_ranks >= tr.world_size:
+        raise ConfigError(f"gives all {tr.world_size} ranks to the engine; leave some for training or "
+                          "raise trainer.n_gpus_per_node", "actor_rollout_ref.rollout.disaggregated_ranks")
+
+
+def check_disaggregated_layout(cfg) -> None:
+    """The disaggregated weight sync addresses trainer ranks by TP x PP x DP only."""
+    m = cfg.actor.megatron
+    if _disaggregated(cfg) and (m.context_parallel_size > 1 or (m.virtual_pipeline_model_parallel_size or 1) > 1):
+        raise ConfigError("the disaggregated weight sync addresses trainer ranks by TP x PP x DP only; use "
+                          "context_parallel_size=1 and virtual_pipeline_model_parallel_size=null with it, or "
+                          "placement=colocated", "actor_rollout_ref.rollout.placement")
+
+
+def check_async_loop_features(cfg) -> None:
+    """The async loop (megarl/trainer/fit_async.py) hands whole batches over; these need the
+    engine inside the trainer's step."""
+    if not _disaggregated(cfg):
+        return
+    offload = "offload frees device memory for a colocated engine; the trainer ranks host none"
+    for on, key, why in ((cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable",
+                          "dynamic sampling regenerates inside the trainer's step"),
+                         (cfg.rollout.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable",
+                          "multi-turn rollouts are not wired into the rollout ranks' loop yet"),
+                         (cfg.reward_model.enable, "reward_model.enable",
+                          "a model reward runs on the trainer ranks' megatron layout, not wired here yet"),
+                         *((getattr(role.megatron, k), f"{name}.megatron.{k}", offload)
+                           for name, role in (("actor_rollout_ref.actor", cfg.actor), ("critic", cfg.critic))
+                           for k in ("param_offload", "grad_offload", "optimizer_offload"))):
+        if on:
+            raise ConfigError(f"is not supported with rollout.placement=disaggregated ({why}); set it "
+                              "to false or use placement=colocated", key)
+
+
+def check_sync_backend(cfg) -> None:
+    backend = cfg.rollout.checkpoint_engine.backend
+    if _disaggregated(cfg) and backend not in ("auto", "distributed"):
+        raise ConfigError(f"is {backend}, but placement=disaggregated moves weights over "
+                          "the distributed transport; set backend=auto or distributed",
+                          "actor_rollout_ref.rollout.checkpoint_engine.backend")
+
+
+def check_disaggregated_only_keys(cfg) -> None:
+    if _disaggregated(cfg):
+        return
+    if cfg.rollout.checkpoint_engine.keep_previous_weights is not None:
+        raise ConfigError("applies to the distributed transport (placement=disaggregated) only; remove it",
+                          "actor_rollout_ref.rollout.checkpoint_engine.keep_previous_weights")
+    if cfg.async_training.partial_rollout:
+        raise ConfigError("needs actor_rollout_ref.rollout.placement=disaggregated (the colocated loop is "
+                          "synchronous)", "async_training.partial_rollout")
+
+
+def check_rollout_tp(cfg) -> None:
+    ro = cfg.rollout
+    rollout_ranks = ro.disaggregated_ranks if _disaggregated(cfg) else cfg.trainer.world_size
+    if rollout_ranks % ro.tensor_model_parallel_size:
+        raise ConfigError(f"rollout TP {ro.tensor_model_parallel_size} does not divide the {rollout_ranks} "
+                          "rollout ranks; pick a divisor", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+
+
+def check_max_model_len(cfg) -> None:
+    ro = cfg.rollout
+    if ro.max_model_len is not None and ro.prompt_length + ro.response_length > ro.max_model_len:
+        raise ConfigError(f"{ro.max_model_len} is less than prompt {ro.prompt_length} + response "
+                          f"{ro.response_length} tokens; raise it or lower data.max_prompt_length / "
+                          "data.max_response_length", "actor_rollout_ref.rollout.max_model_len")
+
+
+# -- rules that need the model's HF config.json ---------------------------------------------------
+def check_model_positions(cfg, hf_config: dict) -> None:
+    positions = hf_config.get("max_position_embeddings")
+    ro = cfg.rollout
+    if positions and ro.prompt_length + ro.response_length > positions:
+        room = positions - ro.prompt_length
+        fix = (f"lower data.max_response_length to at most {room}" if room >= 1 else
+               f"lower data.max_prompt_length below {positions} and leave room for a response")
+        raise ConfigError(f"prompt {ro.prompt_length} + response {ro.response_length} tokens = "
+                          f"{ro.prompt_length + ro.response_length} exceed the model's {positions} positions "
+                          f"(max_position_embeddings); {fix}", "data.max_response_length")
+
+
+def check_model_rollout_tp(cfg, hf_config: dict) -> None:
+    heads = hf_config.get("num_attention_heads")
+    kv = hf_config.get("num_key_value_heads") or heads
+    rtp = cfg.rollout.tensor_model_parallel_size
+    if heads % rtp or kv % rtp:
+        raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
+                          "groups", "actor_rollout_ref.rollout.tensor_model_parallel_size")

@@ -1,0 +1,130 @@
+"""Every script in benchmarks/ runs end to end at its --smoke shape and prints its table, with the
+peak resident memory of its processes, so a change that breaks one shows here (the weight-sync
+benchmark once broke unseen). Each is run as a user runs it: `python benchmarks/<script> --smoke`.
+
+Grouped to keep the cost down: gpu_check --dry-run runs gpu_update_step's and rollout_throughput's
+smoke shapes inside it (their tables are checked in its output; toy_model.py builds the latter's
+model at its smoke shape); peers join where they import (vLLM in rollout_throughput; trtllm_check.py runs a tiny model
+where tensorrt_llm imports and a GPU is visible, else its one-line refusal is checked and the run
+skipped with that reason; no benchmark uses TRL).
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "__init__.py")
+# helpers imported by the benchmarks, not benchmarks themselves
+HELPERS = {"peak_memory.py"}
+# no --smoke flag: gpu_check's is --dry-run; trtllm_check needs TensorRT-LLM and a GPU (see its test)
+NO_SMOKE_FLAG = {"gpu_check.py", "trtllm_check.py"}
+# run at their smoke shapes inside gpu_check --dry-run (toy_model builds rollout_throughput's model)
+INSIDE_GPU_CHECK = {"gpu_update_step.py", "rollout_throughput.py", "toy_model.py"}
+PEAK = re.compile(r"peak resident (MiB|memory)")
+
+
+def run(*args, timeout=600):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_every_benchmark_has_a_smoke_shape_covered_here():
+    source = open(__file__).read()
+    for script in sorted(set(SCRIPTS) - HELPERS):
+        text = open(os.path.join(ROOT, "benchmarks", script)).read()
+        assert "--smoke" in text or script in NO_SMOKE_FLAG, f"benchmarks/{script} has no --smoke shape"
+        assert f"benchmarks/{script}" in source or script in INSIDE_GPU_CHECK, \
+            f"benchmarks/{script} is not run by this test"
+
+
+@pytest.mark.timeout(900)
+def test_gpu_check_dry_run_with_update_step_and_rollout(tmp_path):
+    out = run("benchmarks/gpu_check.py", "--device", "cpu", "--dry-run", "--out", str(tmp_path / "report"))
+    assert "| matmul float32 512^3 |" in out and "FAILED" not in out
+    # gpu_update_step --smoke's table and rollout_throughput --smoke's, printed inside gpu_check
+    assert re.search(r"update_policy +[\d.]+ s", out) and "weight sync -> native engine:" in out
+    assert re.search(r"native +[\d.]+ tokens/s", out) and re.search(r"ratio native / hf +=", out)
+    assert PEAK.search(out)
+    vllm = importlib.util.find_spec("vllm") is not None
+    assert ("vllm " in out and "tokens/s" in out) if vllm else "vllm: not run (ModuleNotFoundError" in out
+    assert os.path.isfile(tmp_path / "report" / "gpu_check.md")
+
+
+@pytest.mark.timeout(900)
+def test_distributed_benchmarks_smoke():
+    """The two 4-rank benchmarks (one spawn each)."""
+    out = run("benchmarks/weight_sync.py", "--smoke")
+    for layout in ("(1,1) -> 1", "(1,1) -> 2", "(2,2) -> 1", "(2,2) -> 2"):
+        assert re.search(re.escape(layout) + r" +[\d.]+ ", out), out
+    assert re.search(r"peak resident MiB per rank.*rank 3 \d+", out)
+    out = run("benchmarks/update_step.py", "--smoke")
+    assert re.search(r"ratio megarl / transformers: [\d.]+", out) and re.search(r"rank 3 \d+", out)
+
+
+@pytest.mark.timeout(900)
+def test_single_process_benchmarks_smoke():
+    out = run("benchmarks/update_memory.py", "--smoke")
+    assert re.search(r"^layout +log_prob s", out, re.M) and PEAK.search(out)
+    out = run("benchmarks/addition_task.py", "--smoke")
+    assert "summary {" in out and PEAK.search(out)
+    out = run("benchmarks/multiturn_batching.py", "--smoke")
+    assert "same tokens in both arms: True" in out and "batched / sequential speed-up" in out and PEAK.search(out)
+
+
+@pytest.mark.timeout(900)
+def test_launcher_benchmarks_smoke(tmp_path):
+    """The benchmarks that start `python -m megarl.train` / launch/torchrun.sh as users do."""
+    out = run("benchmarks/launch_times.py", "--smoke")
+    assert re.search(r"torchrun.sh +SIGKILL .* [1-9]\d*  rank 0 \d+", out), out
+    out = run("benchmarks/async_speedup.py", "--smoke", "--out", str(tmp_path / "async"))
+    assert re.search(r"^sync +\d+ +1\.00x", out, re.M) and re.search(r"^one_step +\d+ +[\d.]+x", out, re.M)
+    assert re.search(r"peak resident MiB rank 0 \d+, rank 1 \d+", out)
+    assert os.path.isfile(tmp_path / "async" / "accuracy_vs_time.png")
+
+
+@pytest.mark.timeout(900)
+def test_trtllm_check_where_it_imports(tmp_path):
+    import torch
+    usable = importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available()
+    if usable:
+        from megarl.models.tiny import make_tiny_hf
+        model = make_tiny_hf(str(tmp_path / "m"), "qwen2", tokenizer=False)
+        run("benchmarks/trtllm_check.py", "--model", model, "--out", str(tmp_path / "report"), "--max-tokens", "4")
+        assert os.path.isfile(tmp_path / "report" / "trtllm_check.md")
+        return
+    proc = subprocess.run([sys.executable, "benchmarks/trtllm_check.py", "--model", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, lines)
+    pytest.skip(f"benchmarks/trtllm_check.py not run: {lines[0]}")
+
+
+def _killed_rank(rank, world):
+    """Rank 1 is SIGKILLed (as the OOM killer does) holding 400 MiB; rank 0 waits on it."""
+    import signal
+    import time
+
+    import torch
+    held = torch.ones(50 * 2**20 * (rank + 1))                      # 200 MiB on rank 0, 400 on rank 1
+    if rank == 1:
+        time.sleep(1.0)                                              # long enough to be sampled
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+    return float(held[0])
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_reported_as_killed_with_its_peak():
+    from megarl.parallel.local_ranks import run_local
+    with pytest.raises(RuntimeError) as err:
+        run_local(2, _killed_rank)
+    first, second = str(err.value).splitlines()[:2]
+    peak = float(re.search(r"rank 1 was killed by SIGKILL \(the kernel's OOM killer.*at a peak of (\d+) MiB", first)[1])
+    assert peak > 400, first                                          # the 400 MiB tensor counts
+    assert re.match(r"rank 0 was stopped \(SIGTERM\) after rank 1 ended, at a peak of \d+ MiB", second), second

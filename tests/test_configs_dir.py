@@ -1,0 +1,77 @@
+"""Every file in configs/ passes `--check` from another directory; the tiny ones also run one step.
+
+    python -m pytest -q tests/test_configs_dir.py
+
+The 7B examples need a model that is not here: they stop with one line naming it and the download
+command. configs/quickstart.yaml's run from another directory is tests/test_newcomer.py's.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+import megarl.train as train_mod
+from megarl.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+NEEDS_A_DOWNLOAD = {"grpo_gsm8k_qwen2.5_7b.yaml", "ppo_gsm8k_qwen2.5_7b.yaml"}
+# The tiny configs run here; bootstrap_kwargs shrink only the warm start (the model's shape stays).
+TINY = {"grpo_moe_tiny.yaml": {"warm_start_steps": 5}, "quickstart_ppo.yaml": {"warm_start_steps": 5},
+        "verl_gsm8k_tiny.yaml": {"warm_start_steps": 5}, "tool_use.yaml": {"steps": 5}}
+
+
+@pytest.fixture(scope="module")
+def gsm8k_dir(tmp_path_factory):
+    """verl's GSM8K parquet shape (megarl.examples.verl_gsm8k), for configs/verl_gsm8k_tiny.yaml's DATA."""
+    from megarl.examples.verl_gsm8k import write
+    d = tmp_path_factory.mktemp("verl_gsm8k")
+    write(str(d), train=32, test=8)
+    return str(d)
+
+
+def test_the_list_is_complete():
+    names = {os.path.basename(c) for c in CONFIGS}
+    assert NEEDS_A_DOWNLOAD | set(TINY) | {"quickstart.yaml"} == names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_check_from_another_directory(config, tmp_path, gsm8k_dir, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DATA", gsm8k_dir)
+    monkeypatch.delenv("MODEL", raising=False)
+    monkeypatch.setattr(train_mod, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    code = train_mod.main(["--config", config, "--check"])
+    out = capsys.readouterr()
+    if os.path.basename(config) in NEEDS_A_DOWNLOAD:
+        assert code == 2 and out.err.count("\n") == 1, out.err
+        assert "huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir models/Qwen2.5-7B-Instruct" in out.err
+    else:
+        assert code == 0, out.err
+        assert "config and inputs check out" in out.out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_tiny_config_runs_one_step(name, tmp_path, gsm8k_dir):
+    """The config as written, for one step, with its own bootstrap building a briefly warmed model
+    into a temporary directory (named on the command line, so that path is the bootstrap's own)."""
+    config = os.path.join(ROOT, "configs", name)
+    model = load_config(config).model
+    kwargs = ", ".join(f"{k}: {v}" for k, v in {**model.bootstrap_kwargs, **TINY[name]}.items())
+    args = ["--config", config, f"actor_rollout_ref.model.bootstrap={model.bootstrap}",
+            f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"actor_rollout_ref.model.bootstrap_kwargs={{{kwargs}}}",
+            "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    if model.tokenizer_path != model.path:                        # tool_use keeps its tokenizer in a subfolder
+        args.append(f"actor_rollout_ref.model.tokenizer_path={tmp_path / 'model' / 'tokenizer'}")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), DATA=gsm8k_dir)
+    out = subprocess.run([sys.executable, "-m", "megarl.train", *args], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=840)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "step 1/1" in text

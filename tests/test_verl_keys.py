@@ -1,0 +1,142 @@
+"""Every key of verl's trainer configs is known to megarl: implemented, accepted at verl's default
+(with the reason in megarl/config/verl_keys.py), or refused in one line naming what to use.
+
+The oracle is verl's own composed key tree at release v0.7.0 (tests/assets/verl/config/_generated_*.yaml,
+written by verl's Hydra from ppo_trainer.yaml / ppo_megatron_trainer.yaml and the files their defaults
+lists include, all stored beside it).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megarl.config import ConfigError, load_config
+from megarl.config.experiment import ExperimentConfig
+from megarl.config.refused import ALIASES, REFUSED
+from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_defaults
+
+HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
+sys.path.insert(0, HERE)
+from make_defaults import table, verl_leaves  # noqa: E402
+
+ROOTS = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
+
+
+def _included(path: str, seen: set[str]) -> None:
+    """Follow a Hydra defaults list: `group@mount: option` -> <group>/<option>.yaml, `name` -> same group."""
+    seen.add(os.path.relpath(path, os.path.join(HERE, "config")))
+    with open(path) as f:
+        entries = (yaml.safe_load(f) or {}).get("defaults", [])
+    here = os.path.dirname(path)
+    for entry in entries:
+        if entry == "_self_":
+            continue
+        group, option = (next(iter(entry.items())) if isinstance(entry, dict) else (entry, None))
+        group = group.split("@")[0]
+        target = os.path.join(here, group, f"{option}.yaml") if option else os.path.join(here, f"{group}.yaml")
+        target = os.path.normpath(target)
+        assert os.path.isfile(target), f"{path} includes {entry!r}, not stored at {target}"
+        if os.path.relpath(target, os.path.join(HERE, "config")) not in seen:
+            _included(target, seen)
+
+
+def _yaml_value(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
+def test_every_included_file_is_stored():
+    seen: set[str] = set()
+    for root in ROOTS:
+        _included(os.path.join(HERE, "config", root), seen)
+    assert {"actor/megatron_actor.yaml", "actor/dp_actor.yaml", "rollout/rollout.yaml", "data/legacy_data.yaml",
+            "engine/megatron.yaml", "optim/fsdp.yaml"} <= seen
+    assert len(verl_leaves()) > 650        # 694 distinct leaves at v0.7.0
+
+
+def test_defaults_table_is_verls():
+    """megarl/config/verl_defaults.yaml equals what verl's composed trees give (regenerate with
+    `python tests/assets/verl/make_defaults.py`)."""
+    stored = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "megarl", "config",
+                                              "verl_defaults.yaml")))
+    assert stored == table()
+
+
+def test_every_verl_leaf_is_known():
+    """Each leaf at each of verl's defaults: never 'unknown'; a verl-only key at its default is accepted,
+    at another value refused with its reason."""
+    unknown, refused_at_default = [], []
+    for key, defaults in verl_leaves().items():
+        ours = megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES
+        assert ours or key in verl_defaults(), f"{key}: neither megarl's nor in verl_keys"
+        if not ours:
+            assert rule_for(key), f"{key}: no reason in verl_keys.RULES"
+        for value in defaults:
+            try:
+                load_config(None, [f"{key}={_yaml_value(value)}"])
+            except ConfigError as err:
+                if "unknown key" in str(err):
+                    unknown.append(str(err))
+                elif not ours:
+                    refused_at_default.append(str(err))
+    assert not unknown, unknown[:5]
+    assert not refused_at_default, refused_at_default[:5]
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("trainer.critic_warmup=3", "critic warm-up steps are not implemented"),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.actor.megatron"),
+    ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=true", "dist_checkpointing_path"),
+    ("actor_rollout_ref.actor.optim.warmup_style=cosine", "lr_decay_style"),
+    ("trainer.default_hdfs_dir=hdfs://x", "trainer.default_local_dir"),
+    ("ray_kwargs.ray_init.num_cpus=8", "torchrun or srun"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model]", "trainer.save_freq"),
+])
+def test_non_default_verl_values_are_refused_with_the_alternative(override, expect):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expect in str(err.value) and "\n" not in str(err.value)
+
+
+def test_verl_defaults_carry_over():
+    cfg = load_config(None, ["trainer.critic_warmup=0", "trainer.val_only=false", "trainer.default_hdfs_dir=null",
+                             "trainer.del_local_ckpt_after_load=false", "actor_rollout_ref.actor.optim.warmup_style=null",
+                             "actor_rollout_ref.actor.megatron.use_mbridge=true", "ray_kwargs.ray_init.num_cpus=null",
+                             "actor_rollout_ref.actor.fsdp_config.param_offload=false",
+                             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]"])
+    assert cfg.trainer.save_freq == load_config(None).trainer.save_freq
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("trainer.critc_warmup=0", "'trainer.critic_warmup'"),
+    ("trainer.max_critc_ckpt_to_keep=1", "'trainer.max_critic_ckpt_to_keep'"),
+    ("actor_rollout_ref.actor.fsdp_confg.param_offload=false", "'actor_rollout_ref.actor.fsdp_config'"),
+])
+def test_suggestions_come_from_the_same_section(override, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert hint in str(err.value)
+
+
+def test_unrelated_key_gets_no_far_suggestion():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.zzz_nothing_alike=1"])
+    assert str(err.value) == "trainer.zzz_nothing_alike: unknown key"
+
+
+def test_rules_all_used():
+    patterns = {p for p, _ in RULES}
+    import fnmatch
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in verl_defaults())]
+    assert not unused, unused
+
+
+@pytest.mark.parametrize("flag", ["--config-name=ppo_megatron_trainer", "--config-path=verl/trainer/config"])
+def test_hydra_flags_get_one_line(flag, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megarl.train", flag], capture_output=True, text=True,
+                         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "--config path/to/file.yaml" in out.stderr

@@ -1,0 +1,172 @@
+"""A verl user's common mistakes (issue 24), each stopping with its one line and exit code 2 before
+any rank starts, from a directory other than the repository's.
+
+    python -m pytest -q tests/test_verl_mistakes.py
+
+megarl.train.main runs in this process (the launcher part is what decides; spawn_ranks is replaced
+by one that fails the test if reached), so an unreadable file can be simulated by making `open`
+refuse it: the tests run as root, whom file permissions do not stop.
+"""
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+
+import megarl.train as train_mod
+from megarl.launch_output import RankOutput
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+ADDITION = os.path.join(ROOT, "data", "addition", "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, addition_model_dir):
+    """Every broken input, built once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import GPT2Config
+    d = tmp_path_factory.mktemp("mistakes")
+    rows = [json.loads(line) for line in open(ADDITION).readlines()[:40]]
+    pq.write_table(pa.Table.from_pylist([{"question": r["prompt"][0]["content"], "data_source": r["data_source"]}
+                                         for r in rows]), d / "no_prompt.parquet")
+    (d / "three.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    (d / "utf16.jsonl").write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode("utf-16"))
+    (d / "locked.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "a_dir").mkdir()
+    (d / "a_dir" / "train.jsonl").write_text("")
+    (d / "reward_bad.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                     "    return 1 / 0\n")
+    (d / "model_file").write_text("not a checkpoint")
+    (d / "bad_tools.yaml").write_text("tools:\n  - {description: adds two numbers, parameters: {type: object}}\n")
+    no_template = d / "no_template"
+    shutil.copytree(addition_model_dir, no_template)
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((no_template / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (d / "gpt2").mkdir()
+    (d / "gpt2" / "config.json").write_text(json.dumps(GPT2Config(n_layer=2, n_embd=64, n_head=4).to_dict()))
+    (d / "derived.yaml").write_text(f"base: {QUICKSTART}\nactor_rollout_ref:\n  model:\n    path: my-model\n")
+    names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py", "model_file",
+             "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
+    return {k: str(d / k) for k in names} | {"model": addition_model_dir}
+
+
+def run_main(args, cwd, monkeypatch, capsys):
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(train_mod, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    code = train_mod.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of its one line)
+    ("hub id as model.path", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct"],
+     "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct"),
+    ("typo in model.path", ["actor_rollout_ref.model.path=models/qwen-typo"], "models/qwen-typo does not exist"),
+    ("model.path is a file", ["actor_rollout_ref.model.path=@model_file"], "is a file; give the HF checkpoint"),
+    ("unsupported architecture", ["actor_rollout_ref.model.path=@gpt2"], "unsupported architecture model_type='gpt2'"),
+    ("parquet without prompt", ["data.train_files=@no_prompt.parquet"], "has no 'prompt' column (it has: question"),
+    ("no chat template", ["actor_rollout_ref.model.path=@no_template"], "the tokenizer has no chat template"),
+    ("every prompt too long", ["data.max_prompt_length=2", "actor_rollout_ref.rollout.max_model_len=null"],
+     "no usable train prompts"),
+    ("batch larger than rows", ["data.train_files=@three.jsonl"],
+     "data.train_batch_size: data.train_batch_size=32 is larger than the 3 usable prompts"),
+    ("reward raises", ["custom_reward_function.path=@reward_bad.py"], "reward_bad.py:2"),
+    ("UTF-16 data file", ["data.train_files=@utf16.jsonl"], "utf16.jsonl is not UTF-8 text (it starts with a UTF-16"),
+    ("directory as data file", ["data.train_files=@a_dir"], "a_dir is a directory; give the data file itself, e.g."),
+    ("tool without a name", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                             "actor_rollout_ref.rollout.tools=@bad_tools.yaml"], "needs a `name`"),
+    ("verl key off its default", ["trainer.critic_warmup=2"], "critic warm-up steps are not implemented"),
+]
+if not __import__("torch").cuda.is_available():
+    MISTAKES.append(("cuda without a GPU", ["trainer.device=cuda"], "trainer.device: cuda, but this machine has no"))
+if importlib.util.find_spec("tensorboard") is None:
+    MISTAKES.append(("tensorboard missing", ["trainer.logger=[console,tensorboard]"],
+                     "the 'tensorboard' package is not installed; pip install tensorboard"))
+
+
+# A launch runs the same preflight as --check; these confirm it stops before spawn_ranks too.
+AS_LAUNCH = ("hub id as model.path", "model.path is a file", "parquet without prompt", "batch larger than rows",
+             "reward raises")
+
+
+@pytest.mark.parametrize("check", ["--check", "launch"])
+def test_each_mistake_is_one_line_and_exit_2(tmp_path, inputs, monkeypatch, capsys, check):
+    """With --check (every mistake) and as a launch (which must stop before spawn_ranks)."""
+    for name, overrides, words in MISTAKES:
+        if check == "launch" and name not in AS_LAUNCH:
+            continue
+        overrides = [o.split("=", 1)[0] + "=" + (inputs[o.split("=", 1)[1][1:]] if o.split("=", 1)[1][:1] == "@"
+                                                else o.split("=", 1)[1]) for o in overrides]
+        model = [] if any("model.path" in o for o in overrides) else [f"actor_rollout_ref.model.path={inputs['model']}"]
+        args = ["--config", QUICKSTART, *model, *overrides] + (["--check"] if check == "--check" else [])
+        code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
+        assert code == 2, (name, out, err)
+        assert err.startswith("megarl: config error: ") and err.count("\n") == 1, (name, err)
+        assert words in err and "Traceback" not in err, (name, err)
+        assert os.listdir(tmp_path) in ([], ["runs"]), (name, os.listdir(tmp_path))   # no model built here
+
+
+def test_a_bootstrap_builds_only_its_own_path(tmp_path, inputs, monkeypatch, capsys):
+    """A config that inherits quickstart's bootstrap but names another path loads that path."""
+    code, _, err = run_main(["--config", inputs["derived.yaml"], "--check"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "my-model does not exist" in err and "bootstrap builds only the path its own" in err
+    assert not os.path.exists(os.path.join(os.path.dirname(inputs["derived.yaml"]), "my-model"))
+    # Naming the bootstrap on the command line makes the command line its config: the path is its own.
+    code, out, _ = run_main(["--config", inputs["derived.yaml"], "--check", "actor_rollout_ref.model.bootstrap="
+                             "megarl.examples.addition:bootstrap", f"actor_rollout_ref.model.path={tmp_path}/new"],
+                            tmp_path, monkeypatch, capsys)
+    assert code == 0 and "check out" in out and not os.path.exists(tmp_path / "new")
+
+
+def test_an_existing_directory_is_never_bootstrapped_over(tmp_path, monkeypatch, capsys):
+    (tmp_path / "half").mkdir()
+    code, _, err = run_main(["--config", QUICKSTART, "--check", "actor_rollout_ref.model.bootstrap="
+                             "megarl.examples.addition:bootstrap", f"actor_rollout_ref.model.path={tmp_path}/half"],
+                            tmp_path, monkeypatch, capsys)
+    assert code == 2 and "exists but holds no config.json; the bootstrap builds only into a path that does not" in err
+
+
+def test_unreadable_data_file(tmp_path, inputs, monkeypatch, capsys):
+    real_open = builtins.open
+
+    def guarded(file, *a, **k):
+        if str(file) == inputs["locked.jsonl"]:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    code, _, err = run_main(["--config", QUICKSTART, f"actor_rollout_ref.model.path={inputs['model']}",
+                             f"data.train_files={inputs['locked.jsonl']}", "--check"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "cannot read" in err and "locked.jsonl (Permission denied)" in err and "Traceback" not in err
+
+
+def test_verl_keys_at_their_defaults_pass_check(tmp_path, inputs, monkeypatch, capsys):
+    code, out, err = run_main(["--config", QUICKSTART, f"actor_rollout_ref.model.path={inputs['model']}", "--check",
+                               "trainer.critic_warmup=0", "actor_rollout_ref.actor.fsdp_config.param_offload=false",
+                               "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+                               "trainer.default_hdfs_dir=null", "trainer.val_only=false",
+                               "actor_rollout_ref.actor.megatron.use_dist_checkpointing=false"],
+                              tmp_path, monkeypatch, capsys)
+    assert code == 0 and "check out" in out, err
+
+
+def test_a_rank_config_error_is_the_last_console_line(tmp_path):
+    """Once a rank prints its config error, torchrun's tracebacks go to the log, not the console."""
+    import io
+    console = io.BytesIO()
+    echo = RankOutput(console, "run/logs/megarl-1.log")
+    for chunk in (b"megarl: starting 2 processes\nmegarl: config error: data.train_files: x; fix", b"\nTraceback (most",
+                  b" recent call last):\n  File ...\ntorch.distributed.elastic...ChildFailedError\n"):
+        echo.write(chunk)
+    assert echo.exit_code(1) == 2
+    assert console.getvalue().decode().splitlines() == [
+        "megarl: starting 2 processes", "megarl: config error: data.train_files: x; fix",
+        "megarl: stopped the ranks; the ranks' full output is in run/logs/megarl-1.log"]
