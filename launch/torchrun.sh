@@ -24,7 +24,9 @@ threads=$(( $(nproc) / MEGARL_NPROC_PER_NODE ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 
 set +e
-"$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$MEGARL_NPROC_PER_NODE" \
+# supervise: torchrun and everything below it end when this script ends, even by kill -9 (parent-death
+# signal), and no helper process outlives the run (megarl/parallel/supervise.py).
+"$PYTHON" -m megarl.parallel.supervise -- "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$MEGARL_NPROC_PER_NODE" \
     --max-restarts=0 --shutdown-timeout="${MEGARL_SHUTDOWN_TIMEOUT_S:-15}" \
     -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}

@@ -12,7 +12,7 @@ What it checks, model first, reading no model weights:
 - the reward function (or manager) imports and has the right signature;
 - with the tokenizer at hand: each split tokenized as the ranks do it, usable rows vs the batch
   size, the reward on one real row (a bootstrapped model: right after the launcher builds it);
-- model.external_lib imports; the run directory is writable.
+- model.external_lib imports; the run directory is writable and has room for a checkpoint.
 The layout is checked by the config itself (ExperimentConfig) and against the model here.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tempfile
 
 from megarl.config.errors import ConfigError
 from megarl.config.model_path import model_path_state
+from megarl.diskspace import check_free_space
 from megarl.durable import make_private_dir
 from megarl.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
 from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_object, load_reward_fn
@@ -48,6 +49,7 @@ def preflight(cfg) -> None:
     if tokenizer_available(cfg):               # else after the bootstrap: bootstrap_and_check()
         check_with_tokenizer(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    check_free_space(cfg)     # a full disk passes the write check (an empty file needs no blocks)
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
 

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig, load_config
-from megarl.config.experiment import read_hf_config
+from megarl.config.experiment import ExperimentConfig, load_config, read_hf_config
 from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launch_output import RankOutput
 from megarl.preflight_run import tokenizer_available
 from megarl.logs import VERBOSE_ENV, quiet_known_noise
-from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, child_dies_with_us, die_with_parent
+from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent
+from megarl.parallel.supervise import LogCopy, run_tree
 from megarl.preflight import bootstrap_and_check, preflight
 
 
@@ -83,22 +81,20 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"megarl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     print(f"megarl: starting {nproc} process{'es' if nproc > 1 else ''}; log {log_path}", flush=True)
+    log = LogCopy(log_path)
+    echo = RankOutput(sys.stdout.buffer, log_path)   # a rank's config error ends the console copy
+
+    def copy(chunk: bytes) -> None:
+        try:
+            echo.write(chunk)
+        except OSError:
+            pass                     # a closed console must not stop the run; the log keeps it
+        log.write(chunk)
     try:
-        with open(log_path, "ab") as log:
-            # The child gets SIGTERM if this process dies (torchrun then stops its ranks).
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    preexec_fn=child_dies_with_us())
-            echo = RankOutput(sys.stdout.buffer, log_path)   # a rank's config error ends the console copy
-            try:
-                while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-                    echo.write(chunk)
-                    log.write(chunk)
-                    log.flush()
-                return echo.exit_code(proc.wait())
-            except KeyboardInterrupt:
-                proc.send_signal(signal.SIGINT)
-                return proc.wait()
+        # Every process of the run stays below this one and ends with it (megarl/parallel/supervise.py).
+        return echo.exit_code(run_tree(cmd, env, copy))
     finally:
+        log.close()
         lock.release()
 
 

@@ -79,6 +79,7 @@ class RewardResult:
     token_level_scores: torch.Tensor               # [B, R], each score on its response's last token
     extra_info: dict[str, list] = field(default_factory=dict)   # per-sample fields (acc, pred, ...)
     metrics: dict[str, float] = field(default_factory=dict)
+    notice: str = ""                               # samples that failed to score, for the console
 
     def apply(self, batch) -> None:
         batch.batch["token_level_scores"] = self.token_level_scores
@@ -211,9 +212,22 @@ class RewardManager:
             res = RewardResult(self._as_token_level(batch, value, "rm_scores"))
         else:
             res = self._from_custom(batch, value)
+        self._sanitise(res)
         self._shape(batch, res)
         res.metrics["reward/latency_s"] = time.perf_counter() - handle.started  # overlaps the log-prob passes
         return res
+
+    def _sanitise(self, res: RewardResult) -> None:
+        """NaN/inf in a tensor a custom manager or reward model returned: counted, told, and given
+        reward_model.failure_score (a NaN would reach every advantage of its group)."""
+        bad = ~torch.isfinite(res.token_level_scores)
+        rows = int(bad.any(-1).sum())
+        if rows:
+            res.token_level_scores[bad] = self.failure_score
+            res.metrics["reward/non_finite"] = res.metrics.get("reward/non_finite", 0.0) + rows
+            res.notice = (res.notice + "; " if res.notice else "") + (
+                f"{rows} of {bad.shape[0]} samples had a non-finite reward, given reward_model.failure_score="
+                f"{self.failure_score:g}")
 
     def close(self) -> None:
         if self.pool is not None:
@@ -282,9 +296,15 @@ class RewardManager:
         keys = sorted({k for o in outcomes for k in o.info})
         info = {k: [o.info.get(k) for o in outcomes] for k in keys}
         info["reward_failed"] = [o.score is None for o in outcomes]
+        non_finite = sum(bool(o.error) and "non-finite" in o.error for o in outcomes)
         metrics = {"reward/failures": float(len(failed) - timeouts), "reward/timeouts": float(timeouts),
-                   "reward/failure_fraction": len(failed) / max(n, 1)}
-        return RewardResult(place_scores(batch, scores), info, metrics)
+                   "reward/failure_fraction": len(failed) / max(n, 1), "reward/non_finite": float(non_finite)}
+        notice = ""
+        if failed:
+            notice = (f"{len(failed)} of {n} samples failed to score ({non_finite} non-finite, {timeouts} timed out) "
+                      f"and were given reward_model.failure_score={self.failure_score:g}; first: sample {failed[0]}: "
+                      f"{outcomes[failed[0]].error}")
+        return RewardResult(place_scores(batch, scores), info, metrics, notice)
 
     def _as_token_level(self, batch, value, what: str) -> torch.Tensor:
         if isinstance(value, (list, tuple, np.ndarray)):

@@ -17,6 +17,7 @@ reads nothing until verified_io.verify accepts the step (see docs/security.md).
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from megarl.config import ConfigError
 from megarl.trainer import verified_io
+from megarl.trainer.faults import fault_point
 
 POINTER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -86,11 +88,61 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed for a reason outside the program (a full disk, a lost mount): one line."""
+
+
 def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
     """Collective: every rank calls it. `roles` maps a name to a worker with save_checkpoint(dir).
     An existing global_step_N is never replaced in silence: an incomplete one is moved aside to
     global_step_N.incomplete, a complete one (a run started over) is replaced with a line (`say`).
-    Before the rename every file is made private, fsynced and listed in manifest.json (verified_io)."""
+    Before the rename every file is made private, fsynced and listed in manifest.json (verified_io).
+    A save that fails on the filesystem (ENOSPC, EIO, ...) removes its partial directory and
+    raises CheckpointSaveError naming the step, the error and the last complete checkpoint."""
+    try:
+        return _save(root, step, roles, trainer_state, rank, keep, say)
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        cause = _os_error(err) or _disk_full(root)
+        if cause is None or isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        if rank == 0:
+            shutil.rmtree(step_dir(root, step) + ".tmp", ignore_errors=True)   # gives the space back
+        last = latest_step_dir(root)
+        raise CheckpointSaveError(
+            f"saving step {step} failed on rank {rank}: {cause.strerror or cause}"
+            + (f" ({cause.filename})" if cause.filename else "") + f"; the partial save was removed and the last "
+            f"complete checkpoint is {last or 'none'}; free space (or fix the filesystem), then run the same "
+            "command to resume") from None
+
+
+def _disk_full(root: str) -> OSError | None:
+    """torch's zip writer reports a short write as "unexpected pos N vs M", without an errno:
+    a failed save on a filesystem with (almost) no room left is taken as a full disk."""
+    try:
+        full = shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, "No space left on device", root) if full else None
+
+
+def _os_error(err: BaseException, depth: int = 0) -> OSError | None:
+    """The OSError behind `err`: itself, its cause/context, or a rank's failure inside torch's
+    CheckpointException (megatron's writer processes send theirs back that way)."""
+    if err is None or depth > 6:
+        return None
+    if isinstance(err, OSError) and err.errno is not None:
+        return err
+    inner = [pair[0] for pair in getattr(err, "failures", {}).values() if isinstance(pair, tuple)]
+    for e in (*inner, err.__cause__, err.__context__):
+        found = _os_error(e, depth + 1) if isinstance(e, BaseException) else None
+        if found is not None:
+            return found
+    if "No space left on device" in str(err):  # megatron's writer can report it only as text
+        return OSError(errno.ENOSPC, "No space left on device")
+    return None
+
+
+def _save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
     final = step_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
@@ -101,6 +153,7 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
     for name, worker in roles.items():
         worker.save_checkpoint(os.path.join(tmp, name))
     verified_io.save_plain(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    fault_point("save", step, rank)
     if rank == 0:
         verified_io.save_plain(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # marks completeness
     _barrier()
@@ -174,7 +227,9 @@ def load(path: str, roles: dict, rank: int, world: int) -> dict:
         _reading(path, sub, lambda: worker.load_checkpoint(sub))
     state = read_trainer_state(path)
     rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
-    if state.get("world") == world and os.path.isfile(rng_file):
+    if state.get("world") == world:     # the same world: the resume is bitwise only with every stream
+        if not os.path.isfile(rng_file):
+            raise _damaged(path, os.path.relpath(rng_file, path), "is missing")
         set_rng_state(_reading(path, rng_file, lambda: verified_io.load_plain(rng_file)))
     return state
 
@@ -185,14 +240,23 @@ def read_trainer_state(path: str) -> dict:
     return _reading(path, state_file, lambda: verified_io.load_plain(state_file))
 
 
+def _damaged(step_path: str, rel: str, why: str) -> ConfigError:
+    return ConfigError(f"cannot resume from {os.path.basename(step_path)}: {rel} {why}; the checkpoint is damaged: "
+                       "start over with trainer.resume_mode=disable, or pick an earlier one with trainer.resume_mode="
+                       "resume_path trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode")
+
+
 def _reading(step_path: str, what: str, fn):
     try:
         return fn()
     except ConfigError:
         raise
-    except Exception as err:  # megatron's CheckpointException runs to hundreds of lines: keep the first
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException of hundreds of lines
         first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-        raise ConfigError(f"cannot resume from {os.path.basename(step_path)}: reading {what} failed "
-                          f"({type(err).__name__}: {first[:300]}); the checkpoint is damaged: start over with "
-                          "trainer.resume_mode=disable, or pick an earlier one with trainer.resume_mode=resume_path "
-                          "trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode") from None
+        if getattr(err, "failures", None):   # the failing rank's own exception, not torch's wrapper
+            inner = next(iter(err.failures.values()))[0]
+            first = f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+        raise _damaged(step_path, os.path.relpath(what, step_path),
+                       f"could not be read ({type(err).__name__}: {first[:300]})") from None

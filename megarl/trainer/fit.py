@@ -23,9 +23,11 @@ from megarl.algos.loss_fn import make_actor_loss_fn, make_critic_loss_fn
 from megarl.algos.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from megarl.algos.rollout_correction import rollout_mismatch_metrics
 from megarl.protocol import DataProto
+from megarl.reward.manager import RewardFailure
 from megarl.rollout.multiturn import multiturn_metrics
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
+from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import broadcast_object, generate, sampling_seed
 from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.mfu import MFUMeter
@@ -86,6 +88,7 @@ class RLTrainer:
             self.update_critic(batch)
         with self.timed("update_actor"):
             self.update_actor(batch)
+        fault_point("step", self.step, self.global_rank)
 
     # -- the steps -----------------------------------------------------------------------------------
     def rollout(self, prompts: DataProto) -> DataProto:
@@ -148,10 +151,17 @@ class RLTrainer:
     def collect_rewards(self, batch: DataProto, pending) -> None:
         """Scores from rank 0 to every rank; KL in the reward and overlong shaping on top."""
         if "token_level_scores" not in batch.batch:
-            result = self.p.reward.result(pending) if self.p.reward is not None else None
+            try:
+                result = self.p.reward.result(pending) if self.p.reward is not None else None
+            except RewardFailure as err:    # every rank stops naming the reward, not a peer's lost connection
+                result = err
             result = broadcast_object(result)
+            if isinstance(result, RewardFailure):
+                raise result
             result.apply(batch)
             self.extra.update(result.metrics)
+            if result.notice:
+                self.log.info(f"megarl: step {self.step}: {result.notice}")
         scores = batch.batch["token_level_scores"]
         if self.cfg.algorithm.use_kl_in_reward and "old_log_probs" in batch.batch:
             rewards, kl_metrics = apply_kl_penalty(scores, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
@@ -173,7 +183,12 @@ class RLTrainer:
         metrics = self.p.actor.update_policy(batch, self.actor_loss, temperature=self.sampling.logprob_temperature)
         self._check_update("actor", metrics)
 
+    @property
+    def global_rank(self) -> int:
+        return self.ranks.global_rank if self.ranks.role != "colocated" else self.ranks.rank
+
     def sync_weights(self) -> None:
+        fault_point("sync", self.step, self.global_rank)
         self.extra.update(self.p.weight_sync.sync())
         self.handoff("engine")       # after the sync, which reads the weights on the device
         if self.cfg.rollout.free_cache_engine:

@@ -38,6 +38,7 @@ from megarl.rollout.partial import ChunkedGeneration
 from megarl.rollout.sampling import train_sampling, val_sampling
 from megarl.trainer import checkpointing
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
+from megarl.trainer.faults import fault_point
 from megarl.trainer.fit import RLTrainer
 from megarl.trainer.generation import generate, sampling_seed, shard_rows, step_seed
 from megarl.trainer.validation import validate
@@ -81,6 +82,7 @@ class AsyncRLTrainer(RLTrainer):
     def sync_weights(self) -> None:
         if self.ranks.is_main:
             self.signal.send(self.step)
+        fault_point("sync", self.step, self.global_rank)     # the rollout side is inside the sync now
         self.extra.update(self.p.weight_sync.sync())
 
     def receive(self) -> None:

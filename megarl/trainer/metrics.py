@@ -79,11 +79,19 @@ class MetricsLogger:
         return record
 
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after `step` (a resumed run logs them again)."""
+        """Drop records of steps after `step` (a resumed run logs them again), and a line cut short
+        by a kill during its write (with a notice)."""
         if not self.enabled or not os.path.exists(self.path):
             return
+        lines = []
         with open(self.path) as f:
-            lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            for number, line in enumerate(f, 1):
+                record = _parse(line)
+                if record is None:
+                    self.info(f"megarl: dropped line {number} of {self.path}: not a complete JSON record "
+                              f"(a write cut short by a kill): {line.strip()[:80]!r}")
+                elif line.strip() and record.get("step", 0) <= step:
+                    lines.append(line if line.endswith("\n") else line + "\n")
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(lines)
@@ -133,9 +141,21 @@ class _WandB:
         self.run.finish()
 
 
+def _parse(line: str) -> dict | None:
+    """A record, or None for a line that is not one (torn by a kill mid-write); blank lines are {}."""
+    if not line.strip():
+        return {"step": -1}
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_metrics(run_dir: str) -> list[dict]:
+    """The records of metrics.jsonl; a torn line (a kill during a write) is left out."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [r for r in map(_parse, f) if r is not None and r.get("step") != -1]

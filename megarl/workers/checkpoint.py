@@ -14,14 +14,22 @@ so `checkpoints_tools/megatron_to_hf.py` can write a complete HF directory. The 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
+from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
+from megarl.parallel.supervise import die_with_parent_kill
+
+try:    # the async writer's module; a megatron-core without it has no helper process to bind
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+except ImportError:
+    filesystem_async = None
 
 META = "megarl"
 HF_DIR = "hf"
@@ -53,6 +61,7 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
+    megatron_writer_dies_with_rank()      # megatron's writer helper must not outlive this rank
     dist_checkpointing.save(sd, path)
     if dist.get_rank() == 0:  # after megatron's save, which wants an empty directory
         _write_hf_aux(path, engine)
@@ -120,3 +129,17 @@ def plain_tensors(path: str) -> dict[str, torch.Tensor]:
     meta = dist_checkpointing.load_tensors_metadata(path)
     wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}
     return dict(dist_checkpointing.load(wanted, path, validate_access_integrity=False))
+
+
+def megatron_writer_dies_with_rank() -> None:
+    """Start megatron's checkpoint-results helper process ourselves, with a parent-death signal.
+    megatron-core (0.16, dist_checkpointing/strategies/filesystem_async.py) starts it on a rank's
+    first save as a spawned multiprocessing Manager that nothing stops when the rank is killed: it
+    then lives on (~275 MB) holding the launcher's output pipe. Call before the first save."""
+    fa = filesystem_async
+    if fa is None or getattr(fa, "_results_queue", "absent") is not None:   # made already, or a megatron without it
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent_kill)
+    fa._results_queue = manager.Queue()
+    fa._megarl_manager = manager            # kept alive as long as the module

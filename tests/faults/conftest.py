@@ -1,0 +1,47 @@
+"""Runs shared by the fault suite's files (each launch costs ~10-20 s on 2 cores).
+
+`sync_chain` / `async_chain`: an uninterrupted reference run, then one run directory taken through
+a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
+rank 0 there, megarl/trainer/faults.py), a torn last line in metrics.jsonl, and a final resume.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.faults.runs import Launch, async_overrides, lock_is_free, overrides
+
+STEPS = 5
+# (fault point, the checkpoint the next launch resumes from)
+KILL_POINTS = [("pause@step:3", 2), ("pause@save:4", 2), ("pause@sync:5", 4)]
+TORN = '{"step": 5, "critic/score/mean": 0.5, "actor/pg_l'
+
+
+def _chain(model_dir, root, make_args) -> dict:
+    ref_dir, run_dir = root / "reference", root / "killed"
+    rc, ref_out = Launch(make_args(model_dir, ref_dir, STEPS)).finish()
+    assert rc == 0, ref_out[-3000:]
+    kills = []
+    for fault, resumes_from in KILL_POINTS:
+        launch = Launch(make_args(model_dir, run_dir, STEPS), fault=fault)
+        launch.wait_paused()
+        launch.kill_group()
+        kills.append({"fault": fault, "out": launch.out, "left": launch.left_after(10),
+                      "lock_free": lock_is_free(run_dir), "resumes_from": resumes_from,
+                      "pointer": (run_dir / "latest_checkpointed_iteration.txt").read_text().strip(),
+                      "dirs": sorted(os.listdir(run_dir))})
+    with open(run_dir / "metrics.jsonl", "a") as f:   # a kill in the middle of a metrics write
+        f.write(TORN)
+    rc, final_out = Launch(make_args(model_dir, run_dir, STEPS)).finish()
+    return {"ref": ref_dir, "run": run_dir, "ref_out": ref_out, "kills": kills, "rc": rc, "out": final_out}
+
+
+@pytest.fixture(scope="session")
+def sync_chain(addition_model_dir, tmp_path_factory):
+    return _chain(addition_model_dir, tmp_path_factory.mktemp("sync_chain"), overrides)
+
+
+@pytest.fixture(scope="session")
+def async_chain(addition_model_dir, tmp_path_factory):
+    return _chain(addition_model_dir, tmp_path_factory.mktemp("async_chain"), async_overrides)

@@ -1,0 +1,62 @@
+"""Rewards that fail: NaN on part of a batch is counted (metric) and told (console line); in the
+Ray pool, a hung reward (past reward_model.batch_deadline_s) and a raising one stop the run with
+the reward named as the root cause in torchrun's summary, not rank 1's "Connection closed"."""
+import pytest
+
+from megarl.trainer.metrics import read_metrics
+from tests.faults.runs import Launch, overrides
+
+REWARDS = '''
+import math, time
+
+def nan_quarter(data_source, solution_str, ground_truth, extra_info=None):
+    if int(ground_truth) % 4 == 0:
+        return float("nan")
+    return float(solution_str.strip() == str(ground_truth))
+
+def hangs(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(3600)
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise ZeroDivisionError("the grader divided by zero")
+'''
+
+
+def _launch(model_dir, tmp_path, name, *extra):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return Launch(overrides(model_dir, tmp_path / name, 1, "trainer.save_freq=-1",
+                            f"custom_reward_function.path={tmp_path / 'rewards.py'}",
+                            f"custom_reward_function.name={name}", *extra))
+
+
+@pytest.mark.timeout(300)
+def test_nan_on_part_of_a_batch_is_counted_and_printed(addition_model_dir, tmp_path):
+    launch = _launch(addition_model_dir, tmp_path, "nan_quarter", "trainer.n_gpus_per_node=1",
+                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1")
+    rc, out = launch.finish()
+    assert rc == 0, out[-3000:]
+    row = read_metrics(str(tmp_path / "nan_quarter"))[-1]
+    nan = int(row["reward/non_finite"])
+    assert 0 < nan < 32 and row["reward/failures"] == nan, row
+    assert f"megarl: step 1: {nan} of 32 samples failed to score ({nan} non-finite, 0 timed out)" in out, out[-3000:]
+
+
+def _root_cause(out):
+    return out.split("Root Cause (first observed failure):", 1)[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, cause", [
+    ("hangs", "RewardDeadline: the reward step passed reward_model.batch_deadline_s="),
+    ("raises", "RewardFailure: the reward function failed on 32 of 32 samples"),
+])
+def test_ray_pool_reward_is_the_root_cause(addition_model_dir, tmp_path, name, cause):
+    launch = _launch(addition_model_dir, tmp_path, name, "reward_model.launch_reward_fn_async=true",
+                     "reward_model.batch_deadline_s=8", "reward_model.timeout_s=60", "reward_model.num_workers=2")
+    rc, out = launch.finish()
+    assert rc != 0
+    root = _root_cause(out)
+    assert cause in root and "Connection closed" not in root, out[-3000:]
+    assert "ZeroDivisionError: the grader divided by zero" in root if name == "raises" else True
+    assert sum(line.startswith("megarl: stopped:") for line in out.splitlines()) == 1, out[-3000:]
+    assert launch.left_after(10) == []
