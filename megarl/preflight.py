@@ -24,7 +24,7 @@ import os
 import tempfile
 
 from megarl.config.errors import ConfigError
-from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_reward_fn
+from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_object, load_reward_fn
 from megarl.config.model_path import model_path_state
 from megarl.preflight_run import (check_architecture, check_columns, check_datasets, check_device, check_loggers,
                                   check_reward_on_a_row, load_tokenizer, tokenizer_available)
@@ -65,8 +65,7 @@ def bootstrap_and_check(cfg) -> None:
     m = cfg.model
     if model_path_state(m.path, m.bootstrap) != "bootstrap":
         return
-    from megarl.trainer.parts import import_path
-    import_path(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
+    load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     if model_path_state(m.path, None) != "ready":
         raise ConfigError(f"{m.path} still holds no config.json after the bootstrap", "actor_rollout_ref.model.bootstrap")
     check_with_tokenizer(cfg)

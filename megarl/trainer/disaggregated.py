@@ -19,6 +19,8 @@ import os
 import socket
 import time
 
+import torch.distributed as dist
+
 from megarl.trainer.parts import RolloutParts, TrainerParts, build_roles, build_shared
 
 
