@@ -62,7 +62,10 @@ MODES = {
 
 # --smoke (CI): two modes, three small steps, one round, a model warm-started for 20 steps in --out
 SMOKE = dict(steps=3, test_freq=3, warmup=1, rounds=1, modes=["sync", "one_step"])
-SMOKE_EXTRA = ["actor_rollout_ref.model.bootstrap_kwargs.warm_start_steps=20",
+# The bootstrap is named here too: a bootstrap builds only the path its own config names (here,
+# the command line's model.path under --out), never an overridden path of the quickstart's.
+SMOKE_EXTRA = ["actor_rollout_ref.model.bootstrap=megarl.examples.addition:bootstrap",
+               "actor_rollout_ref.model.bootstrap_kwargs.warm_start_steps=20",
                "actor_rollout_ref.model.bootstrap_kwargs.eval_rows=16", "data.train_batch_size=8",
                "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]

@@ -220,7 +220,9 @@ def run_rank(rank, world, path, a):
         del actor
         state.destroy_model_parallel()
         release()
-    return results
+    # as (key, value) pairs: the ranks' results come back as plain data (megarl.plain_state), whose
+    # mappings take string or integer keys only
+    return [[list(key), value] for key, value in results.items()]
 
 
 def main() -> None:
@@ -243,7 +245,8 @@ def main() -> None:
         if not os.path.exists(os.path.join(path, "config.json")):
             make_tiny_hf(path, "qwen2", tokenizer=False, **shape(a.layers, a.hidden, a.vocab))
         started = time.perf_counter()
-        ranks = run_local(WORLD, run_rank, (path, a))
+        got = run_local(WORLD, run_rank, (path, a))
+    ranks = [{tuple(key): value for key, value in pairs} for pairs in got]
     params = ranks[0][(1, 1, 1)]["model"] / 4
     print(f"model: Qwen2, {params / 1e6:.1f}M parameters, fp32 ({params * 4 / 1e9:.2f} GB); {WORLD} gloo ranks on "
           f"{os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}); bucket {a.bucket_mb:g} MiB; medians "
@@ -272,7 +275,7 @@ def main() -> None:
           "reaches on the same bytes. % floor: the same against raw + one copy of the engine's weights. rank MB: the "
           "largest rank's whole resident set during that pair.")
     print("peak resident MiB per rank (whole run, sampled by the parent): "
-          + ", ".join(f"rank {r} {mb:.0f}" for r, mb in enumerate(ranks.peak_mb)))
+          + ", ".join(f"rank {r} {mb:.0f}" for r, mb in enumerate(got.peak_mb)))
 
 
 if __name__ == "__main__":

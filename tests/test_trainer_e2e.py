@@ -31,7 +31,7 @@ def test_short_run_then_exact_resume_after_sigkill(addition_model_dir, tmp_path)
     assert re.search(r"^step 3/6 \| reward [0-9.]+ \| kl .* \| val_acc", out, re.M), out[-2000:]
     assert "megarl: training layout: TP 2 x PP 1 x DP 1" in out
     assert (run_a / "config.yaml").is_file() and (run_a / "reward_curve.png").is_file()
-    assert sorted(os.listdir(run_a / "global_step_6")) == ["actor", "rng", "trainer_state.pt"]
+    assert sorted(os.listdir(run_a / "global_step_6")) == ["actor", "manifest.json", "rng", "trainer_state.pt"]
     assert not (run_a / "global_step_2").exists()          # keep the last 2
     # The engine reports the log-probs the actor recomputes after each weight sync.
     assert max(r["rollout_corr/max_abs_log_prob_diff"] for r in rows[1:]) < 1e-4
