@@ -4,6 +4,7 @@ accepted and the model's tokenizer is on disk (`megarl-train --check`).
 """
 from __future__ import annotations
 
+import threading
 import traceback
 
 from transformers import AutoTokenizer
@@ -54,17 +55,35 @@ def check_reward_on_a_row(cfg, dataset) -> None:
     truth = (item.get("reward_model") or {}).get("ground_truth")
     extra = item.get("extra_info") or {}
     response = "" if truth is None else str(truth)
-    try:
-        if kind == "batch":
-            fn(data_sources=[source], solution_strs=[response], ground_truths=[truth], extra_infos=[extra],
-               **spec.kwargs)
-        else:
-            fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=extra, **spec.kwargs)
-    except Exception as err:
+    if kind == "batch":
+        call = lambda: fn(data_sources=[source], solution_strs=[response], ground_truths=[truth],  # noqa: E731
+                          extra_infos=[extra], **spec.kwargs)
+    else:
+        call = lambda: fn(data_source=source, solution_str=response, ground_truth=truth,  # noqa: E731
+                          extra_info=extra, **spec.kwargs)
+    # In a daemon thread under the run's own per-sample limit: a reward that hangs must not hang the
+    # launcher (the thread cannot be killed; it ends with the process).
+    outcome: dict = {}
+    worker = threading.Thread(target=_capture, args=(call, outcome), daemon=True, name="megarl-reward-check")
+    worker.start()
+    worker.join(cfg.reward_model.timeout_s)
+    key = "custom_reward_function.path" if spec.path else "data.reward_fn_key"
+    if worker.is_alive():
+        raise ConfigError(f"scoring the first training row (data_source={source!r}) did not return within "
+                          f"reward_model.timeout_s={cfg.reward_model.timeout_s:g} s, the run's per-sample limit; fix "
+                          "the reward function or raise reward_model.timeout_s", key)
+    err = outcome.get("error")
+    if err is not None:
         frame = _user_frame(err)
         raise ConfigError(f"scoring the first training row (data_source={source!r}) raised {type(err).__name__}: "
-                          f"{_one_line(err)} at {frame}; fix the reward function or the rows",
-                          "custom_reward_function.path" if spec.path else "data.reward_fn_key") from None
+                          f"{_one_line(err)} at {frame}; fix the reward function or the rows", key)
+
+
+def _capture(call, outcome: dict) -> None:
+    try:
+        call()
+    except Exception as err:    # reported by the caller with the user's file and line
+        outcome["error"] = err
 
 
 def _user_frame(err: BaseException) -> str:

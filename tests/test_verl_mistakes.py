@@ -42,6 +42,8 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "a_dir" / "train.jsonl").write_text("")
     (d / "reward_bad.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      "    return 1 / 0\n")
+    (d / "reward_hangs.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
+                                       "extra_info=None):\n    time.sleep(3600)\n")
     (d / "model_file").write_text("not a checkpoint")
     (d / "bad_tools.yaml").write_text("tools:\n  - {description: adds two numbers, parameters: {type: object}}\n")
     no_template = d / "no_template"
@@ -53,8 +55,8 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "gpt2").mkdir()
     (d / "gpt2" / "config.json").write_text(json.dumps(GPT2Config(n_layer=2, n_embd=64, n_head=4).to_dict()))
     (d / "derived.yaml").write_text(f"base: {QUICKSTART}\nactor_rollout_ref:\n  model:\n    path: my-model\n")
-    names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py", "model_file",
-             "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
+    names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py",
+             "reward_hangs.py", "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
     return {k: str(d / k) for k in names} | {"model": addition_model_dir}
 
 
@@ -79,6 +81,8 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("batch larger than rows", ["data.train_files=@three.jsonl"],
      "data.train_batch_size: data.train_batch_size=32 is larger than the 3 usable prompts"),
     ("reward raises", ["custom_reward_function.path=@reward_bad.py"], "reward_bad.py:2"),
+    ("reward hangs", ["custom_reward_function.path=@reward_hangs.py", "reward_model.timeout_s=0.5"],
+     "did not return within reward_model.timeout_s=0.5 s"),
     ("UTF-16 data file", ["data.train_files=@utf16.jsonl"], "utf16.jsonl is not UTF-8 text (it starts with a UTF-16"),
     ("directory as data file", ["data.train_files=@a_dir"], "a_dir is a directory; give the data file itself, e.g."),
     ("tool without a name", ["actor_rollout_ref.rollout.multi_turn.enable=true",

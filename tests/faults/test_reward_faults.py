@@ -14,11 +14,17 @@ def nan_quarter(data_source, solution_str, ground_truth, extra_info=None):
         return float("nan")
     return float(solution_str.strip() == str(ground_truth))
 
+# Both fail on the model's wrong answers only: the launcher scores one row with its own ground
+# truth before any rank starts (preflight), so a reward that fails on everything stops there.
 def hangs(data_source, solution_str, ground_truth, extra_info=None):
-    time.sleep(3600)
+    if solution_str.strip() != str(ground_truth):
+        time.sleep(3600)
+    return 1.0
 
 def raises(data_source, solution_str, ground_truth, extra_info=None):
-    raise ZeroDivisionError("the grader divided by zero")
+    if solution_str.strip() != str(ground_truth):
+        raise ZeroDivisionError("the grader divided by zero")
+    return 1.0
 '''
 
 
@@ -48,7 +54,7 @@ def _root_cause(out):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, cause", [
     ("hangs", "RewardDeadline: the reward step passed reward_model.batch_deadline_s="),
-    ("raises", "RewardFailure: the reward function failed on 32 of 32 samples"),
+    ("raises", "RewardFailure: the reward function failed on "),
 ])
 def test_ray_pool_reward_is_the_root_cause(addition_model_dir, tmp_path, name, cause):
     launch = _launch(addition_model_dir, tmp_path, name, "reward_model.launch_reward_fn_async=true",
