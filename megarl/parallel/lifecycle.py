@@ -51,17 +51,6 @@ def die_with_parent(sig: int = signal.SIGKILL) -> str:
     return "watchdog"
 
 
-def child_dies_with_us(sig: int = signal.SIGTERM):
-    """A subprocess preexec_fn: the child gets `sig` when this process dies (Linux; else None)."""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def preexec() -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    return preexec
-
-
 class RunDirLock:
     """An exclusive flock on <run_dir>/.megarl.lock, which holds "pid host" of the holder.
     The kernel drops it when the holder exits, however it exits (no stale locks after kill -9).

@@ -21,12 +21,7 @@ from tests.rollout.fixtures import model_dirs, state_of
 V13 = "trtllm-1.3.0rc21.json"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,7 @@ from tests.rollout.fixtures import model_dirs, save_model, state_of
 V12, V13 = "trtllm-1.2.0rc2.json", "trtllm-1.3.0rc21.json"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The fake steps a tiny model token by token: intra-op threads only contend (20x slower on a
-    loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 from megarl.config.errors import ConfigError
 
 _KEY = "actor_rollout_ref.rollout"
@@ -25,13 +27,9 @@ GiB = 2**30
 
 def _meminfo_total() -> int | None:
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+        return psutil.virtual_memory().total
+    except (OSError, RuntimeError):
+        return None
 
 
 def _cgroup_limit() -> int | None:
@@ -64,14 +62,7 @@ def rank_share_bytes() -> int | None:
 
 def resident_bytes() -> int:
     """This process's resident set now."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    return psutil.Process().memory_info().rss
 
 
 def size(b: float) -> str:
