@@ -271,6 +271,8 @@ def test_workers_land_on_the_groups_gpu_or_start_up_stops(monkeypatch, dirs):
     engine.close()
     assert engine.llm is None
     # Without the visibility restriction the worker lands on GPU 0: the UUID check stops start-up.
+    # (The workers still get megarl on their PYTHONPATH, so only the device check can stop them.)
+    monkeypatch.setenv("PYTHONPATH", placement.megarl_root())
     monkeypatch.setattr(placement, "worker_env", lambda ordinals: __import__("contextlib").nullcontext())
     with pytest.raises(RuntimeError, match="TP workers run on GPUs \\['GPU-fake-0'\\] \\(worker 0 on GPU-fake-0\\)"):
         TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu:3")
