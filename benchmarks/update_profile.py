@@ -1,0 +1,301 @@
+"""Where megarl's update step spends its time, phase by phase, at TP1 and TP2 on CPU.
+
+    python benchmarks/update_profile.py                         # 0.4M and 18M Qwen2, TP1 and TP2
+    python benchmarks/update_profile.py --sizes 0.4M --tp 1     # one cell
+    python benchmarks/update_profile.py --against /tmp/base     # the same, next to another checkout
+    python benchmarks/update_profile.py --smoke                 # CI: tiny, one repeat (runs, not speed)
+
+The work is the quickstart's GRPO update (configs/quickstart.yaml): 256 samples of the addition
+task (prompts of 4-6 tokens, responses of 2-4, R=8), mini-batches of 128 (two optimizer steps),
+micro-batches of 32, packed rows, fp32, the real actor loss (clip-higher 0.28, no KL). Models:
+the quickstart's 0.4M Qwen2 (hidden 128, 2 layers) and an 18M one (hidden 512, 6 layers).
+
+Each rank times ActorWorker.update_policy whole, and inside it the pieces below, by wrapping the
+functions that do them (explicit perf_counter timers; a wrapped call's time excludes the wrapped
+calls inside it, so the rows add up to the total). Collectives (torch.distributed calls from any
+code) are counted with their bytes and timed on their own row. Medians over `--repeats` after
+`--warmup` steps, rank 0's. With `--against DIR` each cell runs twice, alternating: once with the
+megarl package of DIR (e.g. `git worktree add /tmp/base <commit>`), once with this checkout's.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--code" in sys.argv:   # run against another checkout's megarl (--against spawns this)
+    sys.path.insert(0, sys.argv[sys.argv.index("--code") + 1])
+else:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SIZES = {
+    "0.4M": dict(vocab_size=19, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+    "18M": dict(vocab_size=19, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64),
+    "smoke": dict(vocab_size=19, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
+}
+SMOKE = dict(sizes="smoke", tp="1,2", repeats=1, warmup=0, batch=16, mini=8, micro=4)
+
+# Rows of the table, in order; each is where a wrapped function's own time goes.
+PHASES = [
+    ("data prep", "check_batch, plan, columns, share (DataProto slicing), micro_inputs, split/shuffle"),
+    ("zero grad buffers", "DDP zero_grad_buffer before each mini-batch"),
+    ("model forward", "GPTModel forward + megatron's forward_step (schedule bookkeeping)"),
+    ("lean head fwd", "linear_log_probs forward (LM head + log-prob, chunked)"),
+    ("loss fn", "the actor loss and its metrics"),
+    ("loss host syncs", "_last_stage: float() of each metric and the loss"),
+    ("backward", "autograd through the model (megatron's backward_step)"),
+    ("lean head bwd", "linear_log_probs backward (head recompute + grads)"),
+    ("schedule other", "get_forward_backward_func's own work"),
+    ("finalize grads", "finalize_model_grads (DP/TP grad all-reduces)"),
+    ("bad-loss check", "Update.step: the all-reduce of a not-finite flag"),
+    ("grad norm", "optimizer get_grad_norm (+ its all-reduces)"),
+    ("clip", "grad clipping"),
+    ("optimizer step", "AdamW step"),
+    ("optimizer other", "prepare_grads, zero_grad, optimizer_step's own work"),
+    ("metric reduce", "Update.mean_metrics (gathers over DP / PP)"),
+    ("collectives", "time inside torch.distributed calls (all phases)"),
+    ("other", "update_policy minus the rows above"),
+]
+
+
+class Timers:
+    """Exclusive time per phase: a wrapped call's time minus that of wrapped calls inside it."""
+
+    def __init__(self):
+        self.own: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.stack: list[float] = []
+
+    def reset(self):
+        self.own.clear(), self.calls.clear(), self.bytes.clear()
+
+    def wrap(self, name, fn, count_bytes=False):
+        timers = self
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            timers.stack.append(0.0)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                inner = timers.stack.pop()
+                timers.own[name] += dt - inner
+                timers.calls[name] += 1
+                if count_bytes:
+                    timers.bytes[name] += _nbytes(args[:2])
+                if timers.stack:
+                    timers.stack[-1] += dt
+        return run
+
+    def patch(self, owner, attr, name, static=False, **kw):
+        fn = getattr(owner, attr, None)
+        if fn is None:      # an older or newer checkout without this function: its time goes to "other"
+            return
+        wrapped = self.wrap(name, fn, **kw)
+        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+
+
+def _nbytes(args) -> int:
+    n = 0
+    for a in args:
+        if torch.is_tensor(a):
+            n += a.numel() * a.element_size()
+        elif isinstance(a, (list, tuple)):
+            n += sum(t.numel() * t.element_size() for t in a if torch.is_tensor(t))
+    return n
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_gather_object", "broadcast_object_list", "barrier", "send", "recv", "isend", "irecv",
+               "_all_gather_base", "_reduce_scatter_base", "all_to_all_single")
+
+
+def instrument(timers: Timers) -> None:
+    """Wrap the functions whose time the table reports (before the worker is built)."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.pipeline_parallel import schedules
+
+    import megarl.workers.outputs as outputs
+    from megarl.workers import batching, logprob, optim, packing, schedule, update
+    from megarl.workers.engine import MegatronEngine
+    for name in COLLECTIVES:
+        timers.patch(dist, name, f"dist.{name}", count_bytes=True)
+    timers.patch(schedule, "get_forward_backward_func", "schedule other")
+    timers.patch(schedules, "forward_step", "model forward")
+    timers.patch(schedules, "backward_step", "backward")
+    timers.patch(schedule, "_last_stage", "loss host syncs")
+    timers.patch(outputs, "linear_log_probs", "lean head fwd")
+    timers.patch(logprob._LinearLogProbs, "backward", "lean head bwd", static=True)
+    timers.patch(DistributedDataParallel, "zero_grad_buffer", "zero grad buffers")
+    timers.patch(update, "finalize_model_grads", "finalize grads")
+    timers.patch(update.Update, "step", "bad-loss check")
+    timers.patch(update, "optimizer_step", "optimizer other")
+    for owner in (optim.CPUAdamW, getattr(optim, "FastAdamW", None)):
+        if owner is not None:
+            timers.patch(owner, "get_grad_norm", "grad norm")
+            timers.patch(owner, "clip", "clip")
+            timers.patch(owner, "step_with_ready_grads", "optimizer step")
+    timers.patch(update.Update, "mean_metrics", "metric reduce")
+    for owner, attr in ((batching, "check_batch"), (schedule.batching, "plan"), (schedule.Schedule, "columns"),
+                        (schedule.Schedule, "share"), (schedule.packing, "micro_inputs"),
+                        (update.Update, "_order"), (MegatronEngine, "_count")):
+        timers.patch(owner, attr, "data prep")
+    del packing
+
+
+def make_batch(vocab: int, n: int, seed: int = 0):
+    """`n` addition-shaped samples: prompts of 4-6 tokens, responses of 2-4 (R=8), with
+    advantages and old log-probs as a GRPO step carries them."""
+    from megarl.models.tiny import token_rows
+    from megarl.protocol import DataProto
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(4, 7, (n,), generator=g)
+    rlen = torch.randint(2, 5, (n,), generator=g)
+    rows = token_rows(plen, rlen, 8, vocab, g)
+    rows["advantages"] = torch.randn(n, 1, generator=g).expand(n, 8).contiguous() * rows["response_mask"]
+    rows["old_log_probs"] = -torch.rand(n, 8, generator=g) * rows["response_mask"]
+    return DataProto.from_dict(rows)
+
+
+def rank_main(rank, world, path, a):
+    import torch.distributed as dist
+
+    from megarl.algos.loss_fn import make_actor_loss_fn
+    from megarl.config.experiment import load_config
+    from megarl.workers.actor import ActorWorker
+    torch.set_num_threads(a.threads)
+    timers = Timers()
+    instrument(timers)
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={path}", f"trainer.n_gpus_per_node={world}",
+                             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={world}",
+                             f"actor_rollout_ref.actor.ppo_mini_batch_size={a.mini // 8}",
+                             "actor_rollout_ref.rollout.n=8", f"data.train_batch_size={a.batch // 8}",
+                             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.micro}",
+                             "actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.optim.lr=1e-4",
+                             "data.max_prompt_length=16", "data.max_response_length=8", "trainer.device=cpu",
+                             "algorithm.adv_estimator=grpo"])
+    actor = ActorWorker.from_config(cfg.resolved(1))
+    loss = timers.wrap("loss fn", make_actor_loss_fn(cfg))
+    data = make_batch(a.shape["vocab_size"], a.batch)
+    update = timers.wrap("other", actor.update_policy)
+    steps = []
+    for i in range(a.warmup + a.repeats):
+        dist.barrier()
+        timers.reset()
+        t = time.perf_counter()
+        update(data, loss)
+        total = time.perf_counter() - t
+        if i >= a.warmup:
+            coll = {k: v for k, v in timers.own.items() if k.startswith("dist.")}
+            row = {k: v for k, v in timers.own.items() if not k.startswith("dist.")}
+            row["collectives"] = sum(coll.values())
+            row["total"] = total
+            steps.append({"phases": row, "calls": {k: timers.calls[k] for k in coll},
+                          "bytes": {k: timers.bytes[k] for k in coll}, "coll_s": coll})
+    return steps, actor.engine.spec.num_parameters()
+
+
+def run_cell(size: str, tp: int, a) -> dict:
+    from megarl.models.tiny import make_tiny_hf
+    from megarl.parallel.local_ranks import run_local
+    a.shape = SIZES[size]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_hf(os.path.join(tmp, "model"), "qwen2", tokenizer=True, **a.shape)
+        ranks = run_local(tp, rank_main, (path, a))
+    steps, params = ranks[0]
+    phases = sorted({k for s in steps for k in s["phases"]})
+    med = {k: statistics.median(s["phases"].get(k, 0.0) for s in steps) for k in phases}
+    coll = sorted({k for s in steps for k in s["calls"]})
+    return {"size": size, "tp": tp, "params": params, "median": med,
+            "collectives": {k: (statistics.median(s["calls"].get(k, 0) for s in steps),
+                                statistics.median(s["bytes"].get(k, 0) for s in steps),
+                                statistics.median(s["coll_s"].get(k, 0.0) for s in steps)) for k in coll}}
+
+
+def print_cells(cells: list[dict], labels: list[str]) -> None:
+    """One table per (size, TP): a column per arm (ms, medians), and the collectives."""
+    by = defaultdict(dict)
+    for cell, label in zip(cells, labels):
+        by[(cell["size"], cell["tp"])][label] = cell
+    arms = list(dict.fromkeys(labels))
+    for (size, tp), got in by.items():
+        params = next(iter(got.values()))["params"]
+        print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy (2 optimizer "
+              f"steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
+        print(f"{'phase':<20}" + "".join(f"{arm:>12}" for arm in arms) + ("   ratio" if len(arms) == 2 else ""))
+        for name, _ in PHASES + [("total", "")]:
+            vals = [got[arm]["median"].get(name, 0.0) * 1e3 if arm in got else float("nan") for arm in arms]
+            ratio = f"   {vals[1] / vals[0]:.2f}x" if len(arms) == 2 and vals[0] > 0.05 else ""
+            print(f"{name:<20}" + "".join(f"{v:12.1f}" for v in vals) + ratio)
+        for arm in arms:
+            coll = got[arm]["collectives"] if arm in got else {}
+            if coll:
+                print(f"  collectives ({arm}): " + ", ".join(
+                    f"{k[5:]} {int(c)}x {b / 1024:.0f} KiB {s * 1e3:.1f} ms" for k, (c, b, s) in coll.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="0.4M,18M")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--mini", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per rank (1: steady when other jobs share the cores; TP2 then uses 2 cores)")
+    ap.add_argument("--against", help="another checkout (its megarl) to time next to this one")
+    ap.add_argument("--code", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}")
+    a = ap.parse_args()
+    if a.smoke:
+        vars(a).update(SMOKE)
+    global ARGS
+    ARGS = a
+    cells = [(s, int(t)) for s in a.sizes.split(",") for t in a.tp.split(",")]
+    if a.json:      # one arm, spawned by --against
+        with open(a.json, "w") as f:
+            json.dump([run_cell(s, t, a) for s, t in cells], f)
+        return
+    print(f"uptime: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (load 1/5/15 min), "
+          f"{os.cpu_count()} cores; batch {a.batch}, mini {a.mini}, micro {a.micro}, {a.threads} thread(s) per rank")
+    if not a.against:
+        got = [run_cell(s, t, a) for s, t in cells]
+        print_cells(got, ["ms"] * len(got))
+        return
+    got, labels = [], []
+    for s, t in cells:          # alternate the two arms cell by cell (load drifts)
+        for label, code in (("before", os.path.abspath(a.against)), ("after", ROOT)):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [sys.executable, os.path.abspath(__file__), "--code", code, "--json", out.name,
+                       "--sizes", s, "--tp", str(t), "--repeats", str(a.repeats), "--warmup", str(a.warmup),
+                       "--batch", str(a.batch), "--mini", str(a.mini), "--micro", str(a.micro),
+                       "--threads", str(a.threads)]
+                subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": code})
+                got += json.load(open(out.name))
+                labels.append(label)
+    print_cells(got, labels)
+    print(f"uptime after: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
