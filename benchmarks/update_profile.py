@@ -46,7 +46,7 @@ SIZES = {
     "smoke": dict(vocab_size=19, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
 }
-SMOKE = dict(sizes="smoke", tp="1,2", repeats=1, warmup=0, batch=16, mini=8, micro=4)
+SMOKE = dict(sizes="smoke", tp="2", repeats=1, warmup=0, batch=16, mini=8, micro=4)
 
 # Rows of the table, in order; each is where a wrapped function's own time goes.
 PHASES = [
@@ -69,6 +69,8 @@ PHASES = [
     ("collectives", "time inside torch.distributed calls (all phases)"),
     ("other", "update_policy minus the rows above"),
 ]
+# After "total": the forward-only log-prob pass on the same batch (compute_log_prob), and at TP2
+# the step's collectives replayed with both ranks ready (gloo_alone).
 
 
 class Timers:
@@ -112,13 +114,14 @@ class Timers:
 
 
 def _nbytes(args) -> int:
-    n = 0
+    """The whole tensor a collective works on (an all-gather's output, a reduce-scatter's input)."""
+    sizes = [0]
     for a in args:
         if torch.is_tensor(a):
-            n += a.numel() * a.element_size()
+            sizes.append(a.numel() * a.element_size())
         elif isinstance(a, (list, tuple)):
-            n += sum(t.numel() * t.element_size() for t in a if torch.is_tensor(t))
-    return n
+            sizes.append(sum(t.numel() * t.element_size() for t in a if torch.is_tensor(t)))
+    return max(sizes)
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
@@ -135,8 +138,13 @@ def instrument(timers: Timers) -> None:
     import megarl.workers.outputs as outputs
     from megarl.workers import batching, logprob, optim, packing, schedule, update
     from megarl.workers.engine import MegatronEngine
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.tensor_parallel import mappings
     for name in COLLECTIVES:
         timers.patch(dist, name, f"dist.{name}", count_bytes=True)
+    for module in (mappings, param_and_grad_buffer):   # megatron binds these two at import
+        timers.patch(module, "dist_all_gather_func", "dist.all_gather_into_tensor", count_bytes=True)
+        timers.patch(module, "dist_reduce_scatter_func", "dist.reduce_scatter_tensor", count_bytes=True)
     timers.patch(schedule, "get_forward_backward_func", "schedule other")
     timers.patch(schedules, "forward_step", "model forward")
     timers.patch(schedules, "backward_step", "backward")
@@ -209,7 +217,40 @@ def rank_main(rank, world, path, a):
             row["total"] = total
             steps.append({"phases": row, "calls": {k: timers.calls[k] for k in coll},
                           "bytes": {k: timers.bytes[k] for k in coll}, "coll_s": coll})
-    return steps, actor.engine.spec.num_parameters()
+    fwd = []     # the forward-only log-prob pass over the same batch: what "update / forward" compares with
+    for i in range(a.warmup + a.repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        actor.compute_log_prob(data)
+        fwd.append(time.perf_counter() - t)
+    gloo = gloo_alone(steps[-1], world) if world > 1 else {}
+    return steps, actor.engine.spec.num_parameters(), statistics.median(fwd[a.warmup:]), gloo
+
+
+def gloo_alone(step: dict, world: int) -> dict[str, float]:
+    """Seconds the step's collectives take when both ranks arrive together: each kind replayed
+    as many times, at its mean size, back to back (gloo's own cost; the rest of the collectives'
+    time in the step is one rank waiting for the other)."""
+    import torch.distributed as dist
+    out = {}
+    for name, calls in step["calls"].items():
+        kind = name[5:]
+        if kind not in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor") or not calls:
+            continue
+        numel = max(world, step["bytes"][name] // 4 // calls // world * world)
+        full = torch.zeros(numel)
+        part = torch.zeros(numel // world)
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(calls):
+            if kind == "all_reduce":
+                dist.all_reduce(full)
+            elif kind == "all_gather_into_tensor":
+                dist.all_gather_into_tensor(full, part)
+            else:
+                dist.reduce_scatter_tensor(part, full)
+        out[kind] = time.perf_counter() - t
+    return out
 
 
 def run_cell(size: str, tp: int, a) -> dict:
@@ -219,11 +260,13 @@ def run_cell(size: str, tp: int, a) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_hf(os.path.join(tmp, "model"), "qwen2", tokenizer=True, **a.shape)
         ranks = run_local(tp, rank_main, (path, a))
-    steps, params = ranks[0]
+    steps, params, fwd, gloo = ranks[0]
     phases = sorted({k for s in steps for k in s["phases"]})
     med = {k: statistics.median(s["phases"].get(k, 0.0) for s in steps) for k in phases}
+    med["forward-only pass"] = fwd
+    med["gloo alone"] = sum(gloo.values())
     coll = sorted({k for s in steps for k in s["calls"]})
-    return {"size": size, "tp": tp, "params": params, "median": med,
+    return {"size": size, "tp": tp, "params": params, "median": med, "peak_mb": ranks.peak_mb,
             "collectives": {k: (statistics.median(s["calls"].get(k, 0) for s in steps),
                                 statistics.median(s["bytes"].get(k, 0) for s in steps),
                                 statistics.median(s["coll_s"].get(k, 0.0) for s in steps)) for k in coll}}
@@ -240,11 +283,17 @@ def print_cells(cells: list[dict], labels: list[str]) -> None:
         print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy (2 optimizer "
               f"steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
         print(f"{'phase':<20}" + "".join(f"{arm:>12}" for arm in arms) + ("   ratio" if len(arms) == 2 else ""))
-        for name, _ in PHASES + [("total", "")]:
+        for name, _ in PHASES + [("total", ""), ("forward-only pass", ""), ("gloo alone", "")]:
             vals = [got[arm]["median"].get(name, 0.0) * 1e3 if arm in got else float("nan") for arm in arms]
             ratio = f"   {vals[1] / vals[0]:.2f}x" if len(arms) == 2 and vals[0] > 0.05 else ""
             print(f"{name:<20}" + "".join(f"{v:12.1f}" for v in vals) + ratio)
+        print(f"{'total / forward':<20}" + "".join(
+            f"{got[arm]['median']['total'] / got[arm]['median']['forward-only pass']:11.2f}x" if arm in got else ""
+            for arm in arms))
         for arm in arms:
+            if arm in got:
+                print(f"  peak resident MiB per rank ({arm}): " +
+                      ", ".join(f"rank {r} {mb:.0f}" for r, mb in enumerate(got[arm]["peak_mb"])))
             coll = got[arm]["collectives"] if arm in got else {}
             if coll:
                 print(f"  collectives ({arm}): " + ", ".join(

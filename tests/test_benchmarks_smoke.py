@@ -58,13 +58,17 @@ def test_gpu_check_dry_run_with_update_step_and_rollout(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_distributed_benchmarks_smoke():
-    """The two 4-rank benchmarks (one spawn each)."""
+    """The two 4-rank benchmarks (one spawn each) and update_profile's TP2 cell."""
     out = run("benchmarks/weight_sync.py", "--smoke")
     for layout in ("(1,1) -> 1", "(1,1) -> 2", "(2,2) -> 1", "(2,2) -> 2"):
         assert re.search(re.escape(layout) + r" +[\d.]+ ", out), out
     assert re.search(r"peak resident MiB per rank.*rank 3 \d+", out)
     out = run("benchmarks/update_step.py", "--smoke")
     assert re.search(r"ratio megarl / transformers: [\d.]+", out) and re.search(r"rank 3 \d+", out)
+    out = run("benchmarks/update_profile.py", "--smoke")      # TP2 (one 2-rank spawn)
+    for row in ("model forward", "backward", "grad norm", "collectives", "total", "gloo alone"):
+        assert re.search(rf"^{row} +[\d.]+$", out, re.M), (row, out)
+    assert re.search(r"reduce_scatter_tensor \d+x", out) and re.search(r"rank 1 \d+", out)
 
 
 @pytest.mark.timeout(900)

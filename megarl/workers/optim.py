@@ -88,6 +88,7 @@ class CPUAdamW:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay, "wd_mult": 1.0},
                   {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
         self.params = decay + no_decay
+        self._norm_parts: tuple[list, list] | None = None
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas),
                                            eps=cfg.eps, weight_decay=cfg.weight_decay,
                                            foreach=False)  # the foreach kernels slow this CPU down
@@ -103,17 +104,22 @@ class CPUAdamW:
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)   # MoE experts differ over the EP ranks too
-        for p in self.params:
-            if _counts_in_norm(p):
-                (sq if getattr(p, "allreduce", True) else expert).add_(p.main_grad.double().pow(2).sum())
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        """The global L2 norm of the gradients, accumulated in float64. One vector_norm per
+        parameter reads the fp32 gradient once; a float64 copy of every gradient cost more than
+        the AdamW step (benchmarks/update_profile.py)."""
+        if self._norm_parts is None:    # parallel state is fixed once the model is built
+            self._norm_parts = ([p for p in self.params if _counts_in_norm(p) and getattr(p, "allreduce", True)],
+                                [p for p in self.params if _counts_in_norm(p) and not getattr(p, "allreduce", True)])
+        sq = torch.zeros(2, dtype=torch.float64)   # [dense, MoE experts]: experts differ over the EP ranks too
+        for i, part in enumerate(self._norm_parts):
+            for p in part:
+                sq[i] += torch.linalg.vector_norm(p.main_grad, dtype=torch.float64).square()
         if ps.get_expert_model_parallel_world_size() > 1:
-            dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-        else:
-            dist.all_reduce(expert, group=ps.get_model_parallel_group())
-        return float((sq + expert).sqrt())
+            dist.all_reduce(sq[:1], group=ps.get_model_parallel_group())
+            dist.all_reduce(sq[1:], group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        else:   # both over the model-parallel group: one collective
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        return float(sq.sum().sqrt())
 
     @torch.no_grad()
     def clip(self, grad_norm: float, max_norm: float) -> None:
