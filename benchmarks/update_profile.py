@@ -198,7 +198,8 @@ def rank_main(rank, world, path, a):
                              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={a.micro}",
                              "actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.optim.lr=1e-4",
                              "data.max_prompt_length=16", "data.max_response_length=8", "trainer.device=cpu",
-                             "algorithm.adv_estimator=grpo"])
+                             "algorithm.adv_estimator=grpo"]
+                      + ([f"actor_rollout_ref.actor.megatron.sequence_parallel={a.sp}"] if world > 1 else []))
     actor = ActorWorker.from_config(cfg.resolved(1))
     loss = timers.wrap("loss fn", make_actor_loss_fn(cfg))
     data = make_batch(a.shape["vocab_size"], a.batch)
@@ -280,8 +281,8 @@ def print_cells(cells: list[dict], labels: list[str]) -> None:
     arms = list(dict.fromkeys(labels))
     for (size, tp), got in by.items():
         params = next(iter(got.values()))["params"]
-        print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy (2 optimizer "
-              f"steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
+        print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy ({ARGS.batch // ARGS.mini} "
+              f"optimizer steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
         print(f"{'phase':<20}" + "".join(f"{arm:>12}" for arm in arms) + ("   ratio" if len(arms) == 2 else ""))
         for name, _ in PHASES + [("total", ""), ("forward-only pass", ""), ("gloo alone", "")]:
             vals = [got[arm]["median"].get(name, 0.0) * 1e3 if arm in got else float("nan") for arm in arms]
@@ -311,6 +312,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per rank (1: steady when other jobs share the cores; TP2 then uses 2 cores)")
+    ap.add_argument("--sp", choices=("true", "false"), default="true",
+                    help="megatron.sequence_parallel at TP2 (verl's default and megarl's: true)")
     ap.add_argument("--against", help="another checkout (its megarl) to time next to this one")
     ap.add_argument("--code", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
@@ -326,7 +329,8 @@ def main() -> None:
             json.dump([run_cell(s, t, a) for s, t in cells], f)
         return
     print(f"uptime: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (load 1/5/15 min), "
-          f"{os.cpu_count()} cores; batch {a.batch}, mini {a.mini}, micro {a.micro}, {a.threads} thread(s) per rank")
+          f"{os.cpu_count()} cores; batch {a.batch}, mini {a.mini}, micro {a.micro}, {a.threads} thread(s) per rank, "
+          f"sequence_parallel={a.sp} at TP2")
     if not a.against:
         got = [run_cell(s, t, a) for s, t in cells]
         print_cells(got, ["ms"] * len(got))
@@ -338,7 +342,7 @@ def main() -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--code", code, "--json", out.name,
                        "--sizes", s, "--tp", str(t), "--repeats", str(a.repeats), "--warmup", str(a.warmup),
                        "--batch", str(a.batch), "--mini", str(a.mini), "--micro", str(a.micro),
-                       "--threads", str(a.threads)]
+                       "--threads", str(a.threads), "--sp", a.sp]
                 subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": code})
                 got += json.load(open(out.name))
                 labels.append(label)

@@ -91,6 +91,13 @@ def chunk_tokens(vocab_local: int) -> int:
     return max(16, CHUNK_BYTES // (4 * max(vocab_local, 1)))
 
 
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 z / temperature; at temperature 1 (fp32 weights) no [tokens, V] copy is made, where
+    dividing made one per chunk in forward and two in backward for the same bits."""
+    z = z.float()
+    return z if temperature == 1 else z / temperature
+
+
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, valid, group, temperature, with_entropy, entropy_grad,
@@ -102,7 +109,7 @@ class _LinearLogProbs(torch.autograd.Function):
         w = weight[:valid]
         tp = group is not None and dist.get_world_size(group) > 1
         for a in range(0, n, chunk):
-            z = (hidden[a:a + chunk] @ w.t()).float() / temperature          # [c, valid]
+            z = _scaled(hidden[a:a + chunk] @ w.t(), temperature)             # [c, valid] fp32
             peak = z.max(dim=-1).values if valid else torch.full((z.shape[0],), float("-inf"), device=z.device)
             if tp:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
@@ -140,7 +147,7 @@ class _LinearLogProbs(torch.autograd.Function):
         use_ent = entropy_grad and g_ent is not None
         for a in range(0, hidden.shape[0], chunk):
             h = hidden[a:a + chunk]
-            z = (h @ w.t()).float() / temperature
+            z = _scaled(h @ w.t(), temperature)
             p = (z - lse[a:a + chunk].unsqueeze(-1)).exp()
             # d log p(t) / dz = onehot(t) - p;  dH / dz = -p (z - E_p[z])
             gz = -p * g_lp[a:a + chunk].unsqueeze(-1)
@@ -150,7 +157,7 @@ class _LinearLogProbs(torch.autograd.Function):
             here = (local >= 0) & (local < valid)
             rows = here.nonzero().squeeze(-1)
             gz[rows, local[rows]] += g_lp[a:a + chunk][rows]
-            gz = (gz / temperature).to(hidden.dtype)
+            gz = _scaled(gz, temperature).to(hidden.dtype)
             if grad_h is not None:
                 grad_h[a:a + chunk] = gz @ w
             if grad_w is not None:

@@ -118,8 +118,7 @@ class Schedule(cpu_compat.Boundary):
         for c in self.chunks:
             c.zero_grad_buffer()
         with moe_loss_scale(self.config, self.spec, meta["global_micro_batches"]):
-            outputs = self.run(parts, cols[lay.dp_rank], process, loss_fn)
-        return Run(padding, len(parts), outputs=host_metrics(outputs))
+            return Run(padding, len(parts), outputs=self.run(parts, cols[lay.dp_rank], process, loss_fn))
 
     # -- cutting and running ------------------------------------------------------------------------
     def columns(self, plan: list[list[list[int]]], lengths: list[int], seq: int, dynamic: bool,
@@ -220,14 +219,8 @@ def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, cp_grou
     if loss_fn is None:
         return torch.zeros((), device=output.device), one, {k: v.detach() for k, v in outs.items()}
     loss, metrics = loss_fn(outs, mb)
-    # Kept as tensors (detached: reading one that requires grad warns); Schedule.accumulate reads
-    # them all at once after the schedule, not with a float() (a device sync on GPU) each here.
+    # Kept as tensors (detached: reading one that requires grad warns); Update.train reads a whole
+    # mini-batch's at once (update.host_metrics), not with a float() (a device sync on GPU) each here.
     metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in (metrics or {}).items()}
     return loss, one, {"_loss": loss.detach(), **metrics}
 
-
-def host_metrics(per_micro_batch: list[dict]) -> list[dict[str, float]]:
-    """Each micro-batch's metrics as floats, with one device-to-host copy for all of them."""
-    tensors = [v.reshape(()).to(torch.float64) for m in per_micro_batch for v in m.values() if torch.is_tensor(v)]
-    values = iter(torch.stack(tensors).tolist() if tensors else [])
-    return [{k: next(values) if torch.is_tensor(v) else float(v) for k, v in m.items()} for m in per_micro_batch]

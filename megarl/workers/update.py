@@ -70,7 +70,7 @@ class Update(cpu_compat.Boundary):
         lr = self.optimizer.param_groups[0]["lr"]
         for epoch in range(epochs):
             for mb_data in self._order(data, epoch, shuffle).split(mini):
-                got = accumulate(mb_data)
+                got = host_metrics(accumulate(mb_data))
                 applied, norm = self.step(got)
                 if not applied:
                     skipped += 1
@@ -114,11 +114,23 @@ class Update(cpu_compat.Boundary):
         payload = [(sums, counts) if self.layout.is_last_stage else None]
         if self.layout.pp > 1:
             dist.broadcast_object_list(payload, src=state.pp_last_rank(), group=state.pp_group())
-        gathered = [None] * self.layout.dp
-        dist.all_gather_object(gathered, payload[0], group=state.dp_group())
+        gathered = [payload[0]]
+        if self.layout.dp > 1:
+            gathered = [None] * self.layout.dp
+            dist.all_gather_object(gathered, payload[0], group=state.dp_group())
         keys = sorted({k for s, _ in gathered for k in s})
         return {k: sum(s.get(k, 0.0) for s, _ in gathered) / max(sum(c.get(k, 0) for _, c in gathered), 1)
                 for k in keys}
+
+
+def host_metrics(per_micro_batch: list[dict]) -> list[dict[str, float]]:
+    """Each micro-batch's metrics (0-dim tensors or numbers) as floats, with one device-to-host
+    copy for all of them: a float() each was a device sync each on GPU, ~9 per micro-batch."""
+    tensors = [v for m in per_micro_batch for v in m.values() if torch.is_tensor(v)]
+    if tensors:    # (a loss function may make a constant on the host: one device for all)
+        tensors = [t.reshape(()).to(tensors[0].device, torch.float64) for t in tensors]
+    values = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [{k: next(values) if torch.is_tensor(v) else float(v) for k, v in m.items()} for m in per_micro_batch]
 
 
 def finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
