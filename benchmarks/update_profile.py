@@ -11,8 +11,9 @@ micro-batches of 32, packed rows, fp32, the real actor loss (clip-higher 0.28, n
 the quickstart's 0.4M Qwen2 (hidden 128, 2 layers) and an 18M one (hidden 512, 6 layers).
 
 Each rank times ActorWorker.update_policy whole, and inside it the pieces below, by wrapping the
-functions that do them (explicit perf_counter timers; a wrapped call's time excludes the wrapped
-calls inside it, so the rows add up to the total). Collectives (torch.distributed calls from any
+functions that do them (explicit timers: wall time, and the process's CPU time, which other
+jobs on the cores barely move; a wrapped call's time excludes the wrapped calls inside it, so
+the rows add up to the total). Collectives (torch.distributed calls from any
 code) are counted with their bytes and timed on their own row. Medians over `--repeats` after
 `--warmup` steps, rank 0's. With `--against DIR` each cell runs twice, alternating: once with the
 megarl package of DIR (e.g. `git worktree add /tmp/base <commit>`), once with this checkout's.
@@ -78,31 +79,34 @@ class Timers:
 
     def __init__(self):
         self.own: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)     # process CPU seconds (all its threads)
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
-        self.stack: list[float] = []
+        self.stack: list[list[float]] = []
 
     def reset(self):
-        self.own.clear(), self.calls.clear(), self.bytes.clear()
+        self.own.clear(), self.cpu.clear(), self.calls.clear(), self.bytes.clear()
 
     def wrap(self, name, fn, count_bytes=False):
         timers = self
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            timers.stack.append(0.0)
-            t = time.perf_counter()
+            timers.stack.append([0.0, 0.0])
+            t, c = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 inner = timers.stack.pop()
-                timers.own[name] += dt - inner
+                timers.own[name] += dt - inner[0]
+                timers.cpu[name] += dc - inner[1]
                 timers.calls[name] += 1
                 if count_bytes:
                     timers.bytes[name] += _nbytes(args[:2])
                 if timers.stack:
-                    timers.stack[-1] += dt
+                    timers.stack[-1][0] += dt
+                    timers.stack[-1][1] += dc
         return run
 
     def patch(self, owner, attr, name, static=False, **kw):
@@ -208,24 +212,29 @@ def rank_main(rank, world, path, a):
     for i in range(a.warmup + a.repeats):
         dist.barrier()
         timers.reset()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         update(data, loss)
-        total = time.perf_counter() - t
+        total, total_cpu = time.perf_counter() - t, time.process_time() - c
         if i >= a.warmup:
             coll = {k: v for k, v in timers.own.items() if k.startswith("dist.")}
             row = {k: v for k, v in timers.own.items() if not k.startswith("dist.")}
             row["collectives"] = sum(coll.values())
             row["total"] = total
+            cpu = {k: v for k, v in timers.cpu.items() if not k.startswith("dist.")}
+            cpu["collectives"] = sum(v for k, v in timers.cpu.items() if k.startswith("dist."))
+            cpu["total"] = total_cpu
+            row.update({"cpu " + k: v for k, v in cpu.items()})
             steps.append({"phases": row, "calls": {k: timers.calls[k] for k in coll},
                           "bytes": {k: timers.bytes[k] for k in coll}, "coll_s": coll})
     fwd = []     # the forward-only log-prob pass over the same batch: what "update / forward" compares with
     for i in range(a.warmup + a.repeats):
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         actor.compute_log_prob(data)
-        fwd.append(time.perf_counter() - t)
+        fwd.append((time.perf_counter() - t, time.process_time() - c))
     gloo = gloo_alone(steps[-1], world) if world > 1 else {}
-    return steps, actor.engine.spec.num_parameters(), statistics.median(fwd[a.warmup:]), gloo
+    fwd = fwd[a.warmup:]
+    return steps, actor.engine.spec.num_parameters(), [statistics.median(f[j] for f in fwd) for j in (0, 1)], gloo
 
 
 def gloo_alone(step: dict, world: int) -> dict[str, float]:
@@ -264,7 +273,7 @@ def run_cell(size: str, tp: int, a) -> dict:
     steps, params, fwd, gloo = ranks[0]
     phases = sorted({k for s in steps for k in s["phases"]})
     med = {k: statistics.median(s["phases"].get(k, 0.0) for s in steps) for k in phases}
-    med["forward-only pass"] = fwd
+    med["forward-only pass"], med["cpu forward-only pass"] = fwd
     med["gloo alone"] = sum(gloo.values())
     coll = sorted({k for s in steps for k in s["calls"]})
     return {"size": size, "tp": tp, "params": params, "median": med, "peak_mb": ranks.peak_mb,
@@ -283,14 +292,20 @@ def print_cells(cells: list[dict], labels: list[str]) -> None:
         params = next(iter(got.values()))["params"]
         print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy ({ARGS.batch // ARGS.mini} "
               f"optimizer steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
-        print(f"{'phase':<20}" + "".join(f"{arm:>12}" for arm in arms) + ("   ratio" if len(arms) == 2 else ""))
+        two = len(arms) == 2
+        print(f"{'phase':<20}" + "".join(f"{arm:>10}" for arm in arms) + ("   ratio" if two else "") +
+              "".join(f"{'cpu ' + arm:>12}" for arm in arms) + ("   ratio" if two else ""))
         for name, _ in PHASES + [("total", ""), ("forward-only pass", ""), ("gloo alone", "")]:
-            vals = [got[arm]["median"].get(name, 0.0) * 1e3 if arm in got else float("nan") for arm in arms]
-            ratio = f"   {vals[1] / vals[0]:.2f}x" if len(arms) == 2 and vals[0] > 0.05 else ""
-            print(f"{name:<20}" + "".join(f"{v:12.1f}" for v in vals) + ratio)
-        print(f"{'total / forward':<20}" + "".join(
-            f"{got[arm]['median']['total'] / got[arm]['median']['forward-only pass']:11.2f}x" if arm in got else ""
-            for arm in arms))
+            line = f"{name:<20}"
+            for key, width in ((name, 10), ("cpu " + name, 12)):
+                vals = [got[arm]["median"].get(key, 0.0) * 1e3 if arm in got else float("nan") for arm in arms]
+                line += "".join(f"{v:{width}.1f}" for v in vals)
+                line += (f"   {vals[1] / vals[0]:.2f}x" if vals[0] > 0.05 else "       ") if two else ""
+            print(line.rstrip())
+        for key in ("", "cpu "):
+            print(f"{key + 'total / forward':<20}" + "".join(
+                f"{got[arm]['median'][key + 'total'] / got[arm]['median'][key + 'forward-only pass']:9.2f}x"
+                if arm in got else "" for arm in arms))
         for arm in arms:
             if arm in got:
                 print(f"  peak resident MiB per rank ({arm}): " +

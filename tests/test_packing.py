@@ -96,6 +96,30 @@ def test_varlen_attention_equals_block_diagonal_mask():
     assert (got - ref).abs().max() < 1e-6
 
 
+def test_varlen_groups_of_similar_length_equal_one_call_per_sequence():
+    """varlen_causal pads sequences of similar length into one SDPA call (long ones keep a call
+    each): outputs and gradients equal attention run on each sequence alone."""
+    from megarl.models.varlen import length_groups, varlen_causal
+    g = torch.Generator().manual_seed(1)
+    seg = [7, 300, 5, 9, 0, 120, 33, 8, 1]
+    groups = length_groups(seg)
+    assert sorted(i for grp in groups for i in grp) == [i for i, n in enumerate(seg) if n]
+    assert [300] in [[seg[i] for i in grp] for grp in groups] and len(groups[-1]) >= 5   # long alone, short together
+    T, H, KV, D = sum(seg), 4, 2, 8
+    q, k, v = (torch.randn(T, n, D, generator=g, requires_grad=True) for n in (H, KV, KV))
+    cu = torch.tensor([0] + torch.tensor(seg).cumsum(0).tolist(), dtype=torch.int32)
+    got = varlen_causal(q, k, v, cu, max(seg), scale=0.3)
+    bounds = cu.tolist()
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1), k[a:b].repeat_interleave(2, 1).transpose(0, 1),
+        v[a:b].repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.3).transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:]) if b > a])
+    assert (got - ref).abs().max() < 1e-6
+    upstream = torch.randn(got.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), upstream), torch.autograd.grad(ref, (q, k, v), upstream)):
+        assert (a - b).abs().max() < 1e-5
+
+
 # -- the lean log-prob --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("entropy_grad", [True, False])
 def test_linear_log_probs_match_materialised_logits_values_and_grads(entropy_grad):
