@@ -100,7 +100,8 @@ class Update(cpu_compat.Boundary):
     def step(self, got: list[dict]) -> tuple[bool, float]:
         """Clip and apply the accumulated gradients, unless a loss (any rank's) or the norm is not finite."""
         bad = torch.tensor(float(any(not math.isfinite(g["_loss"]) for g in got)), device=self.device)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if dist.get_world_size() > self.layout.tp:   # TP ranks share one loss; other ranks may differ
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return optimizer_step(self.optimizer, self.es.optim.clip_grad, bool(bad))
 
     def resume(self, sched_step: int) -> None:
