@@ -223,4 +223,3 @@ def _last_stage(mb: DataProto, process: Process, loss_fn: LossFn | None, cp_grou
     # mini-batch's at once (update.host_metrics), not with a float() (a device sync on GPU) each here.
     metrics = {k: v.detach() if torch.is_tensor(v) else v for k, v in (metrics or {}).items()}
     return loss, one, {"_loss": loss.detach(), **metrics}
-
