@@ -140,7 +140,7 @@ def instrument(timers: Timers) -> None:
     from megatron.core.pipeline_parallel import schedules
 
     import megarl.workers.outputs as outputs
-    from megarl.workers import batching, logprob, optim, packing, schedule, update
+    from megarl.workers import batching, logprob, optim, schedule, update
     from megarl.workers.engine import MegatronEngine
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.tensor_parallel import mappings
@@ -169,7 +169,6 @@ def instrument(timers: Timers) -> None:
                         (schedule.Schedule, "share"), (schedule.packing, "micro_inputs"),
                         (update.Update, "_order"), (MegatronEngine, "_count")):
         timers.patch(owner, attr, "data prep")
-    del packing
 
 
 def make_batch(vocab: int, n: int, seed: int = 0):
