@@ -161,7 +161,7 @@ def check_delta(rank, world, path):
     from megarl.models.hf_config import read_hf_config
     from megarl.parallel.bridge import Bridge, job_store
     from megarl.rollout.native import NativeEngine, TPComm
-    from tests.test_checkpoint_engine_disaggregated import shards_of
+    from tests.helpers.checkpoint_engine import megatron_shards as shards_of
 
     store, _, _ = job_store(120)
     dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world)
@@ -278,3 +278,44 @@ def test_delta_sync_bit_exact_with_anchors_and_faults(small):
                 assert r["copy_mb"] > 0
         # the corrupted value lies in some engine rank's part: its checksum caught it
         assert any("checksum mismatch" in out[key]["errors"][0] for rank, out in enumerate(ranks) if rank in ENGINES)
+
+
+def test_disk_delta_chain_exact_checked_and_kept(tmp_path):
+    """One writer (no process group): anchor, deltas, every K a full export; read_weights gives the
+    full export's bits every time; a corrupted delta file is refused; retention keeps the chain."""
+    import os
+
+    from megarl.checkpoint_engine.delta_sync import DeltaOptions
+    from megarl.checkpoint_engine.disk import DiskSync
+    from megarl.checkpoint_engine.disk_delta import base_of, read_weights
+    from megarl.checkpoint_engine.source import ShardSource
+    from megarl.models.hf_checkpoint import HFCheckpoint
+    from tests.helpers.checkpoint_engine import megatron_shards as shards_of
+    path = make_tiny_hf(str(tmp_path / "m"), "qwen2", seed=2, vocab_size=301, tokenizer=False)
+    ckpt = HFCheckpoint(path)
+    spec = ckpt.spec()
+    weights = {n: ckpt.read_full(n).float() for n in ckpt.names()}
+
+    def source():
+        return ShardSource(spec, 1, 1, 0, 0, 0, shards_of(weights, spec, 1, 1, 0, 0), hf_dtype=BF16)
+    sync = DiskSync(source(), str(tmp_path / "out"), 40 << 10, keep=1, delta=DeltaOptions(anchor_every=3))
+    anchors = []
+    for step in range(5):
+        if step:
+            nudge(weights, step)
+        sync.src = source()
+        anchors.append(sync.sync()["weight_sync/anchor"])
+        got = read_weights(sync.dir)
+        assert all(torch.equal(got[n].view(torch.int16), weights[n].to(BF16).view(torch.int16)) for n in weights)
+    assert anchors == [1.0, 0.0, 0.0, 1.0, 0.0]
+    # keep=1 still keeps step 4's anchor (step 5 applies to it); older exports are gone
+    assert sorted(os.listdir(sync.dir)) == ["latest", "step_000004", "step_000005"]
+    assert base_of(str(tmp_path / "out" / "step_000005")) == "step_000004"
+    victim = next(f for f in os.listdir(sync.last_path) if f.startswith("delta-"))
+    with open(os.path.join(sync.last_path, victim), "r+b") as f:      # flip a byte near the end (a value)
+        f.seek(-3, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(ValueError, match="checksum"):
+        read_weights(sync.dir)
