@@ -28,7 +28,7 @@ def test_encodings_round_trip(codec):
         pytest.importorskip("zstandard")
     g = torch.Generator().manual_seed(0)
     last = torch.randn(5000, generator=g).to(BF16)
-    for frac, kinds in ((0.0, {D.INDICES}), (0.02, {D.INDICES, D.XOR}), (0.9, {D.DENSE})):
+    for frac, kinds in ((0.0, {D.GAPS}), (0.02, {D.GAPS, D.XOR}), (0.9, {D.DENSE})):
         new = last.clone()
         pick = torch.rand(5000, generator=g) < frac
         new[pick] = (new[pick].float() * 1.5 + 0.01).to(BF16)
@@ -46,6 +46,12 @@ def test_encodings_round_trip(codec):
         if frac == 0.02:
             assert f.payload.numel() < 0.25 * new.numel() * 2      # well under the dense frame
     assert D.encode(last, None, 0.25).kind == D.DENSE               # no copy yet: dense
+    far = torch.zeros(200_000, dtype=BF16)                           # a gap past 16 bits: int32 indices
+    moved = far.clone()
+    moved[[3, 150_000]] = 1.0
+    f = D.encode(moved, far, 0.25)
+    idx, vals = D.decode(f.kind, f.codec, f.payload, far.numel(), f.nnz, BF16)
+    assert f.kind == D.INDICES and idx.tolist() == [3, 150_000] and vals.tolist() == [1.0, 1.0]
 
 
 def test_checksum_catches_one_flipped_bit_anywhere():
@@ -274,7 +280,7 @@ def test_delta_sync_bit_exact_with_anchors_and_faults(small):
             else:
                 assert "weight sync failed" in r["errors"][0]
                 assert 0 < max(r["changed"][1:5]) < 0.1, r["changed"]        # sparse steps
-                assert r["kinds"]["dense"] >= 1 and r["kinds"]["indices"] >= 1, r["kinds"]
+                assert r["kinds"]["dense"] >= 1 and r["kinds"]["gaps"] >= 1, r["kinds"]
                 assert r["copy_mb"] > 0
         # the corrupted value lies in some engine rank's part: its checksum caught it
         assert any("checksum mismatch" in out[key]["errors"][0] for rank, out in enumerate(ranks) if rank in ENGINES)

@@ -2,7 +2,7 @@
 
     pieces = bucket_pieces(plan, bucket, t)            # TP rank t's HF pieces of a bucket (no tensors)
     new = piece_vector(plan, bucket, t, params, dtype) # their values in the engine's dtype, one flat vector
-    frame = encode(new, last, dense_above=0.25, codec=None)    # indices / xor / dense, whichever is smallest
+    frame = encode(new, last, dense_above=0.25, codec="none")  # gaps / indices / xor / dense: the smallest
     idx, vals = decode(frame, new.numel(), dtype, old_at=...)  # receiver side
     apply_changes(engine, pieces, idx, vals)           # into the engine's live weights (weight_view)
     checksum(region)                                   # compared per bucket, sender vs engine
@@ -31,8 +31,8 @@ from megarl.checkpoint_engine.plan import Bucket, TransferPlan, split_shard
 from megarl.models.convert import Slice, hf_slices
 from megarl.rollout.base import ShardSlice
 
-INDICES, XOR, DENSE = 0, 1, 2
-KINDS = {INDICES: "indices", XOR: "xor", DENSE: "dense"}
+INDICES, XOR, DENSE, GAPS = 0, 1, 2, 3
+KINDS = {INDICES: "indices", XOR: "xor", DENSE: "dense", GAPS: "gaps"}
 CODECS = {"none": 0, "zstd": 1, "lz4": 2}
 
 
@@ -137,21 +137,24 @@ class Frame:
 
 
 def encode(new: torch.Tensor, last: torch.Tensor | None, dense_above: float, codec: str = "none") -> Frame:
-    """The smallest of: (int32 indices, values) of the changed elements, the compressed XOR of the
-    bit patterns (with a codec), or the whole vector (dense: always when `last` is None or more
-    than `dense_above` of the elements changed)."""
+    """The smallest of: the changed elements' positions (uint16 gaps between them where every gap
+    fits, else int32 indices) and values, the compressed XOR of the bit patterns (with a codec),
+    or the whole vector (dense: always when `last` is None or more than `dense_above` of the
+    elements changed)."""
     n = new.numel()
     dense = new.reshape(-1).view(torch.uint8)
     if last is None:
         return _squeeze(Frame(DENSE, "none", dense, n), codec)
-    changed = bits(new) != bits(last)
-    nnz = int(changed.sum())
+    idx = (bits(new) != bits(last)).nonzero().view(-1)
+    nnz = idx.numel()
     if n == 0 or nnz > dense_above * n:
         return _squeeze(Frame(DENSE, "none", dense, nnz), codec)
-    idx = changed.nonzero().view(-1)
-    vals = new[idx]
-    sparse = torch.cat([idx.to(torch.int32).view(torch.uint8), vals.view(torch.uint8)])
-    best = Frame(INDICES, "none", sparse, nnz)
+    vals = new[idx].view(torch.uint8)
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1 if nnz else idx
+    if nnz == 0 or int(gaps.max()) < 2**16:      # gaps between changes fit 16 bits: 2 bytes an index
+        best = Frame(GAPS, "none", torch.cat([gaps.to(torch.int32).to(torch.int16).view(torch.uint8), vals]), nnz)
+    else:
+        best = Frame(INDICES, "none", torch.cat([idx.to(torch.int32).view(torch.uint8), vals]), nnz)
     if codec != "none":
         best = _squeeze(best, codec)
         xor = (bits(new) ^ bits(last)).view(torch.uint8)
@@ -187,13 +190,20 @@ def decode(kind: int, codec: str, payload: torch.Tensor, n: int, nnz: int, dtype
         if payload.numel() != n * size:
             raise ValueError(f"dense frame of {payload.numel()} bytes for {n} elements of {dtype}")
         return None, payload.view(dtype)
-    if kind == INDICES:
-        if payload.numel() != nnz * (4 + size):
+    if kind in (INDICES, GAPS):
+        width = 4 if kind == INDICES else 2
+        if payload.numel() != nnz * (width + size):
             raise ValueError(f"sparse frame of {payload.numel()} bytes for {nnz} changes")
-        idx = payload[:4 * nnz].view(torch.int32).to(torch.int64)
+        if kind == INDICES:
+            idx = payload[:4 * nnz].view(torch.int32).to(torch.int64)
+        else:                               # gaps: uint16 stored in int16 bits
+            idx = torch.cumsum((payload[:2 * nnz].view(torch.int16).to(torch.int64) & 0xFFFF) + 1, 0) - 1
+        payload = payload[width * nnz:]
+        if payload.storage_offset() % 8:
+            payload = payload.clone()
         if nnz and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise ValueError(f"sparse frame has indices outside [0, {n})")
-        return idx, payload[4 * nnz:].view(dtype)
+        return idx, payload.view(dtype)
     xor = payload.view(_INT[size])
     if xor.numel() != n:
         raise ValueError(f"xor frame of {xor.numel()} elements for {n}")
