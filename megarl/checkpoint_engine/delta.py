@@ -241,6 +241,11 @@ def part_origin(want: ShardSlice, full: tuple[int, ...]) -> list[int]:
 def to_part(piece: Piece, idx: torch.Tensor, full: tuple[int, ...], want: ShardSlice) -> tuple[torch.Tensor, torch.Tensor]:
     """Piece-local flat indices -> (which of them the engine part holds (mask), their flat index
     in the part)."""
+    lo, hi = (piece.part.start, piece.part.stop) if piece.part.dim == 0 else (0, full[0] if full else 1)
+    wlo, whi = (want.start, want.stop) if want.dim == 0 else (0, full[0] if full else 1)
+    if piece.part.dim in (None, 0) and want.dim in (None, 0) and wlo <= lo and hi <= whi:
+        # rows of the full tensor inside the engine's rows: a constant offset (the common case)
+        return torch.ones_like(idx, dtype=torch.bool), idx + (lo - wlo) * math.prod(full[1:])
     coords = list(torch.unravel_index(idx, piece.shape)) if idx.numel() else [idx for _ in piece.shape]
     if piece.part.dim is not None:
         coords[piece.part.dim] = coords[piece.part.dim] + piece.part.start
