@@ -68,6 +68,7 @@ def test_piece_index_map_matches_the_real_conversion(tmp_path):
     vocabulary, replicated norms), trainer TP 2 -> rollout TP 1, 2 and 4: to_part puts each
     element where split_shard + narrow_to (the full sync's own conversion) put it."""
     from megarl.checkpoint_engine.plan import build_plan, narrow_to, split_shard
+    from megarl.models.convert import hf_to_megatron
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.native.tp import ShardPlan
     from megarl.rollout.native.model import ModelArgs
@@ -78,6 +79,10 @@ def test_piece_index_map_matches_the_real_conversion(tmp_path):
     plan = build_plan(spec, tp, 1, 1 << 30, 2, (), "lm", gather_all=True)
     full = plan.hf_shapes()
     args = ModelArgs.from_hf(read_hf_config(path))
+    # every element's identity: its flat index in the full HF tensor
+    ids = {h: torch.arange(int(torch.tensor(s).prod())).view(s) for h, s in full.items()}
+    cut = {(e.name, t): hf_to_megatron(e.name, ids, spec, t, tp) for b in plan.buckets for e in b.entries
+           for t in range(tp)}
     for rtp in (1, 2, 4):
         if spec.num_kv_heads % rtp and rtp % spec.num_kv_heads:
             continue
@@ -85,11 +90,8 @@ def test_piece_index_map_matches_the_real_conversion(tmp_path):
             eplan = ShardPlan(args, r, rtp)
             for b in plan.buckets:
                 for t in range(tp):
-                    # every element's identity: its flat index in the full HF tensor
-                    ids = {h: torch.arange(int(torch.tensor(s).prod())).view(s) for h, s in full.items()}
-                    from megarl.models.convert import hf_to_megatron
                     for e in b.entries:
-                        shard = hf_to_megatron(e.name, ids, spec, t, tp)
+                        shard = cut[(e.name, t)]
                         pieces = [p for p in D.bucket_pieces(plan, b, t) if p.part.hf_name in
                                   {s.hf_name for s, _ in split_shard(e.name, shard, spec, t, tp)}]
                         for (s, tensor), p in zip([x for x in split_shard(e.name, shard, spec, t, tp)
