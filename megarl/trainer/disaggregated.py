@@ -95,7 +95,7 @@ def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
                                  dtype=dtype if delta else None, delta=delta)
     if delta:
         log.info(f"megarl: delta weight sync on; this trainer rank keeps its last-sent shards in {ce.delta_copy} "
-                 f"memory: {sender.delta_copy_bytes() / 2**20:.0f} MiB")
+                 f"memory: {sender.delta_copy_bytes() / 2**20:.1f} MiB")
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main else None
     return TrainerParts(**vars(shared), **roles, rollout=None, weight_sync=sender, reward=reward,
                         kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl))
