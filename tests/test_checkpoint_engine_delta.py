@@ -28,23 +28,24 @@ def test_encodings_round_trip(codec):
         pytest.importorskip("zstandard")
     g = torch.Generator().manual_seed(0)
     last = torch.randn(5000, generator=g).to(BF16)
-    for frac, kinds in ((0.0, {D.GAPS}), (0.02, {D.GAPS, D.XOR}), (0.9, {D.DENSE})):
+    for frac, kinds, scale in ((0.0, {D.STEPS}, 4.0), (0.02, {D.GAPS, D.XOR}, 4.0), (0.02, {D.STEPS}, 1.01),
+                               (0.9, {D.DENSE}, 4.0)):
         new = last.clone()
         pick = torch.rand(5000, generator=g) < frac
-        new[pick] = (new[pick].float() * 1.5 + 0.01).to(BF16)
+        new[pick] = (new[pick].float() * scale + 1e-3 * (scale - 1)).to(BF16)
         f = D.encode(new, last, dense_above=0.25, codec=codec)
         assert f.kind in kinds and f.nnz == int((D.bits(new) != D.bits(last)).sum())
         idx, vals = D.decode(f.kind, f.codec, f.payload, new.numel(), f.nnz, BF16)
         out = last.clone()
         if idx is None:
             out = vals.clone()
-        elif f.kind == D.XOR:
-            out[idx] = (D.bits(last[idx]) ^ vals).view(BF16)
         else:
-            out[idx] = vals
+            out[idx] = D.updated(f.kind, last[idx], vals, BF16)
         assert torch.equal(D.bits(out), D.bits(new))
         if frac == 0.02:
             assert f.payload.numel() < 0.25 * new.numel() * 2      # well under the dense frame
+        if f.kind == D.STEPS and f.codec == "none":
+            assert f.payload.numel() == 3 * f.nnz                   # 2 bytes a position, 1 a step
     assert D.encode(last, None, 0.25).kind == D.DENSE               # no copy yet: dense
     far = torch.zeros(200_000, dtype=BF16)                           # a gap past 16 bits: int32 indices
     moved = far.clone()
@@ -282,7 +283,7 @@ def test_delta_sync_bit_exact_with_anchors_and_faults(small):
             else:
                 assert "weight sync failed" in r["errors"][0]
                 assert 0 < max(r["changed"][1:5]) < 0.1, r["changed"]        # sparse steps
-                assert r["kinds"]["dense"] >= 1 and r["kinds"]["gaps"] >= 1, r["kinds"]
+                assert r["kinds"]["dense"] >= 1 and r["kinds"]["gaps"] + r["kinds"]["steps"] >= 1, r["kinds"]
                 assert r["copy_mb"] > 0
         # the corrupted value lies in some engine rank's part: its checksum caught it
         assert any("checksum mismatch" in out[key]["errors"][0] for rank, out in enumerate(ranks) if rank in ENGINES)

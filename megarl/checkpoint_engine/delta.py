@@ -31,8 +31,8 @@ from megarl.checkpoint_engine.plan import Bucket, TransferPlan, split_shard
 from megarl.models.convert import Slice, hf_slices
 from megarl.rollout.base import ShardSlice
 
-INDICES, XOR, DENSE, GAPS = 0, 1, 2, 3
-KINDS = {INDICES: "indices", XOR: "xor", DENSE: "dense", GAPS: "gaps"}
+INDICES, XOR, DENSE, GAPS, STEPS = 0, 1, 2, 3, 4
+KINDS = {INDICES: "indices", XOR: "xor", DENSE: "dense", GAPS: "gaps", STEPS: "steps"}
 CODECS = {"none": 0, "zstd": 1, "lz4": 2}
 
 
@@ -152,7 +152,13 @@ def encode(new: torch.Tensor, last: torch.Tensor | None, dense_above: float, cod
     vals = new[idx].view(torch.uint8)
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1 if nnz else idx
     if nnz == 0 or int(gaps.max()) < 2**16:      # gaps between changes fit 16 bits: 2 bytes an index
-        best = Frame(GAPS, "none", torch.cat([gaps.to(torch.int32).to(torch.int16).view(torch.uint8), vals]), nnz)
+        gap_bytes = gaps.to(torch.int32).to(torch.int16).view(torch.uint8)
+        # Small updates move a 16-bit pattern by a few units (ulps): one signed byte says how many.
+        steps = bits(new)[idx].to(torch.int32) - bits(last)[idx].to(torch.int32) if new.element_size() == 2 else None
+        if steps is not None and (nnz == 0 or int(steps.abs().max()) < 128):
+            best = Frame(STEPS, "none", torch.cat([gap_bytes, steps.to(torch.int8).view(torch.uint8)]), nnz)
+        else:
+            best = Frame(GAPS, "none", torch.cat([gap_bytes, vals]), nnz)
     else:
         best = Frame(INDICES, "none", torch.cat([idx.to(torch.int32).view(torch.uint8), vals]), nnz)
     if codec != "none":
@@ -179,8 +185,9 @@ def _squeeze(frame: Frame, codec: str) -> Frame:
 
 
 def decode(kind: int, codec: str, payload: torch.Tensor, n: int, nnz: int, dtype: torch.dtype):
-    """(indices int64, values) of a sparse frame, (None, all values) of a dense one, or
-    (indices, XOR bit patterns) of an XOR frame (the caller XORs them into the old values)."""
+    """(indices int64, values) of a sparse frame, (None, all values) of a dense one,
+    (indices, XOR bit patterns) of an XOR frame (the caller XORs them into the old values), or
+    (indices, int8 steps) of a STEPS frame (the caller adds them to the old bit patterns)."""
     size = torch.empty(0, dtype=dtype).element_size()
     if payload.storage_offset() % 8:      # a slice of the bucket's receive buffer: align for the views
         payload = payload.clone()
@@ -190,15 +197,17 @@ def decode(kind: int, codec: str, payload: torch.Tensor, n: int, nnz: int, dtype
         if payload.numel() != n * size:
             raise ValueError(f"dense frame of {payload.numel()} bytes for {n} elements of {dtype}")
         return None, payload.view(dtype)
-    if kind in (INDICES, GAPS):
+    if kind in (INDICES, GAPS, STEPS):
         width = 4 if kind == INDICES else 2
-        if payload.numel() != nnz * (width + size):
+        if payload.numel() != nnz * (width + (1 if kind == STEPS else size)):
             raise ValueError(f"sparse frame of {payload.numel()} bytes for {nnz} changes")
         if kind == INDICES:
             idx = payload[:4 * nnz].view(torch.int32).to(torch.int64)
         else:                               # gaps: uint16 stored in int16 bits
             idx = torch.cumsum((payload[:2 * nnz].view(torch.int16).to(torch.int64) & 0xFFFF) + 1, 0) - 1
         payload = payload[width * nnz:]
+        if kind == STEPS:                   # the caller adds them to the old bit patterns
+            return idx, payload.view(torch.int8)
         if payload.storage_offset() % 8:
             payload = payload.clone()
         if nnz and (int(idx.min()) < 0 or int(idx.max()) >= n):
@@ -260,3 +269,12 @@ def to_part(piece: Piece, idx: torch.Tensor, full: tuple[int, ...], want: ShardS
     for c, size in zip(coords, part_shape):
         flat = flat * size + c
     return keep, flat[keep]
+
+
+def updated(kind: int, old: torch.Tensor, vals: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The new values at decoded positions, from the old ones there where the frame needs them."""
+    if kind == XOR:
+        return (bits(old) ^ vals).view(dtype)
+    if kind == STEPS:
+        return (bits(old).to(torch.int32) + vals.to(torch.int32)).to(bits(old).dtype).view(dtype)
+    return vals

@@ -262,9 +262,8 @@ class ReceiverDelta:
             keep, flat = D.to_part(p, idx[a:b] - p.offset, shape, self._want(p))
             dst = view.view(-1)
             v = vals[a:b] if bool(keep.all()) else vals[a:b][keep]
-            old = dst[flat] if kind == D.XOR or self.undo is not None else None
-            if kind == D.XOR:
-                v = (D.bits(old) ^ v).view(self.dtype)
+            old = dst[flat] if kind in (D.XOR, D.STEPS) or self.undo is not None else None
+            v = D.updated(kind, old, v, self.dtype)
             if self.undo is not None:
                 self.undo.append((dst, flat, old))
             dst[flat] = v

@@ -90,10 +90,8 @@ def _apply(export: str, weights: dict[str, torch.Tensor]) -> None:
                 cur = weights[name].reshape(-1)
                 if idx is None:
                     cur = vals.clone()
-                elif kind == D.XOR:
-                    cur[idx] = (D.bits(cur[idx]) ^ vals).view(dtype)
                 else:
-                    cur[idx] = vals
+                    cur[idx] = D.updated(kind, cur[idx], vals, dtype)
                 cur = cur.view(shape)
                 if D.checksum(cur) != (s0, s1):
                     raise ValueError(f"{path}: {name} does not match its checksum after the delta; the export chain "
