@@ -28,7 +28,7 @@ def test_encodings_round_trip(codec):
         pytest.importorskip("zstandard")
     g = torch.Generator().manual_seed(0)
     last = torch.randn(5000, generator=g).to(BF16)
-    for frac, kinds, scale in ((0.0, {D.STEPS}, 4.0), (0.02, {D.GAPS, D.XOR}, 4.0), (0.02, {D.STEPS}, 1.01),
+    for frac, kinds, scale in ((0.0, {D.STEPS, D.GAPS}, 4.0), (0.02, {D.GAPS, D.XOR}, 4.0), (0.02, {D.STEPS}, 1.01),
                                (0.9, {D.DENSE}, 4.0)):
         new = last.clone()
         pick = torch.rand(5000, generator=g) < frac
@@ -44,7 +44,7 @@ def test_encodings_round_trip(codec):
         assert torch.equal(D.bits(out), D.bits(new))
         if frac == 0.02:
             assert f.payload.numel() < 0.25 * new.numel() * 2      # well under the dense frame
-        if f.kind == D.STEPS and f.codec == "none":
+        if f.kind == D.STEPS and f.codec == "none" and scale < 2:
             assert f.payload.numel() == 3 * f.nnz                   # 2 bytes a position, 1 a step
     assert D.encode(last, None, 0.25).kind == D.DENSE               # no copy yet: dense
     far = torch.zeros(200_000, dtype=BF16)                           # a gap past 16 bits: int32 indices

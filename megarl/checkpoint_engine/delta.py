@@ -153,12 +153,16 @@ def encode(new: torch.Tensor, last: torch.Tensor | None, dense_above: float, cod
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1 if nnz else idx
     if nnz == 0 or int(gaps.max()) < 2**16:      # gaps between changes fit 16 bits: 2 bytes an index
         gap_bytes = gaps.to(torch.int32).to(torch.int16).view(torch.uint8)
-        # Small updates move a 16-bit pattern by a few units (ulps): one signed byte says how many.
-        steps = bits(new)[idx].to(torch.int32) - bits(last)[idx].to(torch.int32) if new.element_size() == 2 else None
-        if steps is not None and (nnz == 0 or int(steps.abs().max()) < 128):
-            best = Frame(STEPS, "none", torch.cat([gap_bytes, steps.to(torch.int8).view(torch.uint8)]), nnz)
-        else:
-            best = Frame(GAPS, "none", torch.cat([gap_bytes, vals]), nnz)
+        best = Frame(GAPS, "none", torch.cat([gap_bytes, vals]), nnz)
+        if new.element_size() == 2:
+            # Small updates move a 16-bit pattern by a few units (ulps): one signed byte says how
+            # many; -128 escapes to the whole 16-bit difference, listed after the steps.
+            diff = (bits(new)[idx].to(torch.int32) - bits(last)[idx].to(torch.int32)).to(torch.int16)
+            small = diff.to(torch.int32).abs() <= 127
+            steps = torch.where(small, diff, torch.full_like(diff, -128)).to(torch.int8)
+            payload = torch.cat([gap_bytes, steps.view(torch.uint8), diff[~small].view(torch.uint8)])
+            if payload.numel() < best.payload.numel():
+                best = Frame(STEPS, "none", payload, nnz)
     else:
         best = Frame(INDICES, "none", torch.cat([idx.to(torch.int32).view(torch.uint8), vals]), nnz)
     if codec != "none":
@@ -187,7 +191,7 @@ def _squeeze(frame: Frame, codec: str) -> Frame:
 def decode(kind: int, codec: str, payload: torch.Tensor, n: int, nnz: int, dtype: torch.dtype):
     """(indices int64, values) of a sparse frame, (None, all values) of a dense one,
     (indices, XOR bit patterns) of an XOR frame (the caller XORs them into the old values), or
-    (indices, int8 steps) of a STEPS frame (the caller adds them to the old bit patterns)."""
+    (indices, int16 differences) of a STEPS frame (the caller adds them to the old bit patterns)."""
     size = torch.empty(0, dtype=dtype).element_size()
     if payload.storage_offset() % 8:      # a slice of the bucket's receive buffer: align for the views
         payload = payload.clone()
@@ -199,15 +203,21 @@ def decode(kind: int, codec: str, payload: torch.Tensor, n: int, nnz: int, dtype
         return None, payload.view(dtype)
     if kind in (INDICES, GAPS, STEPS):
         width = 4 if kind == INDICES else 2
-        if payload.numel() != nnz * (width + (1 if kind == STEPS else size)):
+        escaped = int((payload[2 * nnz:3 * nnz].view(torch.int8) == -128).sum()) if kind == STEPS else 0
+        if payload.numel() != nnz * (width + (1 if kind == STEPS else size)) + 2 * escaped:
             raise ValueError(f"sparse frame of {payload.numel()} bytes for {nnz} changes")
         if kind == INDICES:
             idx = payload[:4 * nnz].view(torch.int32).to(torch.int64)
         else:                               # gaps: uint16 stored in int16 bits
             idx = torch.cumsum((payload[:2 * nnz].view(torch.int16).to(torch.int64) & 0xFFFF) + 1, 0) - 1
         payload = payload[width * nnz:]
-        if kind == STEPS:                   # the caller adds them to the old bit patterns
-            return idx, payload.view(torch.int8)
+        if kind == STEPS:                   # 16-bit differences: the caller adds them to the old bits
+            steps = payload[:nnz].view(torch.int8)
+            diff = steps.to(torch.int16)
+            esc = steps == -128
+            rest = payload[nnz:].clone()
+            diff[esc] = rest.view(torch.int16) if rest.numel() else diff[esc]
+            return idx, diff
         if payload.storage_offset() % 8:
             payload = payload.clone()
         if nnz and (int(idx.min()) < 0 or int(idx.max()) >= n):
@@ -275,6 +285,6 @@ def updated(kind: int, old: torch.Tensor, vals: torch.Tensor, dtype: torch.dtype
     """The new values at decoded positions, from the old ones there where the frame needs them."""
     if kind == XOR:
         return (bits(old) ^ vals).view(dtype)
-    if kind == STEPS:
-        return (bits(old).to(torch.int32) + vals.to(torch.int32)).to(bits(old).dtype).view(dtype)
+    if kind == STEPS:                       # wrapping 16-bit addition: exact for any difference
+        return (bits(old).to(torch.int32) + vals.to(torch.int32)).to(torch.int16).view(dtype)
     return vals
