@@ -37,6 +37,8 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "logging": ["tensorboard", "wandb"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # checkpoint_engine.delta_compression=zstd|lz4 (delta weight syncs, docs/weight-sync.md)
+        "compress": ["zstandard>=0.22", "lz4>=4"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:main"]},
 )

@@ -2,6 +2,7 @@
 
     python benchmarks/weight_sync.py [--repeats 3] [--warmup 1] [--bucket-mb 64] [--layers 6]
     python benchmarks/weight_sync.py --smoke        # CI: a tiny model, one repeat, layouts (1,1) and (2,2)
+    python benchmarks/weight_sync.py --delta [--smoke]   # delta vs full after real Adam steps (weight_sync_delta.py)
 
 4 gloo ranks on CPU, a ~136M-parameter Qwen2 model (fp32, ~545 MB), actor layouts (TP, PP) in
 (1,1), (2,1), (1,2), (2,2) (DP fills the 4 ranks) to native engines at rollout TP 1 and 2
@@ -225,6 +226,26 @@ def run_rank(rank, world, path, a):
     return [[list(key), value] for key, value in results.items()]
 
 
+def delta_main(a) -> None:
+    import weight_sync_delta as wd
+    from megarl.models.tiny import make_tiny_hf
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.model_dir or os.path.join(tmp, "model")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            make_tiny_hf(path, "qwen2", tokenizer=False, **shape(a.layers, a.hidden, a.vocab))
+        started = time.perf_counter()
+        got = run_local(WORLD, wd.run_rank, (path, a))
+    print(f"delta weight sync: Qwen2 {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}; trainers fp32 + Adam, "
+          f"engines bf16; {WORLD} gloo ranks on {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}); "
+          f"bucket {a.bucket_mb:g} MiB; {a.steps} steps per lr; medians over steps 2..{a.steps}, step 0 the "
+          f"anchor ({time.perf_counter() - started:.0f} s)")
+    wd.report(list(got), a)
+    print("avg: one anchor + K - 1 steady deltas, K = --anchor-every. x: full / way (bytes on the wire: the largest "
+          "rank's; seconds: the slowest rank's wall time).")
+    print("peak resident MiB per rank (whole run, sampled by the parent): "
+          + ", ".join(f"rank {r} {mb:.0f}" for r, mb in enumerate(got.peak_mb)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -235,10 +256,22 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--smoke", action="store_true", help=f"CI's tiny shape, one repeat: {SMOKE}")
     ap.add_argument("--model-dir", default=None, help="where to build (or find) the random HF model")
+    ap.add_argument("--delta", action="store_true", help="delta vs full sync after Adam steps "
+                    "(benchmarks/weight_sync_delta.py): distributed and disk transports, bf16 engines")
+    ap.add_argument("--steps", type=int, default=6, help="--delta: Adam steps per learning rate")
+    ap.add_argument("--lrs", default="1e-6,1e-5", help="--delta: learning rates")
+    ap.add_argument("--anchor-every", type=int, default=20, help="--delta: a full sync every K (in the averages)")
+    ap.add_argument("--no-zstd", dest="zstd", action="store_false", help="--delta: skip the delta+zstd way")
+    ap.add_argument("--no-disk", dest="disk", action="store_false", help="--delta: skip the disk transport")
     a = ap.parse_args()
     a.layouts, a.rollout_tp = LAYOUTS, ROLLOUT_TP
+    a.lrs = [float(x) for x in a.lrs.split(",")]
     if a.smoke:
         vars(a).update(SMOKE)
+        if a.delta:
+            vars(a).update(steps=3, lrs=[1e-5], anchor_every=4)
+    if a.delta:
+        return delta_main(a)
     from megarl.models.tiny import make_tiny_hf
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model_dir or os.path.join(tmp, "model")

@@ -23,7 +23,7 @@ MAX_LINES = 400
 # Loaded inside the function that needs them: extras (megarl[trtllm], [te], [logging]) and
 # dependencies that only one feature uses and that cost seconds to load.
 OPTIONAL = ("tensorrt_llm", "transformer_engine", "megatron.core.extensions.transformer_engine", "apex", "vllm",
-            "wandb", "torch.utils.tensorboard", "ray", "matplotlib", "pyarrow")
+            "wandb", "torch.utils.tensorboard", "ray", "matplotlib", "pyarrow", "zstandard", "lz4")
 # The launcher's front door: `megarl-train` refuses a bad config in a second, before torch loads
 # (tests/test_repo.py), so what loads torch is imported inside the function that needs it there.
 LAUNCHER = ("megarl", "megarl.train", "megarl.preflight")

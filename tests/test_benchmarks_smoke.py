@@ -71,6 +71,15 @@ def test_distributed_benchmarks_smoke():
     assert re.search(r"reduce_scatter_tensor \d+x", out) and re.search(r"rank 1 \d+", out)
 
 
+@pytest.mark.timeout(600)
+def test_delta_weight_sync_benchmark_smoke():
+    """weight_sync.py --delta --smoke: real Adam steps, full vs delta over both transports (one spawn)."""
+    out = run("benchmarks/weight_sync.py", "--delta", "--smoke")
+    assert re.search(r"delta engines bit-identical to full after every step: yes", out), out
+    assert re.search(r"\(2,1\) -> 1 +delta +[\d.]+ ", out) and re.search(r"\(1,2\) -> 2 +delta +[\d.]+ ", out), out
+    assert "bit-identical read-back: yes" in out and re.search(r"rank 3 \d+", out), out
+
+
 @pytest.mark.timeout(900)
 def test_single_process_benchmarks_smoke():
     out = run("benchmarks/update_memory.py", "--smoke")

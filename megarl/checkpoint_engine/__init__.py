@@ -10,6 +10,8 @@ Transports (`actor_rollout_ref.rollout.checkpoint_engine.backend`):
                  engine's ranks over groups spanning both (distributed.py; placement=disaggregated,
                  built by megarl/trainer/disaggregated.py)
     disk         HF safetensors + index in disk_dir/step_NNNNNN, written atomically (disk.py)
+`checkpoint_engine.delta` (off/on/auto): the distributed and disk transports send only the
+elements that changed, with full anchors (delta_sync.py, disk_delta.py; docs/weight-sync.md).
 The plan (plan.py) is computed once per engine_sync; metrics are
 {"weight_sync/seconds", "weight_sync/gb", "weight_sync/gb_per_s", "weight_sync/buckets",
  "weight_sync/peak_extra_mb", "weight_sync/wire_gb"}, each the largest over ranks.
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint_engine.base import WeightSyncError
 from megarl.checkpoint_engine.colocated import ColocatedSync
+from megarl.checkpoint_engine.delta_sync import delta_options
 from megarl.checkpoint_engine.disk import DiskSync
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.config.errors import ConfigError
@@ -43,7 +46,9 @@ def build_checkpoint_engine(cfg, actor, rollout=None, rollout_group=None):
     source = ShardSource.from_actor(actor)
     bucket_bytes = int(ce.bucket_size_mb * 2**20)
     if backend == "disk":
-        return DiskSync(source, ce.disk_dir, bucket_bytes, keep=ce.disk_keep, aux_from=cfg.model.path)
+        delta = delta_options(ce, source.hf_dtype or source.dtype, "disk")   # the export's dtype
+        return DiskSync(source, ce.disk_dir, bucket_bytes, keep=ce.disk_keep, aux_from=cfg.model.path, delta=delta)
+    delta_options(ce, source.dtype, "colocated")          # delta=auto: says in the log that it is off here
     if rollout is None:
         raise ValueError("backend=colocated needs the rollout engine of this rank (build_rollout(...))")
     if rollout_group is not None:

@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 
 from megarl.checkpoint_engine.base import WeightSyncError, agree, conclude, metrics
 from megarl.checkpoint_engine.colocated import gather_in_place
+from megarl.checkpoint_engine.delta_sync import DeltaOptions
+from megarl.checkpoint_engine.disk_delta import needed, write_delta, write_manifest
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.plan import build_plan
 from megarl.checkpoint_engine.source import ShardSource
@@ -61,7 +63,7 @@ def _exports(disk_dir: str) -> list[tuple[int, str]]:
 
 class DiskSync:
     def __init__(self, source: ShardSource, disk_dir: str, bucket_bytes: int = 512 << 20, keep: int = 2,
-                 aux_from: str | None = None, group=None):
+                 aux_from: str | None = None, group=None, delta: DeltaOptions | None = None):
         self.src, self.dir, self.keep, self.aux_from, self.group = source, os.path.abspath(disk_dir), keep, aux_from, group
         self.dtype, self.device = source.dtype, source.device
         self.out_dtype = source.hf_dtype or self.dtype
@@ -74,6 +76,20 @@ class DiskSync:
             dist.broadcast_object_list(last, src=0, group=group)
         self.version = last[0]
         self.last_path: str | None = None
+        # Delta mode (disk_delta.py): the writers' last-written tensors per bucket (host memory),
+        # why the next export must be full, and the syncs since the last full one.
+        self.delta, self.written, self.reason, self.since = delta, {}, "first sync", 0
+        self.anchor, self.changed = True, [0, 0]
+
+    def request_anchor(self, why: str) -> None:
+        """Make the next export full (delta mode), e.g. after the trainer resumed from a checkpoint."""
+        self.reason = self.reason or why
+
+    def delta_copy_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in self.written.values() for t in d.values())
+
+    def _delta_file(self, k: int) -> str:
+        return f"delta-{k + 1:05d}-of-{len(self.plan.buckets):05d}.safetensors"
 
     def _file(self, k: int) -> str:
         return f"model-{k + 1:05d}-of-{len(self.plan.buckets):05d}.safetensors"
@@ -98,14 +114,25 @@ class DiskSync:
             if src.tp_rank == 0:
                 tensors = {n: t.to("cpu", self.out_dtype).contiguous()
                            for n, t in bucket_stream(self.plan, bucket, buf, src.tp_rank, src.params)}
-                save_file(tensors, os.path.join(tmp, self._file(k)), metadata={"format": "pt"})
-                written += sum(t.numel() * t.element_size() for t in tensors.values())
+                if self.delta is not None and not self.anchor:
+                    size, changed, total = write_delta(os.path.join(tmp, self._delta_file(k)), tensors, self.written[k],
+                                                       self.delta.dense_above, self.delta.codec)
+                    written += size
+                    self.changed = [self.changed[0] + changed, self.changed[1] + total]
+                else:
+                    save_file(tensors, os.path.join(tmp, self._file(k)), metadata={"format": "pt"})
+                    written += sum(t.numel() * t.element_size() for t in tensors.values())
+                if self.delta is not None:      # a copy: .to() may return the live parameter itself
+                    self.written[k] = {n: t.clone() for n, t in tensors.items()}
             del buf
         return written
 
     def _publish(self, tmp: str, name: str) -> None:
         """Rank 0: index, config and tokenizer into the temp dir, rename it, point `latest` at it."""
         spec = self.src.spec
+        if self.delta is not None and not self.anchor:
+            write_manifest(tmp, os.path.basename(self.last_path),
+                           [self._delta_file(k) for k in range(len(self.plan.buckets))])
         weight_map = {h: self._file(k) for k, b in enumerate(self.plan.buckets)
                       for e in b.entries for h in hf_names(e.name, spec, self.src.head)}
         total = self.plan.numel() * self.out_dtype.itemsize
@@ -125,8 +152,11 @@ class DiskSync:
         with open(pointer, "w") as f:
             f.write(name + "\n")
         os.replace(pointer, os.path.join(self.dir, LATEST))
-        for _, old in _exports(self.dir)[:-self.keep]:
-            shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
+        every = [n for _, n in _exports(self.dir)]
+        keep = needed(self.dir, every[-self.keep:]) if self.delta is not None else set(every[-self.keep:])
+        for old in every:
+            if old not in keep:
+                shutil.rmtree(os.path.join(self.dir, old), ignore_errors=True)
 
     def sync(self) -> dict[str, float]:
         with self.src.all_experts():      # MoE under EP: every expert, for this sync
@@ -139,6 +169,8 @@ class DiskSync:
         tmp = os.path.join(self.dir, f".tmp-{name}")
         start, mem = time.perf_counter(), PeakMemory(self.device)
         error, written = None, 0
+        if self.delta is not None:
+            self._decide()
         if self.rank == 0:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)        # left over from a crashed run
@@ -163,7 +195,26 @@ class DiskSync:
         except WeightSyncError:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            self.reason = "the previous export failed"
             raise
         self.last_path = os.path.join(self.dir, name)
         seconds = time.perf_counter() - start
-        return metrics(seconds, self.plan.numel() * self.out_dtype.itemsize, len(self.plan.buckets), peak, wire)
+        out = metrics(seconds, self.plan.numel() * self.out_dtype.itemsize, len(self.plan.buckets), peak, wire)
+        if self.delta is not None:
+            self.reason, self.since = None, 0 if self.anchor else self.since + 1
+            out.update({"weight_sync/anchor": float(self.anchor),
+                        "weight_sync/changed_frac": 1.0 if self.anchor else self.changed[0] / max(self.changed[1], 1),
+                        "weight_sync/delta_copy_mb": self.delta_copy_bytes() / 2**20})
+        return out
+
+    def _decide(self) -> None:
+        """Full export or delta: rank 0's call, shared with every writer."""
+        why = self.reason or (f"every {self.delta.anchor_every} exports"
+                              if self.since + 1 >= self.delta.anchor_every else None)
+        if self.last_path is None or not os.path.isdir(self.last_path):
+            why = why or "no previous export to apply to"
+        got = [why]
+        if dist.is_initialized():
+            dist.broadcast_object_list(got, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                                       group=self.group)
+        self.anchor, self.changed = got[0] is not None, [0, 0]

@@ -24,6 +24,7 @@ last complete weights and reloads them when a sync fails (the engine keeps gener
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from megarl.checkpoint_engine.base import WeightSyncError, conclude, metrics
+from megarl.checkpoint_engine.delta_sync import (DeltaOptions, Incoming, ReceiverDelta, SenderDelta, decide,
+                                                 layout_index, layouts_of)
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import TransferPlan, build_plan
@@ -39,6 +42,8 @@ from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
 from megarl.models.spec import ModelSpec
 from megarl.parallel.bridge import Bridge
 from megarl.rollout.base import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 
 def megatron_rank(t: int, d: int, p: int, tp: int, dp: int) -> int:
@@ -81,16 +86,26 @@ def disaggregated_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, dty
     return build_plan(spec, tp, pp, bucket_bytes, dtype.itemsize, (), head, gather_all=True)
 
 
-def _check_same(plan: TransferPlan, dtype: torch.dtype, group) -> None:
-    mine = f"{plan.digest()}/{dtype}"
+def _check_same(plan: TransferPlan, dtype: torch.dtype, group, delta: bool = False) -> None:
+    mine = f"{plan.digest()}/{dtype}/delta={delta}"
     every = group.all_gather_object(mine)
     if len(set(every)) != 1:
         raise RuntimeError(f"trainer and engine ranks built different weight-sync plans ({sorted(set(every))}): "
-                           "they must use the same model config, layout, bucket size and dtype")
+                           "they must use the same model config, layout, bucket size, dtype and delta mode")
+
+
+def _delta_metrics(out: dict, anchor: bool, changed: float, copy_bytes: float) -> dict:
+    out.update({"weight_sync/anchor": float(anchor), "weight_sync/changed_frac": changed,
+                "weight_sync/delta_copy_mb": copy_bytes / 2**20})
+    return out
 
 
 class DisaggregatedSender:
-    def __init__(self, source: ShardSource, groups: DisaggregatedGroups, bucket_bytes: int = 512 << 20):
+    """`dtype`: what crosses the wire (the engine's; default the shards'). `delta`: send only what
+    changed (megarl/checkpoint_engine/delta_sync.py); the receivers must be built with it too."""
+
+    def __init__(self, source: ShardSource, groups: DisaggregatedGroups, bucket_bytes: int = 512 << 20,
+                 dtype: torch.dtype | None = None, delta: DeltaOptions | None = None):
         if source.vpp > 1:
             raise ValueError("the disaggregated sync plans stages without virtual-pipeline chunks; train with "
                              "virtual_pipeline_model_parallel_size=null or use the colocated sync")
@@ -98,27 +113,75 @@ class DisaggregatedSender:
             raise ValueError(f"groups were built for TP {groups.tp} x PP {groups.pp}, the shards are "
                              f"TP {source.tp} x PP {source.pp}")
         self.src, self.g = source, groups
-        self.dtype, self.device = source.dtype, source.device
+        self.dtype, self.device = dtype or source.dtype, source.device
         self.plan = disaggregated_plan(source.spec, source.tp, source.pp, bucket_bytes, self.dtype, source.head)
         key = (source.tp_rank, source.pp_rank)
         self.sends = source.dp_rank == 0 and groups.senders[key] == groups.rank
-        _check_same(self.plan, self.dtype, groups.everyone)
+        _check_same(self.plan, self.dtype, groups.everyone, delta is not None)
+        self.delta = None
+        if delta is not None:
+            layouts = layouts_of(groups.everyone.all_gather_object({"layout": None}))
+            self.delta = SenderDelta(self.plan, source.tp_rank, self.dtype, delta, layouts)
+
+    def delta_copy_bytes(self) -> int:
+        """Host memory this rank's last-sent copy takes once every bucket went out (delta mode)."""
+        mine = [b for b in self.plan.buckets if self.sends and b.stage == self.src.pp_rank]
+        return self.delta.planned_bytes(mine) if self.delta is not None else 0
+
+    def request_anchor(self, why: str) -> None:
+        """Make the next sync full (delta mode), e.g. after the trainer resumed from a checkpoint."""
+        if self.delta is not None:
+            self.delta.request_anchor(why)
 
     def sync(self) -> dict[str, float]:
         with self.src.all_experts():      # MoE under EP: every expert, for this sync
-            return self._sync()
+            if self.delta is None:
+                return self._sync(self._start)
+            return self._delta_sync()
 
-    def _sync(self) -> dict[str, float]:
+    def _sync(self, start_bucket, extra=lambda: []) -> dict[str, float]:
         src = self.src
         mine = [b for b in self.plan.buckets if self.sends and b.stage == src.pp_rank]
         start = time.perf_counter()
         with torch.no_grad(), PeakMemory(self.device) as mem:
             # Nothing to load here: each bucket's send is waited for once the next one is posted
             # (at most two buckets on the move).
-            _, wire = run_pipeline(mine, self._start, lambda bucket, buf: None, overlap=True, abort=lambda: None)
-        seconds, peak, wire = conclude(None, None, [time.perf_counter() - start, mem.extra_mb, float(wire)],
-                                       self.g.everyone, self.device)
-        return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
+            _, wire = run_pipeline(mine, start_bucket, lambda bucket, buf: None, overlap=True, abort=lambda: None)
+        seconds, peak, wire, *more = conclude(None, None, [time.perf_counter() - start, mem.extra_mb, float(wire),
+                                                           *extra()], self.g.everyone, self.device)
+        out = metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
+        return out if not more else _delta_metrics(out, *more)
+
+    def _delta_sync(self) -> dict[str, float]:
+        d = self.delta
+        reports = self.g.everyone.all_gather_object(d.report())
+        anchor, why, version = decide(reports)
+        if anchor and self.g.rank == self.g.senders[(0, 0)]:
+            log.info(f"weight sync {version}: full (anchor): {why}")
+        d.changed = d.total = 0
+        try:
+            out = self._sync(self._start_anchor if anchor else self._start_delta,
+                             lambda: [float(anchor), 1.0 if anchor else d.changed / max(d.total, 1),
+                                      float(d.copy_bytes())])
+        except WeightSyncError:
+            d.concluded(False, anchor, version, [])
+            raise
+        d.concluded(True, anchor, version, sorted(r["gen"] for r in reports if r["side"] == "engine"))
+        return out
+
+    def _start_anchor(self, bucket) -> Transfer:
+        self.delta.keep(bucket, self.src.params)
+        return self._start(bucket)
+
+    def _start_delta(self, bucket) -> Transfer:
+        key = (self.src.tp_rank, self.src.pp_rank)
+        head, payload = self.delta.frame(bucket, self.src.params)
+        group, src = self.g.groups[key], self.g.senders[key]
+        head, payload = head.to(self.device), payload.to(self.device)
+        works = [group.broadcast(head, src=src, async_op=True)]
+        if payload.numel():                 # the receiver posts no broadcast for an empty frame
+            works.append(group.broadcast(payload, src=src, async_op=True))
+        return Transfer(payload, sending=works)
 
     def _start(self, bucket) -> Transfer:
         """Copy this rank's shards of `bucket` into a buffer and broadcast it to the engine ranks."""
@@ -138,13 +201,32 @@ class DisaggregatedReceiver:
 
     def __init__(self, engine: RolloutEngine, spec: ModelSpec, groups: DisaggregatedGroups, dtype: torch.dtype,
                  bucket_bytes: int = 512 << 20, head: str = "lm", device: torch.device | str = "cpu",
-                 overlap: bool = True, keep_previous: bool = False):
+                 overlap: bool = True, keep_previous: bool = False, delta: DeltaOptions | None = None):
         self.engine, self.g, self.dtype, self.device, self.overlap = engine, groups, dtype, torch.device(device), overlap
         self.plan = disaggregated_plan(spec, groups.tp, groups.pp, bucket_bytes, dtype, head)
         self.want = takes_shards(engine)
         self.keep_previous = keep_previous
         self.previous: list[torch.Tensor] | None = None   # one buffer per bucket, host memory
-        _check_same(self.plan, dtype, groups.everyone)
+        _check_same(self.plan, dtype, groups.everyone, delta is not None)
+        self.delta = None
+        if delta is not None:
+            if keep_previous:       # a delta keeps an undo log instead (anchors keep nothing)
+                self.keep_previous = False
+            self.delta = ReceiverDelta(engine, self.plan, groups.tp, dtype)
+            self.delta.undo_on_failure = keep_previous
+            gathered = groups.everyone.all_gather_object({"layout": self.delta.layout})
+            self.delta.index = layout_index(self.delta.layout, gathered)
+            self.delta.n_layouts = len(layouts_of(gathered))
+
+    def replace_engine(self, engine: RolloutEngine) -> None:
+        """This rank's engine was rebuilt (restarted after a fault, or a new one joined in its place):
+        sync into `engine` from now on. In delta mode it gets a new generation id, so the next sync
+        is full on every rank."""
+        self.engine, self.want, self.previous = engine, takes_shards(engine), None
+        if self.delta is not None:
+            old = self.delta
+            self.delta = ReceiverDelta(engine, self.plan, self.g.tp, self.dtype)
+            self.delta.index, self.delta.n_layouts, self.delta.undo_on_failure = old.index, old.n_layouts, old.undo_on_failure
 
     def _restore(self) -> bool:
         """Reload the previous complete weights into the engine (after a failed sync)."""
@@ -164,6 +246,52 @@ class DisaggregatedReceiver:
         return Transfer(buf, filling=works)
 
     def sync(self) -> dict[str, float]:
+        if self.delta is None:
+            return self._full_sync()
+        d = self.delta
+        reports = self.g.everyone.all_gather_object(d.report())
+        anchor, _, version = decide(reports)
+        try:
+            out = self._full_sync([1.0, 0.0, 0.0]) if anchor else self._delta_sync()
+        except WeightSyncError:
+            d.applied = -1
+            raise
+        d.applied = version
+        return out
+
+    def _delta_sync(self) -> dict[str, float]:
+        d, heads = self.delta, {}
+        heads_per = 4 + 2 * d.n_layouts
+
+        def start(bucket) -> Transfer:
+            got = Incoming(self.g, bucket, heads_per, self.device)
+            heads[bucket.index] = got.heads
+            return got
+
+        def load(bucket, buf) -> None:
+            d.load(bucket, buf, heads.pop(bucket.index))
+
+        begin = time.perf_counter()
+        with torch.no_grad(), PeakMemory(self.device) as mem:
+            try:
+                d.begin(d.undo_on_failure)
+                error = None
+            except Exception as err:  # noqa: BLE001 - reported on every rank by conclude()
+                error = err
+            err2, wire = run_pipeline(self.plan.buckets, start, (lambda b, buf: None) if error else load,
+                                      overlap=self.overlap, abort=self.engine.abort_weight_update)
+        try:
+            seconds, peak, wire, *more = conclude(self.engine, error or err2,
+                                                  [time.perf_counter() - begin, mem.extra_mb, float(wire), 0.0, 0.0, 0.0],
+                                                  self.g.everyone, self.device)
+        except WeightSyncError as err:
+            if d.restore():
+                raise WeightSyncError(f"{err}; this engine undid the delta and generates on its previous weights") from None
+            raise
+        out = metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
+        return _delta_metrics(out, *more)
+
+    def _full_sync(self, extra: list[float] = ()) -> dict[str, float]:
         buckets = self.plan.buckets
         kept: list[torch.Tensor] = []
 
@@ -177,12 +305,13 @@ class DisaggregatedReceiver:
             error, wire = run_pipeline(buckets, self._start, load, overlap=self.overlap,
                                        abort=self.engine.abort_weight_update)
         try:
-            seconds, peak, wire = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb, float(wire)],
-                                           self.g.everyone, self.device)
+            seconds, peak, wire, *more = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb,
+                                                                       float(wire), *extra], self.g.everyone, self.device)
         except WeightSyncError as err:
             if self.keep_previous and self._restore():
                 raise WeightSyncError(f"{err}; this engine reloaded its previous weights and generates on them") from None
             raise
         if self.keep_previous:
             self.previous = kept
-        return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)
+        out = metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)
+        return out if not more else _delta_metrics(out, *more)

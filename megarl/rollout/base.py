@@ -142,6 +142,18 @@ class RolloutEngine(ABC):
         rank's part. Only called on engines whose weight_shard() returns a ShardSlice."""
         raise NotImplementedError(f"{type(self).__name__} takes full tensors only (weight_shard() returns None)")
 
+    def weight_view(self, name: str) -> torch.Tensor | None:
+        """Engines that load in place may expose, for HF tensor `name`, the live storage of this
+        rank's part of it (shape `weight_shard(name).take(full)`, contiguous), which a delta sync
+        (checkpoint_engine/delta.py) writes changed elements into and checksums. None (the
+        default): delta syncs are refused for this engine."""
+        return None
+
+    def begin_weight_delta(self) -> None:
+        """A delta sync starts: the tensors it does not write keep their values. Raise when the
+        engine does not hold the last sync's weights (the sync fails and the next one is full)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take delta weight syncs")
+
     def abort_weight_update(self) -> None:
         """A transfer failed: drop what was staged. Engines that stage keep the old weights active;
         engines that load in place (native, hf) refuse to generate until a full sync succeeds."""

@@ -85,7 +85,9 @@ class CheckpointEngineConfig(Section):
     # colocated: the engine shares the training ranks (all-gather + broadcast in buckets);
     # distributed: the engine has ranks of its own, buckets cross a group spanning both;
     # disk: HF safetensors written to `disk_dir` for an engine in another job.
-    backend: Literal["auto", "colocated", "distributed", "disk"] = "auto"  # auto: from rollout.placement
+    # delta_sharded: verl's name for the distributed transport with delta on (verl-project/verl
+    # c04f5e9, verl/checkpoint_engine/delta_checkpoint_engine.py, registers "delta" and "delta_sharded").
+    backend: Literal["auto", "colocated", "distributed", "disk", "delta_sharded"] = "auto"  # auto: from placement
     bucket_size_mb: float = 512            # one bucket's buffer (MiB); a rank holds at most two, plus one tensor
     overlap: bool = True                   # move the next bucket while the engine loads this one
     disk_dir: str | None = None            # backend=disk: where step_NNNNNN/ exports and `latest` go
@@ -96,10 +98,28 @@ class CheckpointEngineConfig(Section):
     # on generating on its old weights. false: an in-place engine (native, hf) refuses to generate
     # until a sync succeeds.
     keep_previous_weights: bool | None = None
+    # Delta sync (distributed and disk transports, docs/weight-sync.md): send only the elements
+    # whose engine-dtype bits changed. auto: on where the engine's weights are 16-bit or narrower.
+    # The sender keeps its last-sent shards (engine dtype) in host memory: model bytes / trainer TP / PP.
+    delta: bool | Literal["off", "on", "auto"] | None = None   # null: off (on with backend=delta_sharded);
+    # a bare on/off in YAML reads as true/false, taken as on/off
+    delta_anchor_every: int = 20           # a full sync every this many syncs (also after failures, resumes, restarts)
+    delta_dense_above: float = 0.25        # a bucket with more than this fraction changed is sent dense
+    delta_compression: Literal["none", "zstd", "lz4"] = "none"   # frames compressed where it makes them smaller
+    delta_copy: Literal["host", "device"] = "host"   # where the sender keeps its last-sent copy
 
     def __post_init__(self):
         if self.update_weights_bucket_megabytes is not None:
             self.bucket_size_mb = self.update_weights_bucket_megabytes
+        if isinstance(self.delta, bool):
+            self.delta = "on" if self.delta else "off"
+        if self.backend == "delta_sharded":
+            require(self.delta in (None, "on"), "delta", "backend=delta_sharded (verl) is the distributed transport with "
+                    "delta on; remove delta=off or use backend=distributed")
+            self.backend, self.delta = "distributed", "on"
+        self.delta = self.delta or "off"
+        require(self.delta_anchor_every >= 1, "delta_anchor_every", "must be >= 1 (1: every sync is full)")
+        require(0 < self.delta_dense_above <= 1, "delta_dense_above", "must be in (0, 1]")
         require(self.bucket_size_mb > 0, "bucket_size_mb", "must be > 0 (MiB)")
         require(self.backend != "disk" or bool(self.disk_dir), "disk_dir",
                 "backend=disk needs disk_dir=<a directory the engine's job can read>")

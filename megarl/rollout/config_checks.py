@@ -5,6 +5,8 @@ MODEL_RULES); `cfg` is the ExperimentConfig.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from megarl.config.errors import ConfigError
 
 
@@ -54,6 +56,22 @@ def check_sync_backend(cfg) -> None:
         raise ConfigError(f"is {backend}, but placement=disaggregated moves weights over "
                           "the distributed transport; set backend=auto or distributed",
                           "actor_rollout_ref.rollout.checkpoint_engine.backend")
+
+
+def check_delta_sync(cfg) -> None:
+    """delta=on moves deltas over the distributed or disk transport; the colocated one has none."""
+    ce = cfg.rollout.checkpoint_engine
+    colocated = ce.backend == "colocated" or (ce.backend == "auto" and not _disaggregated(cfg))
+    if ce.delta == "on" and colocated:
+        raise ConfigError("=on needs the distributed or disk transport (a colocated sync moves shards between "
+                          "ranks of one job, nothing crosses a link); set delta=off or auto, or backend=disk",
+                          "actor_rollout_ref.rollout.checkpoint_engine.delta")
+    if ce.delta_compression != "none":
+        module = {"zstd": "zstandard", "lz4": "lz4"}[ce.delta_compression]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"={ce.delta_compression} needs the {module} package: pip install {module} "
+                              "(or megarl[compress]), or set delta_compression=none",
+                              "actor_rollout_ref.rollout.checkpoint_engine.delta_compression")
 
 
 def check_disaggregated_only_keys(cfg) -> None:

@@ -28,6 +28,18 @@ class WeightState:
         if self.state != "updating":
             self._before, self.state, self._got = self.state, "updating", set()
 
+    def begin_delta(self) -> None:
+        """A delta sync: it writes some elements in place, every tensor counts as received."""
+        if self.state != "ready":
+            raise RuntimeError(f"a delta weight sync needs the weights of the last sync, but the engine's are "
+                               f"{self.state}; the next sync sends every weight")
+        self._before, self.state, self._got = "ready", "updating", set(self.expected)
+
+    def undo_delta(self) -> None:
+        """The sync undid an aborted delta's writes: the weights are the last complete ones again."""
+        if self.state == "incomplete" and self._before == "ready":
+            self.state = "ready"
+
     def received(self, name: str) -> None:
         if name in self._expected_set:
             self._got.add(name)

@@ -22,11 +22,13 @@ import time
 import torch.distributed as dist
 
 from megarl.algos.kl import make_kl_controller
+from megarl.checkpoint_engine.delta_sync import delta_options
 from megarl.checkpoint_engine.distributed import DisaggregatedReceiver, DisaggregatedSender
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel.loopback import listening_store
 from megarl.reward.manager import build_reward_manager
+from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.registry import build_rollout
 from megarl.trainer.parts import RolloutParts, TrainerParts, build_roles, build_shared
 
@@ -86,7 +88,14 @@ def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
     source = ShardSource.from_actor(roles["actor"])
     # The engine side builds the same plan: tell it the dtype and head kind of the shards.
     ranks.world_group.broadcast_object({"dtype": source.dtype, "head": source.head}, src=0)
-    sender = DisaggregatedSender(source, ranks.sync_groups, int(cfg.rollout.checkpoint_engine.bucket_size_mb * 2**20))
+    ce = cfg.rollout.checkpoint_engine
+    dtype = rollout_dtype(cfg.rollout.dtype, ranks.device)
+    delta = delta_options(ce, dtype, "distributed")
+    sender = DisaggregatedSender(source, ranks.sync_groups, int(ce.bucket_size_mb * 2**20),
+                                 dtype=dtype if delta else None, delta=delta)
+    if delta:
+        log.info(f"megarl: delta weight sync on; this trainer rank keeps its last-sent shards in {ce.delta_copy} "
+                 f"memory: {sender.delta_copy_bytes() / 2**20:.1f} MiB")
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main else None
     return TrainerParts(**vars(shared), **roles, rollout=None, weight_sync=sender, reward=reward,
                         kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl))
@@ -99,9 +108,11 @@ def build_rollout_parts(cfg, ranks, log) -> RolloutParts:
     info = ranks.world_group.broadcast_object(None, src=0)
     spec = HFCheckpoint(cfg.model.path).spec()
     ce = cfg.rollout.checkpoint_engine
-    receiver = DisaggregatedReceiver(engine, spec, ranks.sync_groups, info["dtype"], int(ce.bucket_size_mb * 2**20),
-                                     head=info["head"], device=ranks.device, overlap=ce.overlap,
-                                     keep_previous=ce.keep_previous_weights is not False)
+    engine_dtype = getattr(engine, "dtype", None) or rollout_dtype(cfg.rollout.dtype, ranks.device)
+    delta = delta_options(ce, engine_dtype, "distributed")
+    receiver = DisaggregatedReceiver(engine, spec, ranks.sync_groups, engine_dtype if delta else info["dtype"],
+                                     int(ce.bucket_size_mb * 2**20), head=info["head"], device=ranks.device,
+                                     overlap=ce.overlap, keep_previous=ce.keep_previous_weights is not False, delta=delta)
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main and shared.val_loader is not None else None
     return RolloutParts(**vars(shared), rollout=engine, weight_sync=receiver, reward=reward)
 

@@ -138,3 +138,10 @@ def generated_batch(engine) -> DataProto:
     batch = DataProto(non_tensor_batch={"prompt_token_ids": [list(p) for p in PROMPTS]},
                       meta_info={"sampling": SamplingParams(n=2, max_tokens=6, temperature=TEMP, seed=3)})
     return engine.generate_sequences(batch)
+
+
+def megatron_shards(full: dict, spec, tp: int, pp: int, t: int, p: int) -> dict:
+    """TP rank t of stage p's megatron shards, cut from HF tensors by megarl's own converter."""
+    from megarl.checkpoint_engine.plan import stage_names
+    from megarl.models.convert import hf_to_megatron
+    return {n: hf_to_megatron(n, full, spec, t, tp) for n in stage_names(spec, pp, p)}

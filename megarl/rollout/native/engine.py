@@ -132,6 +132,15 @@ class NativeEngine(BaseRollout):
                 param.data[rows].copy_(src)
             self.weights.received(name)
 
+    def weight_view(self, name: str) -> torch.Tensor | None:
+        got = self.plan.target(name)
+        if got is None or self.params[got[0]].numel() == 0:    # ignored, or released by sleep(2)
+            return None
+        return self.params[got[0]].data[got[1]]
+
+    def begin_weight_delta(self) -> None:
+        self.weights.begin_delta()
+
     def finalize_weights(self) -> None:
         self.weights.finalize()
 
