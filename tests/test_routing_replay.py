@@ -27,8 +27,10 @@ from tests.distributed import run_ranks
 from tests.helpers.megatron_roles import TEMP, TOL, make_batch, policy_loss
 
 E, K, LAYERS = 4, 2, 4
-# (TP, PP, EP, recompute); DP = 4 / (TP x PP); micro-batches of 2 rows (1 with DP 4).
-LAYOUTS = [(2, 1, 2, False), (1, 2, 2, False)]
+# (TP, PP, EP, full activation recompute); DP 2, micro-batches of 2 rows. Under PP2 with recompute,
+# stage 0 runs two forwards before the first backward, so each recomputed forward must take its own
+# micro-batch's routes (RouterReplay's REPLAY_BACKWARD list), not the last ones set.
+LAYOUTS = [(2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True)]
 NO_AUX = {"router_aux_loss_coef": 0.0}
 
 
@@ -117,13 +119,21 @@ def _watch_routers(engine) -> tuple[list, dict]:
     """Forward hooks on every megatron Router of this rank: whether its routing map is the replayed
     top-k, and per layer the experts its real tokens went to (counted)."""
     from megatron.core.transformer.moe.router import Router
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megarl.parallel import state
-    followed, counts = [], {}
+    followed, counts, recomputed = [], {}, []
+
+    def layer_of(router):
+        return router.layer_number - 1
 
     def hook(router, args, kwargs, output):
         _, routing_map = output
-        target = router.router_replay.target_topk_idx
+        replay = router.router_replay
+        if replay.router_replay_action == RouterReplayAction.REPLAY_BACKWARD:
+            recomputed.append(layer_of(router))   # its routes came off the backward list (the grads check them)
+            return
+        target = replay.target_topk_idx
         if target is None:
             return
         want = torch.zeros_like(routing_map).scatter(1, target.to(routing_map.device), True)
@@ -133,20 +143,37 @@ def _watch_routers(engine) -> tuple[list, dict]:
             lay = state.layout()
             pad = pad.chunk(lay.tp, dim=0)[lay.tp_rank]
         real = torch.ones(routing_map.shape[0], dtype=torch.bool) if pad is None else ~pad.reshape(-1).cpu()
-        layer = router.layer_number - 1
+        layer = layer_of(router)
         counts[layer] = counts.get(layer, 0) + routing_map[real].sum(0).long().cpu()
 
     handles = [m.register_forward_hook(hook, with_kwargs=True)
                for c in engine.models for m in c.modules() if isinstance(m, Router)]
-    return handles, {"followed": followed, "counts": counts}
+    return handles, {"followed": followed, "counts": counts, "recomputed": recomputed}
+
+
+def _cpu_recompute() -> None:
+    """megatron's activation recompute saves and restores the CUDA RNG state around each layer,
+    which a CPU-only torch lacks, and megarl's CPU mapping (cpu_compat) does not cover it (no
+    megarl run recomputes on CPU). The tiny model has no dropout, so the CPU RNG is the only state
+    the recompute needs; megatron's CheckpointFunction itself runs unchanged."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from megarl.parallel import cpu_compat
+    mrandom._get_all_rng_states = lambda: (torch.get_rng_state(), None, {})
+    mrandom._set_all_rng_states = lambda cpu, cuda, tracker: torch.set_rng_state(cpu)
+    # the recomputed forward runs inside autograd, outside the engine's CPU mapping: map it there too
+    fn = mrandom.CheckpointFunction
+    fn.backward = cpu_compat._in_mode(vars(fn)["backward"])
 
 
 def check_layouts(rank, world, path: str, forced: torch.Tensor):
     from megarl.parallel import state
+    if not torch.cuda.is_available():
+        _cpu_recompute()
     out = {}
     for tp, pp, ep, recompute in LAYOUTS:
         data = make_batch(301)
-        micro = 2 if tp * pp > 1 else 1
+        micro = 2
         actor = _actor(path, tp, pp, ep, recompute, micro)
         eng, r = actor.engine, {}
         # R2's old-policy pass records
@@ -157,11 +184,13 @@ def check_layouts(rank, world, path: str, forced: torch.Tensor):
         handles, seen = _watch_routers(eng)
         r["lp_forced"] = eng.forward_rows(data, micro, actor._process(TEMP, True), ("log_probs",),
                                           routes="replay")["log_probs"]
+        for c in eng.chunks:
+            c.train()                      # as an update runs it: megatron recomputes only in training mode
         eng.accumulate(data, micro, actor._process(TEMP, True, True), policy_loss, routes="replay")
         r["grads"] = dict(eng.hf_grads())
         for h in handles:
             h.remove()
-        r["followed"], r["counts"] = seen["followed"], seen["counts"]
+        r["followed"], r["counts"], r["recomputed"] = seen["followed"], seen["counts"], seen["recomputed"]
         # nothing left behind: every router's action and indices are cleared
         from megarl.workers.routes import routers
         r["clean"] = all(x.router_replay_action is None and x.target_topk_idx is None and not x.replay_backward_list
@@ -224,6 +253,9 @@ def test_replay_follows_routes_under_tp_sp_ep_and_pp_ep(moe_model):
             # forward_rows and accumulate each ran the batch once
             assert torch.equal(total, 2 * want_counts), (key, layer)
         assert all(rk[key]["clean"] for rk in ranks), key
+        # with recompute, every router re-ran once per micro-batch in backward, on REPLAY_BACKWARD
+        recomputed = sorted(x for rk in ranks for x in rk[key]["recomputed"])
+        assert recomputed == (sorted(list(range(LAYERS)) * 4) if key[3] else []), key
         assert r["moved"] > 1e-3 and r["metrics"]["actor/grad_norm"] > 0, key
     assert ranks[0][(2, 1, 2, False)]["last_position"] == 0.0
 
@@ -293,3 +325,20 @@ def test_dense_model_refused(tmp_path):
     with pytest.raises(ConfigError, match="Qwen3ForCausalLM is dense"):
         cfg.check_model(json.load(open(f"{dense}/config.json")))
     load_config(None, keys + [f"actor_rollout_ref.model.path={moe}"]).check_model(json.load(open(f"{moe}/config.json")))
+
+
+def test_routes_survive_checkpoint_of_the_inflight_batch(tmp_path):
+    """The async trainer saves its in-flight batch in trainer_state.pt (AsyncRLTrainer.state_dict); its
+    routes come back bit for bit, in their own dtype, through the real save / verify / load path."""
+    from megarl.trainer import checkpointing
+    batch = make_batch(301)
+    g = torch.Generator().manual_seed(3)
+    for num_experts, dtype in ((4, torch.uint8), (300, torch.int16)):
+        routes = torch.randint(0, num_experts, (*batch.batch["input_ids"].shape, LAYERS, K), generator=g)
+        batch.batch[rr.KEY] = batch_routes(routes, batch).to(dtype)
+        root = str(tmp_path / str(num_experts))
+        checkpointing.save(root, 2, {}, {"step": 2, "inflight_batch": batch}, rank=0, keep=None)
+        state = checkpointing.load(checkpointing.latest_step_dir(root), {}, rank=0, world=1)
+        back = state["inflight_batch"].batch[rr.KEY]
+        assert back.dtype == dtype and torch.equal(back, batch.batch[rr.KEY])
+        assert torch.equal(state["inflight_batch"].batch["input_ids"], batch.batch["input_ids"])
