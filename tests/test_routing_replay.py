@@ -1,7 +1,7 @@
 """MoE routing replay (R2 / R3) on real megatron-core and 4 gloo ranks, transformers as the oracle.
 
-One spawn walks TP2 x SP x EP2 and PP2 x EP2 (both packed, DP 2) and TP1 x EP2 x DP4 with activation
-recompute. Per layout, against transformers' Qwen3-MoE:
+One spawn walks TP2 x SP x EP2 and PP2 x EP2 (both packed, DP 2), then PP2 x EP2 again with activation
+recompute and right-padded micro-batches. Per layout, against transformers' Qwen3-MoE:
   * R2 recording: the routes the old-policy pass records equal transformers' own top-k in every
     layer at every real position (the tiny model's routers are clear-cut, so fp32 agrees);
   * replay: a different route set (every expert id shifted by one) replayed through the trainer
@@ -31,6 +31,7 @@ E, K, LAYERS = 4, 2, 4
 # stage 0 runs two forwards before the first backward, so each recomputed forward must take its own
 # micro-batch's routes (RouterReplay's REPLAY_BACKWARD list), not the last ones set.
 LAYOUTS = [(2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True)]
+PADDED = (1, 2, 2, True)      # this one right-pads its micro-batches (model.use_remove_padding=false)
 NO_AUX = {"router_aux_loss_coef": 0.0}
 
 
@@ -111,8 +112,9 @@ def _actor(path: str, tp: int, pp: int, ep: int, recompute: bool, micro: int):
     mc = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, megatron=mc, entropy_coeff=0.01,
                       optim=OptimConfig(lr=1e-3), router_replay=RouterReplayConfig(mode="R2"))
-    return ActorWorker(ModelConfig(path=path, override_config=dict(NO_AUX), enable_gradient_checkpointing=recompute),
-                       cfg)
+    model = ModelConfig(path=path, override_config=dict(NO_AUX), enable_gradient_checkpointing=recompute,
+                        use_remove_padding=(tp, pp, ep, recompute) != PADDED)
+    return ActorWorker(model, cfg)
 
 
 def _watch_routers(engine) -> tuple[list, dict]:
@@ -175,7 +177,7 @@ def check_layouts(rank, world, path: str, forced: torch.Tensor):
         data = make_batch(301)
         micro = 2
         actor = _actor(path, tp, pp, ep, recompute, micro)
-        eng, r = actor.engine, {}
+        eng, r = actor.engine, {"packed": actor.engine.packed}
         # R2's old-policy pass records
         lp, _, recorded = actor.compute_log_prob(data, TEMP, record_routes=True)
         r["recorded"], r["lp_natural"] = recorded, lp
@@ -258,6 +260,7 @@ def test_replay_follows_routes_under_tp_sp_ep_and_pp_ep(moe_model):
         assert recomputed == (sorted(list(range(LAYERS)) * 4) if key[3] else []), key
         assert r["moved"] > 1e-3 and r["metrics"]["actor/grad_norm"] > 0, key
     assert ranks[0][(2, 1, 2, False)]["last_position"] == 0.0
+    assert [r["packed"] for r in ranks[0].values()] == [True, True, False]
 
 
 # -- in-process ---------------------------------------------------------------------------------------------
@@ -301,7 +304,7 @@ def test_route_layouts_round_trip():
     (["actor_rollout_ref.actor.router_replay.mode=R3"], "enable_rollout_routing_replay=true"),
     (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "nothing replays"),
     (["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-      "actor_rollout_ref.rollout.name=hf"], "cannot return routed experts"),
+      "actor_rollout_ref.rollout.name=hf"], "for R3|R3 needs"),
     (["actor_rollout_ref.ref.router_replay.mode=R2"], "frozen|old-policy"),
     (["actor_rollout_ref.ref.router_replay.mode=R3"], "only under the actor's R3"),
     (["actor_rollout_ref.actor.router_replay.record_file=/tmp/x"], "never through files"),
