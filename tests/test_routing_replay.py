@@ -9,9 +9,12 @@ recompute and right-padded micro-batches. Per layout, against transformers' Qwen
     (its router's softmax live, as megatron's replay keeps it); router weights get gradients;
   * a forward hook on every megatron Router sees a routing map equal to the replayed top-k, and the
     experts chosen over all ranks' real tokens add up to the batch's, layer by layer;
-  * an update under R2 (replaying the recorded routes) runs and changes the model.
-In-process: the route layouts (packed, padded, SP, CP) round-trip, the final position's routes
-change no log-prob, and the config refusals.
+  * with recompute, every router re-runs in backward on REPLAY_BACKWARD with its own micro-batch's
+    routes (stage 0 has two micro-batches in flight; the gradient check fails if it takes another's);
+  * the routes at each row's final position change no log-prob or entropy (causal attention);
+  * every router's replay state is cleared after each pass; an update under R2 runs and moves the model.
+In-process: the route layouts (packed, padded, SP, CP) round-trip; routes survive the checkpoint
+of the async loop's in-flight batch; the config refusals.
 
     python -m pytest -q tests/test_routing_replay.py
 """
