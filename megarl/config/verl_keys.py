@@ -96,8 +96,10 @@ RULES: list[tuple[str, str]] = [
     ("*.data_loader_seed", "set trainer.seed (it seeds the data order too)"),
     ("critic.shuffle", "set data.shuffle (one order for every role)"),
     ("*.nccl_timeout", "set trainer.collective_timeout_s instead"),
-    ("*router_replay.*", "routing replay is not supported; remove the key"),
-    ("*.enable_rollout_routing_replay", "routing replay is not supported; remove the key"),
+    ("*router_replay.record_file", "megarl carries routes in the batch (routed_experts), never through files; "
+                                   "set <role>.router_replay.mode and remove the key"),
+    ("*router_replay.replay_file", "megarl carries routes in the batch (routed_experts), never through files; "
+                                   "set <role>.router_replay.mode and remove the key"),
     ("actor_rollout_ref.actor.policy_loss.*", "the clip-cov / kl-cov / GPG loss variants are not implemented; "
                                               "choose actor_rollout_ref.actor.policy_loss.loss_mode among megarl's"),
     ("actor_rollout_ref.actor.tau_*", "the SAPO loss is not implemented; choose another "

@@ -153,6 +153,9 @@ class RolloutConfig(Section):
     # The actor's old-log-prob pass (verl's keys): None takes actor.use_dynamic_bsz / ppo_max_token_len_per_gpu.
     log_prob_use_dynamic_bsz: bool | None = None
     log_prob_max_token_len_per_gpu: int | None = None
+    # MoE: the engine returns each token's top-k experts per MoE layer (batch key `routed_experts`)
+    # for R3 routing replay (verl's key; actor_rollout_ref.actor.router_replay.mode=R3 needs it).
+    enable_rollout_routing_replay: bool = False
 
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     tools: str | None = None               # a tools.yaml (seed 000); turns multi_turn on

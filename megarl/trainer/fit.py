@@ -22,6 +22,7 @@ from megarl.algos.kl import apply_kl_penalty
 from megarl.algos.loss_fn import make_actor_loss_fn, make_critic_loss_fn
 from megarl.algos.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from megarl.algos.rollout_correction import rollout_mismatch_metrics
+from megarl.models.routing_replay import KEY as ROUTES
 from megarl.protocol import DataProto
 from megarl.reward.manager import RewardFailure
 from megarl.rollout.multiturn import multiturn_metrics
@@ -134,7 +135,11 @@ class RLTrainer:
         return self.p.reward.compute_async(batch) if self.p.reward is not None else None
 
     def compute_old_log_probs(self, batch: DataProto) -> None:
-        log_probs, entropy = self.p.actor.compute_log_prob(batch, temperature=self.sampling.logprob_temperature)
+        if self.cfg.actor.router_replay.mode == "R2":   # the update replays the old policy's routes
+            log_probs, entropy, batch.batch[ROUTES] = self.p.actor.compute_log_prob(
+                batch, temperature=self.sampling.logprob_temperature, record_routes=True)
+        else:
+            log_probs, entropy = self.p.actor.compute_log_prob(batch, temperature=self.sampling.logprob_temperature)
         batch.batch["old_log_probs"], batch.batch["entropys"] = log_probs, entropy
         self.extra.update(rollout_mismatch_metrics(log_probs, batch.batch["rollout_log_probs"],
                                                    batch.batch["response_mask"]))

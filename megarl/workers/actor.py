@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.models.routing_replay import KEY as ROUTES
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
@@ -40,6 +41,8 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.
         packing=model.use_remove_padding and mc.context_parallel_size == 1,
+        # MoE routing replay (actor / reference router_replay.mode; the critic routes itself)
+        routing_replay=getattr(getattr(role_cfg, "router_replay", None), "mode", "disabled") != "disabled",
         timeout_s=timeout_s, seed=mc.seed, role=role)
 
 
@@ -74,13 +77,23 @@ class ActorWorker(EngineShardView, RoleMemory):
                                                 1.0 / eng.layout.cp)
 
     # -- the contract -------------------------------------------------------------------------------
-    def compute_log_prob(self, data: DataProto, temperature: float = 1.0, with_entropy: bool = True):
+    def compute_log_prob(self, data: DataProto, temperature: float = 1.0, with_entropy: bool = True,
+                         record_routes: bool = False):
         """(log_probs [B, R], entropy [B, R] or None): log_softmax(logits / T) of each response token
-        at position prompt_lens - 1 + j; 0 past response_lens."""
+        at position prompt_lens - 1 + j; 0 past response_lens. MoE routing replay
+        (actor.router_replay.mode): R3 replays the batch's routed_experts; R2 with
+        record_routes=True (the old-policy pass) returns a third item, the routes it took
+        [B, S, L, K], for the update to replay."""
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
         micro = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
+        mode = self.cfg.router_replay.mode
+        if record_routes and mode != "R2":
+            raise ValueError(f"record_routes needs actor.router_replay.mode=R2, not {mode}")
+        routes = "record" if record_routes else ("replay" if mode == "R3" else None)
         rows = self.engine.forward_rows(data, micro, self._process(temperature, with_entropy), keys,
-                                        max_tokens=self.log_prob_max_tokens)
+                                        max_tokens=self.log_prob_max_tokens, routes=routes)
+        if record_routes:
+            return rows["log_probs"], rows.get("entropy"), rows[ROUTES]
         return rows["log_probs"], rows.get("entropy")
 
     def update_policy(self, data: DataProto, loss_fn, temperature: float = 1.0,
@@ -88,9 +101,11 @@ class ActorWorker(EngineShardView, RoleMemory):
         mini = self.cfg.ppo_mini_batch_size * self.rollout_n
         # The entropy is a metric unless it is in the loss: no gradient (and no backward work) then.
         process = self._process(temperature, with_entropy, entropy_grad=self.cfg.entropy_coeff != 0)
+        # R2 and R3 alike: every update micro-batch replays the batch's routes.
+        routes = None if self.cfg.router_replay.mode == "disabled" else "replay"
         return self.engine.train(data, mini, self.cfg.ppo_micro_batch_size_per_gpu, self.cfg.ppo_epochs, process,
                                  loss_fn, "actor", self.cfg.shuffle,
-                                 self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None)
+                                 self.cfg.ppo_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None, routes)
 
     def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)

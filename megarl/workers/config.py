@@ -107,6 +107,18 @@ class PolicyLossConfig(Section):
 
 
 @dataclass
+class RouterReplayConfig(Section):
+    """MoE routing replay (verl's `router_replay` section; megarl/models/routing_replay.py).
+    disabled: every forward picks its own top-k experts. R2: the old-policy pass records its
+    top-k (batch key `routed_experts`) and every update micro-batch replays it. R3: the rollout
+    engine records the top-k of every token it runs (rollout.enable_rollout_routing_replay=true)
+    and every trainer forward on those tokens replays it. The router softmax stays live, so the
+    router weights still get gradients. verl's record_file / replay_file are refused
+    (megarl/config/verl_keys.py): routes travel in the batch, never through files."""
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+
+
+@dataclass
 class ActorConfig(Section):
     strategy: Literal["megatron"] = "megatron"
     ppo_mini_batch_size: int = 16          # prompts per optimiser step (x n responses each)
@@ -136,6 +148,7 @@ class ActorConfig(Section):
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: dict[str, Any] = field(default_factory=dict)  # accepted for verl compatibility
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
     def __post_init__(self):
         require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
@@ -155,6 +168,15 @@ class RefConfig(Section):
     param_offload: bool = False            # keep the frozen weights in host memory between uses
     log_prob_use_dynamic_bsz: bool | None = None     # None: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # None: actor.ppo_max_token_len_per_gpu
+    # R3 here: the reference replays the batch's routes too (the KL then compares the two models
+    # under one expert selection); disabled: it routes itself (the KL against the reference as it
+    # is). R2 has no meaning for a frozen model and is refused.
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+
+    def __post_init__(self):
+        require(self.router_replay.mode != "R2", "router_replay.mode",
+                "R2 records in the actor's old-policy pass; for the reference use disabled (its own routes) "
+                "or R3 (replay the batch's routes)")
 
 
 @dataclass

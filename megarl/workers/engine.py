@@ -156,13 +156,15 @@ class MegatronEngine(cpu_compat.Boundary):
 
     # -- running batches ------------------------------------------------------------------------------
     def forward_rows(self, data: DataProto, micro: int, process: Process, keys: tuple[str, ...],
-                     tails: dict[str, tuple] | None = None, max_tokens: int | None = None) -> dict:
+                     tails: dict[str, tuple] | None = None, max_tokens: int | None = None,
+                     routes: str | None = None) -> dict:
         """Forward the full batch (every rank passes the same one); returns {key: [B, *tail]} on
         every rank (tail defaults to (R,)). Micro-batches of `micro` rows, or with `max_tokens` of
-        as many as fit that budget."""
+        as many as fit that budget. MoE routing replay: routes="replay" follows the batch's
+        routed_experts, "record" returns them as rows["routed_experts"] (megarl/workers/routes.py)."""
         batching.check_batch(data)
         self.onload()
-        return self._count(self.schedule.forward_rows(data, micro, process, keys, tails, max_tokens)).rows
+        return self._count(self.schedule.forward_rows(data, micro, process, keys, tails, max_tokens, routes)).rows
 
     def logits(self, input_ids: torch.Tensor, micro: int = 1) -> torch.Tensor:
         """Full-vocabulary logits [B, S, V] (fp32) of unpadded token rows, on every rank (checks)."""
@@ -177,17 +179,18 @@ class MegatronEngine(cpu_compat.Boundary):
         return rows["logits"]
 
     def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,
-                   seq: int | None = None, max_tokens: int | None = None) -> list[dict]:
+                   seq: int | None = None, max_tokens: int | None = None, routes: str | None = None) -> list[dict]:
         """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
         rank's share in micro-batches (`micro` rows, or by the `max_tokens` budget) through the
         schedule, DP-summed. Returns the last stage's per-micro-batch metrics."""
         self.onload()
-        run = self._count(self.schedule.accumulate(mini_batch, micro, process, loss_fn, seq, max_tokens))
+        run = self._count(self.schedule.accumulate(mini_batch, micro, process, loss_fn, seq, max_tokens, routes))
         self._moe_calls += run.micro_batches
         return run.outputs
 
     def train(self, data: DataProto, mini: int, micro: int, epochs: int, process: Process, loss_fn: LossFn,
-              prefix: str, shuffle: bool = False, max_tokens: int | None = None) -> dict[str, float]:
+              prefix: str, shuffle: bool = False, max_tokens: int | None = None,
+              routes: str | None = None) -> dict[str, float]:
         """`epochs` passes over mini-batches of `mini` sequences, one optimizer step each; one
         LR-schedule step per call (megarl/workers/update.py)."""
         if self.update is None:
@@ -196,7 +199,8 @@ class MegatronEngine(cpu_compat.Boundary):
         self.onload()
         seq = batching.seq_len(data)
         return self.update.train(data, mini, micro, epochs, prefix, shuffle, max_tokens,
-                                 accumulate=lambda mb: self.accumulate(mb, micro, process, loss_fn, seq, max_tokens),
+                                 accumulate=lambda mb: self.accumulate(mb, micro, process, loss_fn, seq, max_tokens,
+                                                                       routes),
                                  extra=lambda: self._moe_metrics(prefix))
 
     def take_padding(self) -> tuple[int, int]:

@@ -38,6 +38,7 @@ class EngineSpec:
     cp: int = 1                             # context parallel size
     vpp: int | None = None                  # virtual pipeline chunks per stage (None: 1)
     recompute: bool = False
+    routing_replay: bool = False            # MoE: routers built with megatron's RouterReplay (router_replay.mode)
     packing: bool = True                    # THD-packed micro-batches (model.use_remove_padding)
     transformer_overrides: dict = field(default_factory=dict)
     timeout_s: float = 600.0

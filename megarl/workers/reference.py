@@ -46,7 +46,10 @@ class ReferenceWorker:
 
         budget = self.cfg.log_prob_max_token_len_per_gpu if self.cfg.log_prob_use_dynamic_bsz else None
         try:
-            return eng.forward_rows(data, self.micro, process, ("log_probs",), max_tokens=budget)["log_probs"]
+            # R3: the reference replays the rollout's routes too (RefConfig.router_replay says why)
+            routes = "replay" if self.cfg.router_replay.mode == "R3" else None
+            return eng.forward_rows(data, self.micro, process, ("log_probs",), max_tokens=budget,
+                                    routes=routes)["log_probs"]
         finally:
             if self.offload_kw:
                 eng.offload(**self.offload_kw)

@@ -21,10 +21,12 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.models.context_parallel import gather_sequence, split_sequence
+from megarl.models.routing_replay import KEY, check_routes, route_dtype
 from megarl.parallel import cpu_compat, sequence, state
 from megarl.protocol import DataProto
 from megarl.workers import batching, packing
 from megarl.workers.moe import moe_loss_scale
+from megarl.workers.routes import RouteRun
 
 # process(model_output, micro_batch) -> dict of [b, R] tensors (with grad when training)
 Process = Callable[[torch.Tensor, DataProto], dict]
@@ -61,10 +63,12 @@ class Schedule(cpu_compat.Boundary):
     # -- forward only -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward_rows(self, data: DataProto, micro: int, process: Process, keys: tuple[str, ...],
-                     tails: dict[str, tuple] | None = None, max_tokens: int | None = None) -> Run:
+                     tails: dict[str, tuple] | None = None, max_tokens: int | None = None,
+                     routes: str | None = None) -> Run:
         """Forward the full batch (every rank passes the same one); Run.rows is {key: [B, *tail]}
         on every rank (tail defaults to (R,)). Rows are padded up to a multiple of DP (x micro)
-        for even shapes, then dropped."""
+        for even shapes, then dropped. MoE routing replay (megarl/workers/routes.py): routes=
+        "replay" follows the batch's routed_experts; "record" adds them to Run.rows."""
         lay = self.layout
         # The interleaved (VPP) schedule needs a multiple of PP micro-batches.
         padded, n = batching.pad_rows(data, lay.dp * (1 if max_tokens else micro * (lay.pp if lay.vpp > 1 else 1)))
@@ -73,11 +77,19 @@ class Schedule(cpu_compat.Boundary):
         cols, padding = self.columns(plan, lengths, batching.seq_len(padded), max_tokens is not None, n)
         for c in self.chunks:
             c.eval()
-        got = self.run(self.share(padded, plan[lay.dp_rank]), cols[lay.dp_rank], process, None)
+        route_run = self.route_run(routes, padded)
+        try:
+            got = self.run(self.share(padded, plan[lay.dp_rank]), cols[lay.dp_rank], process, None, route_run)
+            recorded = self.recorded_routes(route_run, padded) if routes == "record" else None
+        finally:
+            if route_run is not None:
+                route_run.close()
         R = data.batch["responses"].shape[1]
         tails = {k: (tails or {}).get(k, (R,)) for k in keys}
         rows = {k: torch.cat([g[k] for g in got]).float() for k in keys} if got else {}
         rows = self._share_rows(rows, len(padded) // lay.dp, tails)
+        if recorded is not None:
+            rows[KEY] = recorded
         # Rows come back in plan order (DP rank, micro-batch, row); put them back in batch order.
         order = torch.tensor([i for rank in plan for mb in rank for i in mb])
         back = torch.empty_like(order)
@@ -102,7 +114,7 @@ class Schedule(cpu_compat.Boundary):
 
     # -- gradients ----------------------------------------------------------------------------------
     def accumulate(self, mini_batch: DataProto, micro: int, process: Process, loss_fn: LossFn,
-                   seq: int | None = None, max_tokens: int | None = None) -> Run:
+                   seq: int | None = None, max_tokens: int | None = None, routes: str | None = None) -> Run:
         """Fresh gradients of one mini-batch (the whole one; every rank passes the same): this DP
         rank's share in micro-batches through the schedule, DP-summed. Run.outputs holds the
         last stage's per-micro-batch metrics."""
@@ -117,8 +129,38 @@ class Schedule(cpu_compat.Boundary):
             p.meta_info.update(meta)
         for c in self.chunks:
             c.zero_grad_buffer()
-        with moe_loss_scale(self.config, self.spec, meta["global_micro_batches"]):
-            return Run(padding, len(parts), outputs=self.run(parts, cols[lay.dp_rank], process, loss_fn))
+        route_run = self.route_run(routes, mini_batch)
+        try:
+            with moe_loss_scale(self.config, self.spec, meta["global_micro_batches"]):
+                return Run(padding, len(parts), outputs=self.run(parts, cols[lay.dp_rank], process, loss_fn, route_run))
+        finally:
+            if route_run is not None:
+                route_run.close()
+
+    # -- MoE routing replay ---------------------------------------------------------------------------
+    def route_run(self, routes: str | None, data: DataProto) -> RouteRun | None:
+        if routes is None:
+            return None
+        spec = self.spec
+        if routes == "replay":
+            if KEY not in data.batch:
+                raise ValueError(f"routing replay needs batch['{KEY}'] (the rollout records it under R3, the "
+                                 "old-policy pass under R2)")
+            check_routes(data.batch[KEY], data.batch["input_ids"], spec.num_layers, spec.moe_topk, spec.num_experts)
+        return RouteRun(self.chunks, self.layout, self.config.sequence_parallel, self.packed,
+                        self.config.recompute_granularity is not None, routes)
+
+    def recorded_routes(self, route_run: RouteRun, padded: DataProto) -> torch.Tensor:
+        """The recorded routes of the whole batch [B, S, L, K] (route_dtype) on every rank, in the
+        order of `padded`'s rows (the plan's order is undone by forward_rows, like its other rows)."""
+        spec, lay = self.spec, self.layout
+        local = route_run.recorded(spec.num_layers, spec.moe_topk, padded.batch["input_ids"].shape[1],
+                                   route_dtype(spec.num_experts), self.device)
+        if lay.dp > 1:
+            parts = [torch.empty_like(local) for _ in range(lay.dp)]
+            dist.all_gather(parts, local.contiguous(), group=state.dp_group())
+            local = torch.cat(parts)
+        return local.cpu()
 
     # -- cutting and running ------------------------------------------------------------------------
     def columns(self, plan: list[list[list[int]]], lengths: list[int], seq: int, dynamic: bool,
@@ -162,7 +204,7 @@ class Schedule(cpu_compat.Boundary):
         return out
 
     def run(self, micro: list[DataProto], cols: list[int] | int, process: Process,
-            loss_fn: LossFn | None) -> list[dict]:
+            loss_fn: LossFn | None, route_run: RouteRun | None = None) -> list[dict]:
         """Run `micro` (micro-batch i `cols[i]` columns wide; an int: the padded width `seq`, one
         shape for all) through megatron's schedule; forward-only when loss_fn is None. Returns, on
         the last stage, one dict per micro-batch (outputs, or loss metrics); [] elsewhere."""
@@ -186,7 +228,11 @@ class Schedule(cpu_compat.Boundary):
             if lay.cp > 1:  # padded rows only (packing is off under CP)
                 ids, pos = (split_sequence(t, lay.cp_rank, lay.cp, dim=1) for t in (ids, pos))
             moe = {"padding_mask": self._padding_mask(mb, inp)} if self.spec.is_moe else {}
+            if route_run is not None:
+                route_run.before(model, mb, inp)
             out = model(ids, pos, None, packed_seq_params=inp.packed_seq_params, **extra, **moe)
+            if route_run is not None:
+                route_run.after(model, mb, inp, out)
             return out, partial(_last_stage, mb, process, loss_fn, cp_group)
 
         # The interleaved (virtual pipeline) schedule reads one iterator per model chunk.

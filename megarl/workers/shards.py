@@ -36,7 +36,7 @@ class Shards(cpu_compat.Boundary):
         self.device = state.device()
         self.config = transformer_config(spec, es.tp, es.pp, dtype, sequence_parallel=es.sequence_parallel,
                                          recompute=es.recompute, overrides=es.transformer_overrides,
-                                         cp=es.cp, vpp=es.vpp, ep=es.ep, etp=es.etp)
+                                         cp=es.cp, vpp=es.vpp, ep=es.ep, etp=es.etp, routing_replay=es.routing_replay)
         # MoE: this expert-parallel rank holds global experts [expert_offset, + num_experts / EP).
         self.expert_offset = self.layout.ep_rank * (spec.num_experts // self.layout.ep)
         self.models, self.offsets = self._build_chunks()
