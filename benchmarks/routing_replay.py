@@ -21,6 +21,10 @@ Part 2: `megarl-train --config configs/grpo_moe_tiny.yaml` twice (rollout.dtype=
 engine and the fp32 trainer differ; R3 on adds router_replay.mode=R3 and
 rollout.enable_rollout_routing_replay=true), then reward and rollout_corr/k3_kl per step,
 side by side, in routing_replay.png.
+
+Measured (2 shared cores, heavily loaded; docs/moe.md has the tables): disagreement 0.2 % / 0.8 %
+of decisions without R3 and 0 with it; mean KL 1.03x lower with R3 on grpo_moe_tiny's model and
+4.8x on the wide shape (the rest is bf16 against fp32); R2 finds nothing to remove on CPU.
 """
 from __future__ import annotations
 
