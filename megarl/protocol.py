@@ -267,11 +267,11 @@ class DataProto:
 
 def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate on dim 0; right-pad dim 1 with zeros where widths differ (responses of
-    different batches may have different maximum lengths)."""
+    different batches may have different maximum lengths; routed_experts [B, S, L, K] too)."""
     if tensors[0].dim() < 2 or len({t.shape[1:] for t in tensors}) == 1:
         return torch.cat(tensors)
     width = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t for t in tensors]
+    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors]
     return torch.cat(padded)
 
 

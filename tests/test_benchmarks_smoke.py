@@ -102,6 +102,18 @@ def test_launcher_benchmarks_smoke(tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_routing_replay_smoke(tmp_path):
+    """Both R3 rows and both R2 rows, replay exact where it is on, and one GRPO step with R3 through
+    `python -m megarl.train` (engine records, trainer replays) into the PNG."""
+    out = run("benchmarks/routing_replay.py", "--smoke", "--out", str(tmp_path))
+    for row in ("R3 off", "R3 on", "R2 off", "R2 on"):
+        assert re.search(rf"^{row} +[\d.]+ ", out, re.M), out
+    assert re.search(r"^R3 on +0\.0000 ", out, re.M) and re.search(r"^R2 on +0\.0000 ", out, re.M)
+    assert "1 byte per token per MoE layer per slot" in out and PEAK.search(out)
+    assert os.path.isfile(tmp_path / "routing_replay.png")
+
+
+@pytest.mark.timeout(900)
 def test_trtllm_check_where_it_imports(tmp_path):
     import torch
     usable = importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available()

@@ -110,6 +110,10 @@ class Completion:
     finish_reason: FinishReason
     # Multi-turn rollouts put tool output inside the response; those positions are 0 here.
     loss_mask: list[int] | None = None
+    # R3 (rollout routing replay): the expert ids the engine's router chose, [m, MoE layers, top-k],
+    # for the first m positions of prompt + token_ids that the engine fed through the model
+    # (m < len(prompt) + len(token_ids): the final sampled token is never fed). None: not recorded.
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(ABC):
@@ -264,4 +268,29 @@ def pack_completions(batch: DataProto, groups: list[list[Completion]], pad_token
     out.batch["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     out.batch["response_lens"] = torch.tensor([len(c.token_ids) for c in comps], dtype=torch.long)
     out.non_tensor_batch["finish_reasons"] = np.array([c.finish_reason for c in comps], dtype=object)
+    routes = [c.routed_experts for c in comps]
+    if any(r is not None for r in routes):
+        out.batch["routed_experts"] = pack_routes(routes, [len(p) + len(c.token_ids) for p, c in zip(prompts, comps)],
+                                                  seq_width)
+    return out
+
+
+def pack_routes(routes: list[torch.Tensor | None], lengths: list[int], width: int) -> torch.Tensor:
+    """Per-sequence routes [m_i, L, K] -> `routed_experts` [B, width, L, K], aligned with input_ids.
+
+    Positions m_i..lengths[i]-1 had no record (the final sampled token is never fed; nor is a
+    multi-turn trajectory's trailing tool output): they get a copy of position m_i - 1's routes.
+    Exact for the trainer's log-probs: attention is causal, so a position's routes change only its
+    own and later positions' outputs, and nothing scored comes after them. Padding holds 0."""
+    if any(r is None for r in routes):
+        raise ValueError("routed_experts: some completions carry routes and others none; an engine "
+                         "records them for every sequence of a call or for none")
+    first = routes[0]
+    out = torch.zeros(len(routes), width, *first.shape[1:], dtype=first.dtype)
+    for i, (r, n) in enumerate(zip(routes, lengths)):
+        m = min(len(r), n)
+        if m < 1:
+            raise ValueError(f"routed_experts: sequence {i} has no recorded position")
+        out[i, :m] = r[:m]
+        out[i, m:n] = r[m - 1]
     return out

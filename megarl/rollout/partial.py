@@ -13,6 +13,9 @@ version that sampled it.
         if update_pending(): sync(); version += 1
     groups, versions = gen.completions()     # per prompt, n Completions; per completion, a version per token
 
+R3 (routed experts): each chunk's prompt is the sequence so far, so its prefill routes every earlier
+token under the weights of that chunk; a sequence keeps its latest chunk's record.
+
 The chunk's seed is derived from the sampling seed and the chunk index, so the same sequence of
 calls under the same weights gives the same tokens. Prompts that the engine's guard would
 truncate are not supported: prompt + partial response must fit the engine's prompt length.
@@ -20,6 +23,7 @@ truncate are not supported: prompt + partial response must fit the engine's prom
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.sampling import step_seed
@@ -32,6 +36,7 @@ class _Seq:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None             # None while unfinished
+    routes: Any = None                    # R3: the latest chunk's routed_experts (its prefill covers all before)
 
 
 class ChunkedGeneration:
@@ -81,6 +86,8 @@ class ChunkedGeneration:
         s.tokens += c.token_ids
         s.log_probs += c.log_probs
         s.versions += [version] * len(c.token_ids)
+        if c.routed_experts is not None:
+            s.routes = c.routed_experts
         if c.finish_reason in ("stop", "abort"):
             s.finish = c.finish_reason
         elif len(s.tokens) >= self.sampling.max_tokens:
@@ -92,6 +99,7 @@ class ChunkedGeneration:
     def completions(self) -> tuple[list[list[Completion]], list[list[int]]]:
         if not self.done:
             raise RuntimeError("completions() before every sequence finished; call step() until done")
-        groups = [[Completion(s.tokens, s.log_probs, s.finish) for s in self.seqs[i:i + self.n]]
+        groups = [[Completion(s.tokens, s.log_probs, s.finish, routed_experts=s.routes)
+                   for s in self.seqs[i:i + self.n]]
                   for i in range(0, len(self.seqs), self.n)]
         return groups, [s.versions for s in self.seqs]

@@ -53,8 +53,9 @@ def _vocab_size(model_path: str | None, tokenizer) -> int | None:
 
 
 def _options(engine_cls, defaults: dict[str, Any], user: dict[str, Any], name: str) -> dict[str, Any]:
+    # record_routes follows rollout.enable_rollout_routing_replay (verl's key), never engine_kwargs.
     allowed = set(inspect.signature(engine_cls.__init__).parameters) - {"self", "hf_config", "model_dir", "comm",
-                                                                         "device", "config"}
+                                                                         "device", "config", "record_routes"}
     for key in user:
         if key not in allowed:
             hint = closest(key, sorted(allowed))
@@ -90,6 +91,7 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
                         max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=bool(cfg.enforce_eager))
         held = host_budget.resident_bytes()     # before the engine's weights
         engine = NativeEngine(read_hf_config(model_path), comm=comm, device=device, config=cfg,
+                              record_routes=cfg.enable_rollout_routing_replay,
                               **_options(NativeEngine, defaults, user, name))
         if device.type != "cuda":               # several ranks share the host: stop now if a step cannot fit
             host_budget.check_fits(engine, cfg.prompt_length or 1, cfg.response_length or 1, cfg.n,

@@ -22,6 +22,12 @@ the tokens generated past the call (one EOS for a model trained on the format). 
 re-prefills its whole context (no prefix cache across turns), so a turn costs prompt + response
 so far of prefill.
 
+R3 (routed experts): every turn's prompt is the whole context, so its prefill routes every
+earlier token, tool and user output included, under the current weights; a trajectory keeps its
+latest turn's record, which covers everything before that turn's last sampled token. Tool output
+appended after the last turn has no record: pack_completions copies the last recorded position
+into it (nothing scored follows it, and attention is causal).
+
 Under rollout TP every rank of the group runs this loop on the same inputs; tools and simulated
 users run on the group's first rank and their output is broadcast, so all ranks continue alike.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -61,6 +68,7 @@ class Trajectory:
     truncated_outputs: int = 0
     max_turns_hit: bool = False
     finish: str | None = None
+    routes: Any = None                             # R3: the latest turn's routed_experts (covers all before it)
 
     @property
     def room(self) -> int:
@@ -73,7 +81,8 @@ class Trajectory:
         self.mask += [1 if log_probs is not None else 0] * len(ids)
 
     def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.log_probs), self.finish or "length", list(self.mask))
+        return Completion(list(self.tokens), list(self.log_probs), self.finish or "length", list(self.mask),
+                          routed_experts=self.routes)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -230,6 +239,8 @@ class AgentLoop(RolloutEngine):
             calls = parse_tool_calls(text)
             if reason == "length":                # an unclosed call at the budget's end: nothing to answer
                 calls = [cl for cl in calls if not (cl.error and "was not closed" in cl.error)]
+        if c.routed_experts is not None:      # this turn's prefill re-routed everything before it
+            t.routes = c.routed_experts[:len(t.prompt) + len(t.tokens) + len(toks)]
         t.add(toks, lps)
         after_eos = bool(toks) and toks[-1] in eos
         if reason == "abort":

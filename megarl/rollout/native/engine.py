@@ -38,6 +38,8 @@ from megarl.rollout.hf_weights import buckets, iter_hf_weights
 from megarl.rollout.native import host_budget
 from megarl.rollout.native.kv_cache import KVCache
 from megarl.rollout.native.model import ModelArgs, Transformer
+from megarl.rollout.native.moe import routes_dtype
+from megarl.rollout.native.routes import RouteRecord
 from megarl.rollout.native.scheduler import Scheduler
 from megarl.rollout.native.rows import DecodeStep, Rows
 from megarl.rollout.native.tp import ShardPlan, TPComm
@@ -62,7 +64,7 @@ class NativeEngine(BaseRollout):
                  dtype: str = "auto", max_num_seqs: int = 1024, prompt_length: int | None = None,
                  prompt_truncation: str = "error", sleep_level: int = 1, gpu_memory_utilization: float = 0.5,
                  kv_cache_gb: float | None = None, max_num_batched_tokens: int = 8192, enforce_eager: bool = False,
-                 config=None):
+                 record_routes: bool = False, config=None):
         super().__init__(config, role="rollout")
         self.comm = comm or TPComm(None)
         self.device = torch.device(device)
@@ -84,6 +86,9 @@ class NativeEngine(BaseRollout):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_num_seqs, self.sleep_level = max_num_seqs, sleep_level
+        # R3: return each token's routed experts (MoE only; routes.py). Off: nothing is recorded.
+        self.record_routes = record_routes and self.args.num_experts > 0
+        self.routes_dtype = routes_dtype(self.args.num_experts)
         # Padded prompt tokens per prefill pass (a prompt longer than this still goes alone).
         self.max_num_batched_tokens = max_num_batched_tokens
         self.rows: Rows | None = None
@@ -207,8 +212,19 @@ class NativeEngine(BaseRollout):
             self.rows = None                      # free before allocating the bigger one
             self.rows = Rows(self.cache.rows, self.cache.groups, max(T, old.max_tokens if old else 0),
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
+        self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
         return Scheduler(self, prompts, sampling, seed).run()
+
+    def _ensure_routes(self) -> None:
+        """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""
+        rows, c, a = self.rows, self.cache, self.args
+        if not self.record_routes:
+            rows.routes = None
+        elif rows.routes is None or not rows.routes.fits(c.rows, c.groups, rows.max_tokens, c.prompt_len):
+            rows.routes = None                    # free before allocating the bigger one
+            rows.routes = RouteRecord(c.rows, c.groups, rows.max_tokens, c.prompt_len, a.n_layers,
+                                      a.num_experts_per_tok, self.routes_dtype, self.device)
 
     def _capacity(self, prompts: int, n: int, prompt_len: int, gen_len: int, penalty: bool) -> tuple[int, int]:
         """(rows, groups) for this call: max_num_seqs rows at most (and no more than the call
@@ -238,6 +254,9 @@ class NativeEngine(BaseRollout):
     def row_costs(self, prompt_len: int, gen_len: int, penalty: bool = False) -> tuple[int, int]:
         """Bytes of one row (its K/V and row state) and of one prompt group."""
         per_token = self.cache.bytes_per_token()
+        if self.record_routes:                    # R3's record: every token's expert ids
+            per_token += RouteRecord.bytes_per_token(self.args.n_layers, self.args.num_experts_per_tok,
+                                                     self.routes_dtype)
         return (per_token * gen_len + 6 * 8 + 12 * gen_len + (self.args.vocab_size if penalty else 0),
                 per_token * prompt_len + 8)
 
@@ -246,7 +265,7 @@ class NativeEngine(BaseRollout):
             return self.kv_cache_gb * 2**30
         held = self.cache.nbytes()                # the engine's own cache and rows count as free
         if self.rows is not None:
-            held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + [self.rows.glen])
+            held += sum(t.numel() * t.element_size() for t in self.rows.tensors() + self.rows.group_tensors())
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             return self.gpu_memory_utilization * total - torch.cuda.memory_allocated(self.device) + held

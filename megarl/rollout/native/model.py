@@ -204,18 +204,18 @@ class Layer(nn.Module):
             q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _out(self, attn, x, comm):
+    def _out(self, attn, x, comm, ids_out=None):
         o = comm.all_reduce(F.linear(attn, self.wo))
         if self.bo is not None:
             o = o + self.bo                 # row-parallel bias: added once, after the reduction
         x = x + o
         hn = rms_norm(x, self.mlp_norm, self.a.rms_eps)
         if self.moe is not None:            # a TP-partial sum, like the dense MLP's
-            return x + comm.all_reduce(self.moe(hn))
+            return x + comm.all_reduce(self.moe(hn, ids_out))
         g, u = F.linear(hn, self.w13).chunk(2, dim=-1)
         return x + comm.all_reduce(F.linear(F.silu(g) * u, self.w2))
 
-    def prefill(self, x, cos, sin, pk, pv, groups, comm):
+    def prefill(self, x, cos, sin, pk, pv, groups, comm, ids_out=None):
         """x [N, P, h]: N prompts, right-padded; pk/pv [G, hkv, Lp, hd]: prompt n's K/V go to
         group groups[n] at [:P], once for all its samples.
         Right padding keeps plain causal attention exact for the real positions (pads come after
@@ -227,9 +227,9 @@ class Layer(nn.Module):
         pv[groups, :, :P] = v
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                               enable_gqa=True)                              # [N, hq, P, hd]
-        return self._out(attn.transpose(1, 2).flatten(2), x, comm)
+        return self._out(attn.transpose(1, 2).flatten(2), x, comm, ids_out)
 
-    def decode(self, x, cos, sin, pk, pv, ck, cv, m: "DecodeMeta", comm):
+    def decode(self, x, cos, sin, pk, pv, ck, cv, m: "DecodeMeta", comm, ids_out=None):
         """x [B, 1, h]: one new token per row; pk/pv [G, hkv, Lp, hd] the prompt groups, ck/cv
         [R, hkv, Lg, hd] the rows' generated tokens. The new K/V go to ck/cv[row, :, m.spos]."""
         s, hd = self.s, self.a.head_dim
@@ -241,7 +241,7 @@ class Layer(nn.Module):
         # share a KV head become g query rows of that head.
         qr = q.view(B, s.kv_heads, g, hd)                                                 # [B, hkv, g, hd]
         attn = attend_shared(qr, pk, pv, ck, cv, m)
-        return self._out(attn.to(x.dtype).reshape(B, 1, s.heads * hd), x, comm)
+        return self._out(attn.to(x.dtype).reshape(B, 1, s.heads * hd), x, comm, ids_out)
 
 
 def attend_shared(q, pk, pv, ck, cv, m: "DecodeMeta") -> torch.Tensor:
@@ -354,26 +354,29 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache, groups: torch.Tensor,
-                comm: Comm) -> torch.Tensor:
+                comm: Comm, routes: torch.Tensor | None = None) -> torch.Tensor:
         """ids [N, P] right-padded prompts of `lengths` [N] -> logits of each last real position
-        [N, V]; prompt i's K/V land in the cache's prompt group groups[i]."""
+        [N, V]; prompt i's K/V land in group groups[i]; routes [N, P, layers, k]: R3's record."""
         N, P = ids.shape
         self._check_window(P)
         cos, sin = self.rope(P)
         cos, sin = cos[:P, None], sin[:P, None]                                          # [P, 1, hd]
         x = self.embed_tokens(ids, comm)                                                 # [N, P, h]
         for i, layer in enumerate(self.layers):
-            x = layer.prefill(x, cos, sin, cache.pk[i], cache.pv[i], groups, comm)
+            x = layer.prefill(x, cos, sin, cache.pk[i], cache.pv[i], groups, comm,
+                              None if routes is None else routes[:, :, i])
         last = x[torch.arange(N, device=ids.device), lengths - 1]                        # [N, h]
         return self.logits(last, comm)
 
     @torch.inference_mode()
     def decode(self, ids: torch.Tensor, pos: torch.Tensor, step: torch.Tensor, grp: torch.Tensor,
-               member: torch.Tensor, glen: torch.Tensor, cache, comm: Comm, shape: tuple) -> torch.Tensor:
+               member: torch.Tensor, glen: torch.Tensor, cache, comm: Comm, shape: tuple,
+               routes: torch.Tensor | None = None) -> torch.Tensor:
         """One new token for rows 0..B-1 -> logits [B, V]. ids/pos/step/grp/member [B]: the row's
         last token, its position, tokens generated so far (the new K/V goes to step - 1), its
         group (-1: parked) and sample index; glen [>= G] the groups' prompt lengths; shape =
-        (G groups, n samples per group, Lp prompt keys, Ls generated keys) to attend over.
+        (G groups, n samples per group, Lp prompt keys, Ls generated keys) to attend over;
+        routes [B, layers, k]: R3's record of each row's expert ids (megarl/rollout/native/routes.py).
         Shapes depend on (B, shape) only and nothing is read back to the host: capturable."""
         G, n, Lp, Ls = shape
         B, dev = ids.shape[0], ids.device
@@ -392,5 +395,6 @@ class Transformer(nn.Module):
                           sbias=torch.where(seen_s, zero, MASKED)[:, None, None], G=G, n=n, Lp=Lp, Ls=Ls)
         x = self.embed_tokens(ids[:, None], comm)                                        # [B, 1, h]
         for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], meta, comm)
+            x = layer.decode(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], meta, comm,
+                             None if routes is None else routes[:, None, i])
         return self.logits(x[:, 0], comm)

@@ -13,6 +13,9 @@ sum that the caller all-reduces once. The router is replicated. At training TP =
 trainer's expert shards (expert TP = TP) are this rank's parts, so a weight sync sends them
 without an all-gather. Experts run one after another over the tokens routed to them (simple; a
 grouped GEMM would be faster on GPUs).
+
+R3 recording: `moe(h, ids_out)` also writes the top-k expert ids into ids_out (rollout routing
+replay: the trainer replays them; megarl/rollout/native/routes.py collects them per token).
 """
 from __future__ import annotations
 
@@ -51,9 +54,13 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ids_out: torch.Tensor | None = None) -> torch.Tensor:
+        """ids_out (R3 recording): a [..., k] buffer shaped like h's tokens that receives the
+        expert ids this router chose (an in-place copy, so a captured CUDA graph records it too)."""
         x = h.reshape(-1, h.shape[-1])                                                  # [N, h]
         weights, ids = self.route(x)
+        if ids_out is not None:
+            ids_out.copy_(ids.view(ids_out.shape))
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():                                                 # experts with tokens
             tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -63,6 +70,11 @@ class MoE(nn.Module):
             g, u = F.linear(x, self.shared13).chunk(2, dim=-1)
             out = out + F.linear(F.silu(g) * u, self.shared2) * torch.sigmoid(F.linear(x, self.shared_gate))
         return out.view_as(h)
+
+
+def routes_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer type that holds expert ids 0..num_experts-1 (routed_experts' dtype)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 # -- weight routing (used by megarl/rollout/native/tp.py) -----------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.native import sampler
+from megarl.rollout.native.routes import RouteRecord
 
 SPAN_UNIT = 128                               # attention spans are at least this on CUDA
 
@@ -56,6 +57,7 @@ class Rows:
         self.out_tok = torch.zeros(slots, max_tokens, dtype=torch.long, **e)
         self.out_logp = torch.zeros(slots, max_tokens, dtype=torch.float32, **e)
         self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **e) if penalty else None
+        self.routes: RouteRecord | None = None   # R3's record when on (set by the engine; routes.py)
 
     def fits(self, slots: int, groups: int, max_tokens: int, penalty: bool) -> bool:
         return (self.slots >= slots and self.groups >= groups and self.max_tokens >= max_tokens
@@ -63,8 +65,13 @@ class Rows:
 
     def tensors(self) -> list[torch.Tensor]:
         """The per-row tensors (what `move` moves)."""
+        rec = (self.routes.rows, self.routes.step) if self.routes is not None else ()
         return [t for t in (self.tok, self.pos, self.key, self.step, self.grp, self.member, self.out_tok,
-                            self.out_logp, self.seen) if t is not None]
+                            self.out_logp, self.seen, *rec) if t is not None]
+
+    def group_tensors(self) -> list[torch.Tensor]:
+        """The per-group tensors (moved by the scheduler)."""
+        return [self.glen] + ([self.routes.groups] if self.routes is not None else [])
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Rows src -> rows dst (pairwise, disjoint), one indexed copy per tensor."""
@@ -121,7 +128,7 @@ class DecodeStep:
         e = self.e
         rope = e.model.rope(1)
         return (tuple(t.data_ptr() for t in e.cache.tensors()), e.cache.shape,
-                tuple((t.data_ptr(), t.shape) for t in e.rows.tensors() + [e.rows.glen]),
+                tuple((t.data_ptr(), t.shape) for t in e.rows.tensors() + e.rows.group_tensors()),
                 (rope[0].data_ptr(), rope[1].data_ptr(), rope[0].shape[0]),
                 tuple(p.data_ptr() for p in e.params.values()))
 
@@ -130,9 +137,11 @@ class DecodeStep:
         self.pool = None
 
     def _run(self, B: int, shape: tuple, sp: SamplingParams) -> None:
-        e, rows = self.e, self.e.rows
+        e, rows, rec = self.e, self.e.rows, self.e.rows.routes
         logits = e.model.decode(rows.tok[:B], rows.pos[:B], rows.step[:B], rows.grp[:B], rows.member[:B],
-                                rows.glen, e.cache, e.comm, shape)
+                                rows.glen, e.cache, e.comm, shape, None if rec is None else rec.step[:B])
+        if rec is not None:
+            rec.store_step(B, rows.step)
         rows.pos[:B] += 1
         rows.record(0, B, logits, sp)
 

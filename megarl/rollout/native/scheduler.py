@@ -55,7 +55,11 @@ class Scheduler:
                                               batch_first=True).to(dev)                      # [k, P]
         lengths = torch.tensor(lens, dtype=torch.long, device=dev)
         groups = torch.arange(g0, g0 + k, device=dev)
-        logits = e.model.prefill(ids, lengths, e.cache, groups, e.comm)                     # [k, V]
+        rec = rows.routes
+        buf = rec.prefill_buffer(k, ids.shape[1]) if rec is not None else None             # R3: [k, P, L, topk]
+        logits = e.model.prefill(ids, lengths, e.cache, groups, e.comm, buf)                # [k, V]
+        if rec is not None:
+            rec.store_prefill(g0, buf)
         src = torch.arange(k, device=dev).repeat_interleave(n)                              # [M] prompt of each row
         samples = torch.arange(n, device=dev).repeat(k)
         rows.key[first:last] = sampler.sample_keys(self.seed, torch.tensor(idx, dtype=torch.long, device=dev)[src],
@@ -98,9 +102,12 @@ class Scheduler:
         fin_t = torch.from_numpy(fin).to(e.device)
         toks = rows.out_tok[fin_t, :width].cpu().tolist()
         logps = rows.out_logp[fin_t, :width].cpu().tolist()
-        for r, t, lp in zip(fin.tolist(), toks, logps):
+        routes = (rows.routes.take(fin_t, self.grp[fin].tolist(), self.glen[self.grp[fin]].tolist(),
+                                   self.steps[fin].tolist()) if rows.routes is not None else [None] * len(fin))
+        for r, t, lp, ro in zip(fin.tolist(), toks, logps, routes):
             s = int(self.steps[r])
-            self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], "stop" if stopped[r] else "length")
+            self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], "stop" if stopped[r] else "length",
+                                                                  routed_experts=ro)
         e.stats["generated_tokens"] += int(self.steps[fin].sum())
         np.subtract.at(self.live, self.grp[fin], 1)
         keep = B - len(fin)
@@ -127,6 +134,8 @@ class Scheduler:
         if len(movers):
             e, rows = self.e, self.e.rows
             e.cache.move_groups(movers.tolist(), holes.tolist(), int(self.glen[movers].max()))
+            if rows.routes is not None:
+                rows.routes.move_groups(movers.tolist(), holes.tolist())
             rows.glen[torch.from_numpy(holes).to(e.device)] = rows.glen[torch.from_numpy(movers).to(e.device)]
             for a in (self.glen, self.live):
                 a[holes] = a[movers]
