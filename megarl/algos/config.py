@@ -65,7 +65,7 @@ class RolloutCorrectionConfig(Section):
     # that changes nothing, i.e. the built-in engine at fp32 in the synchronous loop, false elsewhere
     # (megarl/trainer/bypass.py; the run's first lines say which and why).
     bypass_mode: bool | None = None
-    loss_type: Literal["ppo_clip"] = "ppo_clip"  # verl's bypass loss (PPO clip against pi_rollout); no "reinforce"
+    loss_type: str = "ppo_clip"            # verl's bypass loss: ppo_clip only (megarl/config/refused.py)
     # megarl's: the largest |log pi_rollout - log pi_old| on a token that bypass accepts, checked every
     # step on the first mini-batch. null: 1e-3 for the built-in engine at fp32; another engine or
     # precision needs it set to run bypass_mode=true.
