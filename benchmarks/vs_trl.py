@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py                                  # issue 25's configuration, both models, TP 1 and 2
     python benchmarks/vs_trl.py --models quickstart --tp 1       # one model, one layout
     python benchmarks/vs_trl.py --with-pass                      # also megarl with the old-log-prob pass (bypass off)
+    python benchmarks/vs_trl.py --rounds 3                       # a busy machine: runs alternated, median round
     python benchmarks/vs_trl.py --smoke --out /tmp/vs_trl_smoke  # CI: a tiny run (exits 2 where TRL does not import)
 
 TRL runs in its own virtual environment (it pins its own transformers), as benchmarks/trl_peer.py,
@@ -141,6 +142,16 @@ def run_trl(a, model: str) -> dict:
     return got
 
 
+def fmt(xs: list[float]) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
+def over_rounds(results: list[dict], key: str) -> dict:
+    """The round whose median step time is the median over rounds (its phases stay consistent)."""
+    ranked = sorted(results, key=lambda r: r[key])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds": [r[key] for r in results]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -152,6 +163,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate TRL and megarl runs this many times (noisy machines)")
     ap.add_argument("--with-pass", action="store_true", help="also megarl with bypass_mode=false (the old-log-prob pass)")
     ap.add_argument("--trl-python", help=f"the interpreter of TRL's venv (default: see the docstring; {VENV_PYTHON})")
     ap.add_argument("--out", default="runs/bench/vs_trl")
@@ -174,19 +186,23 @@ def main() -> None:
     table = []
     for name in a.models:
         model = build_model(a.out, name, a.smoke)
-        trl = run_trl(a, model)
         arms = [(tp, True) for tp in a.tp] + ([(tp, False) for tp in a.tp] if a.with_pass else [])
-        ours = {arm: run_megarl(a, model, *arm) for arm in arms}
+        trls, ours = [], {arm: [] for arm in arms}
+        for _ in range(a.rounds):      # TRL, then each megarl arm, round after round: load changes hit all
+            trls.append(run_trl(a, model))
+            for arm in arms:
+                ours[arm].append(run_megarl(a, model, *arm))
+        trl, ours = over_rounds(trls, "median_s"), {arm: over_rounds(rs, "step_s") for arm, rs in ours.items()}
         params = trl["parameters"]
         print(f"\nmodel {name}: Qwen2, {params / 1e6:.2f}M parameters; TRL config {json.dumps(trl['config'])}")
-        print(f"  TRL GRPOTrainer      {trl['median_s']:7.3f} s/step  (response tokens/sample {trl['tokens']:.2f}, "
+        print(f"  TRL GRPOTrainer      {trl['median_s']:7.3f} s/step  (rounds {fmt(trl['rounds'])}; response tokens/sample {trl['tokens']:.2f}, "
               f"{trl['optimizer_steps']} optimizer steps, {trl['threads']} threads, peak resident MiB "
               f"{trl['peak_mb']:.0f})")
         for (tp, bypass), r in ours.items():
             label = f"megarl TP{tp}" + ("" if bypass else " +pass")
             phases = " ".join(f"{k} {v:.3f}" for k, v in r["phases"].items() if v)
             print(f"  {label:20s} {r['step_s']:7.3f} s/step  ratio megarl TP{tp}{'' if bypass else ' +pass'} / TRL = "
-                  f"{r['step_s'] / trl['median_s']:.2f}x  (response tokens/sample {r['tokens']:.2f}, old-log-prob pass "
+                  f"{r['step_s'] / trl['median_s']:.2f}x  (rounds {fmt(r['rounds'])}; response tokens/sample {r['tokens']:.2f}, old-log-prob pass "
                   f"{'skipped' if r['bypass'] else 'run'}, max |rollout - trainer log-prob| {r['mismatch']:.1e}, "
                   f"peak resident MiB {r['peak_mb']:.0f})")
             print(f"  {'':20s} phases (median s): {phases}; timing_s/step {r['timed_step_s']:.3f}")
