@@ -137,6 +137,9 @@ class RLTrainer:
 
     def compute_old_log_probs(self, batch: DataProto) -> None:
         if self.bypass.on:      # the rollout's are the old policy's (megarl/trainer/bypass.py)
+            if "rollout_log_probs" not in batch.batch:
+                raise ValueError("algorithm.rollout_correction.bypass_mode: the rollout engine returned no "
+                                 "log-probs; set bypass_mode=false")
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             self.extra["rollout_corr/bypass_mode"] = 1.0
             return
