@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fixed-length", action="store_true", help="every completion exactly --max-new tokens")
     a = ap.parse_args()
 
     import datasets
@@ -89,7 +90,8 @@ def main() -> None:
         cfg = GRPOConfig(output_dir=tmp, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
                          disable_tqdm=True, seed=a.seed, learning_rate=a.lr, max_steps=steps * EQUAL["steps_per_generation"],
                          per_device_train_batch_size=per_update, num_generations=a.n,
-                         max_completion_length=a.max_new, log_completions=False, **EQUAL)
+                         max_completion_length=a.max_new, log_completions=False,
+                         generation_kwargs={"min_new_tokens": a.max_new} if a.fixed_length else None, **EQUAL)
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(a.model)
         clock = Clock()
@@ -103,7 +105,8 @@ def main() -> None:
               "mean_completion_tokens": [h["completions/mean_length"] for h in logs],   # one log per generation
               "reward": [h.get("reward") for h in logs],
               "config": {k: getattr(cfg, k) for k in (*EQUAL, "per_device_train_batch_size", "generation_batch_size",
-                                                      "num_generations", "max_completion_length", "learning_rate")},
+                                                      "num_generations", "max_completion_length", "learning_rate",
+                                                      "generation_kwargs")},
               "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                            "datasets": datasets.__version__},
               "threads": torch.get_num_threads(),

@@ -23,6 +23,8 @@ The same work on both sides, per step (printed with the result; trl_peer.EQUAL h
 - data: data/addition/train.jsonl in file order (megarl data.shuffle=false, TRL shuffle_dataset=False),
   32 prompts per step, the same tokenizer and chat template, megarl's own addition reward rule on both;
 - sampling: 8 completions per prompt, at most 8 new tokens, stop at EOS, temperature 1, no top-p/top-k;
+  on the random `18m` model (and with --fixed-length) exactly 8 (megarl rollout.ignore_eos=true, TRL
+  generation_kwargs min_new_tokens=8): its EOS is noise and lengths drift apart between runs;
 - loss: PPO clip with clip-higher eps 0.2 / 0.28 (megarl clip_ratio_low/high, TRL epsilon/epsilon_high),
   token-level aggregation (megarl loss_agg_mode=token-mean, TRL loss_type=dapo), GRPO advantages with
   the group std, no KL term (megarl use_kl_loss=false, use_kl_in_reward=false; TRL beta=0), no entropy bonus;
@@ -56,8 +58,13 @@ from benchmarks.peak_memory import ProcessPeaks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_PYTHON = "/work/venvs/trl/bin/python"
-MODELS = {"quickstart": dict(warm_start_steps=350),
-          "18m": dict(warm_start_steps=0, hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
+# quickstart: configs/quickstart.yaml's bootstrap_kwargs, so the model is the quickstart's own
+MODELS = {"quickstart": dict(warm_start_steps=350, seed=0, max_digits=2, eval_rows=512),
+          "18m": dict(warm_start_steps=0, eval_rows=16, hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
+# A randomly initialised model's EOS is noise, and one lucky rewarded sample moves Adam for many
+# steps after it, so its response lengths drift apart between runs (measured: 6.2 vs 4.4 tokens
+# between two layouts): on it every response is exactly --max-new tokens long on both sides.
+FIXED_LENGTH = {"18m"}
 PHASES = ("gen", "old_log_prob", "reward", "adv", "update_actor", "sync")
 SMOKE = dict(models=["quickstart"], tp=[1], prompts=8, n=4, steps=1, warmup=1)
 SMOKE_MODEL = dict(warm_start_steps=20, eval_rows=16)
@@ -80,18 +87,18 @@ def find_trl_python(explicit: str | None) -> tuple[str | None, str]:
 def build_model(out: str, name: str, smoke: bool) -> str:
     from megarl.examples.addition import bootstrap
     path = os.path.join(out, "models", name + ("-smoke" if smoke else ""))
-    kwargs = {**MODELS[name], "eval_rows": 64, **(SMOKE_MODEL if smoke else {})}
+    kwargs = {**MODELS[name], **(SMOKE_MODEL if smoke else {})}
     return bootstrap(path, verbose=False, **kwargs)
 
 
-def megarl_overrides(a, model: str, tp: int, run_dir: str, bypass: bool) -> list[str]:
+def megarl_overrides(a, model: str, tp: int, run_dir: str, bypass: bool, fixed: bool) -> list[str]:
     ar = "actor_rollout_ref"
     return [f"{ar}.model.path={model}", f"trainer.default_local_dir={run_dir}", f"trainer.n_gpus_per_node={tp}",
             f"{ar}.actor.megatron.tensor_model_parallel_size={tp}", f"trainer.total_training_steps={a.warmup + a.steps}",
             "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false",
             "trainer.resume_mode=disable", "trainer.plot_reward_curve=false", f"trainer.seed={a.seed}",
             "data.shuffle=false", f"data.train_batch_size={a.prompts}", f"data.max_response_length={a.max_new}",
-            f"{ar}.rollout.n={a.n}", f"{ar}.rollout.temperature=1.0", f"{ar}.rollout.top_p=1.0", f"{ar}.rollout.top_k=-1",
+            f"{ar}.rollout.n={a.n}", f"{ar}.rollout.ignore_eos={str(fixed).lower()}", f"{ar}.rollout.temperature=1.0", f"{ar}.rollout.top_p=1.0", f"{ar}.rollout.top_k=-1",
             f"{ar}.actor.ppo_mini_batch_size={a.prompts // 2}", f"{ar}.actor.ppo_epochs=1",
             f"{ar}.actor.ppo_micro_batch_size_per_gpu={a.prompts * a.n // 2}",
             f"{ar}.actor.log_prob_micro_batch_size_per_gpu={a.prompts * a.n // 2}",
@@ -102,11 +109,11 @@ def megarl_overrides(a, model: str, tp: int, run_dir: str, bypass: bool) -> list
             f"algorithm.rollout_correction.bypass_mode={'null' if bypass else 'false'}"]
 
 
-def run_megarl(a, model: str, tp: int, bypass: bool) -> dict:
+def run_megarl(a, model: str, tp: int, bypass: bool, fixed: bool) -> dict:
     from megarl.trainer.metrics import read_metrics
     run_dir = os.path.join(a.out, f"megarl_{os.path.basename(model)}_tp{tp}{'' if bypass else '_pass'}")
     cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml",
-           *megarl_overrides(a, model, tp, run_dir, bypass)]
+           *megarl_overrides(a, model, tp, run_dir, bypass, fixed)]
     with ProcessPeaks() as peaks:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=a.env)
     if proc.returncode:
@@ -117,7 +124,6 @@ def run_megarl(a, model: str, tp: int, bypass: bool) -> dict:
     # step's work (metrics, logging), not only the phases timing_s/step covers
     wall = [every[k]["time"] - every[k - 1]["time"] for k in sorted(every) if k > a.warmup]
     med = {k: statistics.median(r.get(f"timing_s/{k}", 0.0) for r in rows) for k in ("step", *PHASES)}
-    med["other"] = med["step"] - sum(med[k] for k in PHASES)
     return {"step_s": statistics.median(wall), "timed_step_s": med.pop("step"), "phases": med,
             "peak_mb": max(peaks.peak_mb.values(), default=0),
             "tokens": statistics.mean(r["response_length/mean"] for r in rows),
@@ -125,11 +131,11 @@ def run_megarl(a, model: str, tp: int, bypass: bool) -> dict:
             "mismatch": max(r.get("rollout_corr/max_abs_log_prob_diff", 0.0) for r in rows)}
 
 
-def run_trl(a, model: str) -> dict:
+def run_trl(a, model: str, fixed: bool) -> dict:
     out = os.path.join(a.out, f"trl_{os.path.basename(model)}.json")
     cmd = [a.trl_python, "benchmarks/trl_peer.py", "--model", model, "--out", out, "--prompts", str(a.prompts),
            "--n", str(a.n), "--max-new", str(a.max_new), "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--lr", str(a.lr), "--seed", str(a.seed)]
+           "--lr", str(a.lr), "--seed", str(a.seed), *(["--fixed-length"] if fixed else [])]
     with ProcessPeaks() as peaks:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=a.env)
     if proc.returncode:
@@ -164,6 +170,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1, help="alternate TRL and megarl runs this many times (noisy machines)")
+    ap.add_argument("--fixed-length", action="store_true",
+                    help=f"every response exactly --max-new tokens on both sides (always for {sorted(FIXED_LENGTH)})")
     ap.add_argument("--with-pass", action="store_true", help="also megarl with bypass_mode=false (the old-log-prob pass)")
     ap.add_argument("--trl-python", help=f"the interpreter of TRL's venv (default: see the docstring; {VENV_PYTHON})")
     ap.add_argument("--out", default="runs/bench/vs_trl")
@@ -186,15 +194,17 @@ def main() -> None:
     table = []
     for name in a.models:
         model = build_model(a.out, name, a.smoke)
+        fixed = name in FIXED_LENGTH or a.fixed_length
         arms = [(tp, True) for tp in a.tp] + ([(tp, False) for tp in a.tp] if a.with_pass else [])
         trls, ours = [], {arm: [] for arm in arms}
         for _ in range(a.rounds):      # TRL, then each megarl arm, round after round: load changes hit all
-            trls.append(run_trl(a, model))
+            trls.append(run_trl(a, model, fixed))
             for arm in arms:
-                ours[arm].append(run_megarl(a, model, *arm))
+                ours[arm].append(run_megarl(a, model, *arm, fixed))
         trl, ours = over_rounds(trls, "median_s"), {arm: over_rounds(rs, "step_s") for arm, rs in ours.items()}
         params = trl["parameters"]
-        print(f"\nmodel {name}: Qwen2, {params / 1e6:.2f}M parameters; TRL config {json.dumps(trl['config'])}")
+        print(f"\nmodel {name}: Qwen2, {params / 1e6:.2f}M parameters; responses "
+              f"{'exactly' if fixed else 'up to'} {a.max_new} tokens; TRL config {json.dumps(trl['config'])}")
         print(f"  TRL GRPOTrainer      {trl['median_s']:7.3f} s/step  (rounds {fmt(trl['rounds'])}; response tokens/sample {trl['tokens']:.2f}, "
               f"{trl['optimizer_steps']} optimizer steps, {trl['threads']} threads, peak resident MiB "
               f"{trl['peak_mb']:.0f})")
