@@ -6,7 +6,8 @@ Grouped to keep the cost down: gpu_check --dry-run runs gpu_update_step's and ro
 smoke shapes inside it (their tables are checked in its output; toy_model.py builds the latter's
 model at its smoke shape); peers join where they import (vLLM in rollout_throughput; trtllm_check.py runs a tiny model
 where tensorrt_llm imports and a GPU is visible, else its one-line refusal is checked and the run
-skipped with that reason; no benchmark uses TRL).
+skipped with that reason; vs_trl.py runs TRL's GRPOTrainer from TRL's own venv where one imports, else
+its one-line refusal is checked and the run skipped with that line).
 """
 import importlib.util
 import os
@@ -19,7 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "__init__.py")
 # helpers imported by the benchmarks, not benchmarks themselves
-HELPERS = {"peak_memory.py"}
+HELPERS = {"peak_memory.py", "trl_peer.py"}  # trl_peer: TRL's side, started by vs_trl.py
 # no --smoke flag: gpu_check's is --dry-run; trtllm_check needs TensorRT-LLM and a GPU (see its test)
 NO_SMOKE_FLAG = {"gpu_check.py", "trtllm_check.py"}
 # run at their smoke shapes inside gpu_check --dry-run (toy_model builds rollout_throughput's model)
@@ -153,3 +154,24 @@ def test_a_killed_rank_is_reported_as_killed_with_its_peak():
     peak = float(re.search(r"rank 1 was killed by SIGKILL \(the kernel's OOM killer.*at a peak of (\d+) MiB", first)[1])
     assert peak > 400, first                                          # the 400 MiB tensor counts
     assert re.match(r"rank 0 was stopped \(SIGTERM\) after rank 1 ended, at a peak of \d+ MiB", second), second
+
+
+@pytest.mark.timeout(900)
+def test_vs_trl_smoke(tmp_path):
+    if importlib.util.find_spec("trl") is None:     # an interpreter without TRL: one line, exit 2, nothing run
+        proc = subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--smoke", "--trl-python", sys.executable],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 2 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
+        assert proc.stdout.startswith("vs_trl: TRL does not import: ModuleNotFoundError"), proc.stdout
+    proc = subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+    if proc.returncode == 2:
+        line = proc.stdout.strip()
+        assert line.startswith("vs_trl: TRL does not import") and "\n" not in line, proc.stdout + proc.stderr
+        pytest.skip(line)
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out[-3000:]}\n{proc.stderr[-3000:]}"
+    assert re.search(r"TRL GRPOTrainer +[\d.]+ s/step", out) and re.search(r"ratio megarl TP1 / TRL = [\d.]+x", out)
+    # the equal-work settings TRL actually ran with, and megarl's skipped pass
+    assert '"loss_type": "dapo"' in out and '"beta": 0.0' in out and '"epsilon_high": 0.28' in out
+    assert "old-log-prob pass skipped" in out and PEAK.search(out)

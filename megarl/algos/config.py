@@ -60,9 +60,21 @@ class RolloutCorrectionConfig(Section):
     # masked IS; icepop: tokens whose ratio leaves [1/c, c] are masked (megarl/algos/rollout_correction.py).
     rollout_is: Literal["token", "sequence", "masked_token", "masked_sequence", "icepop"] | None = None
     rollout_is_threshold: float = 2.0      # c: weights are truncated (or masked) at this value
+    # verl's key (verl/trainer/config/algorithm.py at b178a3c): true uses the rollout's log-probs as
+    # the old log-probs and skips the actor's old-log-prob pass. null (megarl's default): true where
+    # that changes nothing, i.e. the built-in engine at fp32 in the synchronous loop, false elsewhere
+    # (megarl/trainer/bypass.py; the run's first lines say which and why).
+    bypass_mode: bool | None = None
+    loss_type: str = "ppo_clip"            # verl's bypass loss: ppo_clip only (megarl/config/refused.py)
+    # megarl's: the largest |log pi_rollout - log pi_old| on a token that bypass accepts, checked every
+    # step on the first mini-batch. null: 1e-3 for the built-in engine at fp32; another engine or
+    # precision needs it set to run bypass_mode=true.
+    bypass_tolerance: float | None = None
 
     def __post_init__(self):
         require(self.rollout_is_threshold >= 1.0, "rollout_is_threshold", "must be >= 1 (weights above it are truncated)")
+        require(self.bypass_tolerance is None or self.bypass_tolerance > 0, "bypass_tolerance",
+                "must be > 0 (a log-prob difference) or null")
 
 
 @dataclass
@@ -112,3 +124,28 @@ def check_critic_on(cfg) -> None:
     if cfg.algorithm.needs_critic and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or pick "
                           "a critic-free estimator such as grpo", "critic.enable")
+
+
+def check_bypass_mode(cfg) -> None:
+    """bypass_mode=true where the rollout's log-probs cannot stand for the old policy's."""
+    rc, ro = cfg.algorithm.rollout_correction, cfg.rollout
+    if rc.bypass_mode is not True:
+        return
+    key = "algorithm.rollout_correction.bypass_mode"
+    if cfg.actor.router_replay.mode == "R2":
+        raise ConfigError("cannot be true with actor_rollout_ref.actor.router_replay.mode=R2: R2 records the routes "
+                          "in the old-log-prob pass this would skip; use mode=R3 or set bypass_mode=false", key)
+    if ro.placement == "disaggregated":
+        raise ConfigError("cannot be true with rollout.placement=disaggregated: batches there come from older weights "
+                          "(up to async_training.max_staleness steps), so the rollout's log-probs are not the old "
+                          "policy's; set it to false (the old-log-prob pass then runs)", key)
+    if rc.rollout_is is not None:
+        raise ConfigError(f"cannot be true with rollout_is={rc.rollout_is}: the IS weights pi_old / pi_rollout are "
+                          "then 1; drop rollout_is or set bypass_mode=false", key)
+    low = ("bfloat16", "bf16", "float16", "fp16", "half")
+    inexact = (ro.name != "native" or ro.dtype in low or cfg.actor.dtype in low
+               or (cfg.trainer.device == "cuda" and "auto" in (ro.dtype, cfg.actor.dtype)))
+    if inexact and rc.bypass_tolerance is None:
+        raise ConfigError(f"is true, but the {ro.name} engine at this precision does not return the trainer's "
+                          "log-probs to fp32 rounding; accept a gap with algorithm.rollout_correction.bypass_tolerance="
+                          "<largest |log-prob difference|> (checked every step) or set bypass_mode=false", key)

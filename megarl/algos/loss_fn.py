@@ -17,7 +17,7 @@ import torch
 
 from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss, value_loss
-from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights
+from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights, rollout_mismatch_metrics
 from megarl.algos.tensor_ops import masked_mean
 from megarl.config.errors import ConfigError
 
@@ -36,8 +36,13 @@ def _check_kl_type(kind: str, key: str) -> None:
                           "(a '+' suffix takes the k2 gradient)", key)
 
 
-def make_actor_loss_fn(cfg) -> LossFn:
-    """PPO-family policy loss + entropy bonus + optional KL-to-reference loss + optional TIS."""
+def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
+    """PPO-family policy loss + entropy bonus + optional KL-to-reference loss + optional TIS.
+
+    mismatch_rows > 0 (bypass mode, megarl/trainer/bypass.py): the first `mismatch_rows` rows this
+    rank's loss sees after `loss_fn.start_update()` are the first mini-batch, forwarded before any
+    optimizer step, so their log-probs are the old policy's: the rollout/trainer mismatch metrics
+    (rollout_corr/*) are measured on them at no extra cost, each a mean over micro-batches."""
     actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
     policy_loss = get_policy_loss(actor.policy_loss.loss_mode)
     params = ClipParams(clip_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
@@ -48,11 +53,14 @@ def make_actor_loss_fn(cfg) -> LossFn:
     correction = algo.rollout_correction
     norm_len = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
     mode = actor.loss_agg_mode
+    seen = [0]                                                                   # rows since start_update()
 
     def loss_fn(outputs: dict, micro_batch) -> tuple[torch.Tensor, dict]:
         b = micro_batch.batch
         log_prob = outputs["log_probs"]                                          # [b, R]
         mask = b["response_mask"].to(log_prob.device)
+        probe = seen[0] < mismatch_rows
+        seen[0] += len(micro_batch)
         old = b["old_log_probs"] if "old_log_probs" in b else log_prob.detach()   # on-policy: ratio 1
         agg = _aggregator(mode, micro_batch, norm_len)
         weights = None
@@ -69,6 +77,8 @@ def make_actor_loss_fn(cfg) -> LossFn:
             if correction.rollout_is in MASKING:
                 metrics["rollout_corr/masked_token_fraction"] = torch.tensor(masked_token_fraction(weights, mask))
         metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights)
+        if probe:
+            metrics.update(rollout_mismatch_metrics(log_prob.detach(), b["rollout_log_probs"].to(log_prob.device), mask))
         entropy = outputs.get("entropy")
         if entropy is not None:
             metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
@@ -86,6 +96,7 @@ def make_actor_loss_fn(cfg) -> LossFn:
             metrics["actor/kl_coef"] = torch.tensor(actor.kl_loss_coef)
         return loss, metrics
 
+    loss_fn.start_update = lambda: seen.__setitem__(0, 0)
     return loss_fn
 
 

@@ -54,6 +54,9 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         (default,), "megarl's engines run inside the training processes, not behind an HTTP server; "
                     "remove actor_rollout_ref.rollout.server")
        for leaf, default in (("timeout", 60.0), ("max_attempts", 3), ("max_connections", 1000))},
+    "algorithm.rollout_correction.loss_type": (
+        ("ppo_clip",), "megarl's bypass mode keeps the PPO clip loss against pi_rollout (verl's ppo_clip); verl's "
+                       "reinforce bypass loss is not implemented; remove the key"),
     "actor_rollout_ref.rollout.quantization": (
         (None,), "quantized rollout is not supported: every engine runs the trainer's own (bf16/fp32) weights, "
                  "synced each step; remove the key"),

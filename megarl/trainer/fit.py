@@ -28,6 +28,7 @@ from megarl.reward.manager import RewardFailure
 from megarl.rollout.multiturn import multiturn_metrics
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
+from megarl.trainer.bypass import resolve_bypass
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import broadcast_object, generate, sampling_seed
 from megarl.trainer.memory import PhaseMemory
@@ -45,7 +46,8 @@ class RLTrainer:
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.step, self.bad_steps = 0, 0
         self.total_steps = parts.total_steps
-        self.actor_loss = make_actor_loss_fn(cfg)
+        self.bypass = resolve_bypass(cfg, ranks.device)   # skip the old-log-prob pass where it is redundant
+        self.actor_loss = make_actor_loss_fn(cfg, mismatch_rows=self._first_mini_batch_rows())
         self.critic_loss = make_critic_loss_fn(cfg) if parts.critic else None
         eos = [parts.tokenizer.eos_token_id]
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
@@ -75,7 +77,7 @@ class RLTrainer:
     def train_on(self, batch: DataProto) -> None:
         """Everything between a rollout and the weight sync; the async loop (fit_async.py) shares it."""
         rewards = self.launch_rewards(batch)
-        with self.timed("old_log_prob"):
+        with self.timed("old_log_prob", not self.bypass.on):   # not reported when bypassed
             self.compute_old_log_probs(batch)
         with self.timed("ref", self.p.ref):
             self.compute_ref_log_probs(batch)
@@ -135,6 +137,13 @@ class RLTrainer:
         return self.p.reward.compute_async(batch) if self.p.reward is not None else None
 
     def compute_old_log_probs(self, batch: DataProto) -> None:
+        if self.bypass.on:      # the rollout's are the old policy's (megarl/trainer/bypass.py)
+            if "rollout_log_probs" not in batch.batch:
+                raise ValueError("algorithm.rollout_correction.bypass_mode: the rollout engine returned no "
+                                 "log-probs; set bypass_mode=false")
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            self.extra["rollout_corr/bypass_mode"] = 1.0
+            return
         if self.cfg.actor.router_replay.mode == "R2":   # the update replays the old policy's routes
             log_probs, entropy, batch.batch[ROUTES] = self.p.actor.compute_log_prob(
                 batch, temperature=self.sampling.logprob_temperature, record_routes=True)
@@ -185,8 +194,17 @@ class RLTrainer:
             self._check_update("critic", self.p.critic.update_critic(batch, self.critic_loss))
 
     def update_actor(self, batch: DataProto) -> None:
+        self.actor_loss.start_update()
         metrics = self.p.actor.update_policy(batch, self.actor_loss, temperature=self.sampling.logprob_temperature)
         self._check_update("actor", metrics)
+        self.bypass.check(metrics, self.step)
+
+    def _first_mini_batch_rows(self) -> int:
+        """Rows of the first mini-batch one DP rank's loss sees (where bypass measures the mismatch)."""
+        self.log.info(f"megarl: old-log-prob pass: bypass {self.bypass.reason}")
+        if not self.bypass.on:
+            return 0
+        return self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // self.cfg.data_parallel_size()
 
     @property
     def global_rank(self) -> int:
