@@ -20,7 +20,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "__init__.py")
 # helpers imported by the benchmarks, not benchmarks themselves
-HELPERS = {"peak_memory.py", "trl_peer.py"}  # trl_peer: TRL's side, started by vs_trl.py
+HELPERS = {"peak_memory.py", "trl_peer.py", "weight_sync_delta.py"}
+# trl_peer: TRL's side, started by vs_trl.py; weight_sync_delta: run as `weight_sync.py --delta`
 # no --smoke flag: gpu_check's is --dry-run; trtllm_check needs TensorRT-LLM and a GPU (see its test)
 NO_SMOKE_FLAG = {"gpu_check.py", "trtllm_check.py"}
 # run at their smoke shapes inside gpu_check --dry-run (toy_model builds rollout_throughput's model)
