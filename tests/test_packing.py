@@ -212,3 +212,42 @@ def test_update_memory_benchmark_runs_a_tiny_shape(tmp_path):
     assert got["packed, dyn, offload"]["held_mib"] == got["packed, dynamic"]["held_mib"] > 0
     assert got["packed, static"]["padding"] == 1.0 < got["padded, static"]["padding"]
     assert all(r["lp_mib"] > 0 and r["up_mib"] > 0 and r["up_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_rope_is_megatrons_loop_bit_for_bit_in_one_gather(interleaved):
+    """megarl/models/packed_rope.py replaces megatron's per-sequence THD RoPE; the oracle is
+    megatron-core's own function, for the max-length table and the one-row-per-token table."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.models import packed_rope
+
+    class OneRank:
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([5, 1, 9, 3, 3, 12])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+    total = int(cu[-1])
+    t = torch.randn(total, 4, 16, generator=g, requires_grad=True)
+    for table in (torch.randn(16, 1, 1, 16, generator=g), torch.randn(total, 1, 1, 16, generator=g)):
+        kw = dict(rotary_interleaved=interleaved, cp_group=OneRank())
+        ours, theirs = packed_rope.apply_thd(t, cu, table, **kw), packed_rope._MEGATRON(t, cu, table, **kw)
+        assert torch.equal(ours, theirs)
+        assert torch.equal(*(torch.autograd.grad(x.square().sum(), t)[0] for x in (ours, theirs)))
+    assert packed_rope.packed_positions(cu, total).tolist() == [p for n in lens.tolist() for p in range(n)]
+    assert packed_rope.install() and rope_utils._apply_rotary_pos_emb_thd is packed_rope.apply_thd
+    with pytest.raises(ValueError, match="cu_seqlens ends at 33 but the tensor has 32 tokens"):
+        packed_rope.apply_thd(t[:-1], cu, table, cp_group=OneRank())
+
+
+def test_packed_rope_keeps_megatrons_function_where_its_source_differs(monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.models import packed_rope
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", packed_rope._MEGATRON)
+    monkeypatch.setattr(packed_rope, "CHECKED", "another megatron")
+    assert not packed_rope.install() and rope_utils._apply_rotary_pos_emb_thd is packed_rope._MEGATRON

@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarl.models import packed_rope
 from megarl.models.attention import SDPACoreAttention
 from megarl.models.context_parallel import CPCoreAttention
 from megarl.models.convert import tp_dim
@@ -152,6 +153,7 @@ def build_gpt(spec: ModelSpec, config: TransformerConfig, pre_process: bool, pos
     logits are dropped by the log-prob code."""
     if head not in ("lm", "value"):
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+    packed_rope.install()
     tie = spec.tie_word_embeddings and head == "lm"
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(spec, config, vp_stage), vp_stage=vp_stage,

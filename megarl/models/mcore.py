@@ -3,6 +3,7 @@
     mcore.require()          # once per process before building a model: ImportError naming what is missing
     mcore.version()          # (0, 16, 1)
     mcore.HAS_HYBRID_MODEL   # megatron.core.models.hybrid exists (0.18 and later)
+    mcore.fingerprint(fn)    # sha256 of a megatron function's AST: is it the source a patch was written for?
 
 Supported: 0.16.1 (CI, Python 3.11) up to 0.19.x (Python >= 3.12). The interfaces megarl calls
 (parallel_state with CP/VPP, get_num_layers_to_build / get_transformer_layer_offset with vp_stage,
@@ -18,8 +19,11 @@ in 0.16.1, 0.17.1, 0.18.2 and 0.19.0 (read from Megatron-LM's core_v* tags). Wha
 """
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib.util
 import inspect
+import textwrap
 
 from megatron.core import package_info
 from megatron.core import parallel_state as ps
@@ -32,6 +36,17 @@ HAS_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is no
 
 def version() -> tuple[int, ...]:
     return (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
+
+
+def fingerprint(fn) -> str:
+    """16 hex digits of the sha256 of `fn`'s AST (comments and layout do not count), or "no
+    source"; functools.wraps wrappers are followed back to the wrapped function."""
+    fn = inspect.unwrap(fn)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):   # built without readable source: cannot be the checked one
+        return "no source"
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
 
 
 def missing() -> list[str]:

@@ -34,13 +34,10 @@ tensors (megarl/workers/optim.py).
 """
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
-import hashlib
 import importlib
 import inspect
-import textwrap
 
 import torch
 from megatron.core.package_info import __version__ as MEGATRON_VERSION
@@ -48,6 +45,7 @@ from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
 from megarl.config.errors import ConfigError
+from megarl.models.mcore import fingerprint
 
 _INSTALLED = False
 _DEPTH = 0
@@ -197,17 +195,9 @@ def _patched_functions() -> dict:
     return out
 
 
-def _fingerprint(fn) -> str:
-    fn = inspect.unwrap(fn)          # install()'s own wrapper (functools.wraps) leads back to megatron's
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):   # built without readable source: cannot be the checked one
-        return "no source"
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
-
-
 def fingerprints() -> dict[str, str]:
-    return {name: _fingerprint(fn) for name, fn in sorted(_patched_functions().items())}
+    # install()'s own wrappers (functools.wraps) lead back to megatron's functions
+    return {name: fingerprint(fn) for name, fn in sorted(_patched_functions().items())}
 
 
 def verify_megatron(expected: dict[str, str] | None = None) -> None:
