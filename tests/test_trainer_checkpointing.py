@@ -52,6 +52,18 @@ def test_stale_pointer_falls_back_and_rng_roundtrip(tmp_path):
     assert torch.equal(torch.rand(3), a)
 
 
+def test_a_resume_at_another_world_size_says_the_random_streams_are_not_restored(tmp_path):
+    root = str(tmp_path)
+    ck.save(root, 3, {}, {"step": 3, "world": 1}, rank=0, keep=None)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    state = ck.load(ck.latest_step_dir(root), {}, rank=1, world=2)     # rank 1 has no rng file: not read
+    assert torch.equal(torch.get_rng_state(), before)
+    notice = ck.rng_notice(state, 2)
+    assert "saved by 1 ranks and this run has 2" in notice and "random streams are not" in notice
+    assert ck.rng_notice(state, 1) is None
+
+
 def test_resume_modes(tmp_path):
     cfg = load_config(None, [f"trainer.default_local_dir={tmp_path}"])
     assert ck.resume_dir(cfg) is None

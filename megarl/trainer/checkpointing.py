@@ -234,6 +234,17 @@ def load(path: str, roles: dict, rank: int, world: int) -> dict:
     return state
 
 
+def rng_notice(state: dict, world: int) -> str | None:
+    """The line a resume prints when it cannot restore the RNG streams (saved per rank, so only
+    into the same world size); None when it did."""
+    saved = state.get("world")
+    if saved == world:
+        return None
+    return (f"megarl: the checkpoint was saved by {saved} ranks and this run has {world}: model, optimizer, "
+            "data position and KL controller are restored, the random streams are not (each rank keeps its "
+            "freshly seeded one), so sampling from here on differs from an uninterrupted run")
+
+
 def read_trainer_state(path: str) -> dict:
     """trainer_state.pt of a step that load() has verified."""
     state_file = os.path.join(path, "trainer_state.pt")

@@ -314,3 +314,6 @@ class RLTrainer:
         if anchor is not None:
             anchor("the trainer resumed from a checkpoint")
         self.log.info(f"megarl: resumed from {path} at step {self.step}")
+        notice = checkpointing.rng_notice(state, self.ranks.world)
+        if notice and self.ranks.is_main:
+            self.log.info(notice)
