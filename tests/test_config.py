@@ -155,6 +155,8 @@ def test_override_values_are_typed():
      "actor_rollout_ref.rollout.tensor_model_parallel_size", "does not divide"),
     (["actor_rollout_ref.rollout.name=custom"], "actor_rollout_ref.rollout.custom_cls_path", "custom_cls_name"),
     (["data.max_prompt_length=${trainer.nope}"], "data.max_prompt_length", "not set"),
+    (["actor_rollout_ref.actor.optim.optimizer=Adam"], "actor_rollout_ref.actor.optim.optimizer", "use adamw"),
+    (["critic.optim.optimizer=sgd"], "critic.optim.optimizer", "expected 'adamw'"),
 ])
 def test_errors_name_key_and_fix(overrides, key, words):
     with pytest.raises(ConfigError) as info:
@@ -163,6 +165,13 @@ def test_errors_name_key_and_fix(overrides, key, words):
     assert err.key == key, str(err)
     assert words in str(err)
     assert "\n" not in str(err)
+
+
+def test_verls_optimizer_spellings():
+    """verl's megatron config says `adam` (megatron's: decoupled decay), its FSDP one `AdamW` (torch's
+    class): both are megarl's decoupled AdamW update; torch's coupled `Adam` is refused above."""
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.optimizer=AdamW", "critic.optim.optimizer=adam"])
+    assert cfg.actor.optim.optimizer == "adamw" and cfg.critic.optim.optimizer == "adam"
 
 
 def test_model_rules():

@@ -80,7 +80,10 @@ class MegatronConfig(Section):
 
 @dataclass
 class OptimConfig(Section):
-    optimizer: Literal["adam", "adamw"] = "adamw"
+    # "adam" is megatron's (verl's megatron default): decoupled weight decay, the same update as
+    # "adamw". verl's FSDP configs name torch classes: "AdamW" is read as adamw; torch's "Adam" puts
+    # weight decay into the gradient (L2), which megarl does not offer, so it is refused.
+    optimizer: str = "adamw"
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -94,6 +97,13 @@ class OptimConfig(Section):
     total_training_steps: int = -1         # filled in from the trainer at run time
 
     def __post_init__(self):
+        if self.optimizer == "AdamW":
+            self.optimizer = "adamw"
+        require(self.optimizer != "Adam", "optimizer",
+                "torch's Adam (weight decay added to the gradient) is not offered; megarl's adam/adamw decay "
+                "weights decoupled (megatron's adam, torch's AdamW): use adamw, or weight_decay=0 for plain Adam")
+        require(self.optimizer in ("adam", "adamw"), "optimizer",
+                f"got {self.optimizer!r}, expected 'adamw' (or megatron's 'adam', the same update; verl's 'AdamW')")
         require(self.lr >= 0, "lr", "must be >= 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
                 "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
