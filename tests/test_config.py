@@ -237,9 +237,19 @@ def test_built_config_is_frozen_and_roles_own_their_layout():
     for set_it in (lambda: setattr(cfg.actor.optim, "total_training_steps", 9),
                    lambda: setattr(cfg.trainer, "seed", 3),
                    lambda: setattr(cfg.actor_rollout_ref, "rollout", None),
-                   lambda: setattr(cfg, "critic", None)):
+                   lambda: setattr(cfg, "critic", None),
+                   lambda: cfg.actor.optim.betas.__setitem__(0, 0.5),     # lists and mappings inside it too
+                   lambda: cfg.trainer.logger.append("wandb"),
+                   lambda: cfg.data.train_files.extend(["more.jsonl"]),
+                   lambda: cfg.actor_rollout_ref.rollout.engine_kwargs.update(native={})):
         with pytest.raises(FrozenConfigError, match="frozen"):
             set_it()
+    import copy
+    import pickle
+    for again in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):   # copies stay frozen and equal
+        assert again.to_dict() == cfg.to_dict() and again.actor.optim.betas == [0.9, 0.999]
+        with pytest.raises(FrozenConfigError):
+            again.actor.optim.betas.append(1.0)
     # The critic and the reference take the actor's layout as a copy, not the actor's own object.
     actor, critic, ref = cfg.actor.megatron, cfg.critic.megatron, cfg.actor_rollout_ref.ref.megatron
     assert critic is not actor and ref is not actor and critic == actor == ref

@@ -223,15 +223,42 @@ class Section:
         object.__setattr__(self, name, value)
 
 
+def _refuse(self, *args, **kwargs):
+    raise FrozenConfigError(f"a {type(self).__name__[6:].lower()} in the config: the config is frozen once validated; "
+                            "build a new one (load_config with overrides, or dataclasses.replace)")
+
+
+class FrozenList(list):
+    """A list field of a frozen config: reads like a list, refuses every change in place."""
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+    def __reduce__(self):            # pickling and deepcopy rebuild it without calling append
+        return type(self), (list(self),)
+
+
+class FrozenDict(dict):
+    """A mapping field of a frozen config: reads like a dict, refuses every change in place."""
+    __setitem__ = __delitem__ = __ior__ = pop = popitem = clear = update = setdefault = _refuse
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+
 def freeze(obj: Any, path: str = "config") -> Any:
-    """Freeze a config tree in place (every dataclass in it must be a Section); returns it."""
+    """Freeze a config tree (every dataclass in it must be a Section): fields can no longer be set,
+    and list/dict values become FrozenList/FrozenDict. Returns the frozen object."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         if not isinstance(obj, Section):
             raise TypeError(f"{path} is a {type(obj).__name__}, not a megarl.config.typed.Section: derive config "
                             "dataclasses from Section so the built tree can be frozen")
         for f in dataclasses.fields(obj):
-            freeze(getattr(obj, f.name), f"{path}.{f.name}")
+            object.__setattr__(obj, f.name, freeze(getattr(obj, f.name), f"{path}.{f.name}"))
         object.__setattr__(obj, "_frozen", True)
+    elif isinstance(obj, list) and not isinstance(obj, FrozenList):
+        return FrozenList(freeze(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    elif isinstance(obj, dict) and not isinstance(obj, FrozenDict):
+        return FrozenDict({k: freeze(v, f"{path}.{k}") for k, v in obj.items()})
     return obj
 
 
