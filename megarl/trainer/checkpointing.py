@@ -35,11 +35,6 @@ POINTER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}")
 
@@ -102,17 +97,68 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
     try:
         return _save(root, step, roles, trainer_state, rank, keep, say)
     except BaseException as err:  # torch's CheckpointException is a BaseException
-        cause = _os_error(err) or _disk_full(root)
+        peer = getattr(err, "failed_rank", rank)    # PeerSaveFailed, verified_io.SealError
+        cause = err.cause if isinstance(err, PeerSaveFailed) else _os_error(err) or _disk_full(root)
         if cause is None or isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         if rank == 0:
             shutil.rmtree(step_dir(root, step) + ".tmp", ignore_errors=True)   # gives the space back
         last = latest_step_dir(root)
         raise CheckpointSaveError(
-            f"saving step {step} failed on rank {rank}: {cause.strerror or cause}"
+            f"saving step {step} failed on rank {peer}: {cause.strerror or cause}"
             + (f" ({cause.filename})" if cause.filename else "") + f"; the partial save was removed and the last "
             f"complete checkpoint is {last or 'none'}; free space (or fix the filesystem), then run the same "
             "command to resume") from None
+
+
+class PeerSaveFailed(RuntimeError):
+    """A save failed on some rank: raised on every rank once they agree (`_agree`), naming the
+    rank whose failure has a filesystem cause (`cause`, an OSError), or the lowest failed rank."""
+
+    def __init__(self, step: int, rank: int, cause: OSError | None):
+        self.failed_rank, self.cause = rank, cause
+        super().__init__(f"saving step {step} failed on rank {rank}"
+                         + (f": {cause.strerror or cause}" if cause else " (not a filesystem error: its traceback says why)"))
+
+
+def _attempt(fn) -> BaseException | None:
+    """Run one rank's part of a save; its failure, kept until every rank has heard of it."""
+    try:
+        fn()
+        return None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:   # noqa: BLE001 - torch's CheckpointException; re-raised by _agree
+        return err
+
+
+def _agree(step: int, root: str, failed: BaseException | None) -> None:
+    """A barrier that also shares failure. Where any rank's part failed (a rank-0-only write on a
+    full disk; megatron's save, which tells the other ranks only that it failed), every rank raises
+    here, with the filesystem cause one of them found, instead of going on into a collective the
+    failed rank never reaches and dying of a lost connection."""
+    cause = (_os_error(failed) or _disk_full(root)) if failed is not None else None
+    if not dist.is_initialized():
+        if failed is not None:
+            raise (PeerSaveFailed(step, 0, cause) if cause is not None and cause.errno else failed)
+        return
+    rank = dist.get_rank()
+    errno_ = (cause.errno or 0) if cause is not None else 0
+    none = -(1 << 30)
+    # MAX-reduced: [any failed, -(lowest failed rank), largest errno, -(lowest rank with an errno)]
+    mine = torch.tensor([int(failed is not None), -rank if failed is not None else none, errno_,
+                         -rank if errno_ else none], dtype=torch.int64,
+                        device="cuda" if dist.get_backend() == "nccl" else "cpu")   # NCCL reduces device tensors
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    any_failed, lowest, errno_all, with_errno = (int(v) for v in mine)
+    if not any_failed:
+        return
+    if errno_all:      # the rank that found it keeps its full cause (with the file name)
+        found = cause if -with_errno == rank else OSError(errno_all, os.strerror(errno_all))
+        raise PeerSaveFailed(step, -with_errno, found) from failed
+    if failed is not None:
+        raise failed
+    raise PeerSaveFailed(step, -lowest, None)
 
 
 def _disk_full(root: str) -> OSError | None:
@@ -145,19 +191,33 @@ def _os_error(err: BaseException, depth: int = 0) -> OSError | None:
 def _save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep: int | None, say=None) -> str:
     final = step_dir(root, step)
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        verified_io.make_private_dir(root)
-        os.makedirs(os.path.join(tmp, "rng"), mode=0o700)
-    _barrier()
-    for name, worker in roles.items():
-        worker.save_checkpoint(os.path.join(tmp, name))
-    verified_io.save_plain(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    fault_point("save", step, rank)
-    if rank == 0:
-        verified_io.save_plain(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # marks completeness
-    _barrier()
-    verified_io.seal(tmp)
+
+    def prepare():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            verified_io.make_private_dir(root)
+            os.makedirs(os.path.join(tmp, "rng"), mode=0o700)
+    _agree(step, root, _attempt(prepare))
+
+    def role_checkpoints():
+        for name, worker in roles.items():
+            # collective: megatron's distributed save fails on every rank when one rank's write fails
+            worker.save_checkpoint(os.path.join(tmp, name))
+    _agree(step, root, _attempt(role_checkpoints))
+
+    def local_files():
+        verified_io.save_plain(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        fault_point("save", step, rank)
+        if rank == 0:
+            verified_io.save_plain(trainer_state, os.path.join(tmp, "trainer_state.pt"))  # marks completeness
+    _agree(step, root, _attempt(local_files))
+    _agree(step, root, _attempt(lambda: verified_io.seal(tmp)))
+    _agree(step, root, _attempt(lambda: _publish(root, step, final, tmp, rank, keep, say)))
+    return final
+
+
+def _publish(root: str, step: int, final: str, tmp: str, rank: int, keep: int | None, say) -> None:
+    """Rank 0: the sealed step under its final name, the latest pointer, old steps pruned."""
     if rank == 0:
         if os.path.isdir(final):
             if os.path.isfile(os.path.join(final, "trainer_state.pt")):
@@ -172,8 +232,6 @@ def _save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, kee
         verified_io.fsync_dir(root)
         verified_io.write_durably(os.path.join(root, POINTER), str(step))
         _prune(root, keep)
-    _barrier()
-    return final
 
 
 def _prune(root: str, keep: int | None) -> None:

@@ -75,17 +75,33 @@ def _gather(obj, group) -> list:
     return out
 
 
+class SealError(OSError):
+    """A rank's part of seal() failed; raised on every rank, naming that rank (`failed_rank`)."""
+
+    def __init__(self, errno_: int | None, strerror: str, filename: str | None, failed_rank: int):
+        super().__init__(errno_, strerror, filename)
+        self.failed_rank = failed_rank
+
+
 def seal(step_dir: str, group=None) -> None:
     """Collective, after every rank wrote its files: files 0600 and directories 0700, each file
-    fsynced and hashed by one rank, then rank 0 writes manifest.json (durably)."""
+    fsynced and hashed by one rank, then rank 0 writes manifest.json (durably). A rank whose
+    share fails still reaches the gather, so every rank raises the same SealError."""
     rank, world = _rank_world(group)
     files = _files(step_dir)
     mine = {}
-    for rel in files[rank::world]:
-        path = os.path.join(step_dir, rel)
-        os.chmod(path, 0o600)
-        mine[rel] = (_digest(path, sync=True), os.path.getsize(path))
-    got = {k: v for part in _gather(mine, group) for k, v in part.items()}
+    try:
+        for rel in files[rank::world]:
+            path = os.path.join(step_dir, rel)
+            os.chmod(path, 0o600)
+            mine[rel] = (_digest(path, sync=True), os.path.getsize(path))
+    except OSError as err:
+        mine = {"": (err.errno, err.strerror or str(err), err.filename)}
+    parts = _gather(mine, group)
+    for r, part in enumerate(parts):
+        if "" in part:
+            raise SealError(*part[""], failed_rank=r)
+    got = {k: v for part in parts for k, v in part.items()}
     digests, sizes = {k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()}
     if rank == 0:
         for dirpath, _, _ in os.walk(step_dir):

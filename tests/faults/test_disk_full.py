@@ -1,6 +1,7 @@
-"""A disk that fills up during a save: one line naming the step and the cause, no second
-traceback from the launcher, the launcher's log not cut, the last good checkpoint intact; the
-next launch is refused by the preflight's free-space check, in one line, before any rank starts.
+"""A disk that fills up during a save: one line per rank naming the step, the failed rank and the
+cause, no lost-connection traceback from the peer rank, no second traceback from the launcher,
+the launcher's log not cut, the last good checkpoint intact; the next launch is refused by the
+preflight's free-space check, in one line, before any rank starts.
 
 The run directory is a 10 MiB tmpfs (room for one checkpoint of the test model, not two) where
 the suite runs as root; elsewhere the fault hook fails the save with ENOSPC instead (the
@@ -26,19 +27,32 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_disk_full_during_a_save(addition_model_dir, small_disk):
+@pytest.mark.parametrize("where", ["disk", "rank 1 only"])
+def test_disk_full_during_a_save(addition_model_dir, small_disk, tmp_path, where):
+    """`disk`: the tmpfs fills (as root; else rank 0's write is failed by the fault hook). `rank 1
+    only`: only rank 1's own file fails, so rank 0, which cleans up and publishes, learns it from the
+    ranks' agreement."""
     mnt, mounted = small_disk
+    if where != "disk":       # a disk with room: only the injected write fails
+        mnt, mounted = tmp_path, False
     run_dir = mnt / "run"
-    launch = Launch(overrides(addition_model_dir, run_dir, 4), fault=None if mounted else "enospc@save:4")
+    fault = None if mounted else "enospc@save:4:1" if where != "disk" else "enospc@save:4"
+    launch = Launch(overrides(addition_model_dir, run_dir, 4), fault=fault)
     rc, out = launch.finish()
     assert rc != 0
     stopped = [line for line in out.splitlines() if line.startswith("megarl: stopped: saving step 4 failed")]
     assert stopped and "No space left on device" in stopped[0], out[-3000:]
     assert "the last complete checkpoint is " + str(run_dir / "global_step_2") in stopped[0]
-    # one line per rank that hit it; no traceback of megarl's (torchrun prints its own summary)
-    assert all("No space left on device" in line for line in stopped) and len(stopped) <= 2, stopped
-    # the launcher adds no traceback of its own (it used to raise from log.flush()), and torchrun's
-    # root cause is the save's line (a peer rank may still print its lost-connection traceback)
+    # one line per rank, each naming the rank whose write failed: the ranks agree on a save's failure
+    # before going on, so the peer stops with the same cause instead of a lost-connection traceback
+    # (a real full tmpfs may fail both; the line names the lowest rank that found the cause)
+    assert len(stopped) == 2 and all("No space left on device" in line for line in stopped), out[-6000:]
+    if fault:
+        failed = fault.rsplit(":", 1)[-1] if where != "disk" else "0"
+        assert all(line.startswith(f"megarl: stopped: saving step 4 failed on rank {failed}:") for line in stopped), \
+            stopped
+    assert "Connection closed by peer" not in out and "Connection reset by peer" not in out, out[-3000:]
+    # the launcher adds no traceback of its own (it used to raise from log.flush())
     assert "log.flush" not in out and "in spawn_ranks" not in out, out[-3000:]
     assert "CheckpointSaveError: saving step 4 failed" in out.split("Root Cause (first observed failure):")[-1]
     log = next((run_dir / "logs").glob("megarl-*.log")).read_text()
@@ -46,6 +60,8 @@ def test_disk_full_during_a_save(addition_model_dir, small_disk):
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
     verified_io.verify(str(run_dir / "global_step_2"))         # every file matches its save-time digest
     assert not (run_dir / "global_step_4.tmp").exists() and not (run_dir / "global_step_4").exists()
+    if where != "disk":
+        return
     if not mounted:
         pytest.skip("no tmpfs (not root): the preflight's free-space check was not exercised")
     rc, out = Launch(overrides(addition_model_dir, run_dir, 4)).finish()
