@@ -54,6 +54,7 @@ class RLTrainer:
         self.timings: dict[str, float] = {}
         self.extra: dict = {}      # metrics the steps add as they go; finish_step logs them
         self.step_was_bad = False  # an update of this step was skipped (NaN/inf)
+        self.on_started = None     # called once resume() has succeeded (run.py writes the run's record)
         self.memory = PhaseMemory(ranks.device)          # memory/<phase>_peak_gb, like timing_s/<phase>
         self.mfu = MFUMeter.from_parts(cfg, parts, ranks.world, ranks.device)
 
@@ -292,6 +293,13 @@ class RLTrainer:
         self.log.info(f"megarl: saved step {self.step} to {checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 
     def resume(self) -> None:
+        """Continue from the checkpoint trainer.resume_mode names (if any), then `on_started`: the
+        run directory's record of this launch is written only once its resume has succeeded."""
+        self._resume()
+        if self.on_started is not None:
+            self.on_started()
+
+    def _resume(self) -> None:
         root = self.cfg.trainer.default_local_dir
         if self.ranks.is_main:
             for name in checkpointing.clean_partial(root):

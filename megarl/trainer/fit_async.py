@@ -98,11 +98,11 @@ class AsyncRLTrainer(RLTrainer):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "inflight_batch": self.next_batch}
 
-    def resume(self) -> None:
-        super().resume()
+    def _resume(self) -> None:
+        super()._resume()
         path = checkpointing.resume_dir(self.cfg)
         if path is not None:
-            state = checkpointing.read_trainer_state(path)   # verified by super().resume()
+            state = checkpointing.read_trainer_state(path)   # verified by super()._resume()
             self.next_batch = state.get("inflight_batch")
 
 

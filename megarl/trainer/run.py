@@ -48,7 +48,6 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         log = MetricsLogger(tr.log_dir or tr.default_local_dir, tr.logger, tr.project_name, tr.experiment_name,
                             config=cfg.to_dict(), enabled=ranks.is_main)
         if ranks.is_main:
-            write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
             for line in ranks.describe(cfg):
                 log.info(f"megarl: {line}")
         if ranks.role == "trainer":
@@ -59,6 +58,8 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
                  f"run dir {tr.default_local_dir}")
         trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
+        if ranks.is_main:   # after a successful resume: a refused one leaves the run's record as it was
+            trainer.on_started = lambda: write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
         try:
             trainer.fit()
         finally:
