@@ -74,3 +74,48 @@ def test_resume_modes(tmp_path):
     cfg = load_config(None, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/nothing"])
     with pytest.raises(ConfigError, match="not a complete megarl step checkpoint"):
         ck.resume_dir(cfg)
+
+
+def _save_failing_on_rank_1(rank, world, root):
+    """Two gloo ranks save steps 2 and 4; at step 4 only rank 1's part fails, once in megarl's own
+    files (the fault hook's ENOSPC) and once in seal's hashing (EIO): both ranks must stop with the
+    same one-line error naming rank 1, rank 0 removing the partial save."""
+    import errno
+
+    import torch.distributed as dist
+
+    from megarl.trainer import verified_io
+    dist.init_process_group("gloo")
+    ck.save(root, 2, {}, {"step": 2, "world": world}, rank=rank, keep=None)
+    seen = []
+    os.environ["MEGARL_FAULT"] = "enospc@save:4:1"
+    try:
+        ck.save(root, 4, {}, {"step": 4, "world": world}, rank=rank, keep=None)
+    except ck.CheckpointSaveError as err:
+        seen.append(str(err))
+    del os.environ["MEGARL_FAULT"]
+    real_digest = verified_io._digest
+
+    def failing_digest(path, sync=False):
+        raise OSError(errno.EIO, "Input/output error", path)
+    if rank == 1:
+        verified_io._digest = failing_digest
+    try:
+        ck.save(root, 4, {}, {"step": 4, "world": world}, rank=rank, keep=None)
+    except ck.CheckpointSaveError as err:
+        seen.append(str(err))
+    verified_io._digest = real_digest
+    dist.barrier()
+    return seen, sorted(os.listdir(root))
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    from tests.distributed import run_ranks
+    results = run_ranks(2, _save_failing_on_rank_1, (str(tmp_path),))
+    for seen, listing in results:
+        assert len(seen) == 2, seen
+        assert seen[0].startswith("saving step 4 failed on rank 1: No space left on device"), seen[0]
+        assert seen[1].startswith("saving step 4 failed on rank 1: Input/output error"), seen[1]
+        assert all("the last complete checkpoint is " + str(tmp_path / "global_step_2") in s for s in seen)
+        assert "global_step_4" not in listing and "global_step_4.tmp" not in listing, listing
+    assert (tmp_path / ck.POINTER).read_text() == "2"

@@ -143,18 +143,19 @@ def _agree(step: int, root: str, failed: BaseException | None) -> None:
             raise (PeerSaveFailed(step, 0, cause) if cause is not None and cause.errno else failed)
         return
     rank = dist.get_rank()
+    who = getattr(failed, "failed_rank", rank)    # verified_io.SealError: every rank raises one rank's failure
     errno_ = (cause.errno or 0) if cause is not None else 0
     none = -(1 << 30)
     # MAX-reduced: [any failed, -(lowest failed rank), largest errno, -(lowest rank with an errno)]
-    mine = torch.tensor([int(failed is not None), -rank if failed is not None else none, errno_,
-                         -rank if errno_ else none], dtype=torch.int64,
+    mine = torch.tensor([int(failed is not None), -who if failed is not None else none, errno_,
+                         -who if errno_ else none], dtype=torch.int64,
                         device="cuda" if dist.get_backend() == "nccl" else "cpu")   # NCCL reduces device tensors
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     any_failed, lowest, errno_all, with_errno = (int(v) for v in mine)
     if not any_failed:
         return
     if errno_all:      # the rank that found it keeps its full cause (with the file name)
-        found = cause if -with_errno == rank else OSError(errno_all, os.strerror(errno_all))
+        found = cause if -with_errno == who else OSError(errno_all, os.strerror(errno_all))
         raise PeerSaveFailed(step, -with_errno, found) from failed
     if failed is not None:
         raise failed
