@@ -105,6 +105,27 @@ def test_base_and_override_order(tmp_path):
     assert cfg.rollout.prompt_length == 64                            # filled across sections
 
 
+def test_oc_select_as_verls_configs_write_it(tmp_path):
+    """verl's generated configs use OmegaConf's `${oc.select:key,default}`: the key's value where it
+    is set (megarl's defaults count, null included), else the default as YAML types it, else null."""
+    path = write(tmp_path, "verl_style.yaml", """
+        data:
+          max_prompt_length: ${oc.select:data.not_a_key,48}
+          max_response_length: "${oc.select:data.max_prompt_length, 16}"
+        trainer:
+          experiment_name: run-${oc.select:trainer.not_a_key,abc}
+          project_name: ${oc.select:trainer.experiment_name}
+          resume_from_path: ${oc.select:trainer.not_a_key}
+        actor_rollout_ref:
+          actor: {ppo_epochs: "${oc.select:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,7}"}
+        """)
+    cfg = load_config(path)
+    assert cfg.data.max_prompt_length == 48 and cfg.data.max_response_length == 48
+    assert cfg.trainer.experiment_name == cfg.trainer.project_name == "run-abc"
+    assert cfg.trainer.resume_from_path is None
+    assert cfg.actor.ppo_epochs == cfg.actor.ppo_micro_batch_size_per_gpu == 4   # megarl's default counts
+
+
 def test_base_cycle_is_named(tmp_path):
     write(tmp_path, "a.yaml", "base: b.yaml\n")
     b = write(tmp_path, "b.yaml", "base: a.yaml\n")

@@ -1,4 +1,6 @@
-"""`${section.key}` and `${env:NAME,default}` references inside string values.
+"""`${section.key}`, `${oc.select:section.key,default}` and `${env:NAME,default}` references
+inside string values (`oc.select` as OmegaConf reads it, for configs copied from verl: the key's
+value where the key is set, null included, else the default, typed as YAML reads it, else null).
 
 Resolved once on the merged plain dict, before typing, so every component sees final values
 (e.g. `default_local_dir: runs/${trainer.experiment_name}` or `${env:SLURM_JOB_ID,local}`).
@@ -8,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 from typing import Any
+
+import yaml
 
 from megarl.config.errors import ConfigError
 
@@ -23,6 +27,15 @@ def _lookup(root: dict, dotted: str, where: str) -> Any:
     return node
 
 
+def _is_set(root: dict, dotted: str) -> bool:
+    node: Any = root
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def resolve(root: dict) -> dict:
     def value_of(text: str, where: str, stack: tuple[str, ...]) -> Any:
         def one(ref: str) -> Any:
@@ -34,6 +47,12 @@ def resolve(root: dict) -> dict:
                     raise ConfigError(f"environment variable {name.strip()} is not set; export it or give "
                                       f"a default as ${{env:{name.strip()},value}}", where)
                 return got if got is not None else default.strip()
+            if ref.startswith("oc.select:"):
+                key, comma, default = ref[len("oc.select:"):].partition(",")
+                key = key.strip()
+                if not _is_set(root, key):
+                    return yaml.safe_load(default) if comma and default.strip() else None
+                ref = key
             if ref in stack:
                 raise ConfigError(f"references form a cycle: {' -> '.join((*stack, ref))}", where)
             target = _lookup(root, ref, where)
