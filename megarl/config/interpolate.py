@@ -18,22 +18,24 @@ from megarl.config.errors import ConfigError
 _REF = re.compile(r"\$\{([^}]+)\}")
 
 
-def _lookup(root: dict, dotted: str, where: str) -> Any:
+_UNSET = object()
+
+
+def _find(root: dict, dotted: str) -> Any:
+    """The value at a dotted key, or _UNSET."""
     node: Any = root
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"refers to ${{{dotted}}}, which is not set; set it or remove the reference", where)
+            return _UNSET
         node = node[part]
     return node
 
 
-def _is_set(root: dict, dotted: str) -> bool:
-    node: Any = root
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
+def _lookup(root: dict, dotted: str, where: str) -> Any:
+    node = _find(root, dotted)
+    if node is _UNSET:
+        raise ConfigError(f"refers to ${{{dotted}}}, which is not set; set it or remove the reference", where)
+    return node
 
 
 def resolve(root: dict) -> dict:
@@ -50,7 +52,7 @@ def resolve(root: dict) -> dict:
             if ref.startswith("oc.select:"):
                 key, comma, default = ref[len("oc.select:"):].partition(",")
                 key = key.strip()
-                if not _is_set(root, key):
+                if _find(root, key) is _UNSET:
                     return yaml.safe_load(default) if comma and default.strip() else None
                 ref = key
             if ref in stack:

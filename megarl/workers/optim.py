@@ -166,8 +166,6 @@ class CPUAdamW:
 
 def build_optimizer(chunks: list[torch.nn.Module], cfg: OptimConfig, dtype: torch.dtype,
                     use_distributed_optimizer: bool = False):
-    if cfg.optimizer not in ("adam", "adamw"):
-        raise ConfigError(f"optimizer {cfg.optimizer!r} is not supported; use adamw", "optim.optimizer")
     if not torch.cuda.is_available():
         if use_distributed_optimizer:
             raise ConfigError("the distributed optimizer needs CUDA; set megatron.use_distributed_optimizer=false "
