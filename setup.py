@@ -36,9 +36,10 @@ setup(
         "trtllm": ["tensorrt-llm>=1.3.0rc21,<1.4"],
         "te": ["transformer-engine[pytorch]"],
         "logging": ["tensorboard", "wandb"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
         # checkpoint_engine.delta_compression=zstd|lz4 (delta weight syncs, docs/weight-sync.md)
         "compress": ["zstandard>=0.22", "lz4>=4"],
+        # the suite runs the compressed syncs too, so the test extras take the compress ones
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:main"]},
 )

@@ -229,6 +229,10 @@ def run_rank(rank, world, path, a):
 def delta_main(a) -> None:
     import weight_sync_delta as wd
     from megarl.models.tiny import make_tiny_hf
+    from megarl.rollout.config import codec_problem
+    if a.zstd and codec_problem("zstd"):
+        print(f"weight_sync --delta: skipping the delta+zstd way ({codec_problem('zstd')})", flush=True)
+        a.zstd = False
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model_dir or os.path.join(tmp, "model")
         if not os.path.exists(os.path.join(path, "config.json")):

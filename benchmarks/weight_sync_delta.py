@@ -67,6 +67,11 @@ def same_bits(a, b) -> bool:
                for pa, pb in zip(a.params.values(), b.params.values()))
 
 
+def ways(a) -> list[str]:
+    """The ways compared; delta+zstd only where asked and zstandard imports (weight_sync.py says so once)."""
+    return ["full", "delta", "delta+zstd"] if a.zstd else ["full", "delta"]
+
+
 def run_rank(rank, world, path, a):
     import torch.distributed as dist
 
@@ -90,8 +95,7 @@ def run_rank(rank, world, path, a):
         trainer = Trainer(path, lr) if rank in TRAINERS else None
         sides = {}                        # (layout, way) -> sender or receiver (and its engine)
         for tp, pp, rtp in LAYOUTS:
-            ways = ["full", "delta", "delta+zstd"] if (tp, pp, rtp) == LAYOUTS[0] and a.zstd else ["full", "delta"]
-            for way in ways:
+            for way in ways(a) if (tp, pp, rtp) == LAYOUTS[0] else ["full", "delta"]:
                 tag = f"{lr}/{tp}x{pp}/{way}"
                 groups = DisaggregatedGroups.create(tp, pp, (lambda t, d, p, tp=tp: t if tp == 2 else p), ENGINES,
                                                     store, rank, everyone, tag=tag)
@@ -148,7 +152,7 @@ class DiskWays:
         from megarl.checkpoint_engine.disk import DiskSync
         from megarl.checkpoint_engine.source import ShardSource
         self.spec, self.syncs, self.log, self.identical = spec, {}, {}, True
-        for way in ("full", "delta", "delta+zstd"):
+        for way in ways(a):
             opts = None if way == "full" else DeltaOptions(a.anchor_every, codec="zstd" if "zstd" in way else "none")
             src = ShardSource(spec, 1, 1, 0, 0, 0, shards(full, spec, 1, 1, 0, 0), hf_dtype=BF16)
             self.syncs[way] = DiskSync(src, os.path.join(tmp, way.replace("+", "_")), int(a.bucket_mb * 2**20),
@@ -165,7 +169,7 @@ class DiskWays:
             m["wall"] = time.perf_counter() - start
             self.log[way].append(m)
         ref = read_weights(self.syncs["full"].dir)
-        for way in ("delta", "delta+zstd"):
+        for way in list(self.syncs)[1:]:
             got = read_weights(self.syncs[way].dir)
             self.identical &= all(torch.equal(got[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref)
 
@@ -222,7 +226,7 @@ def report(ranks: list, a) -> None:
         fb = statistics.median(m["weight_sync/wire_gb"] for m in fd[1:])
         print(f"disk (trainer TP 1, one writer): full export {fs:.3f} s, {fb * 1e3:.1f} MB; bit-identical read-back: "
               f"{'yes' if disk['identical'] else 'NO'}")
-        for way in ("delta", "delta+zstd"):
+        for way in ways(a)[1:]:
             s, an, avg = cycle(disk["log"][way], a.anchor_every, "wall")
             bs, _, bavg = cycle(disk["log"][way], a.anchor_every, "weight_sync/wire_gb")
             print(f"  {way:<11} steady {s:.3f} s {bs * 1e3:.1f} MB, anchor {an:.3f} s, avg (K={a.anchor_every}) "

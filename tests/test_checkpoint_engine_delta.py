@@ -10,6 +10,8 @@ every rank through the checksum, the engine undoes the delta, and the next sync 
 change of every element goes dense."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -22,10 +24,30 @@ BF16 = torch.bfloat16
 
 
 # -- pure ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("codec, module", [("zstd", "zstandard"), ("lz4", "lz4")])
+def test_a_missing_codec_package_is_one_line_where_the_sync_is_built(codec, module, monkeypatch):
+    """Without the codec's package (sys.modules[name] = None is how Python blocks an import), the
+    config and every direct builder of delta options (the benchmarks) stop with one line naming
+    the package, before any rank syncs."""
+    from megarl.checkpoint_engine.delta_sync import DeltaOptions
+    from megarl.config import ConfigError
+    from megarl.config.experiment import load_config
+    DeltaOptions(codec=codec)                                  # installed: the test extras take megarl[compress]
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(ValueError) as built:
+        DeltaOptions(codec=codec)
+    with pytest.raises(ConfigError) as configured:
+        ce = "actor_rollout_ref.rollout.checkpoint_engine"
+        load_config(None, [f"{ce}.backend=disk", f"{ce}.disk_dir=/tmp/w", f"{ce}.delta_compression={codec}"])
+    for err in (built.value, configured.value):
+        assert f"pip install {module}" in str(err) and "delta_compression=none" in str(err) and "\n" not in str(err)
+    assert configured.value.key == "actor_rollout_ref.rollout.checkpoint_engine.delta_compression"
+    with pytest.raises(ValueError, match="unknown delta compression 'gzip'"):
+        DeltaOptions(codec="gzip")
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd", "lz4"])
 def test_encodings_round_trip(codec):
-    if codec == "zstd":
-        pytest.importorskip("zstandard")
     g = torch.Generator().manual_seed(0)
     last = torch.randn(5000, generator=g).to(BF16)
     for frac, kinds, scale in ((0.0, {D.STEPS, D.GAPS}, 4.0), (0.02, {D.GAPS, D.XOR}, 4.0), (0.02, {D.STEPS}, 1.01),

@@ -188,3 +188,49 @@ def test_distributed_optimizer_default_follows_the_device():
     assert _distributed_optimizer(MegatronConfig()) is torch.cuda.is_available()
     assert _distributed_optimizer(MegatronConfig(use_distributed_optimizer=False)) is False
     assert _distributed_optimizer(MegatronConfig(use_distributed_optimizer=True)) is True
+
+
+def test_a_fresh_torch_adam_is_primed_for_a_checkpoint_load_without_changing_what_it_trains():
+    """A resume on CUDA without Transformer Engine: megatron's distributed optimizer reads every
+    parameter's `step` before loading, so the fresh torch Adam inside it is primed first. The primed
+    state must be exactly what a loaded checkpoint then overwrites: training resumed from it equals
+    training never stopped, bit for bit."""
+    import copy
+    from types import SimpleNamespace
+
+    from megarl.workers.optim import prime_for_load
+
+    def adam(params):
+        return torch.optim.Adam([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}], lr=1e-2,
+                                decoupled_weight_decay=True)
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_a = adam(a)
+
+    def step(params, opt, k):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 0.1 * (k + 1) * (i + 1))
+        opt.step()
+
+    for k in range(3):
+        step(a, opt_a, k)
+    saved = copy.deepcopy(opt_a.state_dict())     # torch's state_dict shares the live tensors
+    with torch.no_grad():
+        for pa, pb in zip(a, b):
+            pb.copy_(pa)
+    opt_b = adam(b)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt_b)])
+    prime_for_load(chained)
+    assert all(set(opt_b.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in b)
+    assert {float(opt_b.state[p]["step"]) for p in b} == {0.0}          # one step value, as megatron asserts
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))              # priming moves no weight
+    opt_b.load_state_dict(saved)
+    for k in range(3, 5):
+        step(a, opt_a, k)
+        step(b, opt_b, k)
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))
+    prime_for_load(chained)                                             # a stepped optimizer is left alone
+    assert float(opt_b.state[b[0]]["step"]) == 5.0
+

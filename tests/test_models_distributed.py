@@ -91,6 +91,8 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     actor.update_policy(data, policy_loss, TEMP)
     saved_lp = actor.compute_log_prob(data, TEMP)[0]
     actor.save_checkpoint(os.path.join(ckpt_dir, "actor"))
+    from megatron.core import dist_checkpointing
+    out["content_metadata"] = dist_checkpointing.load_content_metadata(os.path.join(ckpt_dir, "actor"))
     m2 = actor.update_policy(data, policy_loss, TEMP)
     after_two = actor.compute_log_prob(data, TEMP)[0]
     del actor
@@ -147,6 +149,8 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
     assert out["ref"] < TOL
     assert out["nan_skipped"] == 1.0 and out["nan_unchanged"] == 0.0
     assert out["from_dist_ckpt"] < 1e-5
+    # the distributed optimizer's layout megatron-core 0.16 accepts (its default it refuses on save)
+    assert out["content_metadata"] == {"distrib_optim_sharding_type": "fully_reshardable"}
     diff, lr_saved, lr_resumed = out["resume"]
     assert diff < 1e-5 and lr_saved == lr_resumed == pytest.approx(1e-3 * 0.5)
     # The untrained critic's checkpoint exports back to the reward model's own tensors, bit for bit.

@@ -20,6 +20,16 @@ def test_readme_starts_with_two_commands_and_ci_runs_the_test_one():
     assert commands[1] in open(".ci/run").read()
 
 
+def test_ci_runs_the_test_command_in_a_virtual_environment_it_makes():
+    """Nothing installed by hand on CI's machine may make the suite green: .ci/run makes a fresh
+    venv and activates it before the README's command installs into it."""
+    ci = open(".ci/run").read()
+    made, activated, command = ci.find("python3 -m venv"), ci.find('source "$venv/bin/activate"'), ci.find(
+        readme_commands()[1])
+    assert -1 < made < activated < command, ci
+    assert "--system-site-packages" not in ci
+
+
 def test_import_megarl_never_imports_optional_engines():
     code = ("import sys, megarl, megarl.config, megarl.protocol, megarl.train;"
             "import pkgutil, importlib;"

@@ -114,9 +114,9 @@ def as_signed(x: int) -> int:
 # -- encoding ---------------------------------------------------------------------------------------------
 def _compress(data: bytes, codec: str) -> bytes:
     if codec == "zstd":
-        import zstandard  # optional dependency (megarl[compress]); checked when the config is built
+        import zstandard  # optional (megarl[compress]); DeltaOptions asked codec_problem first
         return zstandard.ZstdCompressor(level=1).compress(data)
-    import lz4.frame  # optional dependency (megarl[compress]); checked when the config is built
+    import lz4.frame  # optional (megarl[compress]); DeltaOptions asked codec_problem first
     return lz4.frame.compress(data)
 
 

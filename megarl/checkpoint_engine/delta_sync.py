@@ -32,6 +32,7 @@ from megarl.checkpoint_engine import delta as D
 from megarl.checkpoint_engine.pipeline import Transfer
 from megarl.checkpoint_engine.plan import Bucket, TransferPlan
 from megarl.rollout.base import RolloutEngine, ShardSlice
+from megarl.rollout.config import codec_problem
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class DeltaOptions:
     dense_above: float = 0.25      # a bucket with more than this fraction changed goes dense
     codec: str = "none"            # none, zstd, lz4: compress frames where that makes them smaller
     copy_device: str = "cpu"       # where the sender keeps its last-sent copy ("cpu": host memory)
+
+    def __post_init__(self):
+        problem = codec_problem(self.codec)
+        if problem:
+            raise ValueError(problem)
 
 
 def delta_options(ce, engine_dtype: torch.dtype, transport: str) -> DeltaOptions | None:

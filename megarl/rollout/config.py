@@ -6,10 +6,29 @@ arguments to an engine verbatim, so new engine options need no code change here.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.config.typed import Section, require
+
+
+CODEC_MODULES = {"zstd": "zstandard", "lz4": "lz4"}   # delta_compression -> its package (megarl[compress])
+
+
+def codec_problem(codec: str) -> str | None:
+    """Why delta compression `codec` cannot run here (one line naming the fix), or None. The config
+    check and every builder of delta options ask it, so a missing package stops a run (or a
+    benchmark) when it is built, not inside a rank's sync."""
+    if codec == "none":
+        return None
+    if codec not in CODEC_MODULES:
+        return f"unknown delta compression {codec!r}; use one of none, {', '.join(CODEC_MODULES)}"
+    module = CODEC_MODULES[codec]
+    if importlib.util.find_spec(module) is None:
+        return (f"delta compression {codec} needs the {module} package: pip install {module} (or megarl[compress]), "
+                "or set delta_compression=none")
+    return None
 
 
 def check_sampling(obj, prefix: str = "") -> None:

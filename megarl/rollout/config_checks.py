@@ -5,9 +5,8 @@ MODEL_RULES); `cfg` is the ExperimentConfig.
 """
 from __future__ import annotations
 
-import importlib.util
-
 from megarl.config.errors import ConfigError
+from megarl.rollout.config import codec_problem
 
 
 def _disaggregated(cfg) -> bool:
@@ -66,12 +65,10 @@ def check_delta_sync(cfg) -> None:
         raise ConfigError("=on needs the distributed or disk transport (a colocated sync moves shards between "
                           "ranks of one job, nothing crosses a link); set delta=off or auto, or backend=disk",
                           "actor_rollout_ref.rollout.checkpoint_engine.delta")
-    if ce.delta_compression != "none":
-        module = {"zstd": "zstandard", "lz4": "lz4"}[ce.delta_compression]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"={ce.delta_compression} needs the {module} package: pip install {module} "
-                              "(or megarl[compress]), or set delta_compression=none",
-                              "actor_rollout_ref.rollout.checkpoint_engine.delta_compression")
+    problem = codec_problem(ce.delta_compression)
+    if problem:
+        raise ConfigError(f"={ce.delta_compression}: {problem}",
+                          "actor_rollout_ref.rollout.checkpoint_engine.delta_compression")
 
 
 def check_disaggregated_only_keys(cfg) -> None:

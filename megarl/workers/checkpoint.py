@@ -25,6 +25,7 @@ from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
 from megarl.parallel.supervise import die_with_parent_kill
+from megarl.workers.optim import prime_for_load
 
 try:    # the async writer's module; a megatron-core without it has no helper process to bind
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -33,6 +34,12 @@ except ImportError:
 
 META = "megarl"
 HF_DIR = "hf"
+# How megatron's distributed optimizer lays out its state in the checkpoint. Its default,
+# fully_sharded_model_space, is refused by megatron-core 0.16's own checkpoint validation
+# ("ShardedTensor.flattened_range is not supported"); fully_reshardable stores each state tensor in
+# the parameter's global shape, so a resume may change TP, PP and DP (as the model part can).
+# Plain (non-distributed) optimizers ignore the key.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def read_meta(path: str) -> dict:
@@ -57,12 +64,12 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     model_sd = _model_state(engine)
     sd = {**model_sd, META: _meta(engine)}
     if with_optimizer and engine.optimizer is not None:
-        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd)
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, metadata=OPTIM_METADATA)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     megatron_writer_dies_with_rank()      # megatron's writer helper must not outlive this rank
-    dist_checkpointing.save(sd, path)
+    dist_checkpointing.save(sd, path, content_metadata=OPTIM_METADATA)
     if dist.get_rank() == 0:  # after megatron's save, which wants an empty directory
         _write_hf_aux(path, engine)
     dist.barrier()
@@ -81,7 +88,8 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     sd = dict(model_sd)
     load_optim = with_optimizer and engine.optimizer is not None and _has_optimizer(path)
     if load_optim:
-        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        prime_for_load(engine.optimizer)
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_METADATA)
     loaded = dist_checkpointing.load(sd, path)
     missing, unexpected = [], []
     for key, model in zip(model_sd, engine.models):

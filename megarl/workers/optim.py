@@ -137,7 +137,8 @@ class CPUAdamW:
             p.grad = None
 
     # -- checkpoints (megatron's format: per-parameter states sharded like the parameter) -------
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False):
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
+        """megatron's signature; `metadata` picks the distributed optimizer's layout, which this one has not."""
         if is_loading:
             self._init_state()
         state = self.optimizer.state_dict()
@@ -154,14 +155,33 @@ class CPUAdamW:
         self.optimizer.load_state_dict(state)
 
     def _init_state(self) -> None:
-        """Create exp_avg/exp_avg_sq so a fresh optimizer has tensors to load into."""
-        for g in self.optimizer.param_groups:
-            for p in g["params"]:
-                st = self.optimizer.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        init_adam_state(self.optimizer)
+
+
+def init_adam_state(opt: torch.optim.Optimizer) -> None:
+    """Give every parameter of a fresh torch Adam/AdamW the state its first step would create
+    (step 0, zero moments), so a checkpoint has tensors to load into."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if g.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def prime_for_load(opt) -> None:
+    """Before loading a checkpoint into megatron's optimizer. Without Transformer Engine or Apex,
+    megatron-core (0.16) runs torch's Adam and reads `step` from every parameter's state in
+    DistributedOptimizer.state_dict(), which sharded_state_dict(is_loading=True) calls first: a
+    fresh optimizer (a resume) has none and fails a bare assert. Fused optimizers keep their step
+    in the param groups and need nothing."""
+    for part in _megatron_parts(opt):
+        inner = getattr(part, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and not inner.state:
+            init_adam_state(inner)
 
 
 def build_optimizer(chunks: list[torch.nn.Module], cfg: OptimConfig, dtype: torch.dtype,

@@ -138,7 +138,9 @@ def test_multi_turn_tool_use(tmp_path):
     import subprocess
     import sys
     model = tmp_path / "model"
+    # the bootstrap named beside the path, so that path is the bootstrap's own (it builds the model there)
     cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/tool_use.yaml", "trainer.device=cuda",
+           "actor_rollout_ref.model.bootstrap=megarl.examples.tool_use:bootstrap",
            "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3", "trainer.test_freq=-1",
            "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}",
            f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.model.tokenizer_path={model / 'tokenizer'}"]
