@@ -136,7 +136,7 @@ class DataProto:
             return len(arr)
         return 0
 
-    # -- attribute access to the stores (seed 000's custom rollout writes `out.responses = ...`) --
+    # -- attribute access to the stores (verl's custom-rollout example writes `out.responses = ...`) --
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)

@@ -65,7 +65,7 @@ class ResumableSampler:
 
 def collate(items: list[dict], epoch: int = 0, batch_no: int = 0, split: str = "train") -> DataProto:
     """Dataset items -> a prompt batch. Known fields go to non_tensor_batch; a user dataset's extra
-    fields too, except tensors of one shape, which are stacked into `batch` (seed 001 reads
+    fields too, except tensors of one shape, which are stacked into `batch` (verl's trainer reads
     `data.batch['state']`). Each prompt gets a `uid` unique in the run and stable on resume."""
     non_tensor: dict[str, list] = {}
     tensors: dict[str, list] = {}

@@ -21,7 +21,7 @@ class RewardModelConfig(Section):
     model: dict[str, Any] = field(default_factory=dict)  # {path, tokenizer_path}
     micro_batch_size_per_gpu: int = 4
     # naive: one call per sample; batch: one call for the whole batch; or
-    # "pkg.module:Class" / "file.py:Class", a manager called with the batch (seed 001).
+    # "pkg.module:Class" / "file.py:Class", a manager called with the batch (as verl calls its managers).
     reward_manager: str = "naive"
     reward_manager_kwargs: dict[str, Any] = field(default_factory=dict)
     # Score in a pool of Ray actors (ray.init locally when no Ray is running) while the

@@ -12,7 +12,7 @@ Kinds (`reward_model.reward_manager`):
   batch   one call with lists for the whole batch (custom_reward_function, batched signature)
   a class `pkg.module:Class` / `file.py:Class`, constructed with reward_manager_kwargs (plus
           tokenizer, compute_score, reward_fn_key if its __init__ takes them) and called with the
-          DataProto as in seed 001; it returns a tensor [B] (placed on the last response token),
+          DataProto as in verl; it returns a tensor [B] (placed on the last response token),
           a token-level tensor [B, R], a list of floats, or {"reward_tensor", "reward_extra_info"}.
 A batch that already holds `rm_scores` (a reward model's output, [B] or [B, R]) uses those.
 """

@@ -16,7 +16,7 @@ repetition penalty; with temperature 0 (greedy) it is log_softmax(logits). So th
 recompute it exactly from the same weights.
 
 A user's class subclasses BaseRollout and overrides either `generate` (token level) or
-`generate_sequences(batch) -> batch` (seed 000's form). `BaseRollout.generate_sequences`
+`generate_sequences(batch) -> batch` (verl's form). `BaseRollout.generate_sequences`
 turns token-level completions into the batch fields documented in megarl/protocol.py.
 """
 from __future__ import annotations
@@ -170,7 +170,7 @@ class RolloutEngine(ABC):
 
 
 class BaseRollout(RolloutEngine):
-    """What a user's custom class extends (`rollout.name=custom`, seed 000's BaseRollout).
+    """What a user's custom class extends (`rollout.name=custom`, verl's BaseRollout).
 
     Override `generate_sequences(batch)` (batch in, batch with responses and log_probs out), or
     `generate` (token ids in, Completions out). Weight updates default to refusing, because a

@@ -197,7 +197,7 @@ class RolloutConfig(Section):
     enable_rollout_routing_replay: bool = False
 
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    tools: str | None = None               # a tools.yaml (seed 000); turns multi_turn on
+    tools: str | None = None               # a tools.yaml (verl's rollout guide); turns multi_turn on
     interactions: list[str] = field(default_factory=list)
     server: ServerConfig = field(default_factory=ServerConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)

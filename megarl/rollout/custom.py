@@ -3,7 +3,7 @@
 The class subclasses megarl.rollout.base.BaseRollout and overrides either
 
     generate(prompts: list[list[int]], sampling) -> list[list[Completion]]      (token level), or
-    generate_sequences(batch: DataProto) -> DataProto                           (seed 000's form)
+    generate_sequences(batch: DataProto) -> DataProto                           (verl's form)
 
 In the second form the input batch has one row per prompt with `prompt_token_ids`, `prompts`
 (the decoded text, when a tokenizer is known) and `meta_info["sampling"]`; the returned batch

@@ -1,4 +1,4 @@
-"""The RL loop: one page of named steps (seed 001's fit(), on megarl's parts).
+"""The RL loop: one page of named steps (verl's RayPPOTrainer.fit(), on megarl's parts).
 
     prompts -> rollout (n each) -> rewards | old / ref log-probs, values -> advantages
             -> critic and actor updates -> weight sync -> validation, metrics, checkpoint

@@ -2,7 +2,7 @@
 
     model.py     character tokenizer, tiny Qwen2, SFT on the format, bootstrap(), the data rows
     reward.py    compute_score: the right tool called, the right final answer
-    tools.yaml   seed 000's tools (calculator built in, search without implementation) + my_tools.py
+    tools.yaml   verl's rollout-guide tools (calculator built in, search without implementation) + my_tools.py
 """
 
 

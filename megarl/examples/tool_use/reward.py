@@ -1,4 +1,4 @@
-"""Reward for tool use: was the right tool called, and is the final answer right (seed 000's
+"""Reward for tool use: was the right tool called, and is the final answer right (verl's
 `compute_reward` idea, in megarl's custom-reward-function form).
 
     custom_reward_function:

@@ -1,6 +1,6 @@
 """Tool implementations megarl ships (`implementation: builtin:<name>` in tools.yaml).
 
-    calculator(a, b)        a + b: seed 000's "calculator: Add two numbers together"
+    calculator(a, b)        a + b: verl's rollout guide's "calculator: Add two numbers together"
     calculate(expression)   an arithmetic expression (+ - * / // % ** and parentheses) evaluated
                             over the expression's syntax tree, never with eval(); every
                             intermediate result is bounded (MAX_BITS) before it is computed

@@ -1,6 +1,6 @@
 """Simulated users between assistant turns (`rollout.interactions`, `multi_turn.interaction_config_path`).
 
-    interactions: [conversation]              # seed 000's spelling
+    interactions: [conversation]              # verl's rollout-guide spelling
     interactions: [my_pkg.users:Retry]        # or path/file.py:respond
 
 An interaction is asked after every assistant turn that ended without a tool call:

@@ -5,7 +5,7 @@
     tools["calculator"].schema            # OpenAI function schema (what chat templates render)
     tools["calculator"].check(args)       # None, or the error text the model gets back
 
-tools.yaml, seed 000's form (verl's `tool_schema:` entries and OpenAI's `{type: function,
+tools.yaml, in the form of verl's rollout guide (verl's `tool_schema:` entries and OpenAI's `{type: function,
 function: {...}}` entries load too):
 
     tools:
@@ -20,7 +20,7 @@ function: {...}}` entries load too):
 An implementation is called as `fn(**arguments)` with the model's JSON arguments (checked against
 the parameters first) and returns str | dict | list | number; anything but a string reaches the
 model as JSON. Relative file paths resolve against the tools.yaml's folder, then the working
-directory. A tool without an implementation (seed 000's `search`: there is no internet here)
+directory. A tool without an implementation (the guide's `search`: there is no internet here)
 loads with a warning, and calling it tells the model so.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _parse_entry(entry: Any, i: int, path: str, base: str, key: str) -> Tool:
 
 
 def _parameters(raw: Any, where: str, key: str) -> dict[str, Any]:
-    """Seed 000's list of {name, type, description} or a JSON schema object -> a JSON schema object."""
+    """verl's rollout-guide list of {name, type, description} or a JSON schema object -> a JSON schema object."""
     if raw is None:
         return {"type": "object", "properties": {}, "required": []}
     if isinstance(raw, dict):
