@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megarl.config import ConfigError
 from megarl.config.experiment import ExperimentConfig
-from megarl.parallel.launch_env import rank_env
+from megarl.trainer.launch_env import rank_env
 from megarl.train import load_checked, parse_args
 from megarl.trainer.metrics import MetricsLogger
 

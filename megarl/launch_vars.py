@@ -16,7 +16,7 @@ import shlex
 import sys
 
 from megarl.config import ConfigError
-from megarl.parallel.launch_env import check_launch, shell_assignments
+from megarl.trainer.launch_env import check_launch, shell_assignments
 from megarl.preflight import preflight
 from megarl.train import load_checked  # the exact checks megarl-train applies
 

@@ -28,7 +28,8 @@ from megarl.config.model_path import model_path_state
 from megarl.diskspace import check_free_space
 from megarl.durable import make_private_dir
 from megarl.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
-from megarl.reward.loading import RewardFnSpec, get_attr, import_path, load_class, load_object, load_reward_fn
+from megarl.config.plugins import get_attr, import_path, load_class, load_object
+from megarl.reward.loading import RewardFnSpec, load_reward_fn
 
 # Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
 ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
@@ -224,7 +225,7 @@ def check_reward(cfg) -> None:
     if kind in ("naive", "batch"):
         load_reward_fn(crf, batched=kind == "batch")
     else:
-        load_class(kind, "reward_model.reward_manager")
+        load_class(kind, "reward_model.reward_manager", ("naive", "batch"))
         RewardFnSpec(crf.path, crf.name, dict(crf.reward_kwargs)).load()
 
 

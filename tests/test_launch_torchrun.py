@@ -13,7 +13,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.config.experiment import load_config
-from megarl.parallel.launch_env import check_launch, rank_env, shell_assignments
+from megarl.trainer.launch_env import check_launch, rank_env, shell_assignments
 from megarl.trainer.metrics import read_metrics
 
 SCRIPT = "launch/torchrun.sh"

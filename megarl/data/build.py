@@ -12,7 +12,7 @@ from __future__ import annotations
 from megarl.config.errors import ConfigError
 from megarl.data.dataset import RLDataset
 from megarl.data.loader import PromptLoader
-from megarl.reward.loading import construct, load_class
+from megarl.config.plugins import construct, load_class
 
 
 def build_dataset(config, files: list[str], tokenizer, split: str = "train"):

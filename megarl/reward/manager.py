@@ -31,7 +31,8 @@ from megarl.algos.dapo import overlong_penalty
 from megarl.config.errors import ConfigError
 from megarl.parallel.actor_pool import PoolDeadline
 from megarl.protocol import DataProto
-from megarl.reward.loading import RewardFnSpec, construct, load_class, load_reward_fn
+from megarl.config.plugins import construct, load_class
+from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.reward.pool import RayScoringPool
 from megarl.reward.rules import check_data_sources, format_reward
 from megarl.reward.scoring import Outcome, Sample, call_in_process, normalise
@@ -358,7 +359,7 @@ def build_reward_manager(cfg, tokenizer, pool: Any = None) -> RewardManager:
                   deadline_s=rm.batch_deadline_s)
     kind = rm.reward_manager
     if kind not in ("naive", "batch"):
-        cls = load_class(kind, "reward_model.reward_manager")
+        cls = load_class(kind, "reward_model.reward_manager", ("naive", "batch"))
         spec = RewardFnSpec(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                             dict(cfg.custom_reward_function.reward_kwargs))
         available = {"tokenizer": tokenizer, "compute_score": spec.load(), "reward_fn_key": cfg.data.reward_fn_key,

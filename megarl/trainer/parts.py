@@ -23,7 +23,7 @@ from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
 from megarl.config.model_path import model_path_state
 from megarl.data.build import build_loaders
-from megarl.reward.loading import load_object
+from megarl.config.plugins import load_object
 from megarl.reward.manager import build_reward_manager
 from megarl.rollout.multiturn import build_agent_loop
 from megarl.rollout.registry import build_rollout

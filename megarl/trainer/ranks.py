@@ -26,7 +26,7 @@ from megarl.config import ConfigError
 from megarl.config.experiment import ExperimentConfig
 from megarl.parallel import state
 from megarl.parallel.bridge import Bridge, job_store
-from megarl.parallel.launch_env import rank_env
+from megarl.trainer.launch_env import rank_env
 
 
 @dataclass

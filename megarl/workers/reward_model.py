@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config import ConfigError
-from megarl.config.experiment import read_hf_config
+from megarl.models.hf_config import find_hf_config as read_hf_config
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
 from megarl.workers.config import ModelConfig

@@ -29,7 +29,7 @@ from typing import Any
 
 from megarl.config.errors import ConfigError
 from megarl.config.loader import load_yaml_text
-from megarl.reward.loading import get_attr, import_path
+from megarl.config.plugins import get_attr, import_path
 
 KEY = "actor_rollout_ref.rollout.interactions"
 BUILTIN = {"conversation": None}           # None: no simulated user

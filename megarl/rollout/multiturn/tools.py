@@ -38,7 +38,7 @@ import yaml
 
 from megarl.config.errors import ConfigError
 from megarl.config.loader import load_yaml_text
-from megarl.reward.loading import get_attr, import_path
+from megarl.config.plugins import get_attr, import_path
 from megarl.rollout.multiturn import builtins
 
 log = logging.getLogger("megarl.rollout.multiturn")
