@@ -15,7 +15,8 @@ trtllm_comm.py.
 
 Layout: rank 0 of the rollout TP group owns `tensorrt_llm.LLM`, whose Ray workers megarl places on
 exactly the group's GPUs and checks by device UUID. Every rank calls generate(); rank 0 generates
-and broadcasts. A weight bucket: each rank puts the full tensors on its own GPU, makes CUDA-IPC
+and broadcasts; the others wait on a gloo group whose timeout (`wait_timeout_s`, a day by
+default) outlasts start-up and long rollouts (trtllm_comm.py says why). A weight bucket: each rank puts the full tensors on its own GPU, makes CUDA-IPC
 handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
 `update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.
 
@@ -43,7 +44,8 @@ from megarl.rollout.trtllm_args import (KEY, KV_TAG, WEIGHTS_TAG, Features, chec
                                         completion_from_output, detect_features, llm_kwargs, logprob_mode,
                                         max_model_len, require_tensorrt_llm, response_budget, sampling_kwargs,
                                         sleep_tags, sleep_weights)
-from megarl.rollout.trtllm_comm import Group, bucket_handles, checkpoint_names, vocab_size  # noqa: F401
+from megarl.rollout.trtllm_comm import (WAIT_TIMEOUT_S, Group, bucket_handles, checkpoint_names,  # noqa: F401
+                                        vocab_size)
 from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
@@ -63,9 +65,10 @@ class TRTLLMEngine(BaseRollout):
     refuses_truncated_temperature = True
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, tp_group=None, pad_token_id: int | None = None,
-                 expected_names: list[str] | None = None, device: str | torch.device | None = None):
+                 expected_names: list[str] | None = None, device: str | torch.device | None = None,
+                 wait_timeout_s: float = WAIT_TIMEOUT_S):
         super().__init__(cfg, role="rollout")
-        self.comm = Group(tp_group)
+        self.comm = Group(tp_group, wait_timeout_s)   # followers wait on a gloo group of their own
         self.leader = self.comm.rank == 0
         if self.comm.size not in (1, cfg.tensor_model_parallel_size):
             raise ConfigError(f"the rollout TP group has {self.comm.size} ranks but tensor_model_parallel_size="
