@@ -194,6 +194,7 @@ class _LLM:
         self.resident = self.weight_bytes + KV_BYTES
         self.peak = self.resident
         self.rpcs: list = []
+        self.sent: list = []                  # every SamplingParams generate() received
 
     # -- start-up, as the Ray executor does it ---------------------------------------------------
     def _start_workers(self, extension: str | None) -> list[str]:
@@ -328,6 +329,7 @@ class _LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(inputs)
         if len(params) != len(inputs):
             raise ValueError("one SamplingParams per prompt")
+        self.sent.extend(params)
         return [self._one(list(p), sp) for p, sp in zip(inputs, params)]
 
     @torch.no_grad()
@@ -346,7 +348,7 @@ class _LLM:
                 tok, raw, processed = self._step(out.logits[0, -1].float(), prompt + toks, sp, gen)
                 toks.append(tok)
                 entries.append(self._logprobs(tok, raw, processed, sp))
-                if sp.stop_token_ids and tok in sp.stop_token_ids:
+                if sp.stop_token_ids and tok in sp.stop_token_ids and self._checks_stop_words(sp):
                     reason = "stop"
                     break
                 if sp.end_id not in (None, -1) and tok == sp.end_id:
@@ -357,6 +359,17 @@ class _LLM:
             outs.append(self.mod.CompletionOutput(index=j, token_ids=toks, finish_reason=reason,
                                                   logprobs=entries if sp.logprobs is not None else []))
         return RequestOutput(prompt_token_ids=prompt, outputs=outs[:sp.n])
+
+    def _checks_stop_words(self, sp) -> bool:
+        """TorchSampler (the 1.3 default: sampler_type "auto" picks it unless beam search,
+        llmapi/llm_args.py) stops greedy requests only on `py_end_id`: its fast greedy path
+        (_can_use_fast_greedy_path, _torch/pyexecutor/sampler.py) never looks at stop words. The real
+        one takes that path only when no request of the batch asks for log-probs; the fake applies
+        it to every greedy request, which is stricter (verl's trtllm rollout notes that both
+        samplers stop only on end_id and sends end_id=-1 only with TRTLLMSampler)."""
+        torch_sampler = self.kwargs.get("sampler_type", "auto") in ("auto", "TorchSampler") and not sp.use_beam_search
+        greedy = sp.temperature in (None, 0) or sp.top_k == 1 or sp.top_p == 0.0
+        return not (torch_sampler and greedy)
 
     @staticmethod
     def _step(logits, seen, sp, gen):
