@@ -23,7 +23,9 @@ handles keyed by its device UUID; rank 0 gathers them and calls the worker exten
 Sleep (only with enable_sleep_mode=True): releases the KV cache and, when the weights come from
 syncs, the `model_weights` tag, both restore mode NONE; nothing else (trtllm_args.py says why).
 A sync while asleep resumes the weights only; the KV cache comes back in wake(), after the
-refit, so the two are never resident together with a bucket in flight.
+refit, so the two are never resident together with a bucket in flight. finalize_weights() and
+wake() reset the prefix cache (the worker extension's reset_prefix_cache), so block reuse never
+serves KV computed with other weights or lost in a sleep.
 """
 from __future__ import annotations
 
@@ -173,6 +175,7 @@ class TRTLLMEngine(BaseRollout):
     def finalize_weights(self) -> None:
         self.weights.finalize()              # refuses (and keeps refusing generate) if a tensor is missing
         self._rpc("update_weights", None)
+        self._rpc("reset_prefix_cache")      # also done by that call on the versions read; cheap to be sure
 
     def abort_weight_update(self) -> None:
         self.weights.abort()
@@ -195,6 +198,10 @@ class TRTLLMEngine(BaseRollout):
         if self.released:
             self._rpc("wakeup", sorted(self.released, key=lambda t: t == KV_TAG))
             self.released = set()
+        # The KV blocks came back without their content (restore mode NONE) but block reuse still
+        # points at them, and a wake-up without a full refit (keep-weights, validation-only cycles)
+        # resets nothing inside TensorRT-LLM: forget them, or prompts sharing a prefix decode garbage.
+        self._rpc("reset_prefix_cache")
         self.asleep = False
 
     @property

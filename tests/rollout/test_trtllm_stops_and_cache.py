@@ -55,3 +55,23 @@ def test_ignore_eos_keeps_going_and_extra_stop_ids_stay_stop_words(monkeypatch, 
     sent = engine.llm.sent[-1]
     assert sent.end_id == eos and sent.stop_token_ids == sorted({eos, 7, 9}) and sent.pad_id == eos
     engine.close()
+
+
+def test_a_sleep_without_a_refit_never_serves_stale_prefix_blocks(monkeypatch, dirs):
+    """Keep-weights sleep (load_format=auto): the KV cache comes back without its content (restore
+    mode NONE) but block reuse still points at it; without a prefix-cache reset on wake-up a
+    prompt sharing 128+ tokens with an earlier one was decoded from garbage."""
+    trtllm_fake.install(monkeypatch, V13)
+    engine = TRTLLMEngine(dirs["a"], cfg(prompt_length=160, response_length=8, enable_sleep_mode=True,
+                                         free_cache_engine=True), device="cpu")
+    shared = [(7 * i + 3) % 90 + 2 for i in range(140)]
+    greedy = SamplingParams(max_tokens=6, do_sample=False)
+    engine.generate([shared + [11]], greedy)
+    before = engine.generate([shared + [12]], greedy)[0][0]       # reuses the first prompt's blocks
+    engine.sleep()
+    engine.wake()
+    after = engine.generate([shared + [12]], greedy)[0][0]
+    assert after.token_ids == before.token_ids
+    assert max(abs(a - b) for a, b in zip(after.log_probs, before.log_probs)) < 1e-4, after.log_probs
+    assert ("reset_prefix_cache", ()) in engine.llm.rpcs
+    engine.close()

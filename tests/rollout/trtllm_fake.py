@@ -24,6 +24,7 @@ A byte ledger follows what would be resident on the GPU (weights, KV cache, a bu
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import enum
 import json
@@ -195,6 +196,7 @@ class _LLM:
         self.peak = self.resident
         self.rpcs: list = []
         self.sent: list = []                  # every SamplingParams generate() received
+        self.prefix_cache: list = []          # (prompt, its KV) that block reuse may serve again
 
     # -- start-up, as the Ray executor does it ---------------------------------------------------
     def _start_workers(self, extension: str | None) -> list[str]:
@@ -252,7 +254,8 @@ class _LLM:
             return [None] * len(self.workers)
         if method in ("sleep", "wakeup"):
             return self._sleep(args[0]) if method == "sleep" else self._wakeup(args[0])
-        if method == "reset_prefix_cache":
+        if method == "reset_prefix_cache" and method in (self.snap.get("worker_methods") or []):
+            self.prefix_cache = []
             return [None] * len(self.workers)
         raise AttributeError(f"the workers have no method {method!r}")
 
@@ -260,6 +263,7 @@ class _LLM:
         if self.weight_tag in self.released:
             raise RuntimeError("CUDA error: an illegal memory access (weights released, not resumed)")
         if handles is None:
+            self.prefix_cache = []            # the finalize call resets the prefix cache (rlhf_utils.py)
             return None
         for uuid in self.workers:
             if uuid not in handles:
@@ -308,6 +312,8 @@ class _LLM:
             self.released.discard(tag)
             self._account(self._bytes(tag), f"resume {tag}")
             mode = self.sleep_modes.get(tag)
+            if tag == KV and mode == "NONE":
+                self._garble_prefix_cache()   # the reuse tree survives; the blocks' memory does not
             with torch.no_grad():
                 for t in self._tensors(tag):
                     if mode == "NONE":       # no backup: whatever the memory holds
@@ -332,6 +338,39 @@ class _LLM:
         self.sent.extend(params)
         return [self._one(list(p), sp) for p, sp in zip(inputs, params)]
 
+    BLOCK = 32                                # KvCacheConfig.tokens_per_block's default
+
+    def _prefill(self, prompt):
+        """KV block reuse (KvCacheConfig.enable_block_reuse, on by default): whole blocks of a
+        prompt prefix that an earlier request computed are served from that request's KV, whatever
+        the weights were then. Only a reset forgets them: update_weights(None) (rlhf_utils.py
+        calls engine.reset_prefix_cache() there, 65b31db / 04762f3b) or the extension's
+        reset_prefix_cache. A bucket (update_weights(handles)) and a sleep do not: after a sleep
+        that released kv_cache with restore mode NONE the reused blocks hold garbage (NaN here)."""
+        reuse = getattr(self.kwargs.get("kv_cache_config"), "enable_block_reuse", True) is not False
+        best, source = 0, None
+        for seq, kv in self.prefix_cache if reuse else []:
+            same = next((i for i, (a, b) in enumerate(zip(seq, prompt)) if a != b), min(len(seq), len(prompt)))
+            usable = min(same, len(prompt) - 1) // self.BLOCK * self.BLOCK   # the last token is always computed
+            if usable > best:
+                best, source = usable, kv
+        if source is None:
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+        else:
+            past = copy.deepcopy(source)
+            if best < past.get_seq_length():
+                past.crop(best - past.get_seq_length())   # this transformers crops by a negative count
+            out = self.model(torch.tensor([prompt[best:]]), past_key_values=past, use_cache=True)
+        if reuse:
+            self.prefix_cache.append((tuple(prompt), copy.deepcopy(out.past_key_values)))
+        return out
+
+    def _garble_prefix_cache(self) -> None:
+        for _, kv in self.prefix_cache:
+            for layer in kv.layers:
+                layer.keys.fill_(float("nan"))
+                layer.values.fill_(float("nan"))
+
     @torch.no_grad()
     def _one(self, prompt, sp):
         max_len = self.kwargs.get("max_seq_len")
@@ -341,7 +380,7 @@ class _LLM:
         for j in range(sp.best_of):
             gen = torch.Generator().manual_seed((sp.seed or 0) * 1000 + j)
             toks, entries, reason = [], [], "length"
-            out = self.model(torch.tensor([prompt]), use_cache=True)
+            out = self._prefill(prompt)
             for _ in range(sp.max_tokens):
                 if toks:
                     out = self.model(torch.tensor([toks[-1:]]), past_key_values=out.past_key_values, use_cache=True)
