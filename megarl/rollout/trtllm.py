@@ -15,14 +15,17 @@ trtllm_comm.py.
 
 Layout: rank 0 of the rollout TP group owns `tensorrt_llm.LLM`, whose Ray workers megarl places on
 exactly the group's GPUs and checks by device UUID. Every rank calls generate(); rank 0 generates
-and broadcasts. A weight bucket: each rank puts the full tensors on its own GPU, makes CUDA-IPC
+and broadcasts; the others wait on a gloo group whose timeout (`wait_timeout_s`, a day by
+default) outlasts start-up and long rollouts (trtllm_comm.py says why). A weight bucket: each rank puts the full tensors on its own GPU, makes CUDA-IPC
 handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
 `update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.
 
 Sleep (only with enable_sleep_mode=True): releases the KV cache and, when the weights come from
 syncs, the `model_weights` tag, both restore mode NONE; nothing else (trtllm_args.py says why).
 A sync while asleep resumes the weights only; the KV cache comes back in wake(), after the
-refit, so the two are never resident together with a bucket in flight.
+refit, so the two are never resident together with a bucket in flight. finalize_weights() and
+wake() reset the prefix cache (the worker extension's reset_prefix_cache), so block reuse never
+serves KV computed with other weights or lost in a sleep.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ from megarl.rollout.trtllm_args import (KEY, KV_TAG, WEIGHTS_TAG, Features, chec
                                         completion_from_output, detect_features, llm_kwargs, logprob_mode,
                                         max_model_len, require_tensorrt_llm, response_budget, sampling_kwargs,
                                         sleep_tags, sleep_weights)
-from megarl.rollout.trtllm_comm import Group, bucket_handles, checkpoint_names, vocab_size  # noqa: F401
+from megarl.rollout.trtllm_comm import (WAIT_TIMEOUT_S, Group, bucket_handles, checkpoint_names,  # noqa: F401
+                                        vocab_size)
 from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
@@ -63,9 +67,10 @@ class TRTLLMEngine(BaseRollout):
     refuses_truncated_temperature = True
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, tp_group=None, pad_token_id: int | None = None,
-                 expected_names: list[str] | None = None, device: str | torch.device | None = None):
+                 expected_names: list[str] | None = None, device: str | torch.device | None = None,
+                 wait_timeout_s: float = WAIT_TIMEOUT_S):
         super().__init__(cfg, role="rollout")
-        self.comm = Group(tp_group)
+        self.comm = Group(tp_group, wait_timeout_s)   # followers wait on a gloo group of their own
         self.leader = self.comm.rank == 0
         if self.comm.size not in (1, cfg.tensor_model_parallel_size):
             raise ConfigError(f"the rollout TP group has {self.comm.size} ranks but tensor_model_parallel_size="
@@ -170,6 +175,7 @@ class TRTLLMEngine(BaseRollout):
     def finalize_weights(self) -> None:
         self.weights.finalize()              # refuses (and keeps refusing generate) if a tensor is missing
         self._rpc("update_weights", None)
+        self._rpc("reset_prefix_cache")      # also done by that call on the versions read; cheap to be sure
 
     def abort_weight_update(self) -> None:
         self.weights.abort()
@@ -192,6 +198,10 @@ class TRTLLMEngine(BaseRollout):
         if self.released:
             self._rpc("wakeup", sorted(self.released, key=lambda t: t == KV_TAG))
             self.released = set()
+        # The KV blocks came back without their content (restore mode NONE) but block reuse still
+        # points at them, and a wake-up without a full refit (keep-weights, validation-only cycles)
+        # resets nothing inside TensorRT-LLM: forget them, or prompts sharing a prefix decode garbage.
+        self._rpc("reset_prefix_cache")
         self.asleep = False
 
     @property

@@ -226,12 +226,26 @@ def response_budget(sp: SamplingParams, prompt_len: int, max_len: int | None) ->
     return room
 
 
+def end_id(sp: SamplingParams) -> int:
+    """SamplingParams.end_id: the tokenizer's first EOS id; with ignore_eos, the first stop token id
+    (so a greedy request still stops on one); -1 (never) when nothing may stop the response.
+    TorchSampler (the 1.3 default, sampler_type "auto" without beam search: llmapi/llm_args.py)
+    ends a request on `py_end_id`; its fast greedy path (_torch/pyexecutor/sampler.py,
+    _can_use_fast_greedy_path) never looks at stop words, so end_id=-1 with EOS only among the
+    stop ids ran greedy responses to max_tokens. verl's trtllm rollout sends end_id=-1 only with
+    sampler_type="TRTLLMSampler" and the real end id otherwise."""
+    eos = [] if sp.ignore_eos else list(sp.eos_token_ids)
+    ids = eos or sorted(sp.stop_token_ids)
+    return int(ids[0]) if ids else -1
+
+
 def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
                     pad_token_id: int | None = None) -> dict[str, Any]:
     """Arguments of tensorrt_llm.SamplingParams for one prompt. Greedy always asks n=1: TensorRT-LLM
     refuses greedy n>1 without TLLM_ALLOW_N_GREEDY_DECODING, and greedy samples are identical
     anyway (the engine copies the one completion n times)."""
     mode = logprob_mode(sp)
+    end = end_id(sp)
     kw: dict[str, Any] = {
         "n": 1 if sp.greedy else sp.n,
         "max_tokens": max_tokens,
@@ -240,10 +254,11 @@ def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
         "top_p": None if sp.greedy or sp.top_p == 1.0 else sp.top_p,
         "repetition_penalty": None if sp.repetition_penalty == 1.0 else sp.repetition_penalty,
         "seed": sp.seed,
-        # EOS handling is ours: end_id=-1 turns the built-in one off, stop_token_ids carry EOS
-        # unless ignore_eos, and the stop token stays in the output (the policy learns to stop).
-        "end_id": -1,
-        "pad_id": pad_token_id,
+        # The real EOS goes in end_id: TorchSampler, the 1.3 default, stops greedy requests only
+        # on it (see `end_id`). Every stop id (EOS included) is also a stop word, and the stop
+        # token stays in the output (the policy learns to stop).
+        "end_id": end,
+        "pad_id": pad_token_id if pad_token_id is not None else (end if end != -1 else None),
         "stop_token_ids": sorted(sp.stop_ids) or None,
         "include_stop_str_in_output": True,
         "detokenize": False,

@@ -1,5 +1,12 @@
 """The rollout TP group around TensorRT-LLM (rank 0 owns the LLM; the others gather and wait) and
-the weight buckets' CUDA-IPC handles in the format of TensorRT-LLM's worker extension."""
+the weight buckets' CUDA-IPC handles in the format of TensorRT-LLM's worker extension.
+
+The followers wait for the leader's result through the leader's whole engine start-up and every
+generate() (minutes to hours on long rollouts). A collective on the launcher's group would give up
+after that group's timeout (600 s for NCCL by default) and kill the TP >= 2 group, so that one
+wait runs on a gloo group of its own whose timeout is sized for rollouts (`wait_timeout_s`). It
+is made with use_local_synchronization, so only the TP group's ranks take part in making it
+(other TP groups build their engines at the same time, with other ranks)."""
 from __future__ import annotations
 
 import base64
@@ -8,6 +15,7 @@ import json
 import os
 import pickle
 from collections.abc import Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,15 +46,24 @@ def vocab_size(model_dir: str) -> int | None:
         return None
 
 
-class Group:
-    """Rank and size in the rollout TP group (one rank without a group)."""
+WAIT_TIMEOUT_S = 24 * 3600.0   # how long followers wait for the leader's start-up or one generate()
 
-    def __init__(self, group):
+
+class Group:
+    """Rank and size in the rollout TP group (one rank without a group). `broadcast` is the
+    followers' wait for the leader and runs on a gloo group with `wait_timeout_s`."""
+
+    def __init__(self, group, wait_timeout_s: float = WAIT_TIMEOUT_S):
         self.group = group
+        self.wait_group = None
         if group is None or not dist.is_initialized():
             self.rank, self.size = 0, 1
-        else:
-            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+            return
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        if self.size > 1:
+            self.wait_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                             timeout=timedelta(seconds=wait_timeout_s),
+                                             use_local_synchronization=True)
 
     def leader(self) -> int:
         return dist.get_global_rank(self.group, 0)
@@ -69,7 +86,7 @@ class Group:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.leader(), group=self.group)
+        dist.broadcast_object_list(box, src=self.leader(), group=self.wait_group)
         return box[0]
 
     def barrier(self) -> None:

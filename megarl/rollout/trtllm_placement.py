@@ -46,6 +46,15 @@ class DeviceReportingExtension(_Base):
     """TensorRT-LLM's RLHF worker extension (update_weights from IPC handles) plus the device UUID
     each worker runs on, for the placement check on versions whose wrapper lacks it."""
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the KV blocks that prefix reuse would serve again. TensorRT-LLM's extension has
+        this method on newer commits (rlhf_utils.py at 04762f3b); where it lacks it, the executor's
+        own reset, which its update_weights(None) calls (rlhf_utils.py at 65b31db)."""
+        base = getattr(super(), "reset_prefix_cache", None)
+        if base is not None:
+            return base()
+        return self.engine.reset_prefix_cache()
+
     def report_device_id(self) -> str:
         from tensorrt_llm._torch.utils import get_device_uuid  # optional dependency: runs in TRT-LLM's workers
         return get_device_uuid(self.device_id)

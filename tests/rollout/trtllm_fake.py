@@ -24,6 +24,7 @@ A byte ledger follows what would be resident on the GPU (weights, KV cache, a bu
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import enum
 import json
@@ -194,6 +195,8 @@ class _LLM:
         self.resident = self.weight_bytes + KV_BYTES
         self.peak = self.resident
         self.rpcs: list = []
+        self.sent: list = []                  # every SamplingParams generate() received
+        self.prefix_cache: list = []          # (prompt, its KV) that block reuse may serve again
 
     # -- start-up, as the Ray executor does it ---------------------------------------------------
     def _start_workers(self, extension: str | None) -> list[str]:
@@ -251,7 +254,8 @@ class _LLM:
             return [None] * len(self.workers)
         if method in ("sleep", "wakeup"):
             return self._sleep(args[0]) if method == "sleep" else self._wakeup(args[0])
-        if method == "reset_prefix_cache":
+        if method == "reset_prefix_cache" and method in (self.snap.get("worker_methods") or []):
+            self.prefix_cache = []
             return [None] * len(self.workers)
         raise AttributeError(f"the workers have no method {method!r}")
 
@@ -259,6 +263,7 @@ class _LLM:
         if self.weight_tag in self.released:
             raise RuntimeError("CUDA error: an illegal memory access (weights released, not resumed)")
         if handles is None:
+            self.prefix_cache = []            # the finalize call resets the prefix cache (rlhf_utils.py)
             return None
         for uuid in self.workers:
             if uuid not in handles:
@@ -307,6 +312,8 @@ class _LLM:
             self.released.discard(tag)
             self._account(self._bytes(tag), f"resume {tag}")
             mode = self.sleep_modes.get(tag)
+            if tag == KV and mode == "NONE":
+                self._garble_prefix_cache()   # the reuse tree survives; the blocks' memory does not
             with torch.no_grad():
                 for t in self._tensors(tag):
                     if mode == "NONE":       # no backup: whatever the memory holds
@@ -328,7 +335,41 @@ class _LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(inputs)
         if len(params) != len(inputs):
             raise ValueError("one SamplingParams per prompt")
+        self.sent.extend(params)
         return [self._one(list(p), sp) for p, sp in zip(inputs, params)]
+
+    BLOCK = 32                                # KvCacheConfig.tokens_per_block's default
+
+    def _prefill(self, prompt):
+        """KV block reuse (KvCacheConfig.enable_block_reuse, on by default): whole blocks of a
+        prompt prefix that an earlier request computed are served from that request's KV, whatever
+        the weights were then. Only a reset forgets them: update_weights(None) (rlhf_utils.py
+        calls engine.reset_prefix_cache() there, 65b31db / 04762f3b) or the extension's
+        reset_prefix_cache. A bucket (update_weights(handles)) and a sleep do not: after a sleep
+        that released kv_cache with restore mode NONE the reused blocks hold garbage (NaN here)."""
+        reuse = getattr(self.kwargs.get("kv_cache_config"), "enable_block_reuse", True) is not False
+        best, source = 0, None
+        for seq, kv in self.prefix_cache if reuse else []:
+            same = next((i for i, (a, b) in enumerate(zip(seq, prompt)) if a != b), min(len(seq), len(prompt)))
+            usable = min(same, len(prompt) - 1) // self.BLOCK * self.BLOCK   # the last token is always computed
+            if usable > best:
+                best, source = usable, kv
+        if source is None:
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+        else:
+            past = copy.deepcopy(source)
+            if best < past.get_seq_length():
+                past.crop(best - past.get_seq_length())   # this transformers crops by a negative count
+            out = self.model(torch.tensor([prompt[best:]]), past_key_values=past, use_cache=True)
+        if reuse:
+            self.prefix_cache.append((tuple(prompt), copy.deepcopy(out.past_key_values)))
+        return out
+
+    def _garble_prefix_cache(self) -> None:
+        for _, kv in self.prefix_cache:
+            for layer in kv.layers:
+                layer.keys.fill_(float("nan"))
+                layer.values.fill_(float("nan"))
 
     @torch.no_grad()
     def _one(self, prompt, sp):
@@ -339,14 +380,14 @@ class _LLM:
         for j in range(sp.best_of):
             gen = torch.Generator().manual_seed((sp.seed or 0) * 1000 + j)
             toks, entries, reason = [], [], "length"
-            out = self.model(torch.tensor([prompt]), use_cache=True)
+            out = self._prefill(prompt)
             for _ in range(sp.max_tokens):
                 if toks:
                     out = self.model(torch.tensor([toks[-1:]]), past_key_values=out.past_key_values, use_cache=True)
                 tok, raw, processed = self._step(out.logits[0, -1].float(), prompt + toks, sp, gen)
                 toks.append(tok)
                 entries.append(self._logprobs(tok, raw, processed, sp))
-                if sp.stop_token_ids and tok in sp.stop_token_ids:
+                if sp.stop_token_ids and tok in sp.stop_token_ids and self._checks_stop_words(sp):
                     reason = "stop"
                     break
                 if sp.end_id not in (None, -1) and tok == sp.end_id:
@@ -357,6 +398,17 @@ class _LLM:
             outs.append(self.mod.CompletionOutput(index=j, token_ids=toks, finish_reason=reason,
                                                   logprobs=entries if sp.logprobs is not None else []))
         return RequestOutput(prompt_token_ids=prompt, outputs=outs[:sp.n])
+
+    def _checks_stop_words(self, sp) -> bool:
+        """TorchSampler (the 1.3 default: sampler_type "auto" picks it unless beam search,
+        llmapi/llm_args.py) stops greedy requests only on `py_end_id`: its fast greedy path
+        (_can_use_fast_greedy_path, _torch/pyexecutor/sampler.py) never looks at stop words. The real
+        one takes that path only when no request of the batch asks for log-probs; the fake applies
+        it to every greedy request, which is stricter (verl's trtllm rollout notes that both
+        samplers stop only on end_id and sends end_id=-1 only with TRTLLMSampler)."""
+        torch_sampler = self.kwargs.get("sampler_type", "auto") in ("auto", "TorchSampler") and not sp.use_beam_search
+        greedy = sp.temperature in (None, 0) or sp.top_k == 1 or sp.top_p == 0.0
+        return not (torch_sampler and greedy)
 
     @staticmethod
     def _step(logits, seen, sp, gen):
