@@ -222,8 +222,11 @@ class RolloutConfig(Section):
         check_sampling(self)
         require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 = off)")
         info = config_info(self.name)
-        if info is not None:            # else a user's class: checked where it loads (preflight, the build)
+        if info is not None:
             check_engine_asks(self, info)
+        else:                           # a user's class: its abilities are checked where it loads
+            require(bool(self.custom_cls_path and self.custom_cls_name), "custom_cls_path",
+                    f"name={self.name} needs custom_cls_path=<file.py or module> and custom_cls_name=<class>")
         require(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
         require(self.pipeline_model_parallel_size == 1, "pipeline_model_parallel_size",
                 "rollout engines here shard by TP only; set it to 1 and raise tensor_model_parallel_size")
@@ -241,9 +244,6 @@ class RolloutConfig(Section):
             self.multi_turn.enable = True
             if self.multi_turn.tool_config_path is None:
                 self.multi_turn.tool_config_path = self.tools
-        if self.name == "custom":
-            require(bool(self.custom_cls_path and self.custom_cls_name), "custom_cls_path",
-                    "name=custom needs custom_cls_path=<file.py or module> and custom_cls_name=<class>")
         require(self.mode == "sync", "mode",
                 "async is verl's agent-loop server mode, which megarl does not have; generation overlaps "
                 "training with placement=disaggregated (async_training.*); set mode=sync")
