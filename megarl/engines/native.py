@@ -2,8 +2,8 @@
 from megarl.engines import EngineInfo
 
 ENGINE = EngineInfo(
-    name="native", summary="built in, any device", title="built-in engine", build="megarl.rollout.native.build:build_native",
-    requires="megarl.rollout.native", default=True, suggested=True,
+    name="native", summary="built in, any device", title="built-in engine",
+    build="megarl.rollout.native.build:build_native", requires="megarl.rollout.native", default=True, suggested=True,
     records_routes=True,                      # native/routes.py
     # fp32 on both sides: the same log_softmax(logits / T) to ~1e-5 (tests/test_bypass.py); bf16 and
     # fp16 kernels round differently from megatron's (gaps ~1e-2).
