@@ -23,18 +23,17 @@ import json
 import os
 import tempfile
 
+from megarl.algos.config import check_bypass_mode
 from megarl.config.errors import ConfigError
 from megarl.config.model_path import model_path_state
+from megarl.config.plugins import get_attr, import_path, load_class, load_object
 from megarl.diskspace import check_free_space
 from megarl.durable import make_private_dir
+from megarl.engines import EngineInfo, default_name, resolve
 from megarl.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
-from megarl.config.plugins import get_attr, import_path, load_class, load_object
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
+from megarl.rollout.config import check_engine_asks
 
-# Engine name -> the module it needs (tests/test_config_keys.py keeps these equal to the registry's).
-ENGINE_MODULES = {"native": "megarl.rollout.native", "trtllm": "tensorrt_llm", "hf": "transformers", "custom": None}
-NOT_INTEGRATED = ("vllm", "sglang")
-GPU_ENGINES = ("trtllm",)
 _RO = "actor_rollout_ref.rollout"
 
 
@@ -43,8 +42,7 @@ def preflight(cfg) -> None:
     import_external_libs(cfg)
     check_model_paths(cfg)                     # first: a missing model is the first thing to fix
     check_data(cfg)
-    check_engine(cfg)
-    check_device(cfg)
+    check_device(cfg, check_engine(cfg))
     check_loggers(cfg)
     check_reward(cfg)
     if tokenizer_available(cfg):               # else after the bootstrap: bootstrap_and_check()
@@ -184,9 +182,10 @@ def check_model_paths(cfg) -> None:
                           "trainer.resume_from_path")
 
 
-def check_device(cfg) -> None:
+def check_device(cfg, info: EngineInfo) -> None:
+    """The trainer's device and the engine's declared devices, against this machine."""
     device, name = cfg.trainer.device, cfg.rollout.name
-    if device == "cpu" and name not in GPU_ENGINES:
+    if device == "cpu" and "cpu" in info.devices:
         return
     import torch  # lazy: the launcher loads torch only when a GPU is asked for
     if torch.cuda.is_available():
@@ -194,29 +193,29 @@ def check_device(cfg) -> None:
     if device == "cuda":
         raise ConfigError("cuda, but this machine has no usable GPU (torch.cuda.is_available() is false); "
                           "set trainer.device=cpu (or auto) to train on CPU over gloo", "trainer.device")
-    if name in GPU_ENGINES:
-        raise ConfigError(f"{name} runs on NVIDIA GPUs only and this machine has none; use rollout.name=native",
-                          "actor_rollout_ref.rollout.name")
+    if "cpu" not in info.devices:
+        raise ConfigError(f"{name} runs on NVIDIA GPUs only and this machine has none; use rollout.name="
+                          f"{default_name()}", "actor_rollout_ref.rollout.name")
 
 
 # -- engine, reward, user imports ----------------------------------------------------------------------
-def check_engine(cfg) -> None:
+def check_engine(cfg) -> EngineInfo:
+    """The engine is declared, integrated and importable; its abilities (a user's class: what the
+    class declares) against what the config asks of it."""
     ro, key = cfg.rollout, f"{_RO}.name"
-    if ro.name in NOT_INTEGRATED:
-        raise ConfigError(f"{ro.name} is not integrated in megarl; use rollout.name=native (built in, any device) or "
-                          "rollout.name=trtllm (TensorRT-LLM on NVIDIA GPUs)", key)
-    if ro.name not in ENGINE_MODULES:
-        raise ConfigError(f"unknown engine {ro.name!r}; choose one of {', '.join(ENGINE_MODULES)}", key)
-    module = ENGINE_MODULES[ro.name]
-    if module and importlib.util.find_spec(module) is None:
-        raise ConfigError(f"rollout.name={ro.name} needs the {module!r} package, which is not installed here; "
-                          "install it or use rollout.name=native", key)
-    if ro.name == "custom":
-        from megarl.rollout.custom import load_user_class  # lazy: loads torch, which the launcher avoids
-        load_user_class(ro.custom_cls_path, ro.custom_cls_name)
+    info = resolve(ro.name)
+    if info.requires and importlib.util.find_spec(info.requires) is None:
+        raise ConfigError(f"rollout.name={ro.name} needs the {info.requires!r} package, which is not installed "
+                          f"here; install it or use rollout.name={default_name()}", key)
+    if info.user_class:
+        from megarl.rollout.registry import abilities  # lazy: loads torch and the user's class
+        info = abilities(ro)
+        check_engine_asks(ro, info, _RO)
+        check_bypass_mode(cfg, info)
     if ro.multi_turn.enable and ro.multi_turn.tool_config_path:
         from megarl.rollout.multiturn.tools import load_tools  # lazy: loads torch, which the launcher avoids
         load_tools(ro.multi_turn.tool_config_path)
+    return info
 
 
 def check_reward(cfg) -> None:

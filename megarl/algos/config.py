@@ -6,6 +6,7 @@ from typing import Literal
 
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, closest, require
+from megarl.engines import EngineInfo, config_info
 
 # Advantage estimators that compare the n responses of one prompt with each other (need n >= 2).
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "dr_grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
@@ -126,10 +127,24 @@ def check_critic_on(cfg) -> None:
                           "a critic-free estimator such as grpo", "critic.enable")
 
 
-def check_bypass_mode(cfg) -> None:
-    """bypass_mode=true where the rollout's log-probs cannot stand for the old policy's."""
+# dtype spellings -> the name EngineInfo.exact_logprob_dtypes uses
+_DTYPES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def _run_dtype(name: str, device: str) -> str:
+    """The dtype a model runs at, as far as the config says: auto is bf16 on CUDA, fp32 elsewhere
+    (device=auto on a GPU machine is caught at start by trainer/bypass.py resolve_bypass)."""
+    if name == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return _DTYPES.get(name, name)
+
+
+def check_bypass_mode(cfg, info: EngineInfo | None = None) -> None:
+    """bypass_mode=true where the rollout's log-probs cannot stand for the old policy's. `info`: the
+    engine's declaration where it is known only once its class loads (a user's class, preflight)."""
     rc, ro = cfg.algorithm.rollout_correction, cfg.rollout
-    if rc.bypass_mode is not True:
+    info = info or config_info(ro.name)
+    if rc.bypass_mode is not True or info is None:     # None: a user's class, checked once it loads
         return
     key = "algorithm.rollout_correction.bypass_mode"
     if cfg.actor.router_replay.mode == "R2":
@@ -142,10 +157,9 @@ def check_bypass_mode(cfg) -> None:
     if rc.rollout_is is not None:
         raise ConfigError(f"cannot be true with rollout_is={rc.rollout_is}: the IS weights pi_old / pi_rollout are "
                           "then 1; drop rollout_is or set bypass_mode=false", key)
-    low = ("bfloat16", "bf16", "float16", "fp16", "half")
-    inexact = (ro.name != "native" or ro.dtype in low or cfg.actor.dtype in low
-               or (cfg.trainer.device == "cuda" and "auto" in (ro.dtype, cfg.actor.dtype)))
-    if inexact and rc.bypass_tolerance is None:
+    dtype = _run_dtype(ro.dtype, cfg.trainer.device)
+    exact = dtype == _run_dtype(cfg.actor.dtype, cfg.trainer.device) and info.logprobs_exact_at(dtype)
+    if not exact and rc.bypass_tolerance is None:
         raise ConfigError(f"is true, but the {ro.name} engine at this precision does not return the trainer's "
                           "log-probs to fp32 rounding; accept a gap with algorithm.rollout_correction.bypass_tolerance="
                           "<largest |log-prob difference|> (checked every step) or set bypass_mode=false", key)

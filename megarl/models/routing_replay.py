@@ -20,9 +20,10 @@ change only the hidden states at p, and the log-prob code reads the outputs at p
 prompt_len - 1 + j for j < response_len (megarl/workers/batching.py response_positions), never
 at the last real position (tests/test_routing_replay.py checks it by perturbing those routes).
 
-Everything here is a pure function of tensors (no megatron import: the config checks read
-RECORDING_ENGINES); megarl/workers/routes.py drives the routers of one model (its own modules,
-never RouterReplay's process-wide list) and moves routes between ranks.
+Everything here is a pure function of tensors (no megatron import); which engines record routes
+is each engine's declaration (megarl/engines/, `records_routes`). megarl/workers/routes.py drives
+the routers of one model (its own modules, never RouterReplay's process-wide list) and moves
+routes between ranks.
 """
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ import torch
 
 KEY = "routed_experts"
 MODES = ("disabled", "R2", "R3")
-# Rollout engines that return routes (R3); the others are refused with one line (config checks).
-RECORDING_ENGINES = ("native",)
 
 
 def route_dtype(num_experts: int) -> torch.dtype:

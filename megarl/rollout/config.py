@@ -10,7 +10,9 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
+from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
 
 
 CODEC_MODULES = {"zstd": "zstandard", "lz4": "lz4"}   # delta_compression -> its package (megarl[compress])
@@ -148,8 +150,8 @@ class CheckpointEngineConfig(Section):
 @dataclass
 class RolloutConfig(Section):
     # Engine: native (built in, runs anywhere), trtllm (TensorRT-LLM), hf (transformers' generate),
-    # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name).
-    # vllm and sglang are recognised and refused with a message saying they are not integrated.
+    # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name), or any other
+    # declared in megarl/engines/; vllm and sglang are declared and refused with the reason.
     name: str = "native"
     mode: Literal["async", "sync"] = "sync"
     custom_cls_path: str | None = None
@@ -174,8 +176,8 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = 0.5
     # native: true runs every decode step eagerly; false or null captures it in CUDA graphs (one
     # per bucketed batch size, replayed each step; CUDA only, CPU always runs eagerly). null is
-    # the default so the built-in engine is fast on GPU unless asked otherwise; hf has no graph
-    # mode and TensorRT-LLM takes engine_kwargs.trtllm.cuda_graph_config, so false is refused there.
+    # the default so the built-in engine is fast on GPU unless asked otherwise; false is refused for
+    # an engine that declares no graph capture (hf has none, TensorRT-LLM takes its own setting).
     enforce_eager: bool | None = None
     free_cache_engine: bool = True
     data_parallel_size: int = 1
@@ -219,9 +221,12 @@ class RolloutConfig(Section):
     def __post_init__(self):
         check_sampling(self)
         require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1.0 = off)")
-        require(self.enforce_eager is not False or self.name == "native", "enforce_eager",
-                f"false asks for CUDA graphs, which only the native engine captures (name={self.name}); for "
-                "TensorRT-LLM set engine_kwargs.trtllm.cuda_graph_config, for hf leave it unset")
+        info = config_info(self.name)
+        if info is not None:
+            check_engine_asks(self, info)
+        else:                           # a user's class: its abilities are checked where it loads
+            require(bool(self.custom_cls_path and self.custom_cls_name), "custom_cls_path",
+                    f"name={self.name} needs custom_cls_path=<file.py or module> and custom_cls_name=<class>")
         require(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
         require(self.pipeline_model_parallel_size == 1, "pipeline_model_parallel_size",
                 "rollout engines here shard by TP only; set it to 1 and raise tensor_model_parallel_size")
@@ -239,11 +244,20 @@ class RolloutConfig(Section):
             self.multi_turn.enable = True
             if self.multi_turn.tool_config_path is None:
                 self.multi_turn.tool_config_path = self.tools
-        if self.name == "custom":
-            require(bool(self.custom_cls_path and self.custom_cls_name), "custom_cls_path",
-                    "name=custom needs custom_cls_path=<file.py or module> and custom_cls_name=<class>")
         require(self.mode == "sync", "mode",
                 "async is verl's agent-loop server mode, which megarl does not have; generation overlaps "
                 "training with placement=disaggregated (async_training.*); set mode=sync")
         require(self.placement == "colocated" or self.disaggregated_ranks >= 1, "disaggregated_ranks",
                 "placement=disaggregated needs disaggregated_ranks >= 1 (ranks given to the engine)")
+
+
+def check_engine_asks(ro: RolloutConfig, info: EngineInfo, key: str = "") -> None:
+    """What this section asks of the engine that the engine does not declare it can do. `key`: the
+    section's own key where this runs outside the section (a user's class, once loaded)."""
+    if ro.enforce_eager is False and not info.captures_cuda_graphs:
+        raise ConfigError(f"false asks for CUDA graphs, which the {ro.name} engine does not capture (engines "
+                          f"that do: {', '.join(graph_engines())}); {info.graphs_hint}", "enforce_eager").under(key)
+    if ro.enable_rollout_routing_replay and not info.records_routes:
+        use = " or ".join(f"rollout.name={name}" for name in recording_engines())
+        raise ConfigError(f"{info.why_no_routes}; for R3 use {use}, or R2 (actor_rollout_ref.actor.router_replay."
+                          "mode=R2) with this key off", "enable_rollout_routing_replay").under(key)

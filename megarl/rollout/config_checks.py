@@ -98,24 +98,6 @@ def check_max_model_len(cfg) -> None:
                           "data.max_response_length", "actor_rollout_ref.rollout.max_model_len")
 
 
-# Why an engine cannot return routed experts (R3); the native engine records them (native/routes.py).
-NO_ROUTES = {
-    "trtllm": "TensorRT-LLM's LLM API (1.3, megarl's supported line) returns no routed experts: CompletionOutput "
-              "has no routing field and its Qwen3-MoE keeps the top-k inside the fused MoE op (docs/trtllm.md)",
-    "hf": "transformers' generate returns no per-token routes (its output has no router logits or expert ids)",
-    "custom": "a custom engine's routes are not wired (Completion.routed_experts is not checked for it)",
-}
-
-
-def check_routing_replay_engine(cfg) -> None:
-    """R3 needs the rollout engine to record each token's experts; only the native engine does."""
-    ro = cfg.rollout
-    if ro.enable_rollout_routing_replay and ro.name in NO_ROUTES:
-        raise ConfigError(f"{NO_ROUTES[ro.name]}; for R3 use rollout.name=native, or R2 "
-                          "(actor_rollout_ref.actor.router_replay.mode=R2) with this key off",
-                          "actor_rollout_ref.rollout.enable_rollout_routing_replay")
-
-
 # -- rules that need the model's HF config.json ---------------------------------------------------
 def check_model_positions(cfg, hf_config: dict) -> None:
     positions = hf_config.get("max_position_embeddings")

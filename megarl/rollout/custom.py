@@ -17,6 +17,15 @@ seed's `batch.clone()` works as written), with
 
 `CustomRollout` adapts that into the token-level contract and the protocol's fields; lengths
 that do not line up are refused with the row and the numbers.
+
+The class declares what it can do as class attributes, read by megarl/engines EngineInfo.declared_by;
+each left out keeps the conservative default:
+
+    devices = ("cuda",)                   # torch device types it runs on (default: cpu and cuda)
+    records_routes = True                 # its Completions carry routed_experts (R3); token-level form only
+    exact_logprob_dtypes = ("float32",)   # its log-probs are the trainer's there (bypass_mode=null skips
+                                          # the old-log-prob pass, checked every step)
+    captures_cuda_graphs = True           # rollout.enforce_eager=false reaches it through the config
 """
 from __future__ import annotations
 
@@ -33,6 +42,8 @@ from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 from megarl.rollout.base import (BaseRollout, Completion, RolloutEngine, SamplingParams, generate_sequences_via,
                                 pack_completions)
+from megarl.rollout.build_args import BuildRequest, pad_id, vocab_size
+from megarl.rollout.config import check_engine_asks
 from megarl.rollout.prompts import PromptGuard
 
 _KEY = "actor_rollout_ref.rollout"
@@ -206,3 +217,21 @@ class CustomRollout(RolloutEngine):
 
     def wake(self) -> None:
         self.user.wake()
+
+
+def build_custom(req: BuildRequest) -> CustomRollout:
+    """The user's class from custom_cls_path / custom_cls_name (declared in megarl/engines/custom.py),
+    refused here when the config asks what the class does not declare."""
+    cfg = req.cfg
+    cls = load_user_class(cfg.custom_cls_path, cfg.custom_cls_name)
+    check_engine_asks(cfg, req.info.declared_by(cls), _KEY)
+    if getattr(cls, "records_routes", False) and cls.generate is BaseRollout.generate:
+        raise ConfigError(f"{cls.__name__} declares records_routes but routes reach the batch only through "
+                          "generate() (Completion.routed_experts); override generate()", f"{_KEY}.custom_cls_name")
+    try:
+        user_engine = cls(cfg, req.role, **req.user_kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{cls.__name__}(config, role, **engine_kwargs.custom) failed: {err}",
+                          f"{_KEY}.custom_cls_name") from err
+    guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation, vocab_size=vocab_size(req.model_path, req.tokenizer))
+    return CustomRollout(user_engine, tokenizer=req.tokenizer, guard=guard, pad_token_id=pad_id(req.tokenizer))

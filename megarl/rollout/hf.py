@@ -15,7 +15,9 @@ from collections.abc import Iterable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from megarl.config.errors import ConfigError
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
+from megarl.rollout.build_args import KEY, BuildRequest, engine_options, pad_id
 from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
@@ -117,3 +119,15 @@ class HFEngine(BaseRollout):
                 group.append(Completion(toks[:end], logps[row, :end].tolist(), reason))
             groups.append(group)
         return groups
+
+
+def build_hf(req: BuildRequest) -> HFEngine:
+    """The engine from the rollout config (declared in megarl/engines/hf.py)."""
+    cfg = req.cfg
+    if cfg.tensor_model_parallel_size != 1:
+        raise ConfigError("the hf engine holds one whole model per rank; set tensor_model_parallel_size=1 "
+                          "or use rollout.name=native for TP", f"{KEY}.tensor_model_parallel_size")
+    defaults = dict(dtype=cfg.dtype, prompt_length=cfg.prompt_length, prompt_truncation=cfg.prompt_truncation,
+                    pad_token_id=pad_id(req.tokenizer), load_format=cfg.load_format)
+    return HFEngine(req.model_path, device=req.device, config=cfg,
+                    **engine_options(HFEngine, defaults, req.user_kwargs, cfg.name))

@@ -39,6 +39,7 @@ import torch
 
 from megarl.config.errors import ConfigError
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
+from megarl.rollout.build_args import BuildRequest, pad_id
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout import trtllm_placement as placement
 from megarl.rollout.prompts import PromptGuard
@@ -207,3 +208,9 @@ class TRTLLMEngine(BaseRollout):
     @property
     def cfg_sleep(self) -> bool:
         return bool(self.config.enable_sleep_mode)
+
+
+def build_trtllm(req: BuildRequest) -> TRTLLMEngine:
+    """The engine from the rollout config (declared in megarl/engines/trtllm.py)."""
+    return TRTLLMEngine(req.model_path, req.cfg, tp_group=req.tp_group, pad_token_id=pad_id(req.tokenizer),
+                        device=req.device if req.device.type == "cuda" else None)

@@ -9,7 +9,8 @@ sampled token, before penalties and truncation), the trainer's pass returns the 
 fp32 rounding (~1e-5 on the quickstart): that forward pass is redundant, for every mini-batch and
 epoch of the step. null turns it on exactly there and says why it is off elsewhere:
 - bf16/fp16 (the GPU default): engine and trainer kernels round differently (gaps ~1e-2);
-- TensorRT-LLM, transformers' generate, custom engines: other kernels, not checked against the trainer;
+- an engine that does not declare exact log-probs at that dtype (megarl/engines/,
+  exact_logprob_dtypes: TensorRT-LLM, transformers' generate, a user's class unless it says so);
 - rollout.placement=disaggregated: batches come from older weights (a real off-policy gap);
 - rollout_is set: the IS weights pi_old / pi_rollout would all be 1.
 true there is refused (algos/config.py check_bypass_mode) unless bypass_tolerance accepts a gap.
@@ -26,8 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from megarl.rollout.native.engine import rollout_dtype
+from megarl.rollout.registry import abilities
 from megarl.workers.preflight import resolve_dtype
 
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 EXACT_TOLERANCE = 1e-3     # fp32 engine vs trainer: ~1e-5 measured; a bug (stale weights) is >> 1e-3
 
 
@@ -54,8 +57,9 @@ class Bypass:
 
 def resolve_bypass(cfg, device: torch.device) -> Bypass:
     rc, ro = cfg.algorithm.rollout_correction, cfg.rollout
-    exact = (ro.name == "native" and rollout_dtype(ro.dtype, device) == torch.float32
-             and resolve_dtype(cfg.actor.dtype, trainable=True) == torch.float32)
+    info, dtype = abilities(ro), rollout_dtype(ro.dtype, device)
+    at = str(dtype).removeprefix("torch.")
+    exact = dtype == resolve_dtype(cfg.actor.dtype, trainable=True) and info.logprobs_exact_at(at)
     tolerance = rc.bypass_tolerance if rc.bypass_tolerance is not None else EXACT_TOLERANCE
     if rc.bypass_mode is False:
         return Bypass(False, False, tolerance, "off (bypass_mode=false)")
@@ -71,5 +75,5 @@ def resolve_bypass(cfg, device: torch.device) -> Bypass:
            "to fp32 rounding")
     if why:
         return Bypass(False, False, tolerance, f"off: {why}")
-    return Bypass(True, False, tolerance, "on: built-in engine at fp32, synchronous loop (the rollout's log-probs "
-                  "are the old policy's)")
+    return Bypass(True, False, tolerance, f"on: {info.called} at {_SHORT.get(at, at)}, synchronous "
+                  "loop (the rollout's log-probs are the old policy's)")

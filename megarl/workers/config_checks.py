@@ -6,7 +6,6 @@ that ExperimentConfig runs once when built (megarl/config/experiment.py RULES, M
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
-from megarl.models.routing_replay import RECORDING_ENGINES
 from megarl.models.spec import ModelSpec, check_experts, check_window
 
 
@@ -168,8 +167,9 @@ def check_model_spec(cfg, hf_config: dict) -> None:
 
 # -- routing replay (MoE): actor_rollout_ref.{actor,ref}.router_replay.mode -----------------------
 def check_routing_replay(cfg) -> None:
-    """R3 replays the rollout's routes: the engine must record them (and only R3 reads them); the
-    reference replays only what the actor's R3 puts in the batch."""
+    """R3 replays the rollout's routes (only R3 reads them); the reference replays only what the
+    actor's R3 puts in the batch. Whether the engine records them is its own declaration
+    (megarl/engines/, checked by rollout/config.py check_engine_asks)."""
     mode, ro = cfg.actor.router_replay.mode, cfg.rollout
     records = ro.enable_rollout_routing_replay
     if mode == "R3" and not records:
@@ -179,11 +179,6 @@ def check_routing_replay(cfg) -> None:
     if records and mode != "R3":
         raise ConfigError(f"the rollout would record routes that nothing replays (actor router_replay.mode={mode}); "
                           "set actor_rollout_ref.actor.router_replay.mode=R3 or remove the key",
-                          "actor_rollout_ref.rollout.enable_rollout_routing_replay")
-    if records and ro.name not in RECORDING_ENGINES:
-        raise ConfigError(f"rollout.name={ro.name} cannot return routed experts (R3 needs an engine that records "
-                          f"them: {', '.join(RECORDING_ENGINES)}); use R2 (actor_rollout_ref.actor.router_replay."
-                          "mode=R2, the rollout flag off) or rollout.name=native",
                           "actor_rollout_ref.rollout.enable_rollout_routing_replay")
     if cfg.actor_rollout_ref.ref.router_replay.mode == "R3" and mode != "R3":
         raise ConfigError("the reference replays the rollout's routes only under the actor's R3; set "

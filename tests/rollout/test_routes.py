@@ -131,8 +131,8 @@ def test_r3_refused_where_no_engine_records():
         assert "\n" not in str(err.value) and "rollout.name=native" in str(err.value)
     assert load_config(None, r3).rollout.enable_rollout_routing_replay
     with pytest.raises(ConfigError, match="record_routes"):
-        from megarl.rollout.registry import _options
-        _options(NativeEngine, {}, {"record_routes": True}, "native")
+        from megarl.rollout.build_args import engine_options
+        engine_options(NativeEngine, {}, {"record_routes": True}, "native")
 
 
 def test_agent_loop_routes_cover_user_turns(tmp_path):

@@ -1,0 +1,147 @@
+"""What each rollout engine can do, declared once, next to nothing heavy.
+
+    from megarl.engines import lookup, known
+    info = lookup("native")          # EngineInfo, or None for a name nobody declared
+    info.records_routes, info.devices, info.logprobs_exact_at("float32")
+
+Every module of this package declares one engine as `ENGINE = EngineInfo(...)`; adding an engine is
+adding such a file (its `build` names the function that constructs it, loaded only when a rank builds
+it). The registry, preflight, the bypass decision, routing replay and the config checks read these
+declarations and never compare engine names. This package imports no torch and no engine module:
+the launcher reads it before torch loads (tests/test_repo.py).
+
+A user's class (rollout.name=custom) declares the same abilities as class attributes
+(`records_routes = True`, ...); `EngineInfo.declared_by(cls)` reads them, a missing one keeping the
+conservative default below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+from megarl.config.errors import ConfigError
+from megarl.config.typed import closest
+
+# The abilities a user's class may declare as class attributes.
+CLASS_ABILITIES = ("devices", "records_routes", "exact_logprob_dtypes", "captures_cuda_graphs")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str                                      # rollout.name
+    summary: str                                   # a few words shown where engines are suggested
+    title: str = ""                                # what messages call it ("built-in engine"); "" = name
+    build: str = ""                                # "module:function" building it on a rank
+    refused: str = ""                              # not integrated: why, in one line (nothing builds it)
+    requires: str | None = None                    # a module that must import for it to build
+    default: bool = False                          # rollout.name's default, named in fixes ("use ...")
+    suggested: bool = False                        # listed where a refused engine's alternatives are
+    user_class: bool = False                       # abilities come from the user's class (declared_by)
+    devices: tuple[str, ...] = ("cpu", "cuda")     # torch device types it generates on
+    records_routes: bool = False                   # returns each token's MoE experts (R3 routing replay)
+    why_no_routes: str = "it does not record the routed experts"
+    # Dtypes at which its log-probs equal the trainer's (same dtype on both sides) to fp32 rounding:
+    # only then may the old-log-prob pass be skipped without a tolerance (trainer/bypass.py).
+    exact_logprob_dtypes: tuple[str, ...] = ()
+    captures_cuda_graphs: bool = False             # rollout.enforce_eager=false means something to it
+    graphs_hint: str = "leave enforce_eager unset"  # where its own graph setting lives instead
+
+    @property
+    def called(self) -> str:
+        return self.title or f"{self.name} engine"
+
+    def logprobs_exact_at(self, dtype: str) -> bool:
+        return dtype in self.exact_logprob_dtypes
+
+    def declared_by(self, cls: type) -> EngineInfo:
+        """This info with the abilities `cls` declares as class attributes."""
+        declared = {k: getattr(cls, k) for k in CLASS_ABILITIES if hasattr(cls, k)}
+        declared = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in declared.items()}
+        if not declared.get("records_routes"):
+            declared["why_no_routes"] = f"{cls.__name__} does not declare records_routes = True"
+        return dataclasses.replace(self, **declared)
+
+
+_REGISTERED: dict[str, EngineInfo] = {}
+_DISCOVERED = False
+
+
+def register(info: EngineInfo) -> EngineInfo:
+    """Declare an engine from outside this package (a plugin, a test); a name is declared once."""
+    _discover()
+    if _REGISTERED.get(info.name, info) != info:
+        raise ValueError(f"rollout engine {info.name!r} is already declared differently")
+    _REGISTERED[info.name] = info
+    return info
+
+
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
+def _discover() -> None:
+    """Every module of this package declares one engine (its ENGINE)."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    for mod in pkgutil.iter_modules(__path__, __name__ + "."):
+        info = importlib.import_module(mod.name).ENGINE
+        _REGISTERED[info.name] = info
+
+
+def lookup(name: str) -> EngineInfo | None:
+    _discover()
+    return _REGISTERED.get(name)
+
+
+def config_info(name: str) -> EngineInfo | None:
+    """What the config checks may assume of `name` before any engine code loads: its declaration,
+    the conservative defaults for a name nobody declared (refused later, where engines are built),
+    or None for a user's class, whose declarations are read where the class loads."""
+    info = lookup(name) or EngineInfo(name=name, summary="")
+    return None if info.user_class else info
+
+
+def known() -> list[EngineInfo]:
+    """Every declared engine, the default first."""
+    _discover()
+    return sorted(_REGISTERED.values(), key=lambda i: (not i.default, i.name))
+
+
+def integrated() -> list[EngineInfo]:
+    return [i for i in known() if not i.refused]
+
+
+def default_name() -> str:
+    return next(i.name for i in known() if i.default)
+
+
+def alternatives() -> str:
+    """The engines to suggest instead of one that cannot run here."""
+    names = [f"rollout.name={i.name} ({i.summary})" for i in integrated() if i.suggested]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+def resolve(name: str) -> EngineInfo:
+    """The declaration of an engine that can be built; one-line ConfigError for an undeclared name
+    (with the closest declared one) or one declared as not integrated (with its reason)."""
+    info, key = lookup(name), "actor_rollout_ref.rollout.name"
+    if info is None:
+        names = [i.name for i in integrated()]
+        hint = closest(name, names)
+        raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(names)}"
+                          + (f" (did you mean {hint!r}?)" if hint else ""), key)
+    if info.refused:
+        raise ConfigError(f"{name} is not integrated in megarl; use {alternatives()} instead; {info.refused}", key)
+    return info
+
+
+def recording_engines() -> list[str]:
+    return [i.name for i in integrated() if i.records_routes]
+
+
+def graph_engines() -> list[str]:
+    return [i.name for i in integrated() if i.captures_cuda_graphs]
