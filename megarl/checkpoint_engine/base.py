@@ -12,12 +12,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint_engine.errors import WeightSyncError
 from megarl.parallel.bridge import Bridge
 from megarl.rollout.base import RolloutEngine
-
-
-class WeightSyncError(RuntimeError):
-    """A sync failed on some rank; every engine aborted the update (raised on every rank)."""
 
 
 def describe(err: BaseException) -> str:

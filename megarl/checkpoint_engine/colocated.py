@@ -159,6 +159,9 @@ class ColocatedSync:
         feed(self.engine, stream, self.want is not None)
 
     # -- one sync -----------------------------------------------------------------------------------
+    def request_anchor(self, why: str) -> None:
+        """Nothing to do: every colocated sync sends the whole model (no deltas to re-anchor)."""
+
     def sync(self) -> dict[str, float]:
         with self.src.all_experts():      # MoE under EP: every expert, for this sync
             return self._sync()

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from megarl.checkpoint_engine.base import WeightSyncError, agree, conclude, metrics
+from megarl.checkpoint_engine.base import agree, conclude, metrics
 from megarl.checkpoint_engine.colocated import gather_in_place
 from megarl.checkpoint_engine.delta_sync import DeltaOptions
 from megarl.checkpoint_engine.disk_delta import needed, write_delta, write_manifest
+from megarl.checkpoint_engine.errors import WeightSyncError
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.plan import build_plan
 from megarl.checkpoint_engine.source import ShardSource

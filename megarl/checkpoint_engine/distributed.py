@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.checkpoint_engine.base import WeightSyncError, conclude, metrics
+from megarl.checkpoint_engine.base import conclude, metrics
 from megarl.checkpoint_engine.delta_sync import (DeltaOptions, Incoming, ReceiverDelta, SenderDelta, decide,
                                                  layout_index, layouts_of)
+from megarl.checkpoint_engine.errors import WeightSyncError
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import TransferPlan, build_plan
@@ -227,6 +228,10 @@ class DisaggregatedReceiver:
             old = self.delta
             self.delta = ReceiverDelta(engine, self.plan, self.g.tp, self.dtype)
             self.delta.index, self.delta.n_layouts, self.delta.undo_on_failure = old.index, old.n_layouts, old.undo_on_failure
+
+    def request_anchor(self, why: str) -> None:
+        """Nothing to do here: the trainer ranks decide anchors (every sync starts with both sides'
+        reports), and a receiver whose state changed says so in its report (replace_engine)."""
 
     def _restore(self) -> bool:
         """Reload the previous complete weights into the engine (after a failed sync)."""

@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megarl.checkpoint_engine.config import ALIASES, transport_names, unknown_backend
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
 from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
@@ -103,12 +104,12 @@ class ServerConfig(Section):
 # as in verl); megarl/checkpoint_engine reads it from here.
 @dataclass
 class CheckpointEngineConfig(Section):
-    # colocated: the engine shares the training ranks (all-gather + broadcast in buckets);
-    # distributed: the engine has ranks of its own, buckets cross a group spanning both;
-    # disk: HF safetensors written to `disk_dir` for an engine in another job.
-    # delta_sharded: verl's name for the distributed transport with delta on (verl-project/verl
-    # c04f5e9, verl/checkpoint_engine/delta_checkpoint_engine.py, registers "delta" and "delta_sharded").
-    backend: Literal["auto", "colocated", "distributed", "disk", "delta_sharded"] = "auto"  # auto: from placement
+    # A registered transport (megarl/checkpoint_engine/transports/: colocated, the engine on the
+    # training ranks; distributed, the engine on ranks of its own; disk, HF safetensors in
+    # `disk_dir` for an engine in another job), or auto (from placement). delta_sharded: verl's name
+    # for the distributed transport with delta on (verl-project/verl c04f5e9,
+    # verl/checkpoint_engine/delta_checkpoint_engine.py, registers "delta" and "delta_sharded").
+    backend: str = "auto"
     bucket_size_mb: float = 512            # one bucket's buffer (MiB); a rank holds at most two, plus one tensor
     overlap: bool = True                   # move the next bucket while the engine loads this one
     disk_dir: str | None = None            # backend=disk: where step_NNNNNN/ exports and `latest` go
@@ -134,6 +135,7 @@ class CheckpointEngineConfig(Section):
             self.bucket_size_mb = self.update_weights_bucket_megabytes
         if isinstance(self.delta, bool):
             self.delta = "on" if self.delta else "off"
+        require(self.backend in ALIASES or self.backend in transport_names(), "backend", unknown_backend(self.backend))
         if self.backend == "delta_sharded":
             require(self.delta in (None, "on"), "delta", "backend=delta_sharded (verl) is the distributed transport with "
                     "delta on; remove delta=off or use backend=distributed")
@@ -142,8 +144,6 @@ class CheckpointEngineConfig(Section):
         require(self.delta_anchor_every >= 1, "delta_anchor_every", "must be >= 1 (1: every sync is full)")
         require(0 < self.delta_dense_above <= 1, "delta_dense_above", "must be in (0, 1]")
         require(self.bucket_size_mb > 0, "bucket_size_mb", "must be > 0 (MiB)")
-        require(self.backend != "disk" or bool(self.disk_dir), "disk_dir",
-                "backend=disk needs disk_dir=<a directory the engine's job can read>")
         require(self.disk_keep >= 1, "disk_keep", "must be >= 1 (the newest export is always kept)")
 
 

@@ -5,6 +5,7 @@ MODEL_RULES); `cfg` is the ExperimentConfig.
 """
 from __future__ import annotations
 
+from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
 from megarl.rollout.config import codec_problem
 
@@ -50,21 +51,22 @@ def check_async_loop_features(cfg) -> None:
 
 
 def check_sync_backend(cfg) -> None:
-    backend = cfg.rollout.checkpoint_engine.backend
-    if _disaggregated(cfg) and backend not in ("auto", "distributed"):
-        raise ConfigError(f"is {backend}, but placement=disaggregated moves weights over "
-                          "the distributed transport; set backend=auto or distributed",
-                          "actor_rollout_ref.rollout.checkpoint_engine.backend")
+    """The transport serves this placement, and its own rules hold (checkpoint_engine/transports/)."""
+    ce = cfg.rollout.checkpoint_engine
+    entry = chosen(ce.backend, cfg.rollout.placement)
+    problem = placement_problem(entry, cfg.rollout.placement)
+    if problem:
+        raise ConfigError(problem, f"{KEY}.backend")
+    for check in entry.checks:
+        check(cfg)
 
 
 def check_delta_sync(cfg) -> None:
-    """delta=on moves deltas over the distributed or disk transport; the colocated one has none."""
+    """delta=on needs a transport that sends deltas (the registry says which do)."""
     ce = cfg.rollout.checkpoint_engine
-    colocated = ce.backend == "colocated" or (ce.backend == "auto" and not _disaggregated(cfg))
-    if ce.delta == "on" and colocated:
-        raise ConfigError("=on needs the distributed or disk transport (a colocated sync moves shards between "
-                          "ranks of one job, nothing crosses a link); set delta=off or auto, or backend=disk",
-                          "actor_rollout_ref.rollout.checkpoint_engine.delta")
+    problem = delta_problem(chosen(ce.backend, cfg.rollout.placement), cfg.rollout.placement)
+    if ce.delta == "on" and problem:
+        raise ConfigError(problem, f"{KEY}.delta")
     problem = codec_problem(ce.delta_compression)
     if problem:
         raise ConfigError(f"={ce.delta_compression}: {problem}",

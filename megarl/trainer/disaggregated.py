@@ -8,7 +8,8 @@ Messages, all on bridges built by setup_ranks (megarl/parallel/bridge.py):
                whether the checkpoint carried the in-flight batch
     update     trainer rank 0 -> the rollout ranks (a key in trainer rank 0's store): "version v is
                ready", so a partial rollout can stop between chunks; then the weight sync itself
-               (checkpoint_engine.distributed: bucketed, all-or-nothing)
+               (the distributed transport, megarl/checkpoint_engine/transports/distributed.py:
+               bucketed, all-or-nothing; each side builds its half through build_checkpoint_engine)
     hand-off   first rollout rank -> trainer ranks (handoff_group): the next batch, tagged with
                token versions, the data position after its prompts, and validation results
 """
@@ -22,13 +23,9 @@ import time
 import torch.distributed as dist
 
 from megarl.algos.kl import make_kl_controller
-from megarl.checkpoint_engine.delta_sync import delta_options
-from megarl.checkpoint_engine.distributed import DisaggregatedReceiver, DisaggregatedSender
-from megarl.checkpoint_engine.source import ShardSource
-from megarl.models.hf_checkpoint import HFCheckpoint
+from megarl.checkpoint_engine import build_checkpoint_engine
 from megarl.parallel.loopback import listening_store
 from megarl.reward.manager import build_reward_manager
-from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.registry import build_rollout
 from megarl.trainer.parts import RolloutParts, TrainerParts, build_roles, build_shared
 
@@ -85,17 +82,8 @@ def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
     shared = build_shared(cfg, ranks, log)
     shared.val_loader = None                  # validation runs on the rollout ranks
     roles = build_roles(cfg, shared)
-    source = ShardSource.from_actor(roles["actor"])
-    # The engine side builds the same plan: tell it the dtype and head kind of the shards.
-    ranks.world_group.broadcast_object({"dtype": source.dtype, "head": source.head}, src=0)
-    ce = cfg.rollout.checkpoint_engine
-    dtype = rollout_dtype(cfg.rollout.dtype, ranks.device)
-    delta = delta_options(ce, dtype, "distributed")
-    sender = DisaggregatedSender(source, ranks.sync_groups, int(ce.bucket_size_mb * 2**20),
-                                 dtype=dtype if delta else None, delta=delta)
-    if delta:
-        log.info(f"megarl: delta weight sync on; this trainer rank keeps its last-sent shards in {ce.delta_copy} "
-                 f"memory: {sender.delta_copy_bytes() / 2**20:.1f} MiB")
+    sender = build_checkpoint_engine(cfg, roles["actor"], side=ranks.role, sync_groups=ranks.sync_groups,
+                                     device=ranks.device, say=log.info)
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main else None
     return TrainerParts(**vars(shared), **roles, rollout=None, weight_sync=sender, reward=reward,
                         kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl))
@@ -105,14 +93,8 @@ def build_rollout_parts(cfg, ranks, log) -> RolloutParts:
     shared = build_shared(cfg, ranks, log)
     engine = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
                            device=ranks.device)
-    info = ranks.world_group.broadcast_object(None, src=0)
-    spec = HFCheckpoint(cfg.model.path).spec()
-    ce = cfg.rollout.checkpoint_engine
-    engine_dtype = getattr(engine, "dtype", None) or rollout_dtype(cfg.rollout.dtype, ranks.device)
-    delta = delta_options(ce, engine_dtype, "distributed")
-    receiver = DisaggregatedReceiver(engine, spec, ranks.sync_groups, engine_dtype if delta else info["dtype"],
-                                     int(ce.bucket_size_mb * 2**20), head=info["head"], device=ranks.device,
-                                     overlap=ce.overlap, keep_previous=ce.keep_previous_weights is not False, delta=delta)
+    receiver = build_checkpoint_engine(cfg, rollout=engine, side=ranks.role, sync_groups=ranks.sync_groups,
+                                       device=ranks.device)
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main and shared.val_loader is not None else None
     return RolloutParts(**vars(shared), rollout=engine, weight_sync=receiver, reward=reward)
 

@@ -318,9 +318,7 @@ class RLTrainer:
         self.p.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.ranks.is_main:
             self.log.truncate_after(self.step)   # steps logged after the checkpoint run again
-        anchor = getattr(self.p.weight_sync, "request_anchor", None)   # delta syncs: the next one is full
-        if anchor is not None:
-            anchor("the trainer resumed from a checkpoint")
+        self.p.weight_sync.request_anchor("the trainer resumed from a checkpoint")   # delta syncs: the next is full
         self.log.info(f"megarl: resumed from {path} at step {self.step}")
         notice = checkpointing.rng_notice(state, self.ranks.world)
         if notice and self.ranks.is_main:

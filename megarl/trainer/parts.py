@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
 from megarl.algos.kl import make_kl_controller
-from megarl.checkpoint_engine import build_checkpoint_engine
+from megarl.checkpoint_engine import WeightSync, build_checkpoint_engine
 from megarl.config import ConfigError
 from megarl.config.experiment import read_hf_config
 from megarl.config.model_path import model_path_state
@@ -39,11 +39,6 @@ if TYPE_CHECKING:       # annotations only
     from megarl.data.loader import PromptLoader
     from megarl.reward.manager import RewardManager
     from megarl.rollout.base import RolloutEngine
-
-
-class WeightSync(Protocol):
-    """A checkpoint engine transport (colocated, disk, or one half of the disaggregated one)."""
-    def sync(self) -> dict[str, float]: ...
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""The weight-sync transports by name (`actor_rollout_ref.rollout.checkpoint_engine.backend`).
+
+    register(Transport(name="mine", placements=("colocated",), delta=False, build=build_mine))
+    transport("disk")              # its entry: placements, delta support, config checks, build
+    transport_names()              # every backend a config may name
+
+Each built-in transport is one module in megarl/checkpoint_engine/transports/, which registers
+its entry when imported; a transport defined elsewhere (a user's package, a test) calls
+`register` itself before the config is loaded. Nothing here imports torch: the config reads the
+names from the module files, and a transport's module (which loads torch to build it) is
+imported the first time its entry is asked for. The entry's build side is
+megarl/checkpoint_engine/transport.py.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.errors import ConfigError
+
+KEY = "actor_rollout_ref.rollout.checkpoint_engine"
+PLACEMENTS = ("colocated", "disaggregated")       # rollout.placement's values
+ALIASES = ("auto", "delta_sharded")               # read by CheckpointEngineConfig, never registered
+_PACKAGE = "megarl.checkpoint_engine.transports"
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transports")
+
+
+@dataclass(frozen=True)
+class TransportRules:
+    """What the config checks read about a transport."""
+    name: str
+    placements: tuple[str, ...]            # the rollout.placement values it serves
+    delta: bool                            # whether checkpoint_engine.delta=on can send deltas over it
+    # backend=auto picks it for these placements (at most one transport per placement)
+    auto_for: tuple[str, ...] = ()
+    # rules on the experiment config when this transport is chosen, each raising ConfigError
+    checks: tuple[Callable[[Any], None], ...] = ()
+
+    def __post_init__(self):
+        unknown = set(self.placements) - set(PLACEMENTS)
+        if unknown or not self.placements:
+            raise ValueError(f"transport {self.name!r}: placements must be some of {PLACEMENTS}, got {self.placements}")
+        if not set(self.auto_for) <= set(self.placements):
+            raise ValueError(f"transport {self.name!r}: auto_for {self.auto_for} names a placement it does not serve")
+
+
+_REGISTERED: dict[str, TransportRules] = {}
+
+
+def register(entry: TransportRules) -> TransportRules:
+    """Make `entry.name` a backend the config accepts and build_checkpoint_engine builds."""
+    if entry.name in ALIASES:
+        raise ValueError(f"{entry.name!r} is a backend alias of the config; pick another transport name")
+    for placement in entry.auto_for:
+        taken = [e.name for e in _REGISTERED.values() if placement in e.auto_for and e.name != entry.name]
+        if taken:
+            raise ValueError(f"transport {entry.name!r}: backend=auto already picks {taken[0]!r} for "
+                             f"placement={placement}")
+    _REGISTERED[entry.name] = entry
+    return entry
+
+
+def _module_names() -> list[str]:
+    """The built-in transports, read from the file names (nothing imported)."""
+    return [m.name for m in pkgutil.iter_modules([_DIR]) if not m.name.startswith("_")]
+
+
+def transport_names() -> list[str]:
+    """Every registered backend, sorted (torch-free: built-in modules are not imported)."""
+    return sorted({*_module_names(), *_REGISTERED})
+
+
+def unknown_backend(backend: str) -> str:
+    """The one-line message for a backend no transport registered."""
+    return f"unknown transport {backend!r}; registered: {', '.join(transport_names())} (or auto: from rollout.placement)"
+
+
+def transport(name: str) -> TransportRules:
+    """The entry of transport `name`, importing its built-in module on first use."""
+    if name not in _REGISTERED and name in _module_names():
+        # Loaded here rather than at the top: each transport's module imports torch, the config must not.
+        importlib.import_module(f"{_PACKAGE}.{name}")
+        if name not in _REGISTERED:
+            raise RuntimeError(f"{_PACKAGE}.{name} registered no transport named {name!r}")
+    if name not in _REGISTERED:
+        raise ConfigError(unknown_backend(name), f"{KEY}.backend")
+    return _REGISTERED[name]
+
+
+def chosen(backend: str, placement: str) -> TransportRules:
+    """The transport `backend` names under `placement` (backend=auto: the one marked for it)."""
+    if backend != "auto":
+        return transport(backend)
+    for name in transport_names():
+        entry = transport(name)
+        if placement in entry.auto_for:
+            return entry
+    raise ConfigError(f"no registered transport is the default for placement={placement}; name one "
+                      f"({', '.join(transport_names())})", f"{KEY}.backend")
+
+
+def serving(placement: str) -> list[str]:
+    """The registered transports that serve `placement`."""
+    return [n for n in transport_names() if placement in transport(n).placements]
+
+
+def placement_problem(entry: TransportRules, placement: str) -> str | None:
+    """Why `entry` cannot serve `placement` (one line naming the fix), or None."""
+    if placement in entry.placements:
+        return None
+    default = [n for n in serving(placement) if placement in transport(n).auto_for]
+    over = f"; with placement={placement} weights move over the {default[0]} transport" if default else ""
+    return (f"is {entry.name}, which serves placement={' or '.join(entry.placements)} only{over}: set backend="
+            f"{' or '.join(['auto', *serving(placement)])}, or rollout.placement={entry.placements[0]}")
+
+
+def delta_problem(entry: TransportRules, placement: str) -> str | None:
+    """Why delta=on cannot run over `entry` (one line naming the fix), or None."""
+    if entry.delta:
+        return None
+    able = [n for n in transport_names() if transport(n).delta]
+    here = [n for n in able if placement in transport(n).placements]
+    elsewhere = [n for n in able if n not in here]
+    if not able:
+        return "=on needs a transport that sends deltas and none is registered; set delta=off or auto"
+    return (f"=on needs a transport that sends deltas, the {' or '.join(elsewhere + here)} transport ({entry.name} "
+            "sends whole tensors); set delta=off or auto" + (f", or backend={' or '.join(here)}" if here else ""))
