@@ -48,7 +48,6 @@ def causal_and_score(prefix: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class DenseMlp:
     """One SwiGLU MLP per layer: gate/up fused into megatron's linear_fc1, down as linear_fc2."""
-    is_moe = False
 
     def read(self, cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
         if cfg.get("num_experts") or cfg.get("num_local_experts"):
@@ -90,7 +89,6 @@ class MoeMlp:
     """Every layer a mixture of experts: a softmax top-k router and SwiGLU experts, optionally a
     shared expert beside them whose output a sigmoid gate scales (Qwen2-MoE)."""
     shared_expert: bool = False
-    is_moe = True
 
     def read(self, cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
         """The MoE fields of ModelSpec."""
