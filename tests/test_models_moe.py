@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megarl.models import families
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
 from tests.helpers.megatron_roles import (TEMP, TOL, assert_same_tensors, hf_actor_reference, make_actor, make_batch,
@@ -198,10 +199,11 @@ def test_new_architectures_and_expert_parallel_match_transformers(tiny_models, t
 
 
 # -- in-process checks ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", families.names())
 def test_conversion_round_trip_and_native_engine(family, tmp_path):
-    """HF -> megatron shards (TP 1, 2) -> HF bit-exact, and the built-in engine's logits equal
-    transformers' (it reads these models on its own)."""
+    """For every registered family (a new one is tested by registering it): HF -> megatron shards
+    (TP 1, 2) -> HF bit-exact, and the built-in engine's logits equal transformers' (it reads these
+    models on its own)."""
     from transformers import AutoModelForCausalLM
     from megarl.models.convert import hf_shapes, hf_to_megatron, megatron_to_hf, rank_plan
     from megarl.models.hf_checkpoint import HFCheckpoint

@@ -14,6 +14,8 @@ from megarl.config.experiment import build_config
 from megarl.models.convert import (EMBED, OUTPUT, checkpoint_to_hf, hf_shapes, hf_slices, hf_to_megatron,
                                    megatron_names, megatron_to_hf, rank_plan, shard_shape, to_global, to_local,
                                    tp_dim)
+from megarl.models import families
+from megarl.models.families.base import ModelFamily
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout, layer_offset
 from megarl.models.tiny import make_tiny_hf
@@ -62,6 +64,18 @@ def test_spec_refuses_unsupported_models_in_one_line(cfg, words):
     with pytest.raises(ValueError) as err:
         ModelSpec.from_hf_config(cfg)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_families_register_once_and_claim_their_configs():
+    fam, arch, head = families.for_config({"architectures": ["Qwen3ForSequenceClassification"]})
+    assert (fam.name, arch, head, fam.qk_norm) == ("qwen3", "Qwen3ForSequenceClassification", "score", True)
+    assert families.for_config({"model_type": "mistral"})[1] == "MistralForCausalLM"   # no `architectures`
+    assert ModelSpec.from_hf_config(QWEN).model_family is families.get("qwen2")
+    for clash in (ModelFamily(name="qwen2", model_type="x", architectures={"XForCausalLM": "lm"}),
+                  ModelFamily(name="x", model_type="x", architectures={"LlamaForCausalLM": "lm"})):
+        with pytest.raises(ValueError, match="already registered"):
+            families.register(clash)
+    assert "x" not in families.names()
 
 
 def test_layout_rules_name_the_rule():

@@ -64,36 +64,11 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         # rank, and megatron's batched p2p then matches a forward send with a backward receive
         # (same shapes, wrong data). Its unbatched path orders the two directions apart.
         kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=False)
-    kwargs.update(moe_config(spec, tp, ep, etp, routing_replay))
+    kwargs.update(spec.model_family.mlp.transformer_config(spec, tp, ep, etp, routing_replay))
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
-
-
-def moe_config(spec: ModelSpec, tp: int, ep: int, etp: int | None = None,
-               routing_replay: bool = False) -> dict[str, Any]:
-    """TransformerConfig keys of a MoE model, as its HF config says. HF's softmax router with
-    norm_topk_prob=true (softmax over the top-k logits) is megatron's default; false (softmax over
-    all experts, top-k of those probabilities unnormalised) is megatron's pre-softmax routing.
-    The aux loss is megatron's per-layer switch load-balancing loss with the HF coefficient (HF
-    computes one loss over all layers' router outputs; megatron sums per-layer losses). No token
-    dropping (capacity None), as in HF. The all-gather dispatcher runs on gloo and NCCL alike
-    (megatron's all-to-all one creates a CUDA stream at build); override_transformer_config can
-    pick another on GPUs. `routing_replay` gives every router megatron's RouterReplay
-    (megarl/workers/routes.py drives it; unused, it routes as without)."""
-    if not spec.is_moe:
-        return {}
-    return dict(
-        num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk,
-        moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=spec.aux_loss_coef, moe_z_loss_coeff=spec.z_loss_coef or None,
-        moe_router_dtype="fp32", moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-        moe_shared_expert_intermediate_size=spec.shared_expert_ffn or None,
-        moe_shared_expert_gate=bool(spec.shared_expert_ffn), moe_permute_fusion=False,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
-        moe_enable_routing_replay=routing_replay)
 
 
 def _no_te_router_gemm() -> None:

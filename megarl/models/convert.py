@@ -1,5 +1,6 @@
-"""Pure HF <-> megatron-core parameter conversion for megarl's local spec (Llama, Mistral, Qwen2,
-Qwen3 and the Qwen2/Qwen3 MoE models).
+"""Pure HF <-> megatron-core parameter conversion for megarl's local spec, for every registered
+family (megarl/models/families/): the attention, norms, embedding and head here; the MLP's part
+from the family's MLP flavour (`spec.model_family.mlp`: dense, or experts and router).
 
 No I/O and no process groups: every function takes the TP rank/size it is about. Names on the
 megatron side are *global* (layer index counted over the whole model, no DDP `module.` prefix):
@@ -50,24 +51,15 @@ _PER_LAYER = {  # megatron suffix -> HF suffix under model.layers.N. (fused ones
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "mlp.router.weight": "mlp.gate.weight",
-    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 _REPLICATED = {"input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.q_layernorm.weight",
-               "self_attention.k_layernorm.weight", "mlp.router.weight", "mlp.shared_experts.gate_weight"}
+               "self_attention.k_layernorm.weight"}
 
 
 def _ffn(rest: str, spec: ModelSpec) -> tuple[str, int, str] | None:
-    """For a SwiGLU linear (dense MLP, one expert, the shared expert): ("fc1" | "fc2", its
-    intermediate size, the HF prefix under model.layers.N.); None for anything else."""
-    m = _EXPERT.match(rest)
-    if m:
-        return m.group(2)[7:10], spec.moe_ffn_hidden_size, f"mlp.experts.{m.group(1)}."
-    if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
-        return rest[11:14], spec.ffn_hidden_size, "mlp."
-    if rest in ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"):
-        return rest[26:29], spec.shared_expert_ffn, "mlp.shared_expert."
-    return None
+    """For a SwiGLU linear of the family's MLP (dense MLP, one expert, the shared expert): ("fc1" |
+    "fc2", its intermediate size, the HF prefix under model.layers.N.); None for anything else."""
+    return spec.model_family.mlp.ffn(rest, spec)
 
 
 @dataclass(frozen=True)
@@ -98,16 +90,7 @@ def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head
         if spec.qk_norm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
-        if not spec.is_moe:
-            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-            continue
-        names.append(p + "mlp.router.weight")
-        for e in (range(spec.num_experts) if experts is None else experts):
-            names += [f"{p}mlp.experts.local_experts.{e}.linear_fc1.weight",
-                      f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight"]
-        if spec.shared_expert_ffn:
-            names += [p + "mlp.shared_experts.gate_weight", p + "mlp.shared_experts.linear_fc1.weight",
-                      p + "mlp.shared_experts.linear_fc2.weight"]
+        names += spec.model_family.mlp.megatron_names(spec, p, experts)
     if last:
         names.append(FINAL_NORM)
         # A tied LM on a single stage has no output_layer weight (it reads the embedding's).
@@ -156,6 +139,9 @@ def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
     p = f"model.layers.{n}."
     if rest in _PER_LAYER:
         return [p + _PER_LAYER[rest]]
+    mlp_whole = spec.model_family.mlp.replicated(spec)
+    if rest in mlp_whole:
+        return [p + mlp_whole[rest][0]]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
@@ -169,7 +155,7 @@ def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
 def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
     """Every HF tensor a checkpoint must hold for `spec`, with its shape. head="lm" adds lm_head
     (unless tied), "value" a one-row `score.weight`, "none" nothing past the final norm."""
-    h, f, hn = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    h, hn = spec.hidden_size, spec.head_dim
     out = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
@@ -182,16 +168,7 @@ def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
         })
         if spec.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (hn,), p + "self_attn.k_norm.weight": (hn,)})
-        mlps = [("mlp.", f)] if not spec.is_moe else \
-            [(f"mlp.experts.{e}.", spec.moe_ffn_hidden_size) for e in range(spec.num_experts)]
-        if spec.is_moe:
-            out[p + "mlp.gate.weight"] = (spec.num_experts, h)
-        if spec.shared_expert_ffn:
-            mlps.append(("mlp.shared_expert.", spec.shared_expert_ffn))
-            out[p + "mlp.shared_expert_gate.weight"] = (1, h)
-        for q, ff in mlps:
-            out.update({p + q + "gate_proj.weight": (ff, h), p + q + "up_proj.weight": (ff, h),
-                        p + q + "down_proj.weight": (h, ff)})
+        out.update(spec.model_family.mlp.hf_shapes(spec, p))
         if spec.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (spec.num_heads * hn,),
                         p + "self_attn.k_proj.bias": (spec.num_kv_heads * hn,),
@@ -218,10 +195,12 @@ def shard_shape(name: str, spec: ModelSpec, tp: int, head: str = "lm") -> tuple[
     if ffn is not None:
         kind, ff, _ = ffn
         return (2 * ff // tp, h) if kind == "fc1" else (h, ff // tp)
+    mlp_whole = spec.model_family.mlp.replicated(spec)
+    if rest in mlp_whole:
+        return mlp_whole[rest][1]
     return {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
         "self_attention.q_layernorm.weight": (hn,), "self_attention.k_layernorm.weight": (hn,),
-        "mlp.router.weight": (spec.num_experts, h), "mlp.shared_experts.gate_weight": (1, h),
         "self_attention.linear_qkv.weight": (spec.qkv_rows // tp, h),
         "self_attention.linear_qkv.bias": (spec.qkv_rows // tp,),
         "self_attention.linear_proj.weight": (h, spec.num_heads * hn // tp),
@@ -239,7 +218,7 @@ def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm
     if name in (FINAL_NORM, OUTPUT):
         return [Slice(srcs[0])]
     rest = _LAYER.match(name).group(2)
-    if rest in _REPLICATED:
+    if rest in _REPLICATED or rest in spec.model_family.mlp.replicated(spec):
         return [Slice(srcs[0])]
     ffn = _ffn(rest, spec)
     if rest == "self_attention.linear_proj.weight" or (ffn and ffn[0] == "fc2"):

@@ -23,9 +23,7 @@ def matmul_params(spec: ModelSpec, head: str = "lm") -> int:
     q = spec.num_heads * hd
     kv = spec.num_kv_heads * hd
     attn = h * (q + 2 * kv) + q * h                    # linear_qkv, linear_proj
-    mlp = 3 * h * spec.ffn_hidden_size                 # gate, up, down
-    if spec.is_moe:                                    # a token meets its top-k experts, the shared one, the router
-        mlp = 3 * h * (spec.moe_topk * spec.moe_ffn_hidden_size + spec.shared_expert_ffn) + h * spec.num_experts
+    mlp = spec.model_family.mlp.matmul_params(spec)   # the family's MLP flavour (dense, or top-k experts)
     out = h * (spec.vocab_size if head == "lm" else 1)
     return spec.num_layers * (attn + mlp) + out
 

@@ -3,12 +3,12 @@
     spec = ModelSpec.from_hf_config(json.load(open("ckpt/config.json")))
     check_layout(spec, tp=2, pp=2)          # ValueError naming the rule a layout breaks
 
-Supported: the Llama, Mistral, Qwen2 and Qwen3 families (RMSNorm, SwiGLU, RoPE with the
-checkpoint's theta, GQA, QKV bias for Qwen2, per-head q/k RMSNorm for Qwen3, tied or untied
-embeddings), as `*ForCausalLM` and, for critics and reward models, `*ForSequenceClassification`
-(a `score` head); and the mixture-of-experts Qwen3-MoE and Qwen2-MoE (softmax top-k router,
-SwiGLU experts, Qwen2-MoE's sigmoid-gated shared expert) as `*ForCausalLM`. Anything else is
-refused here, with the reason, before any rank builds a model.
+Supported: the families registered in megarl/models/families/ (one file each: Llama, Mistral,
+Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE). What they share is read here (RMSNorm, SwiGLU, RoPE with
+the checkpoint's theta, GQA, tied or untied embeddings, `*ForCausalLM` or, for critics and reward
+models, `*ForSequenceClassification` with a `score` head); what differs (QKV bias, q/k norm, the
+MLP flavour, the sliding window, family refusals) the family decides. Anything else is refused
+here, with the reason, before any rank builds a model.
 """
 from __future__ import annotations
 
@@ -16,25 +16,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# model_type -> family; the families differ only in QKV bias and naming of a few config keys.
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-            "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", "lm"), "LlamaForSequenceClassification": ("llama", "score"),
-    "Qwen2ForCausalLM": ("qwen2", "lm"), "Qwen2ForSequenceClassification": ("qwen2", "score"),
-    "Qwen3ForCausalLM": ("qwen3", "lm"), "Qwen3ForSequenceClassification": ("qwen3", "score"),
-    "MistralForCausalLM": ("mistral", "lm"), "MistralForSequenceClassification": ("mistral", "score"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"), "Qwen2MoeForCausalLM": ("qwen2_moe", "lm"),
-}
-_DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+from megarl.models import families
+from megarl.models.families.base import ModelFamily
+
 VOCAB_DIVISOR = 128  # megatron's make_vocab_size_divisible_by default
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str                  # e.g. "Qwen2ForCausalLM"
-    family: str                        # "llama" | "qwen2"
+    family: str                        # a registered family's name (megarl/models/families/)
     head: str                          # what the checkpoint ends in: "lm" (lm_head) or "score"
     vocab_size: int
     hidden_size: int
@@ -84,15 +75,15 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def model_family(self) -> ModelFamily:
+        return families.get(self.family)
+
     def num_parameters(self, value_head: bool = False) -> int:
-        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         attn = self.qkv_rows * h + (self.qkv_rows if self.qkv_bias else 0) + self.num_heads * self.head_dim * h
         attn += 2 * self.head_dim if self.qk_norm else 0
-        mlp = 3 * f * h
-        if self.is_moe:
-            mlp = self.num_experts * (3 * self.moe_ffn_hidden_size * h + h) + 3 * self.shared_expert_ffn * h
-            mlp += h if self.shared_expert_ffn else 0
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + self.model_family.mlp.parameters(self) + 2 * h
         head = h if value_head else (0 if self.tie_word_embeddings else v * h)
         return v * h + self.num_layers * per_layer + h + head
 
@@ -102,8 +93,7 @@ class ModelSpec:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
-        arch = _architecture(cfg)
-        family, head = ARCHITECTURES[arch]
+        family, arch, head = families.for_config(cfg)
 
         def need(key: str):
             if cfg.get(key) is None:
@@ -112,17 +102,8 @@ class ModelSpec:
 
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act={cfg['hidden_act']!r} is not supported; "
-                             "megarl's Llama/Qwen2 spec uses SwiGLU (silu)")
-        if family in ("llama", "mistral", "qwen3", "qwen3_moe") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise ValueError(f"config.json: attention_bias/mlp_bias=true is not supported for {arch} "
-                             "(megatron's spec has no o_proj-only bias); use a checkpoint without them")
-        if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
-            raise ValueError("config.json: use_sliding_window=true is not supported; megarl uses full causal "
-                             "attention (set it to false if sequences never exceed the window)")
-        if not family.endswith("_moe") and (cfg.get("num_experts") or cfg.get("num_local_experts")):
-            raise ValueError(f"config.json: {arch} with experts (num_experts) is not supported; megarl's MoE "
-                             "covers Qwen3MoeForCausalLM and Qwen2MoeForCausalLM")
-        moe = _moe(cfg, family)
+                             "megarl's layer spec uses SwiGLU (silu)")
+        decided = family.read(cfg, arch)
         heads = int(need("num_attention_heads"))
         kv = int(cfg.get("num_key_value_heads") or heads)
         hidden = int(need("hidden_size"))
@@ -131,54 +112,18 @@ class ModelSpec:
             raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of "
                              f"num_key_value_heads={kv}")
         theta, scale_factor, linear_factor = _rope(cfg)
-        window = cfg.get("sliding_window") if family == "mistral" else None
         return cls(
-            architecture=arch, family=family, head=head,
+            architecture=arch, family=family.name, head=head,
             vocab_size=int(need("vocab_size")), hidden_size=hidden,
             ffn_hidden_size=int(need("intermediate_size")), num_layers=int(need("num_hidden_layers")),
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and head == "lm",
-            qkv_bias=family in ("qwen2", "qwen2_moe"), max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope_scaling_factor=scale_factor, rope_linear_factor=linear_factor,
             num_labels=int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 1)) if head == "score" else 1,
-            qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=int(window) if window else None,
-            hf_config=dict(cfg), **moe,
+            hf_config=dict(cfg), **decided,
         )
-
-
-def _architecture(cfg: dict) -> str:
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch in ARCHITECTURES:
-            return arch
-    model_type = cfg.get("model_type")
-    if not archs and model_type in FAMILIES:  # configs written without `architectures`
-        return _DEFAULT_ARCH[model_type]
-    named = ", ".join(archs) or f"model_type={model_type!r}"
-    raise ValueError(f"unsupported architecture {named}; megarl supports {', '.join(sorted(ARCHITECTURES))}")
-
-
-def _moe(cfg: dict, family: str) -> dict:
-    """The MoE fields of ModelSpec from a Qwen3-MoE / Qwen2-MoE config ({} for a dense family)."""
-    if family not in ("qwen3_moe", "qwen2_moe"):
-        return {}
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (an alias of num_experts).
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    topk = int(cfg.get("num_experts_per_tok") or 0)
-    if experts < 1 or not 1 <= topk <= experts:
-        raise ValueError(f"config.json: num_experts={experts}, num_experts_per_tok={topk}: a MoE config needs "
-                         "1 <= num_experts_per_tok <= num_experts")
-    # megatron builds one layer spec for every layer; dense layers between MoE ones would need a
-    # per-layer spec and a second conversion map.
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
-        raise ValueError("config.json: mlp_only_layers / decoder_sparse_step != 1 (dense layers between MoE "
-                         "layers) is not supported; megarl needs every layer to be a MoE layer")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
-    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)), shared_expert_ffn=shared,
-                aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),
-                z_loss_coef=float(cfg.get("router_z_loss_coef") or 0.0))
 
 
 def _rope(cfg: dict) -> tuple[float, float | None, float | None]:
@@ -217,8 +162,7 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None
                          f"{spec.num_kv_heads}")
     if spec.num_heads % tp:
         raise ValueError(f"TP={tp} must divide num_attention_heads={spec.num_heads}")
-    if not spec.is_moe and spec.ffn_hidden_size % tp:
-        raise ValueError(f"TP={tp} must divide intermediate_size={spec.ffn_hidden_size}")
+    spec.model_family.mlp.check_tp(spec, tp)
     if spec.num_layers % pp:
         raise ValueError(f"PP={pp} must divide num_hidden_layers={spec.num_layers}: pick a divisor of "
                          f"{spec.num_layers}")

@@ -16,6 +16,8 @@ import transformers as tf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from megarl.models import families
+
 
 def token_rows(plen: torch.Tensor, rlen: torch.Tensor, R: int, vocab: int, g: torch.Generator,
                pad: int = 0) -> dict[str, torch.Tensor]:
@@ -35,20 +37,6 @@ def token_rows(plen: torch.Tensor, rlen: torch.Tensor, R: int, vocab: int, g: to
 
 SHAPES = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2)
-FAMILIES = {  # family -> (config class, model class prefix, extra config)
-    "llama": ("LlamaConfig", "Llama", {}),
-    "qwen2": ("Qwen2Config", "Qwen2", {}),
-    "qwen3": ("Qwen3Config", "Qwen3", {}),
-    "mistral": ("MistralConfig", "Mistral", {"sliding_window": 4096}),
-    # norm_topk_prob as the released models set it (Qwen3-30B-A3B: true; Qwen1.5/2-MoE: false).
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2,
-                                                 "moe_intermediate_size": 32, "norm_topk_prob": True,
-                                                 "router_aux_loss_coef": 0.01}),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe", {"num_experts": 4, "num_experts_per_tok": 2,
-                                                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                                                 "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
-}
-
 
 def make_tokenizer(path: str, vocab_size: int) -> None:
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -62,20 +50,21 @@ def make_tokenizer(path: str, vocab_size: int) -> None:
 
 def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32,
                  score_head: bool = False, tokenizer: bool = True, **overrides) -> str:
-    """Save a random-init model of `family` (see FAMILIES; `score_head`: *ForSequenceClassification,
-    1 label). MoE routers get weights large enough that the top-k choice is clear-cut, so parity
-    checks do not flip an expert on a 1e-7 difference."""
-
-    cfg_name, prefix, extra = FAMILIES[family]
-    cfg_cls = getattr(tf, cfg_name)
+    """Save a random-init model of a registered `family` (its `tiny` config keys over SHAPES;
+    `score_head`: its *ForSequenceClassification, 1 label). MoE routers get weights large enough
+    that the top-k choice is clear-cut, so parity checks do not flip an expert on a 1e-7 difference."""
+    fam = families.get(family)
     kwargs = {**SHAPES, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-              **extra, **overrides}
-    if family.startswith("qwen3"):  # Qwen3 configs default head_dim to 128 whatever the hidden size
-        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+              **fam.tiny, **overrides}
+    # Some configs (Qwen3's) default head_dim to 128 whatever the hidden size.
+    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if score_head:
         kwargs["num_labels"] = 1
-    cfg = cfg_cls(**kwargs)
-    name = prefix + ("ForSequenceClassification" if score_head else "ForCausalLM")
+    cfg = tf.AutoConfig.for_model(fam.model_type, **kwargs)
+    want = "score" if score_head else "lm"
+    name = next((a for a, head in fam.architectures.items() if head == want), None)
+    if name is None:
+        raise ValueError(f"model family {family!r} has no {want} architecture")
     torch.manual_seed(seed)
     model = getattr(tf, name)(cfg)
     with torch.no_grad():  # random norms and biases too, so the maps of those tensors get tested
@@ -95,7 +84,7 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path")
-    ap.add_argument("--family", default="qwen2", choices=sorted(FAMILIES))
+    ap.add_argument("--family", default="qwen2", choices=families.names())
     ap.add_argument("--experts", type=int, default=None, help="MoE families: number of experts")
     ap.add_argument("--topk", type=int, default=None, help="MoE families: experts per token")
     ap.add_argument("--vocab", type=int, default=SHAPES["vocab_size"])

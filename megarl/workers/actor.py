@@ -38,6 +38,7 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel_on,
         cp=mc.context_parallel_size, vpp=mc.virtual_pipeline_model_parallel_size,
         recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
+        converters=model.converters,
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.
         packing=model.use_remove_padding and mc.context_parallel_size == 1,

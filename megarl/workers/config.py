@@ -29,6 +29,9 @@ class ModelConfig(Section):
     # every row to the batch's longest (verl's key; megarl/workers/packing.py).
     use_remove_padding: bool = True
     external_lib: str | None = None        # a module imported before the model is built (custom architectures)
+    # Model converters (megarl/models/converters.py) run on the loaded chunks before DDP and the
+    # optimizer wrap them: a list of registered names, or name -> options. Empty: none.
+    converters: list[str] | dict[str, dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

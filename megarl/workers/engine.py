@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.models.converters import build_model_converters
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, state
 from megarl.protocol import DataProto
@@ -86,6 +87,9 @@ class MegatronEngine(cpu_compat.Boundary):
             self.shards.expert_offset
         if ckpt is not None:
             self.shards.load_hf(ckpt)
+        # after the HF load (a converter sees real weights) and before the wrap, so DDP's buffers
+        # and the optimizer see the converted parameters
+        build_model_converters(es.converters).convert(self.models)
         self.chunks = self.shards.wrap()
         self.update = Update(self.shards, self.chunks, es) if es.trainable else None
         self.optimizer = self.update.optimizer if self.update else None

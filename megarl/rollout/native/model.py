@@ -1,7 +1,6 @@
-"""The built-in engine's decoder: Llama / Qwen2 / Qwen3 family, read from an HF config.
-
-RMSNorm, SwiGLU, RoPE (default, linear, llama3 scaling), GQA, optional QKV / output bias,
-optional per-head q/k norm (Qwen3), tied or untied embeddings. The model holds only this
+"""The built-in engine's decoder for every registered family (megarl/models/families/ says which
+blocks it has): RMSNorm, SwiGLU, RoPE (default, linear, llama3 scaling), GQA, optional QKV /
+output bias, optional per-head q/k norm, dense or MoE MLP, tied or untied embeddings. The model holds only this
 rank's shard (sizes come from `ModelArgs.local(...)`); the two collectives it needs arrive as a
 `comm` object (megarl/rollout/native/tp.py), so no process-group code lives here.
 
@@ -20,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megarl.models import families
 from megarl.rollout.native.moe import MoE
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -63,9 +62,11 @@ class ModelArgs:
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
         """HF config.json (transformers 4 or 5 spelling) -> args; unsupported features refused."""
         mtype = cfg.get("model_type")
-        if mtype not in SUPPORTED_MODEL_TYPES:
+        family = families.for_model_type(mtype)
+        if family is None:
+            supported = ", ".join(families.get(n).model_type for n in families.names())
             raise ValueError(f"native rollout engine: model_type={mtype!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use rollout.name=hf or trtllm")
+                             f"(supported: {supported}); use rollout.name=hf or trtllm")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"native rollout engine: hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
         if cfg.get("use_sliding_window"):
@@ -87,20 +88,19 @@ class ModelArgs:
         rope.pop("type", None)
         heads = cfg["num_attention_heads"]
         bias = bool(cfg.get("attention_bias", False))
+        moe = family.mlp.read(cfg, mtype)      # the MoE fields ({} for a dense family)
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
             n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
-            qkv_bias=mtype in ("qwen2", "qwen2_moe") or bias, o_bias=bias and mtype not in ("qwen2", "qwen2_moe"),
-            qk_norm=mtype in ("qwen3", "qwen3_moe"),
-            sliding_window=(cfg.get("sliding_window") or None) if mtype == "mistral" else None,
-            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if mtype.endswith("_moe") else 0,
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if mtype == "qwen2_moe" else 0,
+            qkv_bias=family.qkv_bias or bias, o_bias=bias and not family.qkv_bias, qk_norm=family.qk_norm,
+            sliding_window=(cfg.get("sliding_window") or None) if family.sliding_window else None,
+            num_experts=moe.get("num_experts", 0), num_experts_per_tok=moe.get("moe_topk", 0),
+            moe_intermediate_size=moe.get("moe_ffn_hidden_size", 0),
+            norm_topk_prob=moe.get("moe_norm_topk", False),
+            shared_intermediate_size=moe.get("shared_expert_ffn", 0),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768))
 

@@ -1,0 +1,64 @@
+"""The model-converter hook (megarl/models/converters.py): a converter named in the model config
+runs on the built, loaded chunks before DDP and the optimizer wrap them, so the optimizer never
+sees what it froze; with none configured nothing changes; an unknown name is refused in one line.
+
+    python -m pytest -q tests/test_model_converters.py
+"""
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from megarl.models.converters import Converter, build_model_converters, register_converter
+from megarl.models.tiny import make_tiny_hf
+from tests.distributed import run_ranks
+
+FREEZE = "test_freeze_embeddings"
+HANDED: list[str] = []    # the classes the converter was handed, in the rank process
+
+
+@register_converter(FREEZE)
+def freeze_embeddings(options: dict) -> Converter:
+    """Freezes the first stage's word embedding."""
+    def convert(chunks: list[nn.Module]) -> None:
+        for m in chunks:
+            HANDED.append(type(m).__name__)
+            if m.pre_process:
+                m.embedding.word_embeddings.weight.requires_grad_(False)
+    return convert
+
+
+def check_actor(rank: int, world: int, path: str) -> dict:
+    from megarl.models.convert import EMBED
+    from megarl.workers.actor import ActorWorker
+    from megarl.workers.config import ActorConfig, OptimConfig, ModelConfig
+
+    cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, optim=OptimConfig(lr=1e-3))
+    engine = ActorWorker(ModelConfig(path=path, converters=[FREEZE]), cfg).engine
+    in_optimizer = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    params = dict(engine.named_global_parameters())
+    return {"handed": list(HANDED), "wrapped": type(engine.chunks[0]).__name__,
+            "embed_trainable": params[EMBED].requires_grad, "embed_in_optimizer": id(params[EMBED]) in in_optimizer,
+            "others_in_optimizer": all(id(p) in in_optimizer for n, p in params.items() if n != EMBED)}
+
+
+def test_converter_runs_before_the_optimizer_sees_parameters(tmp_path):
+    path = make_tiny_hf(str(tmp_path / "m"), "qwen2", tokenizer=False, num_hidden_layers=2)
+    got = run_ranks(1, check_actor, (path,))[0]
+    assert got == {"handed": ["GPTModel"], "wrapped": "DistributedDataParallel", "embed_trainable": False,
+                   "embed_in_optimizer": False, "others_in_optimizer": True}
+
+
+def test_converters_in_config_order_and_refusals():
+    order: list[str] = []
+    register_converter("test_a")(lambda opts: lambda chunks: order.append(f"a{opts.get('k', '')}"))
+    register_converter("test_b")(lambda opts: lambda chunks: order.append("b"))
+    build_model_converters({"test_b": {}, "test_a": {"k": 1}}).convert([nn.Linear(1, 1)])
+    assert order == ["b", "a1"]
+    build_model_converters(None).convert([nn.Linear(1, 1)])          # none configured: a no-op
+    assert build_model_converters([]).steps == ()
+    with pytest.raises(ValueError, match="unknown converter\\(s\\) lora; registered: .*test_a") as err:
+        build_model_converters(["lora"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="already registered"):
+        register_converter(FREEZE)(freeze_embeddings)
