@@ -92,8 +92,11 @@ def rank_of(module_path: str, order: list[list[str]]) -> int | None:
 
 
 def megarl_imports(path: str) -> set[str]:
-    """megarl modules a file imports, as file paths (module and function level)."""
+    """megarl modules a file imports at run time, as file paths (module and function level)."""
     tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    for n in ast.walk(tree):        # annotation-only imports (if TYPE_CHECKING:) are no dependency at run time
+        if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING":
+            n.body = []
     pkg = os.path.dirname(path).replace("/", ".")
     names = set()
     for n in ast.walk(tree):

@@ -56,5 +56,5 @@ def build_checkpoint_engine(cfg, actor: ActorWorker | None = None, rollout: Roll
     if not isinstance(entry, Transport):
         raise TypeError(f"transport {entry.name!r} was registered without a build; register a "
                         "megarl.checkpoint_engine.transport.Transport")
-    return entry.build(BuildParts(cfg, side, actor=actor, engine=rollout, rollout_group=rollout_group,
+    return entry.builder()(BuildParts(cfg, side, actor=actor, engine=rollout, rollout_group=rollout_group,
                                   sync_groups=sync_groups, device=device, say=say))

@@ -29,8 +29,11 @@ from megarl.checkpoint_engine.base import conclude, metrics
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import Bucket, build_plan, local_names, stage_names
+from megarl.checkpoint_engine.delta_sync import delta_options
 from megarl.checkpoint_engine.source import ShardSource
+from megarl.checkpoint_engine.transport import BuildParts
 from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
+from megarl.config.errors import ConfigError
 from megarl.rollout.base import RolloutEngine, ShardSlice
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -182,3 +185,16 @@ class ColocatedSync:
         seconds = time.perf_counter() - start
         seconds, peak = conclude(self.engine, error, [seconds, mem.extra_mb], self.group, self.device)
         return metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)
+
+
+def build_colocated(p: BuildParts) -> ColocatedSync:
+    """This rank's colocated sync (registered in transports/colocated.py)."""
+    ce, ro = p.cfg.rollout.checkpoint_engine, p.cfg.rollout
+    source = ShardSource.from_actor(p.actor)
+    delta_options(ce, source.dtype, "colocated")          # delta=auto: says in the log that it is off here
+    if p.engine is None:
+        raise ValueError("backend=colocated needs the rollout engine of this rank (build_rollout(...))")
+    if p.rollout_group is not None and dist.get_world_size(p.rollout_group) != ro.tensor_model_parallel_size:
+        raise ConfigError(f"the rollout group has {dist.get_world_size(p.rollout_group)} ranks, the config says "
+                          f"{ro.tensor_model_parallel_size}", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    return ColocatedSync(source, p.engine, int(ce.bucket_size_mb * 2**20), overlap=ce.overlap)

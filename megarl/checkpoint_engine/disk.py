@@ -30,13 +30,14 @@ from safetensors.torch import save_file
 
 from megarl.checkpoint_engine.base import agree, conclude, metrics
 from megarl.checkpoint_engine.colocated import gather_in_place
-from megarl.checkpoint_engine.delta_sync import DeltaOptions
+from megarl.checkpoint_engine.delta_sync import DeltaOptions, delta_options
 from megarl.checkpoint_engine.disk_delta import needed, write_delta, write_manifest
 from megarl.checkpoint_engine.errors import WeightSyncError
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.plan import build_plan
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.checkpoint_engine.stream import bucket_stream
+from megarl.checkpoint_engine.transport import BuildParts
 from megarl.models.convert import hf_names
 from megarl.models.hf_checkpoint import AUX_FILES
 
@@ -219,3 +220,12 @@ class DiskSync:
             dist.broadcast_object_list(got, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
                                        group=self.group)
         self.anchor, self.changed = got[0] is not None, [0, 0]
+
+
+def build_disk(p: BuildParts) -> DiskSync:
+    """This rank's disk export (registered in transports/disk.py)."""
+    ce = p.cfg.rollout.checkpoint_engine
+    source = ShardSource.from_actor(p.actor)
+    delta = delta_options(ce, source.hf_dtype or source.dtype, "disk")   # the export's dtype
+    return DiskSync(source, ce.disk_dir, int(ce.bucket_size_mb * 2**20), keep=ce.disk_keep, aux_from=p.cfg.model.path,
+                    delta=delta)

@@ -33,16 +33,19 @@ import torch
 
 from megarl.checkpoint_engine.base import conclude, metrics
 from megarl.checkpoint_engine.delta_sync import (DeltaOptions, Incoming, ReceiverDelta, SenderDelta, decide,
-                                                 layout_index, layouts_of)
+                                                 delta_options, layout_index, layouts_of)
 from megarl.checkpoint_engine.errors import WeightSyncError
 from megarl.checkpoint_engine.memory import PeakMemory
 from megarl.checkpoint_engine.pipeline import Transfer, run_pipeline
 from megarl.checkpoint_engine.plan import TransferPlan, build_plan
 from megarl.checkpoint_engine.source import ShardSource
 from megarl.checkpoint_engine.stream import bucket_stream, feed, takes_shards
+from megarl.checkpoint_engine.transport import BuildParts
+from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec
 from megarl.parallel.bridge import Bridge
 from megarl.rollout.base import RolloutEngine
+from megarl.rollout.native.engine import rollout_dtype
 
 log = logging.getLogger(__name__)
 
@@ -320,3 +323,39 @@ class DisaggregatedReceiver:
             self.previous = kept
         out = metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(buckets), peak, wire)
         return out if not more else _delta_metrics(out, *more)
+
+
+# -- build (registered in transports/distributed.py) ---------------------------------------------------
+def build_sender(p: BuildParts) -> DisaggregatedSender:
+    source = ShardSource.from_actor(p.actor)
+    # The engine side builds the same plan: tell it the dtype and head kind of the shards.
+    p.sync_groups.everyone.broadcast_object({"dtype": source.dtype, "head": source.head}, src=0)
+    ce = p.cfg.rollout.checkpoint_engine
+    dtype = rollout_dtype(p.cfg.rollout.dtype, p.device)
+    delta = delta_options(ce, dtype, "distributed")
+    sender = DisaggregatedSender(source, p.sync_groups, int(ce.bucket_size_mb * 2**20),
+                                 dtype=dtype if delta else None, delta=delta)
+    if delta:
+        p.say(f"megarl: delta weight sync on; this trainer rank keeps its last-sent shards in {ce.delta_copy} "
+              f"memory: {sender.delta_copy_bytes() / 2**20:.1f} MiB")
+    return sender
+
+
+def build_receiver(p: BuildParts) -> DisaggregatedReceiver:
+    info = p.sync_groups.everyone.broadcast_object(None, src=0)
+    spec = HFCheckpoint(p.cfg.model.path).spec()
+    ce = p.cfg.rollout.checkpoint_engine
+    engine_dtype = getattr(p.engine, "dtype", None) or rollout_dtype(p.cfg.rollout.dtype, p.device)
+    delta = delta_options(ce, engine_dtype, "distributed")
+    return DisaggregatedReceiver(p.engine, spec, p.sync_groups, engine_dtype if delta else info["dtype"],
+                                 int(ce.bucket_size_mb * 2**20), head=info["head"], device=p.device,
+                                 overlap=ce.overlap, keep_previous=ce.keep_previous_weights is not False, delta=delta)
+
+
+def build_distributed(p: BuildParts) -> DisaggregatedSender | DisaggregatedReceiver:
+    """This rank's half of the distributed sync (registered in transports/distributed.py)."""
+    if p.side == "trainer":
+        return build_sender(p)
+    if p.side == "rollout":
+        return build_receiver(p)
+    raise ValueError(f"the distributed transport is built by a trainer or a rollout rank, not a {p.side} one")

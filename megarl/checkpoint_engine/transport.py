@@ -6,6 +6,7 @@ for a call implements it as a no-op that says why (e.g. request_anchor where eve
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -54,5 +55,13 @@ class BuildParts:
 
 @dataclass(frozen=True)
 class Transport(TransportRules):
-    """A registered transport: the rules the config reads, and how one rank builds its side."""
-    build: Callable[[BuildParts], WeightSync] = field(kw_only=True)
+    """A registered transport: the rules the config reads, and how one rank builds its side.
+    `build` is a function or its "module:function" path; the built-in transports give the path,
+    so the registration (read when the config is loaded) imports no torch."""
+    build: Callable[[BuildParts], WeightSync] | str = field(kw_only=True)
+
+    def builder(self) -> Callable[[BuildParts], WeightSync]:
+        if callable(self.build):
+            return self.build
+        module, _, name = self.build.partition(":")
+        return getattr(importlib.import_module(module), name)
