@@ -40,3 +40,21 @@ def test_import_megarl_never_imports_optional_engines():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ""
+
+
+def test_the_launcher_side_loads_no_torch():
+    """A bad config stops the launcher before torch loads (seconds, not the ~10 s torch and megatron
+    take): importing the front door and loading and checking a config import no torch, whichever
+    engine and transport the config names."""
+    code = ("import sys, megarl.train, megarl.launch_vars, megarl.preflight;"
+            "from megarl.config.experiment import load_config;"
+            "load_config(None, []);"
+            "load_config(None, ['actor_rollout_ref.rollout.checkpoint_engine.backend=disk',"
+            " 'actor_rollout_ref.rollout.checkpoint_engine.disk_dir=/tmp/w',"
+            " 'actor_rollout_ref.rollout.checkpoint_engine.delta=on']);"
+            "load_config(None, ['actor_rollout_ref.rollout.placement=disaggregated', 'trainer.n_gpus_per_node=2',"
+            " 'actor_rollout_ref.rollout.disaggregated_ranks=1', 'actor_rollout_ref.rollout.name=hf']);"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
