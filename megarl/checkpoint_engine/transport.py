@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from megarl.checkpoint_engine.config import TransportRules
 
@@ -17,7 +17,6 @@ if TYPE_CHECKING:       # annotations only
     import torch
     import torch.distributed as dist
 
-    from megarl.checkpoint_engine.distributed import DisaggregatedGroups
     from megarl.config.experiment import ExperimentConfig
     from megarl.rollout.base import RolloutEngine
     from megarl.workers.actor import ActorWorker
@@ -48,7 +47,9 @@ class BuildParts:
     actor: ActorWorker | None = None             # the megatron shards (training ranks)
     engine: RolloutEngine | None = None          # this rank's rollout engine (ranks that host one)
     rollout_group: dist.ProcessGroup | None = None   # this rank's rollout-TP group (None at rollout TP 1)
-    sync_groups: DisaggregatedGroups | None = None   # placement=disaggregated: the bridges across sides
+    # placement=disaggregated: the bridges across sides, a checkpoint_engine.distributed.DisaggregatedGroups
+    # (not named in the annotation: that module builds on this one)
+    sync_groups: Any = None
     device: torch.device | None = None
     say: Callable[[str], None] = print           # one line to the run's log
 
