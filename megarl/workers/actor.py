@@ -37,7 +37,9 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
         use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel_on,
         cp=mc.context_parallel_size, vpp=mc.virtual_pipeline_model_parallel_size,
-        recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
+        recompute=model.enable_gradient_checkpointing,
+        transformer_overrides={**model.recompute_overrides(),
+                               **mc.override_transformer_config},
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.
         packing=model.use_remove_padding and mc.context_parallel_size == 1,

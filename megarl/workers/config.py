@@ -13,6 +13,11 @@ from typing import Any, Literal
 from megarl.config.typed import Section, require
 
 
+CHECKPOINT_KWARGS = {"activations_checkpoint_granularity": "recompute_granularity",
+                     "activations_checkpoint_method": "recompute_method",
+                     "activations_checkpoint_num_layers": "recompute_num_layers"}
+
+
 @dataclass
 class ModelConfig(Section):
     path: str | None = None                # an HF checkpoint directory (config.json + safetensors)
@@ -25,10 +30,25 @@ class ModelConfig(Section):
     bootstrap: str | None = None
     bootstrap_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = False
+    # Older verl's megatron names for the recompute settings (activations_checkpoint_granularity,
+    # _method, _num_layers); <role>.megatron.override_transformer_config.recompute_* win over them.
+    gradient_checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)
     # Pack each micro-batch's sequences back to back (THD, no compute on padding); false: right-pad
     # every row to the batch's longest (verl's key; megarl/workers/packing.py).
     use_remove_padding: bool = True
     external_lib: str | None = None        # a module imported before the model is built (custom architectures)
+
+
+    def __post_init__(self):
+        unknown = sorted(set(self.gradient_checkpointing_kwargs) - set(CHECKPOINT_KWARGS) - {"use_reentrant"})
+        require(not unknown, f"gradient_checkpointing_kwargs.{unknown[0] if unknown else ''}",
+                f"unknown key; use {', '.join(CHECKPOINT_KWARGS)} or <role>.megatron.override_transformer_config."
+                "recompute_granularity / recompute_method / recompute_num_layers")
+
+    def recompute_overrides(self) -> dict[str, Any]:
+        """gradient_checkpointing_kwargs as TransformerConfig keys (use_reentrant, HF's flag, has no
+        megatron counterpart: megatron's recompute is its own autograd Function)."""
+        return {CHECKPOINT_KWARGS[k]: v for k, v in self.gradient_checkpointing_kwargs.items() if k in CHECKPOINT_KWARGS}
 
 
 @dataclass
