@@ -12,7 +12,7 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.models.build import transformer_config
 from megarl.models.tiny import make_tiny_hf
-from megarl.workers.config import ModelConfig
+from megarl.workers.config import ModelConfig, recompute_overrides
 from tests.distributed import run_ranks
 
 # (enable_gradient_checkpointing, gradient_checkpointing_kwargs, override_transformer_config)
@@ -81,7 +81,7 @@ def test_recompute_keys_map_to_megatron():
         ("full", "uniform", 3)
     assert chosen(overrides={"recompute_granularity": "full"}) == ("full", "uniform", 1)
     assert chosen(recompute=True, overrides={"recompute_granularity": "selective"})[0] == "selective"
-    assert ModelConfig(gradient_checkpointing_kwargs={"activations_checkpoint_method": "block"}).recompute_overrides() \
-        == {"recompute_method": "block"}
+    assert recompute_overrides({"activations_checkpoint_method": "block", "use_reentrant": False}) == \
+        {"recompute_method": "block"}
     with pytest.raises(ConfigError, match="activations_checkpoint_method"):
         ModelConfig(gradient_checkpointing_kwargs={"checkpoint_layers": 2})

@@ -18,6 +18,12 @@ CHECKPOINT_KWARGS = {"activations_checkpoint_granularity": "recompute_granularit
                      "activations_checkpoint_num_layers": "recompute_num_layers"}
 
 
+def recompute_overrides(checkpoint_kwargs: dict) -> dict[str, Any]:
+    """model.gradient_checkpointing_kwargs as TransformerConfig keys (use_reentrant, HF's flag, has no
+    megatron counterpart: megatron's recompute is its own autograd Function)."""
+    return {CHECKPOINT_KWARGS[k]: v for k, v in checkpoint_kwargs.items() if k in CHECKPOINT_KWARGS}
+
+
 @dataclass
 class ModelConfig(Section):
     path: str | None = None                # an HF checkpoint directory (config.json + safetensors)
@@ -44,11 +50,6 @@ class ModelConfig(Section):
         require(not unknown, f"gradient_checkpointing_kwargs.{unknown[0] if unknown else ''}",
                 f"unknown key; use {', '.join(CHECKPOINT_KWARGS)} or <role>.megatron.override_transformer_config."
                 "recompute_granularity / recompute_method / recompute_num_layers")
-
-    def recompute_overrides(self) -> dict[str, Any]:
-        """gradient_checkpointing_kwargs as TransformerConfig keys (use_reentrant, HF's flag, has no
-        megatron counterpart: megatron's recompute is its own autograd Function)."""
-        return {CHECKPOINT_KWARGS[k]: v for k, v in self.gradient_checkpointing_kwargs.items() if k in CHECKPOINT_KWARGS}
 
 
 @dataclass
