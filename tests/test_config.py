@@ -283,3 +283,20 @@ def test_built_config_is_frozen_and_roles_own_their_layout():
     assert load_config(None, ["actor_rollout_ref.actor.optim.total_training_steps=5"]).resolved(17) \
         .actor.optim.total_training_steps == 5
     assert dataclasses.replace(cfg.trainer, seed=3).seed == 3
+
+
+@pytest.mark.parametrize("override, key, fix", [
+    ("actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size=2",
+     "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size=2"),
+    ("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=two",
+     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "expected int"),
+    ("critic.megatron.context_parallel_size=0", "critic.megatron.context_parallel_size", ">= 1"),
+    ("critic.megatron.tensor_model_parallel_sise=2", "critic.megatron.tensor_model_parallel_sise",
+     "critic.megatron.tensor_model_parallel_size"),
+])
+def test_optional_megatron_sections_name_the_leaf_key(override, key, fix):
+    """ref.megatron and critic.megatron may be null; a bad value inside still names its own key."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    assert message.startswith(key + ":") and fix in message and "\n" not in message, message

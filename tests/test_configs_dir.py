@@ -75,3 +75,25 @@ def test_tiny_config_runs_one_step(name, tmp_path, gsm8k_dir):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "step 1/1" in text
+
+
+def test_interpolated_paths_are_taken_from_the_config_folder(tmp_path, monkeypatch):
+    """A path written with ${...} follows the rule of a path written out: relative to the file's folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DATA", raising=False)
+    cfg = load_config(os.path.join(ROOT, "configs", "verl_gsm8k_tiny.yaml"))
+    assert cfg.data.train_files == [os.path.join(ROOT, "data", "verl_gsm8k", "train.parquet")]
+    monkeypatch.setenv("DATA", "../elsewhere")
+    cfg = load_config(os.path.join(ROOT, "configs", "verl_gsm8k_tiny.yaml"))
+    assert cfg.data.val_files == [os.path.join(ROOT, "elsewhere", "test.parquet")]
+    monkeypatch.setenv("DATA", str(tmp_path))              # an absolute path stays as it is
+    assert load_config(os.path.join(ROOT, "configs", "verl_gsm8k_tiny.yaml")).data.train_files == \
+        [str(tmp_path / "train.parquet")]
+    # on the command line a path is the working directory's, with or without a reference
+    cfg = load_config(os.path.join(ROOT, "configs", "verl_gsm8k_tiny.yaml"),
+                      ["data.train_files=${env:DATA}/t.parquet"])
+    assert cfg.data.train_files == [str(tmp_path / "t.parquet")]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.yaml").write_text(
+        "trainer: {experiment_name: x}\ndata:\n  train_files: ${trainer.experiment_name}/a.parquet\n")
+    assert load_config(str(tmp_path / "sub" / "c.yaml")).data.train_files == [str(tmp_path / "sub" / "x" / "a.parquet")]

@@ -178,7 +178,8 @@ def test_format_bonus_and_overlong_penalty():
     manager = build_reward_manager(c, text_tokenizer())
     texts = ["<think>2+2</think>\\boxed{4}", "\\boxed{4}", "<think>x</think>\\boxed{5}"]
     res = manager(rollout_batch(texts, ["4", "4", "4"], source="math", width=32, tok=text_tokenizer()))
-    assert res.token_level_scores.sum(-1).tolist() == [1.25, 1.0, 0.25]
+    # "math" scores as verl's math_dapo does: -1 for a wrong answer, so the third gets -1 + 0.25
+    assert res.token_level_scores.sum(-1).tolist() == [1.25, 1.0, -0.75]
     assert res.extra_info["format"] == [1.0, 0.0, 1.0] and res.metrics["reward/format_ok"] == pytest.approx(2 / 3)
     over = load_config(None, ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=4",
                               "data.max_response_length=8"]).algorithm.overlong_buffer

@@ -85,7 +85,12 @@ def test_format_rewards(text, kind, ok):
 def test_dispatch_by_data_source():
     assert default_compute_score("openai/gsm8k", "#### 3", "3")["score"] == 1.0
     assert default_compute_score("lighteval/MATH", "\\boxed{3}", "3")["score"] == 1.0
-    assert default_compute_score("aime24", "\\boxed{033}", "33")["score"] == 1.0
+    # aime* follows verl's math_dapo rule: a boxed answer is compared as written, +1/-1
+    assert default_compute_score("aime24", "\\boxed{033}", "33")["score"] == -1.0
+    assert default_compute_score("aime24", "Answer: 33", "33")["score"] == 1.0
+    assert default_compute_score("math500", "\\boxed{033}", "33")["score"] == 1.0     # megarl's own rule
+    assert default_compute_score("gsm8k", "#### 72.0", "72")["score"] == 1.0
+    assert default_compute_score("openai/gsm8k", "#### 72.0", "72")["score"] == 0.0    # verl: text equality
     assert default_compute_score("addition", "12", "12")["score"] == 1.0
     with pytest.raises(ValueError, match="custom_reward_function.path"):
         default_compute_score("my_private_set", "x", "y")

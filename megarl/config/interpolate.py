@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.paths import PathInFile
 
 _REF = re.compile(r"\$\{([^}]+)\}")
 
@@ -70,6 +71,8 @@ def resolve(root: dict) -> dict:
             return {k: walk(v, f"{where}.{k}" if where else str(k), stack) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v, f"{where}[{i}]", stack) for i, v in enumerate(node)]
+        if isinstance(node, PathInFile):   # from a config file: relative to that file's folder
+            return node.resolved(value_of(node, where, stack))
         if isinstance(node, str) and "${" in node:
             return value_of(node, where, stack)
         return node

@@ -2,7 +2,8 @@
 
 A relative path written in a config file means "next to this file": it is made absolute against
 the file's directory when the file is read (bases too, each against its own directory), so a
-config runs the same from any working directory. A path given on the command line is relative to
+config runs the same from any working directory; one written with a ${...} reference (an
+environment variable's default, another key) is taken from the same folder once resolved. A path given on the command line is relative to
 the working directory, as every shell tool's is. Output directories (trainer.default_local_dir,
 trainer.log_dir) are where a run writes, not inputs: they stay relative to the working directory.
 """
@@ -46,11 +47,30 @@ def _looks_like_file(value: str) -> bool:
     return value.endswith(".py") or os.sep in value or value.startswith(".")
 
 
+class PathInFile(str):
+    """An input path written with a ${...} reference in a config file: it resolves later
+    (interpolate.py), and what it resolves to is then taken from this file's folder, as a path
+    written out in full would be."""
+
+    def __new__(cls, text: str, base: str, key: str):
+        self = super().__new__(cls, text)
+        self.base, self.key = base, key
+        return self
+
+    def __reduce__(self):          # deepcopy (config merging) keeps the folder
+        return PathInFile, (str(self), self.base, self.key)
+
+    def resolved(self, value: Any) -> Any:
+        return _resolve_one(value, self.base, self.key)
+
+
 def _resolve_one(value: Any, base: str, key: str) -> Any:
     if isinstance(value, list):
         return [_resolve_one(v, base, key) for v in value]
+    if isinstance(value, str) and "${" in value and not isinstance(value, PathInFile):
+        return PathInFile(value, base, key)
     if not isinstance(value, str) or not value or "${" in value or value.startswith("~"):
-        return value  # references resolve later; `~` is the user's home, not the file's folder
+        return value  # `~` is the user's home, not the file's folder
     if os.path.isabs(value) or (key in MODULE_OR_FILE and not _looks_like_file(value)):
         return value
     if key in HUB_ID_OR_DIR and looks_like_hub_id(value) and not os.path.exists(os.path.join(base, value)):

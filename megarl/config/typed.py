@@ -60,6 +60,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as err:
                 errors.append(err)
+        # A value of the right shape that failed inside (a mapping for a section): its own error
+        # names the leaf key and the fix, where "expected mapping | null" would hide both.
+        inner = [e for e in errors if e.key and e.key != key]
+        if inner:
+            raise inner[0]
         raise _type_error(key, value, tp)
     if origin is Literal:
         if value in get_args(tp):

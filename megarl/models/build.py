@@ -31,6 +31,9 @@ from megarl.models.norm import Norm, norm_class
 from megarl.models.spec import ModelSpec
 
 
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32,
                        cpu_init: bool | None = None, sequence_parallel: bool = False,
                        recompute: bool = False, overrides: dict[str, Any] | None = None,
@@ -65,9 +68,15 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         # (same shapes, wrong data). Its unbatched path orders the two directions apart.
         kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=False)
     kwargs.update(spec.model_family.mlp.transformer_config(spec, tp, ep, etp, routing_replay))
-    if recompute:
+    overrides = dict(overrides or {})
+    # verl's generated configs carry recompute_granularity/method/num_layers: null, meaning unset;
+    # a null must not switch off what enable_gradient_checkpointing asked for.
+    chosen = {k: overrides.pop(k) for k in RECOMPUTE_KEYS if k in overrides}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    granularity = chosen.get("recompute_granularity", "full" if recompute else None)
+    if granularity == "full":        # megatron needs a method and a layer count with full recompute
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    kwargs.update(overrides or {})
+    kwargs.update(chosen, **overrides)
     return TransformerConfig(**kwargs)
 
 

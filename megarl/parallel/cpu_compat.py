@@ -24,6 +24,9 @@ What it replaces, and why (megatron-core assumes a CUDA device in these places):
   * the backward of megatron's tensor-parallel autograd functions runs under the same mapping
     (autograd calls it outside the mode; SP allocates CUDA-literal buffers there).
   * megatron's CUDA RNG tracker `fork()` -> a no-op context (sequence parallelism forks it).
+  * megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` -> an empty state / a no-op: activation
+    recompute (tensor_parallel.checkpoint) saves and restores the CUDA generator around each
+    recomputed forward; the CPU generator, which CPU dropout draws from, it restores itself.
   * `torch.cuda.synchronize`, `torch.cuda.empty_cache` -> no-ops.
   * `torch.cuda.current_stream()/default_stream()/stream()` -> a stand-in whose `wait_stream` /
     `synchronize` do nothing (DDP and p2p call them even without overlap).
@@ -41,6 +44,7 @@ import inspect
 
 import torch
 from megatron.core.package_info import __version__ as MEGATRON_VERSION
+from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
@@ -134,6 +138,16 @@ def install() -> bool:
     def no_fork(self, name=None):
         return contextlib.nullcontext()
     CudaRNGStatesTracker.fork = no_fork
+    get_state, set_state = vars(mcore_random)["_get_cuda_rng_state"], vars(mcore_random)["_set_cuda_rng_state"]
+
+    @functools.wraps(get_state)
+    def no_cuda_state(*a, **k):
+        return torch.empty(0, dtype=torch.uint8)
+
+    @functools.wraps(set_state)
+    def keep_cuda_state(*a, **k):
+        return None
+    mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = no_cuda_state, keep_cuda_state
     for cls in _backward_classes():
         cls.backward = _in_mode(vars(cls)["backward"])
     _INSTALLED = True
@@ -160,7 +174,11 @@ FINGERPRINTS = {
     'megatron.core.tensor_parallel.mappings._ReduceScatterToTensorParallelRegion.backward': 'a673277f9c60b8af',
     'megatron.core.tensor_parallel.mappings._ScatterToModelParallelRegion.backward': 'a673277f9c60b8af',
     'megatron.core.tensor_parallel.mappings._ScatterToSequenceParallelRegion.backward': 'cc73078d2ace82ef',
+    'megatron.core.tensor_parallel.random.CheckpointFunction.backward': '307d89d93ce624af',
+    'megatron.core.tensor_parallel.random.CheckpointWithoutOutputFunction.backward': 'db73f45d89e2eebb',
     'megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork': '8a55c86259e819a9',
+    'megatron.core.tensor_parallel.random._get_cuda_rng_state': 'e4df6cbf9c1daf88',
+    'megatron.core.tensor_parallel.random._set_cuda_rng_state': '69b0392cac63211b',
     'megatron.core.transformer.moe.moe_utils.MoEAuxLossAutoScaler.backward': 'e68f72ecf35bff6d',
     'megatron.core.transformer.moe.moe_utils.RandomSTE.backward': 'a89ba05a176ad0c1',
     'megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.backward': '00d1eaa3176acd19',
@@ -177,8 +195,9 @@ def _backward_classes() -> list[type]:
     calls them outside any active TorchFunctionMode, and under sequence parallelism (and MoE's
     all-gather dispatcher) they allocate `device=torch.cuda.current_device()` buffers there."""
     found = []
+    # random: the recompute Functions re-run a layer's forward inside their backward
     for name in ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
-                 "megatron.core.transformer.moe.moe_utils"):
+                 "megatron.core.tensor_parallel.random", "megatron.core.transformer.moe.moe_utils"):
         for obj in vars(importlib.import_module(name)).values():
             if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and "backward" in vars(obj) \
                     and obj not in found:
@@ -188,7 +207,9 @@ def _backward_classes() -> list[type]:
 
 def _patched_functions() -> dict:
     """{qualified name: megatron's own function} for every symbol install() replaces or wraps."""
-    out = {"megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork": vars(CudaRNGStatesTracker)["fork"]}
+    out = {"megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork": vars(CudaRNGStatesTracker)["fork"],
+           "megatron.core.tensor_parallel.random._get_cuda_rng_state": vars(mcore_random)["_get_cuda_rng_state"],
+           "megatron.core.tensor_parallel.random._set_cuda_rng_state": vars(mcore_random)["_set_cuda_rng_state"]}
     for cls in _backward_classes():
         fn = vars(cls)["backward"]
         out[f"{cls.__module__}.{cls.__qualname__}.backward"] = fn.__func__ if isinstance(fn, staticmethod) else fn

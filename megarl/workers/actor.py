@@ -21,7 +21,7 @@ import torch
 from megarl.models.routing_replay import KEY as ROUTES
 from megarl.parallel import state
 from megarl.protocol import DataProto
-from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
+from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, recompute_overrides
 from megarl.workers.engine import EngineShardView, EngineSpec, MegatronEngine
 from megarl.workers.offload import RoleMemory, offload_plan
 from megarl.workers.outputs import log_prob_outputs
@@ -37,7 +37,9 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         override_config=dict(model.override_config), dist_checkpoint=mc.dist_checkpointing_path,
         use_distributed_optimizer=_distributed_optimizer(mc), sequence_parallel=mc.sequence_parallel_on,
         cp=mc.context_parallel_size, vpp=mc.virtual_pipeline_model_parallel_size,
-        recompute=model.enable_gradient_checkpointing, transformer_overrides=dict(mc.override_transformer_config),
+        recompute=model.enable_gradient_checkpointing,
+        transformer_overrides={**recompute_overrides(model.gradient_checkpointing_kwargs),
+                               **mc.override_transformer_config},
         converters=model.converters,
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.

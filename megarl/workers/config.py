@@ -13,6 +13,17 @@ from typing import Any, Literal
 from megarl.config.typed import Section, require
 
 
+CHECKPOINT_KWARGS = {"activations_checkpoint_granularity": "recompute_granularity",
+                     "activations_checkpoint_method": "recompute_method",
+                     "activations_checkpoint_num_layers": "recompute_num_layers"}
+
+
+def recompute_overrides(checkpoint_kwargs: dict) -> dict[str, Any]:
+    """model.gradient_checkpointing_kwargs as TransformerConfig keys (use_reentrant, HF's flag, has no
+    megatron counterpart: megatron's recompute is its own autograd Function)."""
+    return {CHECKPOINT_KWARGS[k]: v for k, v in checkpoint_kwargs.items() if k in CHECKPOINT_KWARGS}
+
+
 @dataclass
 class ModelConfig(Section):
     path: str | None = None                # an HF checkpoint directory (config.json + safetensors)
@@ -25,6 +36,9 @@ class ModelConfig(Section):
     bootstrap: str | None = None
     bootstrap_kwargs: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = False
+    # Older verl's megatron names for the recompute settings (activations_checkpoint_granularity,
+    # _method, _num_layers); <role>.megatron.override_transformer_config.recompute_* win over them.
+    gradient_checkpointing_kwargs: dict[str, Any] = field(default_factory=dict)
     # Pack each micro-batch's sequences back to back (THD, no compute on padding); false: right-pad
     # every row to the batch's longest (verl's key; megarl/workers/packing.py).
     use_remove_padding: bool = True
@@ -32,6 +46,13 @@ class ModelConfig(Section):
     # Model converters (megarl/models/converters.py) run on the loaded chunks before DDP and the
     # optimizer wrap them: a list of registered names, or name -> options. Empty: none.
     converters: list[str] | dict[str, dict[str, Any]] = field(default_factory=list)
+
+
+    def __post_init__(self):
+        unknown = sorted(set(self.gradient_checkpointing_kwargs) - set(CHECKPOINT_KWARGS) - {"use_reentrant"})
+        require(not unknown, f"gradient_checkpointing_kwargs.{unknown[0] if unknown else ''}",
+                f"unknown key; use {', '.join(CHECKPOINT_KWARGS)} or <role>.megatron.override_transformer_config."
+                "recompute_granularity / recompute_method / recompute_num_layers")
 
 
 @dataclass
