@@ -75,7 +75,7 @@ def sample(model, tok, prompt_ids: list[int], n: int, max_new: int, gen: torch.G
 def grpo_step(model, opt, tok, problems, n: int, max_new: int, gen, updates: int = 1, sched=None) -> float:
     """GRPO on `problems` (n samples each): `updates` clipped-ratio steps on the same samples
     (PPO epochs); returns the mean reward."""
-    seqs, resp, uids, rewards = [], [], [], []
+    seqs, uids, rewards = [], [], []
     for k, (a, b) in enumerate(problems):
         p = tok.encode(prompt_text(a, b))
         for r in sample(model, tok, p, n, max_new, gen):
@@ -84,7 +84,6 @@ def grpo_step(model, opt, tok, problems, n: int, max_new: int, gen, updates: int
             text = tok.decode(r, skip_special_tokens=True)
             rewards.append(float(REWARD(text, answer_text(a, b))))
     B, R = len(seqs), max(len(r) for _, r in seqs)
-    plen = len(seqs[0][0])
     # Prompts of one batch may differ in length: run each (prompt, response) on its own row,
     # right-padded; the loss only reads response positions.
     S = max(len(p) + len(r) for p, r in seqs)

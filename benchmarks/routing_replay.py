@@ -29,7 +29,6 @@ of decisions without R3 and 0 with it; mean KL 1.03x lower with R3 on grpo_moe_t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -193,8 +193,11 @@ def run_rank(rank, world, path, a):
             sync = ColocatedSync(ShardSource.from_actor(actor), engine, bucket_bytes=int(a.bucket_mb * 2**20))
             buf = raw_buffer(sync)
             has_raw = buf is not None
-            ways = {"megarl": sync.sync, "naive": lambda: naive_sync(actor, engine, sync),
-                    "raw": lambda: raw_sync(sync, buf), "floor": lambda: floor_sync(sync, buf, engine)}
+            # bound as defaults, not read from the enclosing scope: each layout's ways call its own parts
+            ways = {"megarl": sync.sync,
+                    "naive": lambda actor=actor, engine=engine, sync=sync: naive_sync(actor, engine, sync),
+                    "raw": lambda sync=sync, buf=buf: raw_sync(sync, buf),
+                    "floor": lambda sync=sync, buf=buf, engine=engine: floor_sync(sync, buf, engine)}
             times = {k: [] for k in ways}
             peaks = {k: [] for k in ways}
             resident = 0.0                 # this rank's whole resident set at its peak, MiB

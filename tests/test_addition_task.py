@@ -19,7 +19,10 @@ def test_shipped_data_is_the_generators_and_val_is_held_out(tmp_path):
     val = [json.loads(line) for line in open(val_path)]
     train = [json.loads(line) for line in open(train_path)]
     assert len(val) == 512 and len(train) == 3000
-    key = lambda r: r["prompt"][0]["content"]
+
+    def key(r):
+        return r["prompt"][0]["content"]
+
     assert not {key(r) for r in val} & {key(r) for r in train}
     r = val[0]
     a, b = map(int, key(r)[:-1].split("+"))

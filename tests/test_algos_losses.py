@@ -97,7 +97,10 @@ def random_batch(B=8, R=6, seed=0):
     lens = torch.randint(1, R + 1, (B,), generator=g)
     mask = (torch.arange(R)[None] < lens[:, None]).long()
     mask[0, 1] = 0                                  # a tool token inside a response
-    t = lambda: torch.randn(B, R, generator=g) * 0.3 - 1.0
+
+    def t():
+        return torch.randn(B, R, generator=g) * 0.3 - 1.0
+
     return DataProto.from_dict({"old_log_probs": t(), "ref_log_prob": t(), "rollout_log_probs": t(),
                                 "advantages": torch.randn(B, R, generator=g), "response_mask": mask,
                                 "values": torch.randn(B, R, generator=g), "returns": torch.randn(B, R, generator=g)})

@@ -130,7 +130,10 @@ def test_skipping_the_pass_trains_exactly_as_computing_it(addition_model_dir, tm
 
 def test_r2_keeps_the_pass_it_records_routes_in():
     """R2 records the routes in the old-log-prob pass: true is refused, null keeps the pass."""
-    moe = lambda *over: load_config("configs/grpo_moe_tiny.yaml", ["actor_rollout_ref.actor.router_replay.mode=R2", *over])
+
+    def moe(*over):
+        return load_config("configs/grpo_moe_tiny.yaml", ["actor_rollout_ref.actor.router_replay.mode=R2", *over])
+
     with pytest.raises(ConfigError, match="router_replay.mode=R2"):
         moe(f"{KEY}=true")
     b = resolve_bypass(moe(), CPU)

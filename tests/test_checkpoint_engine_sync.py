@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.helpers.checkpoint_engine import (PROMPTS, TEMP, Faulty, actor_at, engine_mismatch, experiment, full_export,
+from tests.helpers.checkpoint_engine import (TEMP, Faulty, actor_at, engine_mismatch, experiment, full_export,
                                              generated_batch, native_engine, perturb, rollout_groups, rollout_vs_actor)
 from tests.distributed import run_ranks
 

@@ -160,7 +160,7 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_m
     done = cluster.wait(job2, timeout=300)
     out2 = cluster.output(job2)
     assert done["JobState"] == "COMPLETED", out2[-3000:]
-    assert f"resumed from" in out2 and f"at step {saved}" in out2
+    assert "resumed from" in out2 and f"at step {saved}" in out2
     assert sorted(set(steps_of(run2)))[-1] == saved + 2
 
 

@@ -9,12 +9,9 @@ once, on rank 0, in parallel with the log-prob passes, and broadcast.
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from contextlib import contextmanager
-
-import torch
 
 from megarl.algos.advantages import compute_advantage
 from megarl.algos.dapo import DynamicSampler

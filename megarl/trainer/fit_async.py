@@ -23,7 +23,6 @@ on timing, in any two runs).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 

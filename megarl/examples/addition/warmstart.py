@@ -5,8 +5,6 @@ purpose so that held-out accuracy stays well below the ceiling and RL has room t
 """
 from __future__ import annotations
 
-import math
-import random
 import time
 from collections import defaultdict
 
