@@ -108,10 +108,8 @@ def run_row(path, a, row, data):
     eng = actor.engine
     if hasattr(eng, "take_padding"):
         eng.take_padding()
-    # actor and eng are bound as defaults (not read from the enclosing scope): the closures are
-    # deleted with them below, so the model is freed before the next row either way.
-    lp = lambda actor=actor: actor.compute_log_prob(data)  # noqa: E731
-    up = lambda actor=actor: actor.update_policy(data, loss_fn)  # noqa: E731
+    lp = lambda: actor.compute_log_prob(data)  # noqa: E731
+    up = lambda: actor.update_policy(data, loss_fn)  # noqa: E731
     lp(), up()  # warm-up; also the padding-ratio sample
     if hasattr(eng, "take_padding"):
         computed, real = eng.take_padding()
@@ -131,8 +129,7 @@ def run_row(path, a, row, data):
     # The update's activation peak: one mini-batch's forward + backward (the optimizer step's
     # temporaries, the same in every row, are left out).
     budget = {"max_tokens": a.max_tokens if dynamic else None} if extra else {}
-    fwd_bwd = lambda eng=eng, actor=actor: eng.accumulate(data, a.micro, actor._process(1.0, True),  # noqa: E731
-                                                          loss_fn, **budget)
+    fwd_bwd = lambda: eng.accumulate(data, a.micro, actor._process(1.0, True), loss_fn, **budget)  # noqa: E731
     mem = {"lp": peak_bytes(lp, a.device), "up": peak_bytes(fwd_bwd, a.device)}
     # What the trainer holds on the device while the engine would generate: weights, grad buffers
     # and optimizer state, after the handoff the fit loop makes (offload acts on CUDA only: on CPU
@@ -144,7 +141,9 @@ def run_row(path, a, row, data):
         held = eng.resident_bytes()
         actor.onload()
         cycle_s = time.perf_counter() - t
-    del actor, eng, lp, up, fwd_bwd
+    # Freed by rebinding, not `del`: the lambdas above read these names, and rebinding frees the
+    # model all the same (their cells, which `fn` still holds, now hold None).
+    actor = eng = None
     gc.collect()
     from megarl.parallel import state
     state.destroy_model_parallel()

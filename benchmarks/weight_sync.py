@@ -193,11 +193,8 @@ def run_rank(rank, world, path, a):
             sync = ColocatedSync(ShardSource.from_actor(actor), engine, bucket_bytes=int(a.bucket_mb * 2**20))
             buf = raw_buffer(sync)
             has_raw = buf is not None
-            # bound as defaults, not read from the enclosing scope: each layout's ways call its own parts
-            ways = {"megarl": sync.sync,
-                    "naive": lambda actor=actor, engine=engine, sync=sync: naive_sync(actor, engine, sync),
-                    "raw": lambda sync=sync, buf=buf: raw_sync(sync, buf),
-                    "floor": lambda sync=sync, buf=buf, engine=engine: floor_sync(sync, buf, engine)}
+            ways = {"megarl": sync.sync, "naive": lambda: naive_sync(actor, engine, sync),
+                    "raw": lambda: raw_sync(sync, buf), "floor": lambda: floor_sync(sync, buf, engine)}
             times = {k: [] for k in ways}
             peaks = {k: [] for k in ways}
             resident = 0.0                 # this rank's whole resident set at its peak, MiB
@@ -219,9 +216,12 @@ def run_rank(rank, world, path, a):
             results[(tp, pp, rtp)] = dict(times=times, peaks=peaks, model=sync.plan.numel() * 4,
                                           buckets=len(sync.plan.buckets), wire=wire, resident=resident,
                                           gathered=sum(e.gather for b in sync.plan.buckets for e in b.entries))
-            del engine, sync, buf, ways
+            # Freed by rebinding, not `del`: ways' lambdas read these names, and rebinding frees the
+            # parts all the same (their cells, which `fn` still holds, now hold None).
+            engine = sync = buf = None
+            del ways
             release()
-        del actor
+        actor = None  # rebinding, not `del`: the "naive" closure reads the name
         state.destroy_model_parallel()
         release()
     # as (key, value) pairs: the ranks' results come back as plain data (megarl.plain_state), whose
