@@ -75,7 +75,7 @@ def sample(model, tok, prompt_ids: list[int], n: int, max_new: int, gen: torch.G
 def grpo_step(model, opt, tok, problems, n: int, max_new: int, gen, updates: int = 1, sched=None) -> float:
     """GRPO on `problems` (n samples each): `updates` clipped-ratio steps on the same samples
     (PPO epochs); returns the mean reward."""
-    seqs, resp, uids, rewards = [], [], [], []
+    seqs, uids, rewards = [], [], []
     for k, (a, b) in enumerate(problems):
         p = tok.encode(prompt_text(a, b))
         for r in sample(model, tok, p, n, max_new, gen):
@@ -84,7 +84,6 @@ def grpo_step(model, opt, tok, problems, n: int, max_new: int, gen, updates: int
             text = tok.decode(r, skip_special_tokens=True)
             rewards.append(float(REWARD(text, answer_text(a, b))))
     B, R = len(seqs), max(len(r) for _, r in seqs)
-    plen = len(seqs[0][0])
     # Prompts of one batch may differ in length: run each (prompt, response) on its own row,
     # right-padded; the loss only reads response positions.
     S = max(len(p) + len(r) for p, r in seqs)
@@ -171,7 +170,8 @@ def main() -> None:
     train, val = split_problems(task, 3000, 256)
     tok = build_tokenizer()
     model = build_model(tok, seed=0, **({"num_hidden_layers": args.layers} if args.layers else {}))
-    st = supervised_train(model, tok, task, warm, exclude=set(val), lr=bs.DEFAULT_LR, label_smoothing=args.label_smoothing)
+    st = supervised_train(model, tok, task, warm, exclude=set(val), lr=bs.DEFAULT_LR,
+                          label_smoothing=args.label_smoothing)
     res = {"warm_start_steps": warm, "warm_start_s": round(st["seconds"], 1),
            "warm_greedy": accuracy(model, tok, val, 0.0), "warm_t1": accuracy(model, tok, val, 1.0, seed=1)}
     print(json.dumps(res), flush=True)
@@ -179,7 +179,8 @@ def main() -> None:
     if args.more_sft:
         sft = copy.deepcopy(warm_model)
         supervised_train(sft, tok, task, args.more_sft, exclude=set(val), seed=99, lr=bs.DEFAULT_LR)
-        res.update(sft_more_steps=args.more_sft, sft_greedy=accuracy(sft, tok, val, 0.0), sft_t1=accuracy(sft, tok, val, 1.0, seed=1))
+        res.update(sft_more_steps=args.more_sft, sft_greedy=accuracy(sft, tok, val, 0.0),
+                   sft_t1=accuracy(sft, tok, val, 1.0, seed=1))
         print(json.dumps({k: res[k] for k in ("sft_more_steps", "sft_greedy", "sft_t1")}), flush=True)
     for lr in args.rl_lr if args.rl_steps else []:
         rl = copy.deepcopy(warm_model)

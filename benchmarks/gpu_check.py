@@ -106,7 +106,8 @@ def rollout(device: str, dry: bool, out: str) -> dict:
     else:
         # the 0.86B benchmark shape (the toy tokenizer's vocabulary is what it trains to, <= 32768)
         args = ["--device", device, "--dtype", "bfloat16", "--layers", "16", "--hidden", "2048", "--heads", "16",
-                "--kv-heads", "4", "--intermediate", "5632", "--vocab-size", "32768", "--prompts", "64", "--n", "4", "--max-tokens", "256", "--repeats", "3",
+                "--kv-heads", "4", "--intermediate", "5632", "--vocab-size", "32768", "--prompts", "64", "--n", "4",
+                "--max-tokens", "256", "--repeats", "3",
                 "--model-dir", "/tmp/megarl_gpu_check_rollout"]
     return {"tokens_per_s": main(args), "args": args}
 

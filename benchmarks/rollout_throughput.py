@@ -360,7 +360,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--enforce-eager", action="store_true",
                     help="native: no CUDA graphs; vllm: no CUDA graphs, no torch.compile")
     ap.add_argument("--static", action="store_true",
-                    help="native on CPU: run the padded static-shape path CUDA graphs replay (eagerly), to count its shapes")
+                    help="native on CPU: run the padded static-shape path CUDA graphs replay (eagerly), "
+                         "to count its shapes")
     ap.add_argument("--sleep-cycle", action="store_true",
                     help="quickstart shape: time wake + weight sync + generate + sleep, as the trainer runs them")
     ap.add_argument("--baseline", default=None,

@@ -29,7 +29,6 @@ of decisions without R3 and 0 with it; mean KL 1.03x lower with R3 on grpo_moe_t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -223,7 +222,8 @@ def plot(curves: dict[str, list[dict]], path: str) -> None:
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name, recs in curves.items():
         steps = [r["step"] for r in recs]
-        ax_r.plot(steps, [r.get("critic/score/mean", r.get("critic/rewards/mean")) for r in recs], marker="o", label=name)
+        ax_r.plot(steps, [r.get("critic/score/mean", r.get("critic/rewards/mean")) for r in recs], marker="o",
+                  label=name)
         ax_k.plot(steps, [r["rollout_corr/k3_kl"] for r in recs], marker="o", label=name)
     ax_r.set(title="reward (critic/score/mean)", xlabel="step")
     ax_k.set(title="rollout vs trainer mean KL (k3)", xlabel="step", yscale="log")
@@ -247,7 +247,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.smoke:
         a.prompts, a.n, a.response, a.micro, a.grpo_steps = 4, 2, 6, 2, 1
-    a.out = a.out or (tempfile.mkdtemp(prefix="routing_replay-") if a.smoke else os.path.join(ROOT, "runs", "routing_replay"))
+    a.out = a.out or (tempfile.mkdtemp(prefix="routing_replay-") if a.smoke
+                      else os.path.join(ROOT, "runs", "routing_replay"))
     os.makedirs(a.out, exist_ok=True)
     with ProcessPeaks() as peaks:
         for shape in (["smoke"] if a.smoke else a.shapes):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 import sysconfig
 
 import torch

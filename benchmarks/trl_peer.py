@@ -88,7 +88,8 @@ def main() -> None:
     rows = load_rows(a.data, a.prompts * steps)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = GRPOConfig(output_dir=tmp, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-                         disable_tqdm=True, seed=a.seed, learning_rate=a.lr, max_steps=steps * EQUAL["steps_per_generation"],
+                         disable_tqdm=True, seed=a.seed, learning_rate=a.lr,
+                         max_steps=steps * EQUAL["steps_per_generation"],
                          per_device_train_batch_size=per_update, num_generations=a.n,
                          max_completion_length=a.max_new, log_completions=False,
                          generation_kwargs={"min_new_tokens": a.max_new} if a.fixed_length else None, **EQUAL)

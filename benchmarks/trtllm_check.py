@@ -38,7 +38,8 @@ def preflight() -> str | None:
     try:
         import tensorrt_llm  # noqa: F401
     except Exception as err:
-        return (f"tensorrt_llm does not import here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): "
+        return (f"tensorrt_llm does not import here ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}): "
                 "install it on a CUDA node from NVIDIA's index (pip install 'megarl[trtllm]' "
                 "--extra-index-url https://pypi.nvidia.com) and run this again")
     import torch
@@ -182,7 +183,8 @@ def markdown(report: dict) -> str:
                   f"- peak GPU memory (rank 0): {lead.get('peak_gpu_gb')} GB", ""]
         lines += ["| log-prob vs megatron | max abs | mean abs |", "|---|---|---|"]
         for tag in ("before_sleep", "after_wake"):
-            lines.append(f"| {tag} | {lead[f'logprob_max_abs_diff_{tag}']:.3e} | {lead[f'logprob_mean_abs_diff_{tag}']:.3e} |")
+            lines.append(f"| {tag} | {lead[f'logprob_max_abs_diff_{tag}']:.3e} | "
+                         f"{lead[f'logprob_mean_abs_diff_{tag}']:.3e} |")
         lines += ["", "| phase | rank 0 (s) | slowest rank (s) |", "|---|---|---|"]
         for name, sec in lead["phases"].items():
             slowest = max(r["phases"].get(name, 0) for r in run["ranks"] if r.get("ok"))
@@ -203,7 +205,8 @@ def main(argv=None) -> int:
         print(f"trtllm_check: {problem}", file=sys.stderr)
         return 2
     if not os.path.isfile(os.path.join(opts.model, "config.json")):
-        print(f"trtllm_check: --model {opts.model} has no config.json: pass an HF checkpoint directory", file=sys.stderr)
+        print(f"trtllm_check: --model {opts.model} has no config.json: pass an HF checkpoint directory",
+              file=sys.stderr)
         return 2
     import torch
     args = {"max_tokens": opts.max_tokens, "gpu_memory_utilization": opts.gpu_memory_utilization,

@@ -13,7 +13,8 @@ Lengths: prompts uniform in [prompt/2, prompt], responses geometric with mean `-
 the update's forward + backward over the whole mini-batch): on CUDA torch.cuda.max_memory_allocated
 above the memory held before the call; on CPU the peak of live tensor bytes allocated during the
 call, from torch's profiler (profile_memory: each op's own allocations and frees summed in time
-order; the model and batch that exist before are not counted). Padding ratio: tokens the model computed / real tokens (perf/padding_ratio), over one
+order; the model and batch that exist before are not counted). Padding ratio: tokens the model \
+computed / real tokens (perf/padding_ratio), over one
 compute_log_prob and one update_policy.
 """
 from __future__ import annotations
@@ -141,7 +142,9 @@ def run_row(path, a, row, data):
         held = eng.resident_bytes()
         actor.onload()
         cycle_s = time.perf_counter() - t
-    del actor, eng
+    # Freed by rebinding, not `del`: the lambdas above read these names, and rebinding frees the
+    # model all the same (their cells, which `fn` still holds, now hold None).
+    actor = eng = None
     gc.collect()
     from megarl.parallel import state
     state.destroy_model_parallel()

@@ -289,8 +289,8 @@ def print_cells(cells: list[dict], labels: list[str]) -> None:
     arms = list(dict.fromkeys(labels))
     for (size, tp), got in by.items():
         params = next(iter(got.values()))["params"]
-        print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy ({ARGS.batch // ARGS.mini} "
-              f"optimizer steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
+        print(f"\n## {size} Qwen2 ({params / 1e6:.2f}M parameters), TP{tp}: ms per update_policy "
+              f"({ARGS.batch // ARGS.mini} optimizer steps), median of {ARGS.repeats} after {ARGS.warmup} warm-up")
         two = len(arms) == 2
         print(f"{'phase':<20}" + "".join(f"{arm:>10}" for arm in arms) + ("   ratio" if two else "") +
               "".join(f"{'cpu ' + arm:>12}" for arm in arms) + ("   ratio" if two else ""))

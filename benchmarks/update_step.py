@@ -36,7 +36,8 @@ def make_batch(vocab: int, B: int, P: int, R: int, seed: int = 0):
     from megarl.protocol import DataProto
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (B, P + R), generator=g)
-    return DataProto.from_dict({"input_ids": ids, "prompt_lens": torch.full((B,), P), "response_lens": torch.full((B,), R),
+    return DataProto.from_dict({"input_ids": ids, "prompt_lens": torch.full((B,), P),
+                                "response_lens": torch.full((B,), R),
                                 "responses": ids[:, P:].clone(), "response_mask": torch.ones(B, R),
                                 "advantages": torch.randn(B, R, generator=g)})
 

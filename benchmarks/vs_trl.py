@@ -94,18 +94,22 @@ def build_model(out: str, name: str, smoke: bool) -> str:
 def megarl_overrides(a, model: str, tp: int, run_dir: str, bypass: bool, fixed: bool) -> list[str]:
     ar = "actor_rollout_ref"
     return [f"{ar}.model.path={model}", f"trainer.default_local_dir={run_dir}", f"trainer.n_gpus_per_node={tp}",
-            f"{ar}.actor.megatron.tensor_model_parallel_size={tp}", f"trainer.total_training_steps={a.warmup + a.steps}",
+            f"{ar}.actor.megatron.tensor_model_parallel_size={tp}",
+            f"trainer.total_training_steps={a.warmup + a.steps}",
             "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false",
             "trainer.resume_mode=disable", "trainer.plot_reward_curve=false", f"trainer.seed={a.seed}",
             "data.shuffle=false", f"data.train_batch_size={a.prompts}", f"data.max_response_length={a.max_new}",
-            f"{ar}.rollout.n={a.n}", f"{ar}.rollout.ignore_eos={str(fixed).lower()}", f"{ar}.rollout.temperature=1.0", f"{ar}.rollout.top_p=1.0", f"{ar}.rollout.top_k=-1",
+            f"{ar}.rollout.n={a.n}", f"{ar}.rollout.ignore_eos={str(fixed).lower()}", f"{ar}.rollout.temperature=1.0",
+            f"{ar}.rollout.top_p=1.0", f"{ar}.rollout.top_k=-1",
             f"{ar}.actor.ppo_mini_batch_size={a.prompts // 2}", f"{ar}.actor.ppo_epochs=1",
             f"{ar}.actor.ppo_micro_batch_size_per_gpu={a.prompts * a.n // 2}",
             f"{ar}.actor.log_prob_micro_batch_size_per_gpu={a.prompts * a.n // 2}",
             f"{ar}.actor.optim.lr={a.lr}", f"{ar}.actor.optim.weight_decay=0.01", f"{ar}.actor.optim.clip_grad=1.0",
-            f"{ar}.actor.clip_ratio_low=0.2", f"{ar}.actor.clip_ratio_high=0.28", f"{ar}.actor.loss_agg_mode=token-mean",
+            f"{ar}.actor.clip_ratio_low=0.2", f"{ar}.actor.clip_ratio_high=0.28",
+            f"{ar}.actor.loss_agg_mode=token-mean",
             f"{ar}.actor.use_kl_loss=false", f"{ar}.actor.entropy_coeff=0", "algorithm.use_kl_in_reward=false",
-            "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true", "algorithm.filter_groups.enable=false",
+            "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true",
+            "algorithm.filter_groups.enable=false",
             f"algorithm.rollout_correction.bypass_mode={'null' if bypass else 'false'}"]
 
 
@@ -169,10 +173,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=1, help="alternate TRL and megarl runs this many times (noisy machines)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate TRL and megarl runs this many times (noisy machines)")
     ap.add_argument("--fixed-length", action="store_true",
                     help=f"every response exactly --max-new tokens on both sides (always for {sorted(FIXED_LENGTH)})")
-    ap.add_argument("--with-pass", action="store_true", help="also megarl with bypass_mode=false (the old-log-prob pass)")
+    ap.add_argument("--with-pass", action="store_true",
+                    help="also megarl with bypass_mode=false (the old-log-prob pass)")
     ap.add_argument("--trl-python", help=f"the interpreter of TRL's venv (default: see the docstring; {VENV_PYTHON})")
     ap.add_argument("--out", default="runs/bench/vs_trl")
     ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE}, model {SMOKE_MODEL}")
@@ -205,14 +211,16 @@ def main() -> None:
         params = trl["parameters"]
         print(f"\nmodel {name}: Qwen2, {params / 1e6:.2f}M parameters; responses "
               f"{'exactly' if fixed else 'up to'} {a.max_new} tokens; TRL config {json.dumps(trl['config'])}")
-        print(f"  TRL GRPOTrainer      {trl['median_s']:7.3f} s/step  (rounds {fmt(trl['rounds'])}; response tokens/sample {trl['tokens']:.2f}, "
+        print(f"  TRL GRPOTrainer      {trl['median_s']:7.3f} s/step  (rounds {fmt(trl['rounds'])}; "
+              f"response tokens/sample {trl['tokens']:.2f}, "
               f"{trl['optimizer_steps']} optimizer steps, {trl['threads']} threads, peak resident MiB "
               f"{trl['peak_mb']:.0f})")
         for (tp, bypass), r in ours.items():
             label = f"megarl TP{tp}" + ("" if bypass else " +pass")
             phases = " ".join(f"{k} {v:.3f}" for k, v in r["phases"].items() if v)
             print(f"  {label:20s} {r['step_s']:7.3f} s/step  ratio megarl TP{tp}{'' if bypass else ' +pass'} / TRL = "
-                  f"{r['step_s'] / trl['median_s']:.2f}x  (rounds {fmt(r['rounds'])}; response tokens/sample {r['tokens']:.2f}, old-log-prob pass "
+                  f"{r['step_s'] / trl['median_s']:.2f}x  (rounds {fmt(r['rounds'])}; "
+                  f"response tokens/sample {r['tokens']:.2f}, old-log-prob pass "
                   f"{'skipped' if r['bypass'] else 'run'}, max |rollout - trainer log-prob| {r['mismatch']:.1e}, "
                   f"peak resident MiB {r['peak_mb']:.0f})")
             print(f"  {'':20s} phases (median s): {phases}; timing_s/step {r['timed_step_s']:.3f}")

@@ -216,9 +216,12 @@ def run_rank(rank, world, path, a):
             results[(tp, pp, rtp)] = dict(times=times, peaks=peaks, model=sync.plan.numel() * 4,
                                           buckets=len(sync.plan.buckets), wire=wire, resident=resident,
                                           gathered=sum(e.gather for b in sync.plan.buckets for e in b.entries))
-            del engine, sync, buf, ways
+            # Freed by rebinding, not `del`: ways' lambdas read these names, and rebinding frees the
+            # parts all the same (their cells, which `fn` still holds, now hold None).
+            engine = sync = buf = None
+            del ways
             release()
-        del actor
+        actor = None  # rebinding, not `del`: the "naive" closure reads the name
         state.destroy_model_parallel()
         release()
     # as (key, value) pairs: the ranks' results come back as plain data (megarl.plain_state), whose

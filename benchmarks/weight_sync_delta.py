@@ -99,7 +99,8 @@ def run_rank(rank, world, path, a):
                 tag = f"{lr}/{tp}x{pp}/{way}"
                 groups = DisaggregatedGroups.create(tp, pp, (lambda t, d, p, tp=tp: t if tp == 2 else p), ENGINES,
                                                     store, rank, everyone, tag=tag)
-                opts = None if way == "full" else DeltaOptions(a.anchor_every, codec="zstd" if "zstd" in way else "none")
+                opts = (None if way == "full"
+                        else DeltaOptions(a.anchor_every, codec="zstd" if "zstd" in way else "none"))
                 if rank in TRAINERS:
                     t, p = (rank, 0) if tp == 2 else (0, rank)
                     src = ShardSource(spec, tp, pp, t, p, 0, shards(trainer.hf(), spec, tp, pp, t, p))
@@ -230,4 +231,5 @@ def report(ranks: list, a) -> None:
             s, an, avg = cycle(disk["log"][way], a.anchor_every, "wall")
             bs, _, bavg = cycle(disk["log"][way], a.anchor_every, "weight_sync/wire_gb")
             print(f"  {way:<11} steady {s:.3f} s {bs * 1e3:.1f} MB, anchor {an:.3f} s, avg (K={a.anchor_every}) "
-                  f"{avg:.3f} s {bavg * 1e3:.1f} MB: {fb / max(bavg, 1e-12):.1f}x fewer bytes, {fs / avg:.1f}x less time")
+                  f"{avg:.3f} s {bavg * 1e3:.1f} MB: {fb / max(bavg, 1e-12):.1f}x fewer bytes, "
+                  f"{fs / avg:.1f}x less time")

@@ -68,7 +68,8 @@ def bootstrap_and_check(cfg) -> None:
         return
     load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     if model_path_state(m.path, None) != "ready":
-        raise ConfigError(f"{m.path} still holds no config.json after the bootstrap", "actor_rollout_ref.model.bootstrap")
+        raise ConfigError(f"{m.path} still holds no config.json after the bootstrap",
+                          "actor_rollout_ref.model.bootstrap")
     check_with_tokenizer(cfg)
 
 
@@ -169,7 +170,8 @@ def check_model_paths(cfg) -> None:
         raise ConfigError(f"{m.tokenizer_path} does not exist; point it at a tokenizer directory or remove it "
                           "(the model's own is used)", "actor_rollout_ref.model.tokenizer_path")
     crit = cfg.critic
-    if crit.enable and crit.model.init_from == "path" and not os.path.isfile(os.path.join(crit.model.path or "", "config.json")):
+    if (crit.enable and crit.model.init_from == "path"
+            and not os.path.isfile(os.path.join(crit.model.path or "", "config.json"))):
         raise ConfigError(f"{crit.model.path} holds no config.json; critic.model.init_from=path needs an HF "
                           "checkpoint (or use init_from=actor)", "critic.model.path")
     if cfg.reward_model.enable:

@@ -113,7 +113,8 @@ class DataProto:
     def __init__(self, batch: TensorBatch | dict | None = None, non_tensor_batch: dict | None = None,
                  meta_info: dict | None = None):
         object.__setattr__(self, "batch", batch if isinstance(batch, TensorBatch) else TensorBatch(batch))
-        object.__setattr__(self, "non_tensor_batch", {k: _as_object_array(v) for k, v in (non_tensor_batch or {}).items()})
+        object.__setattr__(self, "non_tensor_batch",
+                           {k: _as_object_array(v) for k, v in (non_tensor_batch or {}).items()})
         object.__setattr__(self, "meta_info", dict(meta_info or {}))
         self._check()
 
@@ -212,7 +213,8 @@ class DataProto:
     def chunk(self, chunks: int) -> list["DataProto"]:
         """Equal parts, as data parallelism needs; refuses a batch that does not divide."""
         if len(self) % chunks:
-            raise ValueError(f"cannot split {len(self)} rows into {chunks} equal chunks; make the batch a multiple of {chunks}")
+            raise ValueError(f"cannot split {len(self)} rows into {chunks} equal chunks; "
+                             f"make the batch a multiple of {chunks}")
         return self.split(len(self) // chunks)
 
     @staticmethod

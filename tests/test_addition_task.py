@@ -15,11 +15,15 @@ from megarl.reward.rules import default_compute_score
 def test_shipped_data_is_the_generators_and_val_is_held_out(tmp_path):
     train_path, val_path = write_dataset(str(tmp_path))
     for name, path in (("train", train_path), ("val", val_path)):
-        assert open(path).read() == open(f"data/addition/{name}.jsonl").read(), "regenerate: python -m megarl.examples.addition.task"
+        assert open(path).read() == open(f"data/addition/{name}.jsonl").read(), \
+            "regenerate: python -m megarl.examples.addition.task"
     val = [json.loads(line) for line in open(val_path)]
     train = [json.loads(line) for line in open(train_path)]
     assert len(val) == 512 and len(train) == 3000
-    key = lambda r: r["prompt"][0]["content"]
+
+    def key(r):
+        return r["prompt"][0]["content"]
+
     assert not {key(r) for r in val} & {key(r) for r in train}
     r = val[0]
     a, b = map(int, key(r)[:-1].split("+"))
@@ -36,7 +40,8 @@ def test_tokenizer_round_trip_and_template():
     ids = tok.encode("123+45=168")
     assert len(ids) == 10 and tok.decode(ids) == "123+45=168"
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "123+45=168"
-    assert tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True) == "1+2="
+    assert tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                   add_generation_prompt=True) == "1+2="
     assert len(tok) == 16 and tok.pad_token_id != tok.eos_token_id
 
 

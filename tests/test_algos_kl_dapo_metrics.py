@@ -97,7 +97,8 @@ def test_dynamic_sampler_gives_up_with_a_clear_error():
 
 def test_overlong_penalty():
     lens = torch.tensor([10, 16, 18, 20])
-    assert overlong_penalty(lens, max_response_length=20, buffer_len=4, penalty_factor=1.0).tolist() == [0, 0, -0.5, -1.0]
+    assert overlong_penalty(lens, max_response_length=20, buffer_len=4,
+                            penalty_factor=1.0).tolist() == [0, 0, -0.5, -1.0]
 
 
 def test_rollout_is_weights():

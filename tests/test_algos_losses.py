@@ -84,9 +84,12 @@ def test_clipped_value_loss():
 
 # -- the worker contract: loss and gradient independent of the micro-batch / DP split ------------
 def cfg_with(**over):
-    keys = {"loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode", "loss_mode": "actor_rollout_ref.actor.policy_loss.loss_mode",
-            "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff", "use_kl_loss": "actor_rollout_ref.actor.use_kl_loss",
-            "kl_loss_type": "actor_rollout_ref.actor.kl_loss_type", "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
+    keys = {"loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+            "loss_mode": "actor_rollout_ref.actor.policy_loss.loss_mode",
+            "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
+            "use_kl_loss": "actor_rollout_ref.actor.use_kl_loss",
+            "kl_loss_type": "actor_rollout_ref.actor.kl_loss_type",
+            "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
             "rollout_is": "algorithm.rollout_correction.rollout_is", "critic_agg": "critic.loss_agg_mode",
             "clip_ratio_high": "actor_rollout_ref.actor.clip_ratio_high"}
     return load_config(None, ["data.max_response_length=8", *(f"{keys[k]}={v}" for k, v in over.items())])
@@ -97,7 +100,10 @@ def random_batch(B=8, R=6, seed=0):
     lens = torch.randint(1, R + 1, (B,), generator=g)
     mask = (torch.arange(R)[None] < lens[:, None]).long()
     mask[0, 1] = 0                                  # a tool token inside a response
-    t = lambda: torch.randn(B, R, generator=g) * 0.3 - 1.0
+
+    def t():
+        return torch.randn(B, R, generator=g) * 0.3 - 1.0
+
     return DataProto.from_dict({"old_log_probs": t(), "ref_log_prob": t(), "rollout_log_probs": t(),
                                 "advantages": torch.randn(B, R, generator=g), "response_mask": mask,
                                 "values": torch.randn(B, R, generator=g), "returns": torch.randn(B, R, generator=g)})
@@ -129,7 +135,8 @@ SPLITS = {"one": [list(range(8))], "micro4": [[0, 1], [2, 3], [4, 5], [6, 7]],
     {"loss_agg_mode": "seq-mean-token-mean", "entropy_coeff": 0.01},
     {"loss_agg_mode": "seq-mean-token-sum-norm", "use_kl_loss": "true", "kl_loss_type": "low_var_kl"},
     {"loss_mode": "gspo", "clip_ratio_high": 0.3},
-    {"loss_agg_mode": "token-mean", "rollout_is": "sequence", "use_kl_loss": "true", "kl_loss_type": "k3+", "entropy_coeff": 0.001},
+    {"loss_agg_mode": "token-mean", "rollout_is": "sequence", "use_kl_loss": "true", "kl_loss_type": "k3+",
+     "entropy_coeff": 0.001},
 ])
 def test_actor_loss_is_exact_however_split(over):
     batch = random_batch()
@@ -144,7 +151,8 @@ def test_actor_loss_is_exact_however_split(over):
         assert torch.allclose(grad, ref_grad, atol=1e-7), name
         if ref_ent is not None:
             assert torch.allclose(egrad, ref_ent, atol=1e-7), name
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy"} <= set(metrics)
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
+            "actor/entropy"} <= set(metrics)
     if over.get("use_kl_loss"):
         assert "actor/kl_loss" in metrics
 
@@ -164,8 +172,8 @@ def test_critic_loss_is_exact_however_split(mode):
 def test_entropy_bonus_and_kl_loss_values():
     """One micro-batch, numbers by hand: loss = pg - c_ent * H + c_kl * KL."""
     mask = torch.ones(1, 2)
-    mb = DataProto.from_dict({"old_log_probs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2), "response_mask": mask,
-                              "ref_log_prob": torch.full((1, 2), LOG(0.25))})
+    mb = DataProto.from_dict({"old_log_probs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2),
+                              "response_mask": mask, "ref_log_prob": torch.full((1, 2), LOG(0.25))})
     logp = torch.full((1, 2), LOG(0.5))
     entropy = torch.tensor([[1.0, 3.0]])
     fn = make_actor_loss_fn(cfg_with(entropy_coeff=0.1, use_kl_loss="true", kl_loss_type="kl", kl_loss_coef=0.5))

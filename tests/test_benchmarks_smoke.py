@@ -163,7 +163,8 @@ def test_a_killed_rank_is_reported_as_killed_with_its_peak():
 def test_vs_trl_smoke(tmp_path):
     if importlib.util.find_spec("trl") is None:     # an interpreter without TRL: one line, exit 2, nothing run
         proc = subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--smoke", "--trl-python", sys.executable],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": ROOT})
         assert proc.returncode == 2 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
         assert proc.stdout.startswith("vs_trl: TRL does not import: ModuleNotFoundError"), proc.stdout
     proc = subprocess.run([sys.executable, "benchmarks/vs_trl.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,

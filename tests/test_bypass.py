@@ -25,7 +25,8 @@ from tests.helpers.training_runs import finish, train
 CPU = torch.device("cpu")
 KEY = "algorithm.rollout_correction.bypass_mode"
 DISAGG = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
-          "actor_rollout_ref.rollout.disaggregated_ranks=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+          "actor_rollout_ref.rollout.disaggregated_ranks=1",
+          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
           "algorithm.filter_groups.enable=false"]
 
 
@@ -46,8 +47,9 @@ def test_true_is_refused_where_it_cannot_be_honest():
     b = resolve_bypass(c, CPU)
     assert b.on and b.explicit and b.tolerance == 0.01
     # as users see it: one line, exit code 2, before anything starts
-    proc = subprocess.run([sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml", "--print-config",
-                           f"{KEY}=true", "actor_rollout_ref.rollout.name=hf"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml",
+                           "--print-config", f"{KEY}=true", "actor_rollout_ref.rollout.name=hf"],
+                          capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and KEY in lines[0] and "bypass_tolerance" in lines[0], proc.stderr
@@ -84,8 +86,9 @@ def test_the_loss_measures_the_mismatch_on_the_first_mini_batch_only():
 
     def micro(rows=2):
         roll = -torch.rand(rows, 4, generator=g)
-        return DataProto.from_dict({"old_log_probs": roll, "rollout_log_probs": roll, "advantages": torch.randn(rows, 4),
-                                    "response_mask": torch.ones(rows, 4)}, meta_info={"global_tokens": 16.0})
+        return DataProto.from_dict({"old_log_probs": roll, "rollout_log_probs": roll,
+                                    "advantages": torch.randn(rows, 4), "response_mask": torch.ones(rows, 4)},
+                                   meta_info={"global_tokens": 16.0})
 
     for _ in range(2):                     # two updates: the counter restarts at each
         loss_fn.start_update()
@@ -107,9 +110,11 @@ def test_skipping_the_pass_trains_exactly_as_computing_it(addition_model_dir, tm
     runs = {}
     for name, extra in (("skip", []), ("pass", [f"{KEY}=false"])):
         out_dir = tmp_path / name
-        code, out = finish(train([f"actor_rollout_ref.model.path={addition_model_dir}", f"trainer.default_local_dir={out_dir}",
+        code, out = finish(train([f"actor_rollout_ref.model.path={addition_model_dir}",
+                                  f"trainer.default_local_dir={out_dir}",
                                   "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                                  "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                                  "trainer.n_gpus_per_node=1",
+                                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
                                   "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
                                   "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
@@ -130,7 +135,10 @@ def test_skipping_the_pass_trains_exactly_as_computing_it(addition_model_dir, tm
 
 def test_r2_keeps_the_pass_it_records_routes_in():
     """R2 records the routes in the old-log-prob pass: true is refused, null keeps the pass."""
-    moe = lambda *over: load_config("configs/grpo_moe_tiny.yaml", ["actor_rollout_ref.actor.router_replay.mode=R2", *over])
+
+    def moe(*over):
+        return load_config("configs/grpo_moe_tiny.yaml", ["actor_rollout_ref.actor.router_replay.mode=R2", *over])
+
     with pytest.raises(ConfigError, match="router_replay.mode=R2"):
         moe(f"{KEY}=true")
     b = resolve_bypass(moe(), CPU)

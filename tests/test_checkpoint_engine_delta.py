@@ -90,7 +90,7 @@ def test_piece_index_map_matches_the_real_conversion(tmp_path):
     """For every tensor kind (fused QKV with GQA, fc1's gate/up, row- and column-parallel, padded
     vocabulary, replicated norms), trainer TP 2 -> rollout TP 1, 2 and 4: to_part puts each
     element where split_shard + narrow_to (the full sync's own conversion) put it."""
-    from megarl.checkpoint_engine.plan import build_plan, narrow_to, split_shard
+    from megarl.checkpoint_engine.plan import build_plan, split_shard
     from megarl.models.convert import hf_to_megatron
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.native.tp import ShardPlan

@@ -127,7 +127,8 @@ def test_buckets_respect_the_size_and_stage_order(model):
     assert ("output_layer.weight" in first) != spec.tie_word_embeddings               # tied: embedding only
     with pytest.raises(ValueError, match="bucket_bytes"):
         build_plan(spec, 1, 1, 0, 4)
-    assert plan.digest() == build_plan(spec, 2, 2, 5000, 4, ()).digest() != build_plan(spec, 2, 2, 50000, 4, ()).digest()
+    assert plan.digest() == build_plan(spec, 2, 2, 5000, 4, ()).digest() != \
+        build_plan(spec, 2, 2, 50000, 4, ()).digest()
 
 
 def test_split_shard_inverts_assemble(model):

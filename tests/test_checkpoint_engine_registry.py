@@ -78,7 +78,8 @@ def test_registration_refuses_what_the_registry_could_not_serve():
         Transport(name="nowhere", placements=("moon",), delta=False, build=ToySync)
     transport("colocated")      # the built-in is loaded (and registered) on first use
     with pytest.raises(ValueError, match="already picks 'colocated'"):
-        register(Transport(name="rival", placements=("colocated",), delta=False, auto_for=("colocated",), build=ToySync))
+        register(Transport(name="rival", placements=("colocated",), delta=False, auto_for=("colocated",),
+                           build=ToySync))
     with pytest.raises(ValueError, match="alias"):
         register(Transport(name="auto", placements=("colocated",), delta=False, build=ToySync))
 

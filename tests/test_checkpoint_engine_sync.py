@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import make_tiny_hf
-from tests.helpers.checkpoint_engine import (PROMPTS, TEMP, Faulty, actor_at, engine_mismatch, experiment, full_export,
+from tests.helpers.checkpoint_engine import (TEMP, Faulty, actor_at, engine_mismatch, experiment, full_export,
                                              generated_batch, native_engine, perturb, rollout_groups, rollout_vs_actor)
 from tests.distributed import run_ranks
 
@@ -109,7 +109,8 @@ def check_colocated(rank, world, path, big_path, disk_dir):
         actor = actor_at(big_path, tp, pp)
         group = rollout_groups(rtp)
         engine = native_engine(big_path, group)
-        sync = build_checkpoint_engine(experiment(big_path, tp, pp, rtp, bucket_size_mb=BIG_BUCKET_MB), actor, engine, group)
+        sync = build_checkpoint_engine(experiment(big_path, tp, pp, rtp, bucket_size_mb=BIG_BUCKET_MB), actor, engine,
+                                       group)
         sync.sync()                        # the engine's weights now exist; measure the steady state
         m = sync.sync()
         largest = max(e.numel * (tp if e.gather else 1) for b in sync.plan.buckets for e in b.entries) * 4
@@ -212,4 +213,5 @@ def check_disk_export(out, disk_dir, src_path):
     for name, t in out["disk_export"].items():
         for dst, rows, src in engine.plan.route(name, t):
             assert torch.equal(engine.params[dst].data[rows], src), name
-    assert os.path.isfile(os.path.join(path, "tokenizer.json")) and os.path.isfile(os.path.join(src_path, "tokenizer.json"))
+    assert os.path.isfile(os.path.join(path, "tokenizer.json")) and \
+        os.path.isfile(os.path.join(src_path, "tokenizer.json"))

@@ -160,7 +160,7 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_m
     done = cluster.wait(job2, timeout=300)
     out2 = cluster.output(job2)
     assert done["JobState"] == "COMPLETED", out2[-3000:]
-    assert f"resumed from" in out2 and f"at step {saved}" in out2
+    assert "resumed from" in out2 and f"at step {saved}" in out2
     assert sorted(set(steps_of(run2)))[-1] == saved + 2
 
 
@@ -207,7 +207,8 @@ def test_requeued_cancelled_and_resubmitted_job_resumes(cluster, tmp_path):
     assert list(by_run) == [(job_id, 0), (job_id, 1), (job2, 0)]
     # Each later run starts right after a complete checkpoint of the one before.
     (_, first), (_, requeued), (_, resubmitted) = by_run.items()
-    assert requeued[0]["launch/resumed_from"] >= first_ckpt and requeued[0]["step"] == requeued[0]["launch/resumed_from"] + 1
+    assert requeued[0]["launch/resumed_from"] >= first_ckpt and \
+        requeued[0]["step"] == requeued[0]["launch/resumed_from"] + 1
     assert resubmitted[0]["launch/resumed_from"] == resumed_at >= second_ckpt
     assert resubmitted[0]["step"] == resumed_at + 1 and resubmitted[-1]["step"] == 12
     # Steps between a checkpoint and a kill are redone, so the running sum must still be exact.
@@ -219,7 +220,8 @@ def test_requeued_cancelled_and_resubmitted_job_resumes(cluster, tmp_path):
 @pytest.mark.parametrize("script, mode, named", [
     (QUICKSTART, "raise", "first failure: srun: error: {host}: task 1: Exited with exit code 1"),
     (QUICKSTART, "kill", "first failure: srun: error: {host}: task 1: Killed"),
-    ("launch/slurm/single_node.sbatch", "raise", "first failure: on node {host}: rank : 1 (local_rank: 1); exitcode : 1"),
+    ("launch/slurm/single_node.sbatch", "raise",
+     "first failure: on node {host}: rank : 1 (local_rank: 1); exitcode : 1"),
 ])
 def test_a_failed_rank_fails_the_job_quickly_and_is_named(cluster, tmp_path, script, mode, named):
     run_dir = tmp_path / "run"
@@ -249,7 +251,8 @@ def test_multi_node_scripts_start_ranks_both_ways(cluster, tmp_path):
     for script, flags, mode in (("launch/slurm/multi_node.sbatch", (), "torchrun mode"),
                                 ("launch/slurm/multi_node_task_per_gpu.sbatch", ("--ntasks-per-node=2",), "task mode")):
         run_dir = tmp_path / script.split("/")[-1]
-        job_id = cluster.submit(script, CONFIG, "trainer.total_training_steps=2", f"trainer.default_local_dir={run_dir}",
+        job_id = cluster.submit(script, CONFIG, "trainer.total_training_steps=2",
+                                f"trainer.default_local_dir={run_dir}",
                                 sbatch_flags=("--nodes=1", "--gpus-per-node=0", *flags))
         job = cluster.wait(job_id)
         out = cluster.output(job_id)
@@ -282,7 +285,8 @@ def test_local_cluster_script_reports_its_daemons(cluster):
     assert got.returncode == 0
     assert "slurmctld running" in got.stdout and "slurmd running" in got.stdout and "idle" in got.stdout
     conf = open(cluster.env["SLURM_CONF"]).read()
-    for line in ("AuthType=auth/munge", "CredType=cred/munge", "ProctrackType=proctrack/linuxproc", f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
+    for line in ("AuthType=auth/munge", "CredType=cred/munge", "ProctrackType=proctrack/linuxproc",
+                 f"SlurmctldPort={cluster.env['MEGARL_SLURM_PORT']}",
                  f"StateSaveLocation={cluster.dir}/state"):
         assert line in conf
     assert shlex.split(cluster.slurm("sinfo", "-h", "-o", "%c"))[0] == cluster.env["MEGARL_SLURM_CPUS"]
@@ -295,7 +299,8 @@ def test_local_cluster_authenticates_with_munge_and_listens_on_loopback(cluster,
     assert "munged running" in cluster.script("status", timeout=60).stdout
     port = int(cluster.env["MEGARL_SLURM_PORT"])
     listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.split("\n")
-    local = [line.split()[3] for line in listening if line.split() and line.split()[3].endswith((f":{port}", f":{port + 1}"))]
+    local = [line.split()[3] for line in listening
+             if line.split() and line.split()[3].endswith((f":{port}", f":{port + 1}"))]
     assert sorted(local) == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], local
     # The same cluster seen through a munged with a different key: every request is refused.
     other = tmp_path / "other"
@@ -304,7 +309,8 @@ def test_local_cluster_authenticates_with_munge_and_listens_on_loopback(cluster,
     subprocess.run(["munged", "--force", f"--socket={other}/sock", f"--key-file={other}/munge.key",
                     f"--pid-file={other}/pid", f"--log-file={other}/log", f"--seed-file={other}/seed"], check=True)
     try:
-        conf = open(cluster.env["SLURM_CONF"]).read().replace(f"socket={munge_dir}/munge.socket", f"socket={other}/sock")
+        conf = open(cluster.env["SLURM_CONF"]).read().replace(f"socket={munge_dir}/munge.socket",
+                                                              f"socket={other}/sock")
         (other / "slurm.conf").write_text(conf)
         env = {**cluster.env, "SLURM_CONF": str(other / "slurm.conf")}
         log = os.path.join(cluster.dir, "slurmctld.log")

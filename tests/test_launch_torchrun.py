@@ -103,6 +103,8 @@ def test_rank_env_and_launch_checks_name_the_mismatch():
     with pytest.raises(ConfigError, match="trainer.n_gpus_per_node: is 2, but srun starts 8"):
         check_launch(cfg, 1, 8, by="srun")
     check_launch(cfg, 1, 2, by="srun")
-    cfg = load_config("configs/quickstart.yaml", ["trainer.collective_timeout_s=12.5", "trainer.default_local_dir=/x/y"])
+    cfg = load_config("configs/quickstart.yaml",
+                      ["trainer.collective_timeout_s=12.5", "trainer.default_local_dir=/x/y"])
     sh = shell_assignments(cfg)
-    assert (sh["MEGARL_RUN_DIR"], sh["MEGARL_LOG_DIR"], sh["MEGARL_COLLECTIVE_TIMEOUT_S"]) == ("/x/y", "/x/y/logs", "13")
+    assert (sh["MEGARL_RUN_DIR"], sh["MEGARL_LOG_DIR"], sh["MEGARL_COLLECTIVE_TIMEOUT_S"]) == \
+        ("/x/y", "/x/y/logs", "13")

@@ -68,7 +68,8 @@ def check_roles(rank, world, models: dict, refs: dict, rm_path: str, ckpt_dir: s
     out["critic_losses"] = losses
     del critic
     from megarl.workers.reward_model import RewardModelWorker
-    rm = RewardModelWorker(ModelConfig(path=rm_path), CriticConfig(megatron=layout), actor_vocab=301, micro_batch_size=2)
+    rm = RewardModelWorker(ModelConfig(path=rm_path), CriticConfig(megatron=layout), actor_vocab=301,
+                           micro_batch_size=2)
     out["rm_scores"] = diff(rm.compute_scores(data), refs["critic"]["scores"])
     del rm
     fresh = CriticWorker(CriticConfig(model=CriticModelConfig(path=path, init_from="actor"), megatron=layout,

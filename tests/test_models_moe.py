@@ -118,7 +118,8 @@ def hf_aux_reference(path: str, data, micro: int, dp: int) -> tuple[float, dict]
             valid = (torch.arange(S)[None] < (mb.batch["prompt_lens"] + mb.batch["response_lens"])[:, None]).flatten()
             for layer in logits:
                 probs = layer[valid].float().softmax(-1)                                # [T real tokens, E]
-                counts = torch.zeros(E).index_add_(0, probs.topk(k, -1).indices.flatten(), torch.ones(probs.shape[0] * k))
+                counts = torch.zeros(E).index_add_(0, probs.topk(k, -1).indices.flatten(),
+                                                   torch.ones(probs.shape[0] * k))
                 T = probs.shape[0]
                 values.append((probs.sum(0) * counts).sum() * E / (k * T * T))
     micro_batches = len(values) // len(logits)
@@ -244,9 +245,11 @@ def test_specs_and_refusals(tmp_path):
     assert mis.sliding_window == 4096
     check_layout(q3m, tp=2, pp=1, ep=2, world=4)
     check_layout(q3m, tp=1, pp=1, ep=4, world=4)
-    with pytest.raises(ValueError, match=r"expert_model_parallel_size=3 does not divide num_experts=4; pick one of \[1, 2, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"expert_model_parallel_size=3 does not divide num_experts=4; pick one of \[1, 2, 4\]"):
         check_layout(q3m, tp=1, pp=1, ep=3)
-    with pytest.raises(ValueError, match=r"must divide the data-parallel size 1 .* use expert_model_parallel_size in \[1\]"):
+    with pytest.raises(ValueError,
+                       match=r"must divide the data-parallel size 1 .* use expert_model_parallel_size in \[1\]"):
         check_layout(q3m, tp=2, pp=2, ep=2, world=4)
     with pytest.raises(ValueError, match="need a mixture-of-experts model"):
         check_layout(q3, tp=1, pp=1, ep=2)
@@ -292,5 +295,7 @@ def test_config_refuses_bad_expert_layouts_before_building(tmp_path):
         cfg("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1")
     mistral = make_tiny_hf(str(tmp_path / "mis"), "mistral", tokenizer=False, num_hidden_layers=2, sliding_window=600)
-    with pytest.raises(ConfigError, match=r"data.max_response_length: .*sliding_window=600 but sequences may reach 1024"):
-        load_config(None, [f"actor_rollout_ref.model.path={mistral}"]).check_model(json.load(open(f"{mistral}/config.json")))
+    with pytest.raises(ConfigError,
+                       match=r"data.max_response_length: .*sliding_window=600 but sequences may reach 1024"):
+        load_config(None, [f"actor_rollout_ref.model.path={mistral}"]).check_model(
+            json.load(open(f"{mistral}/config.json")))

@@ -86,7 +86,8 @@ def test_turns_are_batched_seeded_and_aligned(tmp_path):
     assert info["index"] == 0 and info["num_turns"] == 2 and info["tool_calls"][0]["status"] == "ok"
     m = out.meta_info["metrics"]
     assert m["multiturn/tool_calls/total"] == 4 and m["multiturn/assistant_turns/mean"] == 2
-    assert m["multiturn/tool_errors"] == 0 and m == {**multiturn_metrics(out), "timing_s/agent_loop": m["timing_s/agent_loop"]}
+    assert m["multiturn/tool_errors"] == 0 and \
+        m == {**multiturn_metrics(out), "timing_s/agent_loop": m["timing_s/agent_loop"]}
     # the token-level interface gives the same completions
     groups = loop.generate([list(p) for p in batch.non_tensor_batch["prompt_token_ids"]], sampling())
     assert [c.token_ids for g in groups for c in g] == [r["ids"] for r in got]
@@ -216,7 +217,8 @@ def test_config_entry_point_with_seed_keys(tmp_path, monkeypatch):
     path.write_text("tools:\n  - name: calculator\n    description: Add two numbers together\n    parameters:\n"
                     "      - {name: a, type: number, description: First number}\n"
                     "      - {name: b, type: number, description: Second number}\n")
-    cfg = load_config(None, [f"actor_rollout_ref.rollout.tools={path}", "actor_rollout_ref.rollout.interactions=[conversation]",
+    cfg = load_config(None, [f"actor_rollout_ref.rollout.tools={path}",
+                             "actor_rollout_ref.rollout.interactions=[conversation]",
                              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4", "data.chat_template=plain"])
     assert cfg.rollout.multi_turn.enable
     engine = ScriptedEngine(TOK, solver)

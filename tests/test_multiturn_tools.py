@@ -235,7 +235,8 @@ def test_render_through_chat_template_and_plain():
                  "</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert r.tool_text(["7", "x"], after_eos=False) == after_call
     assert r.tool_text(["7", "x"], after_eos=True) == after_call[len("<|im_end|>"):]
-    assert r.user_text("try again", after_eos=True) == "\n<|im_start|>user\ntry again<|im_end|>\n<|im_start|>assistant\n"
+    assert r.user_text("try again", after_eos=True) == \
+        "\n<|im_start|>user\ntry again<|im_end|>\n<|im_start|>assistant\n"
     ids = r.tool_tokens(["7"], after_eos=False)
     assert ids[0] == tok.convert_tokens_to_ids("<|im_end|>") and tok.decode(ids) == r.tool_text(["7"], False)
     plain = Renderer(tok, "{% for m in messages %}{{ m['content'] }}{% endfor %}", "auto")   # renders no tools

@@ -57,7 +57,8 @@ def test_context_and_virtual_pipeline_layout_rules():
     err = refused(f"{A}.megatron.context_parallel_size=2", "actor_rollout_ref.ref.megatron.context_parallel_size=1",
                   "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1")
     assert "differs from the actor's" in str(err)
-    err = refused("actor_rollout_ref.rollout.placement=disaggregated", "actor_rollout_ref.rollout.disaggregated_ranks=2",
+    err = refused("actor_rollout_ref.rollout.placement=disaggregated",
+                  "actor_rollout_ref.rollout.disaggregated_ranks=2",
                   f"{A}.megatron.context_parallel_size=2")
     assert err.key == "actor_rollout_ref.rollout.placement" and "placement=colocated" in str(err)
 

@@ -290,7 +290,8 @@ def test_route_layouts_round_trip():
                 for rank in range(sp):
                     for layer in range(3):
                         tokens = rr.local_tokens(local, layer, rank, sp)
-                        assert tokens.dtype == torch.int64 and tokens.shape == (local.shape[1] // sp * local.shape[0], 2)
+                        assert tokens.dtype == torch.int64 and \
+                            tokens.shape == (local.shape[1] // sp * local.shape[0], 2)
                         rr.place_tokens(tokens, buf, layer, rank, sp)
                 assert torch.equal(buf, local)
                 full = sum(rr.place_sequence(split_sequence(micro, r, cp, dim=1), r, cp, dim=1) for r in range(cp))

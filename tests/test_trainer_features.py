@@ -18,7 +18,8 @@ from megarl.trainer.metrics import read_metrics
 def short(addition_model_dir, run_dir, *extra):
     return ["--config", "configs/quickstart.yaml", f"actor_rollout_ref.model.path={addition_model_dir}",
             f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.val_before_train=false", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.n=4",
             "algorithm.filter_groups.enable=false", "actor_rollout_ref.actor.clip_ratio_high=0.2", *extra]
 

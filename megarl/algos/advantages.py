@@ -33,7 +33,8 @@ def _need(value, what: str, name: str):
 
 def group_index(uid: Sequence | np.ndarray, device=None) -> tuple[torch.Tensor, int]:
     """Row -> dense group number (first-seen order) and the number of groups."""
-    _, first, inverse = np.unique(np.asarray(list(uid), dtype=object).astype(str), return_index=True, return_inverse=True)
+    _, first, inverse = np.unique(np.asarray(list(uid), dtype=object).astype(str), return_index=True,
+                                  return_inverse=True)
     order = np.argsort(np.argsort(first))                 # renumber groups by first appearance
     return torch.as_tensor(order[inverse], dtype=torch.long, device=device), len(first)
 
@@ -95,7 +96,8 @@ def grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=Non
 
 @register_adv_estimator("drgrpo", "dr_grpo")
 @torch.no_grad()
-def drgrpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def drgrpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,
+           **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO: score minus group mean, no std scaling. Its other half, the length-unbiased
     loss, is `actor.loss_agg_mode=seq-mean-token-sum-norm`."""
     kw.pop("norm_adv_by_std_in_grpo", None)
@@ -104,7 +106,8 @@ def drgrpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=N
 
 @register_adv_estimator("rloo")
 @torch.no_grad()
-def rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None, **_) -> tuple[torch.Tensor, torch.Tensor]:
+def rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,
+         **_) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out baseline: score minus the mean of the other responses of the same prompt,
     i.e. n/(n-1) * (score - group mean). A lone response keeps its raw score (verl)."""
     uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "rloo")

@@ -73,7 +73,8 @@ class RolloutCorrectionConfig(Section):
     bypass_tolerance: float | None = None
 
     def __post_init__(self):
-        require(self.rollout_is_threshold >= 1.0, "rollout_is_threshold", "must be >= 1 (weights above it are truncated)")
+        require(self.rollout_is_threshold >= 1.0, "rollout_is_threshold",
+                "must be >= 1 (weights above it are truncated)")
         require(self.bypass_tolerance is None or self.bypass_tolerance > 0, "bypass_tolerance",
                 "must be > 0 (a log-prob difference) or null")
 
@@ -100,7 +101,8 @@ class AlgorithmConfig(Section):
                     + (f"did you mean {hint!r}? " if hint else "") + f"choose one of {', '.join(ADV_ESTIMATORS)}")
         base = self.kl_penalty[:-1] if self.kl_penalty.endswith("+") else self.kl_penalty
         require(base in KL_PENALTIES, "kl_penalty",
-                f"unknown KL estimator {self.kl_penalty!r}; choose one of {', '.join(KL_PENALTIES)} (a '+' suffix takes the k2 gradient)")
+                f"unknown KL estimator {self.kl_penalty!r}; choose one of {', '.join(KL_PENALTIES)} "
+                "(a '+' suffix takes the k2 gradient)")
 
     @property
     def needs_critic(self) -> bool:

@@ -39,7 +39,8 @@ def filter_metric(batch, metric: str) -> np.ndarray:
     if metric in nt:
         return np.asarray([float(v) for v in nt[metric]])
     raise ValueError(f"algorithm.filter_groups.metric={metric!r} is neither seq_reward, score nor a per-sample "
-                     f"reward field (have: {', '.join(sorted(nt)) or 'none'}); return it from the reward function's dict")
+                     f"reward field (have: {', '.join(sorted(nt)) or 'none'}); "
+                     "return it from the reward function's dict")
 
 
 class DynamicSampler:

@@ -78,7 +78,8 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
                 metrics["rollout_corr/masked_token_fraction"] = torch.tensor(masked_token_fraction(weights, mask))
         metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights)
         if probe:
-            metrics.update(rollout_mismatch_metrics(log_prob.detach(), b["rollout_log_probs"].to(log_prob.device), mask))
+            metrics.update(rollout_mismatch_metrics(log_prob.detach(), b["rollout_log_probs"].to(log_prob.device),
+                                                    mask))
         entropy = outputs.get("entropy")
         if entropy is not None:
             metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)

@@ -30,7 +30,8 @@ class Registry:
         if name not in self._fns:
             hint = closest(name, sorted(self._fns))
             fix = f"did you mean {hint!r}? " if hint else ""
-            raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(sorted(self._fns))}", self.key)
+            raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(sorted(self._fns))}",
+                              self.key)
         return self._fns[name]
 
     def names(self) -> list[str]:

@@ -79,7 +79,8 @@ def rollout_is_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     else:
         w = raw.clamp(max=threshold)
     ess = (w.sum() ** 2 / (w ** 2).sum().clamp(min=1e-12) / w.numel()).item()
-    return {"rollout_corr/rollout_is_mean": w.mean().item(), "rollout_corr/rollout_is_std": w.std(unbiased=False).item(),
+    return {"rollout_corr/rollout_is_mean": w.mean().item(),
+            "rollout_corr/rollout_is_std": w.std(unbiased=False).item(),
             "rollout_corr/rollout_is_max": w.max().item(), "rollout_corr/rollout_is_min": w.min().item(),
             "rollout_corr/rollout_is_eff_sample_size": ess,
             "rollout_corr/rollout_is_ratio_fraction_high": (raw > threshold).float().mean().item()}

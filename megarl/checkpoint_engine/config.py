@@ -76,7 +76,8 @@ def transport_names() -> list[str]:
 
 def unknown_backend(backend: str) -> str:
     """The one-line message for a backend no transport registered."""
-    return f"unknown transport {backend!r}; registered: {', '.join(transport_names())} (or auto: from rollout.placement)"
+    return (f"unknown transport {backend!r}; registered: {', '.join(transport_names())} "
+            "(or auto: from rollout.placement)")
 
 
 def transport(name: str) -> TransportRules:

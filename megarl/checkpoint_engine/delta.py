@@ -257,7 +257,8 @@ def part_origin(want: ShardSlice, full: tuple[int, ...]) -> list[int]:
     return [want.start if d == want.dim else 0 for d in range(len(full))]
 
 
-def to_part(piece: Piece, idx: torch.Tensor, full: tuple[int, ...], want: ShardSlice) -> tuple[torch.Tensor, torch.Tensor]:
+def to_part(piece: Piece, idx: torch.Tensor, full: tuple[int, ...],
+            want: ShardSlice) -> tuple[torch.Tensor, torch.Tensor]:
     """Piece-local flat indices -> (which of them the engine part holds (mask), their flat index
     in the part)."""
     lo, hi = (piece.part.start, piece.part.stop) if piece.part.dim == 0 else (0, full[0] if full else 1)

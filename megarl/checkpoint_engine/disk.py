@@ -66,7 +66,8 @@ def _exports(disk_dir: str) -> list[tuple[int, str]]:
 class DiskSync:
     def __init__(self, source: ShardSource, disk_dir: str, bucket_bytes: int = 512 << 20, keep: int = 2,
                  aux_from: str | None = None, group=None, delta: DeltaOptions | None = None):
-        self.src, self.dir, self.keep, self.aux_from, self.group = source, os.path.abspath(disk_dir), keep, aux_from, group
+        self.src, self.dir, self.keep, self.aux_from, self.group = (source, os.path.abspath(disk_dir), keep, aux_from,
+                                                                    group)
         self.dtype, self.device = source.dtype, source.device
         self.out_dtype = source.hf_dtype or self.dtype
         self.plan = build_plan(source.spec, source.tp, source.pp, bucket_bytes, self.dtype.itemsize, (), source.head,

@@ -206,7 +206,8 @@ class DisaggregatedReceiver:
     def __init__(self, engine: RolloutEngine, spec: ModelSpec, groups: DisaggregatedGroups, dtype: torch.dtype,
                  bucket_bytes: int = 512 << 20, head: str = "lm", device: torch.device | str = "cpu",
                  overlap: bool = True, keep_previous: bool = False, delta: DeltaOptions | None = None):
-        self.engine, self.g, self.dtype, self.device, self.overlap = engine, groups, dtype, torch.device(device), overlap
+        self.engine, self.g, self.dtype, self.device, self.overlap = (engine, groups, dtype, torch.device(device),
+                                                                      overlap)
         self.plan = disaggregated_plan(spec, groups.tp, groups.pp, bucket_bytes, dtype, head)
         self.want = takes_shards(engine)
         self.keep_previous = keep_previous
@@ -230,7 +231,8 @@ class DisaggregatedReceiver:
         if self.delta is not None:
             old = self.delta
             self.delta = ReceiverDelta(engine, self.plan, self.g.tp, self.dtype)
-            self.delta.index, self.delta.n_layouts, self.delta.undo_on_failure = old.index, old.n_layouts, old.undo_on_failure
+            self.delta.index, self.delta.n_layouts, self.delta.undo_on_failure = (old.index, old.n_layouts,
+                                                                                   old.undo_on_failure)
 
     def request_anchor(self, why: str) -> None:
         """Nothing to do here: the trainer ranks decide anchors (every sync starts with both sides'
@@ -249,8 +251,9 @@ class DisaggregatedReceiver:
     def _start(self, bucket) -> Transfer:
         G = bucket.gather_numel
         buf = torch.empty(self.g.tp * G, dtype=self.dtype, device=self.device)
-        works = [self.g.groups[(t, bucket.stage)].broadcast(buf[t * G:(t + 1) * G], src=self.g.senders[(t, bucket.stage)],
-                                                            async_op=True) for t in range(self.g.tp)]
+        works = [self.g.groups[(t, bucket.stage)].broadcast(buf[t * G:(t + 1) * G],
+                                                            src=self.g.senders[(t, bucket.stage)], async_op=True)
+                 for t in range(self.g.tp)]
         return Transfer(buf, filling=works)
 
     def sync(self) -> dict[str, float]:
@@ -290,11 +293,13 @@ class DisaggregatedReceiver:
                                       overlap=self.overlap, abort=self.engine.abort_weight_update)
         try:
             seconds, peak, wire, *more = conclude(self.engine, error or err2,
-                                                  [time.perf_counter() - begin, mem.extra_mb, float(wire), 0.0, 0.0, 0.0],
+                                                  [time.perf_counter() - begin, mem.extra_mb, float(wire),
+                                                   0.0, 0.0, 0.0],
                                                   self.g.everyone, self.device)
         except WeightSyncError as err:
             if d.restore():
-                raise WeightSyncError(f"{err}; this engine undid the delta and generates on its previous weights") from None
+                raise WeightSyncError(f"{err}; this engine undid the delta and generates on its previous "
+                                      "weights") from None
             raise
         out = metrics(seconds, self.plan.numel() * self.dtype.itemsize, len(self.plan.buckets), peak, wire)
         return _delta_metrics(out, *more)
@@ -314,10 +319,12 @@ class DisaggregatedReceiver:
                                        abort=self.engine.abort_weight_update)
         try:
             seconds, peak, wire, *more = conclude(self.engine, error, [time.perf_counter() - start, mem.extra_mb,
-                                                                       float(wire), *extra], self.g.everyone, self.device)
+                                                                       float(wire), *extra],
+                                                  self.g.everyone, self.device)
         except WeightSyncError as err:
             if self.keep_previous and self._restore():
-                raise WeightSyncError(f"{err}; this engine reloaded its previous weights and generates on them") from None
+                raise WeightSyncError(f"{err}; this engine reloaded its previous weights and generates "
+                                      "on them") from None
             raise
         if self.keep_previous:
             self.previous = kept

@@ -70,7 +70,8 @@ class RunDirLock:
             if err.errno != errno.ELOOP:
                 raise
             raise ConfigError(f"{self.path} is a symbolic link; megarl will not follow it (someone else may have "
-                              "planted it). Remove it, and check who can write to the run directory", self.key) from None
+                              "planted it). Remove it, and check who can write to the run directory",
+                              self.key) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise ConfigError(f"{self.path} is not a regular file; remove it", self.key)

@@ -109,7 +109,8 @@ class LogCopy:
     the ranks' last lines; a write that fails anyway is one line on stderr, never a traceback."""
 
     def __init__(self, path: str):
-        self.path, self.fd, self.size, self.reserved = path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), 0, 0
+        self.path, self.fd, self.size, self.reserved = (path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                                                      0o644), 0, 0)
         self.size = os.fstat(self.fd).st_size
         self._reserve()
 

@@ -137,7 +137,8 @@ class CheckpointEngineConfig(Section):
             self.delta = "on" if self.delta else "off"
         require(self.backend in ALIASES or self.backend in transport_names(), "backend", unknown_backend(self.backend))
         if self.backend == "delta_sharded":
-            require(self.delta in (None, "on"), "delta", "backend=delta_sharded (verl) is the distributed transport with "
+            require(self.delta in (None, "on"), "delta",
+                    "backend=delta_sharded (verl) is the distributed transport with "
                     "delta on; remove delta=off or use backend=distributed")
             self.backend, self.delta = "distributed", "on"
         self.delta = self.delta or "off"

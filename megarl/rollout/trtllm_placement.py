@@ -93,9 +93,9 @@ def group_devices(members: list[tuple[str, str, str]], tp_size: int) -> tuple[li
                            "(LOCAL_RANK -> cuda device)")
     bad = [o for o in ordinals if not o.isdigit()]
     if bad:
-        raise RuntimeError(f"the rollout TP group's GPUs are named {ordinals} by CUDA_VISIBLE_DEVICES, but TensorRT-LLM's "
-                           "Ray workers parse integer ids (executor/ray/gpu_worker.py): set CUDA_VISIBLE_DEVICES to "
-                           "integer ordinals (not GPU UUIDs or MIG ids)")
+        raise RuntimeError(f"the rollout TP group's GPUs are named {ordinals} by CUDA_VISIBLE_DEVICES, but "
+                           "TensorRT-LLM's Ray workers parse integer ids (executor/ray/gpu_worker.py): set "
+                           "CUDA_VISIBLE_DEVICES to integer ordinals (not GPU UUIDs or MIG ids)")
     return uuids, [int(o) for o in ordinals]
 
 
@@ -143,7 +143,7 @@ def check_worker_devices(worker_uuids: list[str], group_uuids: list[str]) -> Non
     workers = [str(u) for u in worker_uuids]
     strays = [f"worker {i} on {u}" for i, u in enumerate(workers) if u not in group_uuids]
     if strays or len(set(workers)) != len(workers) or len(workers) != len(group_uuids):
-        raise RuntimeError(f"TensorRT-LLM's TP workers run on GPUs {workers} ({', '.join(strays) or 'not one each'}) but "
-                           f"the rollout TP group's ranks hold {list(group_uuids)}: a weight refit would find no handle "
-                           "for some worker. Give each rank its own GPU, let the leader's process see the group's GPUs, "
-                           "and drop any placement from engine_kwargs.trtllm")
+        raise RuntimeError(f"TensorRT-LLM's TP workers run on GPUs {workers} ({', '.join(strays) or 'not one each'}) "
+                           f"but the rollout TP group's ranks hold {list(group_uuids)}: a weight refit would find no "
+                           "handle for some worker. Give each rank its own GPU, let the leader's process see the "
+                           "group's GPUs, and drop any placement from engine_kwargs.trtllm")

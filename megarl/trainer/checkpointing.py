@@ -118,7 +118,8 @@ class PeerSaveFailed(RuntimeError):
     def __init__(self, step: int, rank: int, cause: OSError | None):
         self.failed_rank, self.cause = rank, cause
         super().__init__(f"saving step {step} failed on rank {rank}"
-                         + (f": {cause.strerror or cause}" if cause else " (not a filesystem error: its traceback says why)"))
+                         + (f": {cause.strerror or cause}" if cause
+                            else " (not a filesystem error: its traceback says why)"))
 
 
 def _attempt(fn) -> BaseException | None:
@@ -277,7 +278,8 @@ def load(path: str, roles: dict, rank: int, world: int) -> dict:
         raise ConfigError(f"cannot resume from {os.path.basename(os.path.normpath(path))}: {err}; megarl loads no "
                           "checkpoint file it cannot vouch for. If you trust it, fix its owner/mode; otherwise start "
                           "over with trainer.resume_mode=disable, or pick an earlier step with trainer.resume_mode="
-                          "resume_path trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode") from None
+                          "resume_path trainer.resume_from_path=<run dir>/global_step_N",
+                          "trainer.resume_mode") from None
     for name, worker in roles.items():
         sub = os.path.join(path, name)
         if not os.path.isdir(sub):

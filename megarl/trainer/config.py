@@ -30,7 +30,8 @@ class TrainerConfig(Section):
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
     max_actor_ckpt_to_keep: int | None = None  # None: keep all
-    max_critic_ckpt_to_keep: int | None = None  # verl's key, accepted; a step dir holds every role, so the actor's count prunes
+    # verl's key, accepted; a step dir holds every role, so the actor's count prunes
+    max_critic_ckpt_to_keep: int | None = None
 
     # Validation and logging.
     test_freq: int = -1

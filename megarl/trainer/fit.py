@@ -9,12 +9,9 @@ once, on rank 0, in parallel with the log-prob passes, and broadcast.
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from contextlib import contextmanager
-
-import torch
 
 from megarl.algos.advantages import compute_advantage
 from megarl.algos.dapo import DynamicSampler
@@ -274,9 +271,9 @@ class RLTrainer:
         metrics.update(self.memory.metrics())
         self.log.log(self.step, metrics)
         if self.bad_steps > tr.max_bad_steps:
-            raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms (more than "
-                               f"trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. Lower the "
-                               "learning rate or check the reward, then resume")
+            raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms "
+                               f"(more than trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. "
+                               "Lower the learning rate or check the reward, then resume")
         if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
             self.save()
 
@@ -288,9 +285,11 @@ class RLTrainer:
     def save(self) -> None:
         self.handoff("trainer")
         checkpointing.save(self.cfg.trainer.default_local_dir, self.step, self.p.trainable_roles(),
-                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep, say=self.log.info)
+                           self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep,
+                           say=self.log.info)
         self.handoff("engine")
-        self.log.info(f"megarl: saved step {self.step} to {checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
+        self.log.info(f"megarl: saved step {self.step} to "
+                      f"{checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 
     def resume(self) -> None:
         """Continue from the checkpoint trainer.resume_mode names (if any), then `on_started`: the

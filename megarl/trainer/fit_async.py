@@ -23,7 +23,6 @@ on timing, in any two runs).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -70,7 +69,8 @@ class AsyncRLTrainer(RLTrainer):
                 self.extra.update(staleness_metrics(batch.batch["token_versions"], batch.batch["response_mask"],
                                                     self.step - 1))
                 self.extra.update({f"async/{k}": v for k, v in batch.meta_info.get("async_metrics", {}).items()})
-                self.extra.update({f"timing_s/rollout_{k}": v for k, v in batch.meta_info.get("rollout_timing", {}).items()})
+                self.extra.update({f"timing_s/rollout_{k}": v
+                                   for k, v in batch.meta_info.get("rollout_timing", {}).items()})
                 self.train_on(batch)
                 with self.timed("sync"):
                     self.sync_weights()

@@ -9,8 +9,6 @@ import os
 import sys
 import time
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.trainer.checkpointing import CheckpointSaveError

@@ -7,7 +7,6 @@ scanning every process on the machine, orphans re-parented to init included.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time

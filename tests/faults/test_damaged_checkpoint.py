@@ -64,7 +64,8 @@ def _try_each(rank, world, model_dir, run_dir, step_dir):
             if rank == 0:
                 after = _digests(run_dir)
                 changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)
-                                 and k not in (os.path.relpath(path, run_dir), os.path.relpath(path, run_dir) + ".keep"))
+                                 and k not in (os.path.relpath(path, run_dir),
+                                               os.path.relpath(path, run_dir) + ".keep"))
                 os.replace(path + ".keep", path)
                 results[(rel, how)] = (message, changed)
             else:

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from tests.faults.runs import Launch, lock_is_free, overrides

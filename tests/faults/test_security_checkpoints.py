@@ -52,7 +52,8 @@ def write_hostile(path: str, marker: str) -> None:
 def overrides(model_dir, run_dir, steps, *extra):
     return [f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
             f"trainer.total_training_steps={steps}", f"trainer.save_freq={STEP}", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.val_before_train=false", "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
             "algorithm.filter_groups.enable=false", "trainer.plot_reward_curve=false", *extra]
 
@@ -190,7 +191,8 @@ def test_files_that_others_could_have_written_are_refused(runs, tmp_path):
         "no manifest": lambda d: os.remove(os.path.join(d, verified_io.MANIFEST)),
         "a group-writable run directory": lambda d: os.chmod(os.path.dirname(d), 0o770),
     }
-    expect = {"another owner": "actor/.metadata is owned by uid 65534", "group-writable": "rng/rank_1.pt is writable by group",
+    expect = {"another owner": "actor/.metadata is owned by uid 65534",
+              "group-writable": "rng/rank_1.pt is writable by group",
               "world-writable directory": "actor is writable by", "a symbolic link": "rng/rank_0.pt is a symbolic link",
               "an added file": "actor/extra.pt is not in the manifest", "no manifest": "manifest.json is missing",
               "a group-writable run directory": "is writable by group"}

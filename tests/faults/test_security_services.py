@@ -141,7 +141,8 @@ def test_a_print_in_a_reward_file_cannot_steer_the_launch(tmp_path):
     """))
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launch_check"}
-    out = subprocess.run(["bash", "launch/torchrun.sh", "configs/quickstart.yaml", f"trainer.default_local_dir={run_dir}",
+    out = subprocess.run(["bash", "launch/torchrun.sh", "configs/quickstart.yaml",
+                          f"trainer.default_local_dir={run_dir}",
                           "trainer.total_training_steps=1", f"custom_reward_function.path={reward}",
                           "custom_reward_function.name=compute_score"], env=env, capture_output=True, text=True,
                          timeout=200)

@@ -127,7 +127,8 @@ def experiment(path: str, tp: int, pp: int, rtp: int, **ce):
                  f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
                  f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
                  f"actor_rollout_ref.rollout.tensor_model_parallel_size={rtp}",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "data.train_batch_size=4"]
     overrides += [f"actor_rollout_ref.rollout.checkpoint_engine.{k}={v}" for k, v in ce.items()]
     return load_config(None, overrides)

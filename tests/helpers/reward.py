@@ -25,7 +25,8 @@ def text_tokenizer():
         core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         core.decoder = decoders.Fuse()
         core.add_special_tokens(["<pad>", "<eos>", "<unk>"])
-        _TOK["text"] = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+        _TOK["text"] = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                               unk_token="<unk>")
     return _TOK["text"]
 
 

@@ -180,7 +180,8 @@ def test_sequence_distribution_equals_the_models(tmp_path):
         exact = [p1[stops].sum().item(), (p1[keep] * nxt[keep][:, stops].sum(-1)).sum().item()]
     counts, total = [0, 0, 0], 0
     for seed in range(12):
-        for group in engine.generate([prompt] * 10, SamplingParams(n=50, max_tokens=3, seed=seed, stop_token_ids=stops)):
+        for group in engine.generate([prompt] * 10,
+                                     SamplingParams(n=50, max_tokens=3, seed=seed, stop_token_ids=stops)):
             for c in group:
                 total += 1
                 if c.finish_reason == "stop":

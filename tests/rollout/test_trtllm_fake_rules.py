@@ -140,7 +140,8 @@ def test_sleep_rpc_needs_sleep_config_and_known_tags(t13, tmp_path):
     with pytest.raises(ValueError, match="Sleep feature is not enabled, please set sleep_config"):
         llm._collective_rpc("sleep", (["kv_cache"],))
     mem = t13.llmapi.llm_args.ExecutorMemoryType
-    llm = t13.LLM(model=str(tmp_path), sleep_config=t13.llmapi.llm_args.SleepConfig(restore_modes={mem("kv_cache"): "NONE"}))
+    llm = t13.LLM(model=str(tmp_path),
+                  sleep_config=t13.llmapi.llm_args.SleepConfig(restore_modes={mem("kv_cache"): "NONE"}))
     with pytest.raises(ValueError, match="'weights' is not a valid ExecutorMemoryType"):
         llm._collective_rpc("sleep", (["weights"],))
 

@@ -208,7 +208,8 @@ def test_sampling_kwargs_budget_and_greedy_n(monkeypatch):
     sp = SamplingParams(n=4, max_tokens=32, temperature=0.7, seed=5, stop_token_ids=[9], eos_token_ids=[2])
     kw = sampling_kwargs(sp, feats, max_tokens=20, pad_token_id=0)
     assert kw["n"] == 4 and kw["max_tokens"] == 20 and kw["temperature"] == 0.7 and kw["seed"] == 5
-    assert kw["stop_token_ids"] == [2, 9] and kw["end_id"] == 2 and kw["pad_id"] == 0 and kw["include_stop_str_in_output"]
+    assert kw["stop_token_ids"] == [2, 9] and kw["end_id"] == 2 and kw["pad_id"] == 0 and \
+        kw["include_stop_str_in_output"]
     assert kw["logprobs"] == 0 and kw["logprobs_mode"] == "processed" and kw["logprobs_simple_format"]
     tllm = sys.modules["tensorrt_llm"]
     assert tllm.SamplingParams(**kw).logprobs == 0, "the strict fake accepts the pair (0 = the sampled token only)"
@@ -252,7 +253,8 @@ def test_placement_checks():
     with pytest.raises(RuntimeError, match="not one each"):
         placement.check_worker_devices(["GPU-a", "GPU-a"], ["GPU-a", "GPU-b"])
     env = placement.worker_environment([2, 3], {"PYTHONPATH": "/x", "TLLM_RAY_FORCE_LOCAL_CLUSTER": "0"})
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["TLLM_RAY_FORCE_LOCAL_CLUSTER"] == "0", "an explicit one is kept"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["TLLM_RAY_FORCE_LOCAL_CLUSTER"] == "0", \
+        "an explicit one is kept"
     assert env["PYTHONPATH"].split(os.pathsep) == [placement.megarl_root(), "/x"]
     assert placement.worker_environment([0], {})["TLLM_RAY_FORCE_LOCAL_CLUSTER"] == "1"
     before = {k: os.environ.get(k) for k in env}

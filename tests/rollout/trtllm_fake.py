@@ -106,7 +106,8 @@ def _validate_logprobs(sp, rules: dict, modes) -> None:
         if limit is not None and value is not None and not 0 <= value <= limit:
             raise ValueError(f"{name} must be between 0 and {limit}, got {name}={value}")
     if rules.get("simple_format_needs_logprobs") is not None:
-        for flag, name in (("logprobs_simple_format", "logprobs"), ("prompt_logprobs_simple_format", "prompt_logprobs")):
+        for flag, name in (("logprobs_simple_format", "logprobs"),
+                           ("prompt_logprobs_simple_format", "prompt_logprobs")):
             if getattr(sp, flag) and getattr(sp, name) != 0:
                 raise ValueError(f"{flag}=True requires {name} == 0 (the sampled token only), "
                                  f"got {name}={getattr(sp, name)}")

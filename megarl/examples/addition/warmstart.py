@@ -5,8 +5,6 @@ purpose so that held-out accuracy stays well below the ceiling and RL has room t
 """
 from __future__ import annotations
 
-import math
-import random
 import time
 from collections import defaultdict
 
@@ -54,7 +52,8 @@ def supervised_train(model, tokenizer, task: AdditionTask, steps: int, batch_siz
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
     model.eval()
-    return {"steps": steps, "seconds": time.perf_counter() - start, "final_loss": sum(losses[-20:]) / min(20, len(losses) or 1)}
+    return {"steps": steps, "seconds": time.perf_counter() - start,
+            "final_loss": sum(losses[-20:]) / min(20, len(losses) or 1)}
 
 
 @torch.no_grad()

@@ -156,7 +156,8 @@ class AgentLoop(RolloutEngine):
         nt = batch.non_tensor_batch
         prompts = self._with_tool_list(batch, [list(p) for p in nt["prompt_token_ids"]])
         prompts = guard_batch_prompts(self.guard, batch, prompts)
-        rows = [{k: (nt[k][i] if k in nt else None) for k in ("data_source", "reward_model", "extra_info", "raw_prompt")}
+        rows = [{k: (nt[k][i] if k in nt else None)
+                 for k in ("data_source", "reward_model", "extra_info", "raw_prompt")}
                 for i in range(len(prompts))]
         for r in rows:
             rm = r.pop("reward_model")

@@ -170,7 +170,8 @@ def _parse_entry(entry: Any, i: int, path: str, base: str, key: str) -> Tool:
     elif "class_name" in entry:
         # A verl BaseTool class needs verl's async tool runtime; accepting it would fail every call.
         raise ConfigError(f"{where}: class_name {entry['class_name']!r} is a verl tool class, which megarl does not "
-                          "run; add `implementation: pkg.module:function` (a function taking the tool's arguments)", key)
+                          "run; add `implementation: pkg.module:function` (a function taking the tool's arguments)",
+                          key)
     elif name in builtins.BUILTINS:
         fn = builtins.BUILTINS[name]
         if set(inspect.signature(fn).parameters) == set(parameters.get("properties") or {}):
@@ -189,10 +190,12 @@ def _parameters(raw: Any, where: str, key: str) -> dict[str, Any]:
     if isinstance(raw, dict):
         props = raw.get("properties", {})
         if raw.get("type", "object") != "object" or not isinstance(props, dict):
-            raise ConfigError(f"{where}: parameters as a JSON schema must be {{type: object, properties: {{...}}}}", key)
+            raise ConfigError(f"{where}: parameters as a JSON schema must be {{type: object, properties: {{...}}}}",
+                              key)
         for pname, spec in props.items():
             if not isinstance(spec, dict):
-                raise ConfigError(f"{where}: parameters.properties.{pname} must be a mapping like {{type: string}}", key)
+                raise ConfigError(f"{where}: parameters.properties.{pname} must be a mapping like {{type: string}}",
+                                  key)
             spec.update(_checked_type(spec.get("type"), f"{where}: parameter {pname!r}", key))
         required = raw.get("required", [])
         if not isinstance(required, list) or any(r not in props for r in required):

@@ -85,7 +85,8 @@ def hf_names(a, layer: int) -> list[str]:
     for e in range(a.num_experts):
         names += [f"{p}experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
     if a.shared_intermediate_size:
-        names += [p + "shared_expert_gate.weight"] + [f"{p}shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")]
+        names += ([p + "shared_expert_gate.weight"]
+                  + [f"{p}shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")])
     return names
 
 

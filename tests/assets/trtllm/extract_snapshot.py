@@ -116,14 +116,20 @@ def snapshot(read, commit: str | None) -> dict:
     result = classes(read(FILES["result"]))
     sp = own_fields(sampling["SamplingParams"])
     llm_model = "TorchLlmArgs" if "TorchLlmArgs" in args else "LlmArgs"
-    pyd = lambda name: [f for f in model_fields(name, args) if not f.startswith("_")] if name in args else None
+
+    def pyd(name):
+        return [f for f in model_fields(name, args) if not f.startswith("_")] if name in args else None
+
     modes = None
     if "logprobs_mode" in sp:
         for table in (sampling, args):
             if "LogprobMode" in table:
                 modes = enum_values(table["LogprobMode"])
     mem, mem_path = find_class("ExecutorMemoryType", FILES["args"], read)
-    src = lambda path: {"repo": REPO, "path": path, "commit": commit}
+
+    def src(path):
+        return {"repo": REPO, "path": path, "commit": commit}
+
     snap = {
         "schema": 2, "version": version, "commit": commit,
         "stand_in": None if commit else "read from a checkout without git metadata",
