@@ -19,7 +19,7 @@ and draws accuracy against wall time (accuracy_vs_time.png in --out).
 Figures (docs/benchmarks.md keeps them with their dates and commands). The ratio depends on the
 machine's load, so each carries its conditions:
 - quiet 2-core machine (issue 29, default command): one_step 1.79x steps/hour over sync;
-- 2 shared CPU cores, 8 sessions at once (heavy load; 30 steps x 2 rounds): one_step 2.37x over
+- 2 shared CPU cores, 8 other jobs at once (heavy load; 30 steps x 2 rounds): one_step 2.37x over
   sync (2.43x over sync_dp2; an earlier run 2.83x / 2.04x), held-out accuracy at step 30 0.496 vs
   0.486; partial 2.06x, no update landed mid-generation on this task (generation is shorter than
   the update), accuracy 0.465. Under load the colocated mode loses more (its phases serialise on

@@ -4,7 +4,7 @@ the actor's compute_log_prob and update_policy, side by side, on a long-tailed l
     python benchmarks/update_memory.py                       # CPU, small default shape (~1 min idle)
     python benchmarks/update_memory.py --vocab 152064        # the 152k-vocabulary memory figure
     python benchmarks/update_memory.py --megarl /work/main   # the same run on another checkout (today's code)
-    python benchmarks/update_memory.py --device cuda         # where a GPU is lent
+    python benchmarks/update_memory.py --device cuda         # on a GPU machine
     python benchmarks/update_memory.py --smoke               # CI: a tiny shape, one repeat
 
 Lengths: prompts uniform in [prompt/2, prompt], responses geometric with mean `--mean-response`,
