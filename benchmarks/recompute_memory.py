@@ -38,7 +38,8 @@ def one(path: str, setting: str, shape: str) -> None:
     from tests.helpers.megatron_roles import TEMP, make_batch, policy_loss
 
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, ppo_max_token_len_per_gpu=65536,
-                      megatron=MegatronConfig(override_transformer_config=SETTINGS[setting]), optim=OptimConfig(lr=1e-3))
+                      megatron=MegatronConfig(override_transformer_config=SETTINGS[setting]),
+                      optim=OptimConfig(lr=1e-3))
     actor = ActorWorker(ModelConfig(path=path), cfg)
     data = make_batch(301, B=8, **SHAPES[shape]["rows"])
     process = actor._process(TEMP, True, True)
@@ -74,7 +75,8 @@ def main() -> None:
                             max_position_embeddings=1024, **SHAPES[shape]["model"])
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for setting in SETTINGS:
-            out = subprocess.run([sys.executable, __file__, path, setting, shape], env=env, capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, path, setting, shape], env=env, capture_output=True,
+                                 text=True)
             lines = [line for line in out.stdout.splitlines() if line.startswith(setting)]
             if not lines:
                 sys.exit(f"{setting}: failed\n{out.stderr[-2000:]}")

@@ -89,7 +89,8 @@ def test_single_process_benchmarks_smoke():
     out = run("benchmarks/addition_task.py", "--smoke")
     assert "summary {" in out and PEAK.search(out)
     out = run("benchmarks/recompute_memory.py", "--smoke")
-    assert all(re.search(rf"^{s}: peak resident MiB \d+", out, re.M) for s in ("off", "full_uniform_1", "selective_core_attn"))
+    assert all(re.search(rf"^{s}: peak resident MiB \d+", out, re.M)
+               for s in ("off", "full_uniform_1", "selective_core_attn"))
     out = run("benchmarks/multiturn_batching.py", "--smoke")
     assert "same tokens in both arms: True" in out and "batched / sequential speed-up" in out and PEAK.search(out)
 

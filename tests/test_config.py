@@ -151,7 +151,8 @@ def test_override_values_are_typed():
 
 
 @pytest.mark.parametrize("overrides, key, words", [
-    (["actor_rollout_ref.rollout.tmperature=0.3"], "actor_rollout_ref.rollout.tmperature", "did you mean 'actor_rollout_ref.rollout.temperature'"),
+    (["actor_rollout_ref.rollout.tmperature=0.3"],
+     "actor_rollout_ref.rollout.tmperature", "did you mean 'actor_rollout_ref.rollout.temperature'"),
     (["rollout.n=5"], "rollout.n", "did you mean 'actor_rollout_ref.rollout.n'"),
     (["trainr.save_freq=3"], "trainr", "did you mean 'trainer'"),
     (["actor_rollout_ref.rollout.n=five"], "actor_rollout_ref.rollout.n", "got 'five' (str), expected int"),
@@ -196,11 +197,13 @@ def test_verls_optimizer_spellings():
 
 
 def test_model_rules():
-    cfg = load_config(None, ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
+    cfg = load_config(None, ["trainer.n_gpus_per_node=4",
+                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
     hf = {"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4}
     with pytest.raises(ConfigError, match="2 KV groups"):
         cfg.check_model(hf)
-    cfg = load_config(None, ["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"])
+    cfg = load_config(None, ["trainer.n_gpus_per_node=3",
+                             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"])
     with pytest.raises(ConfigError, match="PP 3 must divide the model's 4 layers"):
         cfg.check_model(hf)
 
@@ -217,7 +220,8 @@ def test_yaml_errors(tmp_path):
 
 
 def test_cli_one_line_error_and_print_config(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "megarl.train", *a], capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "megarl.train", *a], capture_output=True, text=True)
     bad = run("actor_rollout_ref.rollout.tmperature=0.3")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
@@ -246,7 +250,8 @@ def test_enforce_eager_acts_for_native_and_is_refused_where_no_engine_captures_g
     assert load_config(None, ["actor_rollout_ref.rollout.enforce_eager=true"]).rollout.enforce_eager is True
     for name in ("hf", "trtllm"):
         with pytest.raises(ConfigError, match="enforce_eager: false asks for CUDA graphs"):
-            load_config(None, [f"actor_rollout_ref.rollout.name={name}", "actor_rollout_ref.rollout.enforce_eager=false"])
+            load_config(None, [f"actor_rollout_ref.rollout.name={name}",
+                               "actor_rollout_ref.rollout.enforce_eager=false"])
 
 
 def test_built_config_is_frozen_and_roles_own_their_layout():

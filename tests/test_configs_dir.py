@@ -64,7 +64,8 @@ def test_tiny_config_runs_one_step(name, tmp_path, gsm8k_dir):
     model = load_config(config).model
     kwargs = ", ".join(f"{k}: {v}" for k, v in {**model.bootstrap_kwargs, **TINY[name]}.items())
     args = ["--config", config, f"actor_rollout_ref.model.bootstrap={model.bootstrap}",
-            f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"actor_rollout_ref.model.bootstrap_kwargs={{{kwargs}}}",
+            f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+            f"actor_rollout_ref.model.bootstrap_kwargs={{{kwargs}}}",
             "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
             "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path / 'run'}"]
     if model.tokenizer_path != model.path:                        # tool_use keeps its tokenizer in a subfolder

@@ -2,9 +2,7 @@
 import json
 import logging
 
-import numpy as np
 import pytest
-import torch
 
 from megarl.config import ConfigError
 from megarl.data.build import build_dataset, build_loaders
@@ -54,7 +52,9 @@ def test_chat_templates_and_multi_turn_history(tmp_path):
                {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
     path = write_jsonl(tmp_path / "chat.jsonl", [row(history)])
     tok = text_tokenizer()
-    text = lambda name: tok.decode(RLDataset(path, tok, config(chat_template=name, max_prompt_length=512))[0]["prompt_token_ids"])
+    def text(name):
+        return tok.decode(RLDataset(path, tok,
+                                    config(chat_template=name, max_prompt_length=512))[0]["prompt_token_ids"])
     chatml = text("chatml")
     # every message of the history is part of the prompt, and the assistant turn is opened
     assert chatml.count("<|im_start|>") == 5 and chatml.endswith("<|im_start|>assistant\n")
@@ -84,8 +84,9 @@ def test_overlong_prompts_filtered_or_truncated(tmp_path):
     kw = dict(chat_template="plain", max_prompt_length=8)
     ds = RLDataset(path, tok, config(**kw, filter_overlong_prompts=True))
     assert len(ds) == 1 and ds.report["filtered_overlong"] == 2
-    keep = lambda mode: [tok.decode(it["prompt_token_ids"]) for it in
-                         RLDataset(path, tok, config(**kw, filter_overlong_prompts=False, truncation=mode)).items]
+    def keep(mode):
+        return [tok.decode(it["prompt_token_ids"]) for it in
+                RLDataset(path, tok, config(**kw, filter_overlong_prompts=False, truncation=mode)).items]
     assert keep("left") == ["cdefghij", "abc", "56789xyz"]
     assert keep("right") == ["abcdefgh", "abc", "01234567"]
     assert keep("middle") == ["abcdghij", "abc", "01239xyz"]

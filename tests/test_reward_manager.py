@@ -1,9 +1,7 @@
 """Reward managers in this process: custom functions by path, signatures, failures, shaping."""
 import sys
-import textwrap
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -76,10 +74,13 @@ def test_custom_function_by_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["custom_reward_function.name=bad_signature"], "bad_signature(solution, truth) cannot be called as (data_source, solution_str"),
-    (["custom_reward_function.name=nope"], "has no function named 'nope'; it defines: bad_signature, batch_score, compute_score"),
+    (["custom_reward_function.name=bad_signature"],
+     "bad_signature(solution, truth) cannot be called as (data_source, solution_str"),
+    (["custom_reward_function.name=nope"],
+     "has no function named 'nope'; it defines: bad_signature, batch_score, compute_score"),
     (["custom_reward_function.reward_kwargs={temperature: 2}"], "unexpected keyword argument 'temperature'"),
-    (["reward_model.reward_manager=batch", "custom_reward_function.name=compute_score"], "cannot be called as (data_sources"),
+    (["reward_model.reward_manager=batch", "custom_reward_function.name=compute_score"],
+     "cannot be called as (data_sources"),
 ])
 def test_bad_functions_are_refused_up_front(reward_file, overrides, words):
     with pytest.raises(ConfigError) as info:
@@ -170,7 +171,8 @@ def test_reward_model_scores_plug_in():
     batch = rollout_batch(["1", "22"], ["", ""])
     batch.batch["rm_scores"] = torch.tensor([0.3, -0.2])
     res = build_reward_manager(cfg(), tokenizer())(batch)
-    assert res.token_level_scores[0, 1].item() == pytest.approx(0.3) and res.token_level_scores[1, 2].item() == pytest.approx(-0.2)
+    assert (res.token_level_scores[0, 1].item() == pytest.approx(0.3)
+            and res.token_level_scores[1, 2].item() == pytest.approx(-0.2))
 
 
 def test_format_bonus_and_overlong_penalty():

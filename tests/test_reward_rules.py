@@ -1,7 +1,8 @@
 """Rule rewards: GSM8K, boxed answers with normalisation, integer exact match, format rewards."""
 import pytest
 
-from megarl.reward.math_answer import answers_match, boxed_score, extract_gsm8k, gsm8k_score, last_boxed, normalize_answer
+from megarl.reward.math_answer import (answers_match, boxed_score, extract_gsm8k, gsm8k_score, last_boxed,
+                                       normalize_answer)
 from megarl.reward.rules import check_data_sources, default_compute_score, format_reward, integer_score
 
 
@@ -50,8 +51,8 @@ def test_equivalent_answers(pred, truth):
     assert answers_match(pred, truth), (normalize_answer(pred), normalize_answer(truth))
 
 
-@pytest.mark.parametrize("pred, truth", [("3", "4"), ("\\frac{1}{3}", "0.33"), ("(1,2)", "(2,1)"), ("\\sqrt{3}", "\\sqrt{2}"),
-                                         ("12", "1,2")])
+@pytest.mark.parametrize("pred, truth", [("3", "4"), ("\\frac{1}{3}", "0.33"), ("(1,2)", "(2,1)"),
+                                         ("\\sqrt{3}", "\\sqrt{2}"), ("12", "1,2")])
 def test_different_answers(pred, truth):
     assert not answers_match(pred, truth)
 

@@ -104,7 +104,8 @@ def test_non_default_verl_values_are_refused_with_the_alternative(override, expe
 
 def test_verl_defaults_carry_over():
     cfg = load_config(None, ["trainer.critic_warmup=0", "trainer.val_only=false", "trainer.default_hdfs_dir=null",
-                             "trainer.del_local_ckpt_after_load=false", "actor_rollout_ref.actor.optim.warmup_style=null",
+                             "trainer.del_local_ckpt_after_load=false",
+                             "actor_rollout_ref.actor.optim.warmup_style=null",
                              "actor_rollout_ref.actor.megatron.use_mbridge=true", "ray_kwargs.ray_init.num_cpus=null",
                              "actor_rollout_ref.actor.fsdp_config.param_offload=false",
                              "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]"])

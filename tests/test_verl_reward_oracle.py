@@ -53,8 +53,10 @@ MATH_CORPUS = [  # (response, ground truth)
     (f"{B}{{x = 5}}", "5"), (f"{B}{{k=5}}", "5"), (f"{B}{{10\\%}}", "10"), (f"{B}{{90^\\circ}}", "90"),
     (f"{B}{{5 \\text{{ cm}}}}", "5"), (f"{B}{{\\$1,000}}", "1000"), (f"{B}{{\\left( 1, 2 \\right)}}", "(1,2)"),
     (f"{B}{{\\sqrt2}}", "\\sqrt{2}"), (f"{B}{{.5}}", "0.5"), (f"{B} 7$ done", "7"), ("\\fbox{7}", "7"),
-    (f"{B}{{unbalanced", "3"), ("no box, the answer is 3", "3"), (f"{B}{{\\frac{{3}}{{4}}}} wait {B}{{\\frac34}}", "\\frac{3}{4}"),
-    (f"{B}{{\\sqrt}}", "\\sqrt"), (f"{B}{{\\frac}}", "\\frac"), (f"{B}{{a \\text{{ b}} \\text{{ c}}}}", "a \\text{ b} \\text{ c}"),
+    (f"{B}{{unbalanced", "3"), ("no box, the answer is 3", "3"),
+    (f"{B}{{\\frac{{3}}{{4}}}} wait {B}{{\\frac34}}", "\\frac{3}{4}"),
+    (f"{B}{{\\sqrt}}", "\\sqrt"), (f"{B}{{\\frac}}", "\\frac"),
+    (f"{B}{{a \\text{{ b}} \\text{{ c}}}}", "a \\text{ b} \\text{ c}"),
     (f"{B}{{\\frac1}}", "\\frac1"), (f"{B}{{\\tfrac{{6}}{{8}}}}", "\\frac{6}{8}"), (f"{B}{{B}}", "(B)"),
     (f"{B}{{-3}}", "-3"), (f"{B}{{3}}", "\\boxed{3}"), (f"{B}{{1,2}}", "12"), (f"{B}{{\\text{{(B)}}}}", "B"),
     (f"{B}{{033}}", "33"), (f"{B}{{ 033 }}", "033"), ("Answer: $\\frac{1}{2}$", "\\frac{1}{2}"),
@@ -77,14 +79,17 @@ GSM8K_CORPUS = [
 SEARCH_CORPUS = [
     ("<answer>Paris</answer>", {"target": ["Paris"]}), ("<answer> the Paris. </answer>", {"target": ["paris"]}),
     ("<answer>Lyon</answer>", {"target": ["Paris", "Lyon"]}), ("<answer>Rome</answer>", {"target": ["Paris"]}),
-    ("no tag Paris", {"target": ["Paris"]}), ("<answer>x</answer>" * 11 + "<answer>Paris</answer>", {"target": ["Paris"]}),
-    ("<answer>a</answer><answer>Paris</answer>", {"target": "Paris"}), ("<answer>\nParis\n</answer>", {"target": ["Paris"]}),
+    ("no tag Paris", {"target": ["Paris"]}),
+    ("<answer>x</answer>" * 11 + "<answer>Paris</answer>", {"target": ["Paris"]}),
+    ("<answer>a</answer><answer>Paris</answer>", {"target": "Paris"}),
+    ("<answer>\nParis\n</answer>", {"target": ["Paris"]}),
 ]
 
 
 # verl 0.9.1's routing table (verl/utils/reward_score/__init__.py), written out here so that the
 # test does not take megarl's word for which sources verl routes; aime* stands for any aime prefix.
-ROUTED = {"openai/gsm8k": GSM8K_CORPUS, "lighteval/MATH": MATH_CORPUS, "DigitalLearningGmbH/MATH-lighteval": MATH_CORPUS,
+ROUTED = {"openai/gsm8k": GSM8K_CORPUS, "lighteval/MATH": MATH_CORPUS,
+          "DigitalLearningGmbH/MATH-lighteval": MATH_CORPUS,
           "HuggingFaceH4/MATH-500": MATH_CORPUS, "math_dapo": MATH_CORPUS, "math": MATH_CORPUS,
           "math_dapo_reasoning": MATH_CORPUS, "aime": MATH_CORPUS, "aime24": MATH_CORPUS, "aime2025": MATH_CORPUS,
           **{f"searchR1_{name}": SEARCH_CORPUS for name in
@@ -102,7 +107,8 @@ def _cases():
 
 @pytest.mark.parametrize("source, text, truth", list(_cases()))
 def test_same_score_as_verl(source, text, truth):
-    assert _score(default_compute_score(source, text, truth)) == _score(verl_score(source, text, truth)), (source, text, truth)
+    assert (_score(default_compute_score(source, text, truth))
+            == _score(verl_score(source, text, truth))), (source, text, truth)
 
 
 def test_dapo_answer_line_rule():

@@ -36,6 +36,8 @@ from megarl.trainer.config import AsyncTrainingConfig, TrainerConfig
 from megarl.workers import config_checks as worker_rules
 from megarl.workers.config import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, RefConfig
 
+__all__ = ["ExperimentConfig", "build_config", "load_config", "read_hf_config"]
+
 
 @dataclass
 class ActorRolloutRefConfig(Section):
@@ -232,7 +234,7 @@ def check_known_keys(raw: dict) -> None:
 
 
 def build_config(raw: dict) -> ExperimentConfig:
-    raw = strip_verl_keys(raw, ExperimentConfig)             # verl-only keys at verl's default (megarl/config/verl_keys.py)
+    raw = strip_verl_keys(raw, ExperimentConfig)  # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
     merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
     check_refused(merged)

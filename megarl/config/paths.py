@@ -3,9 +3,10 @@
 A relative path written in a config file means "next to this file": it is made absolute against
 the file's directory when the file is read (bases too, each against its own directory), so a
 config runs the same from any working directory; one written with a ${...} reference (an
-environment variable's default, another key) is taken from the same folder once resolved. A path given on the command line is relative to
-the working directory, as every shell tool's is. Output directories (trainer.default_local_dir,
-trainer.log_dir) are where a run writes, not inputs: they stay relative to the working directory.
+environment variable's default, another key) is taken from the same folder once resolved. A path
+given on the command line is relative to the working directory, as every shell tool's is. Output
+directories (trainer.default_local_dir, trainer.log_dir) are where a run writes, not inputs: they
+stay relative to the working directory.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ def import_path(path: str, key: str):
         full = os.path.abspath(os.path.expanduser(path))
         if not os.path.isfile(full):
             raise ConfigError(f"file not found: {full}; give a .py file or an importable module", key)
-        name = f"megarl_user_{os.path.splitext(os.path.basename(full))[0]}_{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+        name = (f"megarl_user_{os.path.splitext(os.path.basename(full))[0]}_"
+                f"{hashlib.sha1(full.encode()).hexdigest()[:8]}")
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, full)
@@ -49,7 +50,8 @@ def get_attr(module, name: str, key: str, what: str):
     if not hasattr(module, name):
         have = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                       and getattr(v, "__module__", None) == module.__name__)
-        raise ConfigError(f"{module.__name__} has no {what} named {name!r}; it defines: {', '.join(have) or 'nothing callable'}", key)
+        raise ConfigError(f"{module.__name__} has no {what} named {name!r}; "
+                          f"it defines: {', '.join(have) or 'nothing callable'}", key)
     return getattr(module, name)
 
 

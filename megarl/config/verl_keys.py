@@ -30,8 +30,8 @@ VERL_RELEASE = "v0.7.0 (f9c855f7cf04d603c9546bc01776c74806a879c1)"
 
 _MEGATRON = "megarl trains with megatron-core, not FSDP"
 _OFFLOAD = f"{_MEGATRON}; set the layout and offload under <role>.megatron (param_offload, optimizer_offload)"
-_KERNELS = ("megarl runs megatron-core's own kernels (packed sequences via actor_rollout_ref.model.use_remove_padding); "
-            "remove the key")
+_KERNELS = ("megarl runs megatron-core's own kernels "
+            "(packed sequences via actor_rollout_ref.model.use_remove_padding); remove the key")
 _MM = "megarl trains text models only (no images or video); remove the key"
 _LORA = "LoRA is not supported: megarl trains every weight of the model; remove the key"
 _PROFILE = ("megarl has no profiler hooks; run the trainer under nsys or torch.profiler yourself (metrics.jsonl "
@@ -164,7 +164,8 @@ RULES: list[tuple[str, str]] = [
     ("trainer.rollout_data_dir", "rollout dumps are not supported; metrics.jsonl holds each step's metrics"),
     ("trainer.validation_data_dir", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
                                     "remove the key"),
-    ("trainer.val_only", "megarl has no validation-only mode; trainer.val_before_train=true validates before the first step"),
+    ("trainer.val_only", "megarl has no validation-only mode; "
+                         "trainer.val_before_train=true validates before the first step"),
 ]
 
 

@@ -90,8 +90,10 @@ class RLDataset:
         limit = self.config.max_val_dropped_fraction
         if dropped and dropped / max(self.report["rows"], 1) > limit:
             raise ConfigError(f"{dropped} of {self.report['rows']} validation rows would be dropped "
-                              f"({self.report['filtered_overlong']} over max_prompt_length={self.config.max_prompt_length}, "
-                              f"{self.report['malformed']} malformed), more than data.max_val_dropped_fraction={limit}; "
+                              f"({self.report['filtered_overlong']} over "
+                              f"max_prompt_length={self.config.max_prompt_length}, "
+                              f"{self.report['malformed']} malformed), more than "
+                              f"data.max_val_dropped_fraction={limit}; "
                               "raise data.max_prompt_length, fix the rows, or raise that fraction knowingly",
                               "data.val_files")
 
@@ -173,7 +175,8 @@ class RLDataset:
             return None
         if cfg.truncation == "error":
             raise ValueError(f"{path} {where}: prompt has {len(tokens)} tokens, over data.max_prompt_length={limit}; "
-                             "set data.filter_overlong_prompts=true, data.truncation=left|right|middle, or raise the limit")
+                             "set data.filter_overlong_prompts=true, data.truncation=left|right|middle, "
+                             "or raise the limit")
         self.report["truncated"] += 1
         if cfg.truncation == "left":
             return tokens[-limit:]

@@ -28,7 +28,8 @@ class ResumableSampler:
         if drop_last and batch_size > num_rows:
             raise ValueError(f"data.train_batch_size={batch_size} is larger than the {num_rows} usable prompts; "
                              "lower it or add data")
-        self.num_rows, self.batch_size, self.shuffle, self.seed, self.drop_last = num_rows, batch_size, shuffle, seed, drop_last
+        self.num_rows, self.batch_size, self.shuffle, self.seed, self.drop_last = (num_rows, batch_size, shuffle, seed,
+                                                                                   drop_last)
         self.epoch, self.batch = 0, 0
 
     @property

@@ -13,7 +13,8 @@ from megarl.config.typed import closest
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen2-Instruct: ChatML with a default system message when the conversation has none.
-QWEN = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+QWEN = ("{% if messages[0]['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
         + CHATML)
 LLAMA3 = ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
           "{{ m['content'] }}<|eot_id|>{% endfor %}"
@@ -39,7 +40,8 @@ def resolve_chat_template(name: str | None, tokenizer) -> str | None:
         return NAMED[name]
     hint = closest(name, list(NAMED))
     raise ConfigError(f"unknown chat template {name!r}; " + (f"did you mean {hint!r}? " if hint else "")
-                      + f"use {', '.join(NAMED)}, a Jinja string, or null for the tokenizer's own", "data.chat_template")
+                      + f"use {', '.join(NAMED)}, a Jinja string, or null for the tokenizer's own",
+                      "data.chat_template")
 
 
 def render_prompt(tokenizer, prompt, template: str | None, apply: bool = True) -> str:

@@ -188,7 +188,8 @@ class RewardManager:
         for i, sample in enumerate(samples):
             left = None if self.deadline_s is None else self.deadline_s - (time.monotonic() - begin)
             if left is not None and left <= 0:
-                raise deadline_error(self.scorer, self.deadline_s, len(samples), i, slowest_samples(samples, seconds, set()))
+                raise deadline_error(self.scorer, self.deadline_s, len(samples), i,
+                                     slowest_samples(samples, seconds, set()))
             limit = self.timeout_s if left is None else min(self.timeout_s or left, left)
             t0 = time.monotonic()
             out.append(call_in_process(self.fn, sample, self.spec.kwargs, limit))
@@ -267,7 +268,8 @@ class RewardManager:
     # -- turning outputs into scores --------------------------------------------------------------
     def _score_batched(self, samples: list[Sample]) -> list[Outcome]:
         try:
-            outs = self.fn(data_sources=[s.data_source for s in samples], solution_strs=[s.solution_str for s in samples],
+            outs = self.fn(data_sources=[s.data_source for s in samples],
+                           solution_strs=[s.solution_str for s in samples],
                            ground_truths=[s.ground_truth for s in samples], extra_infos=[s.extra_info for s in samples],
                            **self.spec.kwargs)
             if len(outs) != len(samples):
@@ -355,8 +357,8 @@ def build_reward_manager(cfg, tokenizer, pool: Any = None) -> RewardManager:
     rm, algo = cfg.reward_model, cfg.algorithm
     common = dict(reward_fn_key=cfg.data.reward_fn_key, failure_score=rm.failure_score,
                   max_failure_fraction=rm.max_failure_fraction, timeout_s=rm.timeout_s, format_kind=rm.format_reward,
-                  format_score=rm.format_score, overlong=algo.overlong_buffer, max_response_length=cfg.data.max_response_length,
-                  deadline_s=rm.batch_deadline_s)
+                  format_score=rm.format_score, overlong=algo.overlong_buffer,
+                  max_response_length=cfg.data.max_response_length, deadline_s=rm.batch_deadline_s)
     kind = rm.reward_manager
     if kind not in ("naive", "batch"):
         cls = load_class(kind, "reward_model.reward_manager", ("naive", "batch"))

@@ -29,7 +29,8 @@ _FORMATS = {
     # exactly one <think>...</think> block at the start, followed by a non-empty answer
     "think": re.compile(r"\s*<think>(?:(?!</?think>).)*</think>\s*\S(?:(?!</?think>).)*", re.S),
     # exactly one <answer>...</answer> block with something inside
-    "answer_tag": re.compile(r"(?:(?!</?answer>).)*<answer>(?:(?!</?answer>).)*\S(?:(?!</?answer>).)*</answer>(?:(?!</?answer>).)*", re.S),
+    "answer_tag": re.compile(r"(?:(?!</?answer>).)*<answer>(?:(?!</?answer>).)*\S(?:(?!</?answer>).)*</answer>"
+                             r"(?:(?!</?answer>).)*", re.S),
 }
 
 

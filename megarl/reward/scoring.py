@@ -59,7 +59,8 @@ def _raise_timeout(signum, frame):
 def call_in_process(fn, sample: Sample, extra_kwargs: dict, timeout_s: float | None) -> Outcome:
     """Score one sample here. On the main thread a SIGALRM timer bounds Python code (a call stuck
     inside C code is only bounded by the Ray pool, which can kill its worker)."""
-    use_alarm = bool(timeout_s) and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    use_alarm = (bool(timeout_s) and threading.current_thread() is threading.main_thread()
+                 and hasattr(signal, "setitimer"))
     previous = signal.signal(signal.SIGALRM, _raise_timeout) if use_alarm else None
     try:
         if use_alarm:

@@ -111,7 +111,8 @@ def plan(lengths: list[int], dp: int, micro: int, max_tokens: int | None = None,
     when padded); ranks with fewer micro-batches split their largest ones until all match."""
     n = len(lengths)
     if n % dp:
-        raise ValueError(f"{n} sequences cannot be split over {dp} data-parallel ranks; make the batch a multiple of {dp}")
+        raise ValueError(f"{n} sequences cannot be split over {dp} data-parallel ranks; "
+                         f"make the batch a multiple of {dp}")
     per = n // dp
     if max_tokens is None:
         if per % micro:

@@ -137,7 +137,7 @@ class OptimConfig(Section):
 
 @dataclass
 class PolicyLossConfig(Section):
-    loss_mode: str = "vanilla"             # a name in megarl.algos's policy-loss registry (vanilla, dual_clip, gspo, ...)
+    loss_mode: str = "vanilla"  # a name in megarl.algos's policy-loss registry (vanilla, dual_clip, gspo, ...)
 
 
 @dataclass

@@ -129,7 +129,8 @@ def check_model_layout(cfg, hf_config: dict) -> None:
 
 
 def _model_layouts(cfg) -> list[tuple[str, object]]:
-    out = [("actor_rollout_ref.actor", cfg.actor.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)]
+    out = [("actor_rollout_ref.actor", cfg.actor.megatron),
+           ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)]
     return out + ([("critic", cfg.critic.megatron)] if cfg.critic.enable else [])
 
 

@@ -39,7 +39,8 @@ class CriticWorker(EngineShardView, RoleMemory):
 
     def compute_values(self, data: DataProto):
         budget = self.cfg.forward_max_token_len_per_gpu if self.cfg.use_dynamic_bsz else None
-        return self.engine.forward_rows(data, self.forward_micro, value_outputs, ("values",), max_tokens=budget)["values"]
+        return self.engine.forward_rows(data, self.forward_micro, value_outputs, ("values",),
+                                        max_tokens=budget)["values"]
 
     def update_critic(self, data: DataProto, loss_fn) -> dict[str, float]:
         mini = self.cfg.ppo_mini_batch_size * self.rollout_n

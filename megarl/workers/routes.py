@@ -41,7 +41,8 @@ def routers(model: torch.nn.Module) -> list[tuple[int, RouterReplay]]:
         if isinstance(m, Router):
             if m.router_replay is None:
                 raise RuntimeError("this model was built without moe_enable_routing_replay; routing replay needs "
-                                   "EngineSpec.routing_replay (megarl/models/families/base.py MoeMlp.transformer_config)")
+                                   "EngineSpec.routing_replay "
+                                   "(megarl/models/families/base.py MoeMlp.transformer_config)")
             out.append((m.layer_number - 1, m.router_replay))
     return sorted(out, key=lambda pair: pair[0])
 
