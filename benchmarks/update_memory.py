@@ -13,7 +13,7 @@ Lengths: prompts uniform in [prompt/2, prompt], responses geometric with mean `-
 the update's forward + backward over the whole mini-batch): on CUDA torch.cuda.max_memory_allocated
 above the memory held before the call; on CPU the peak of live tensor bytes allocated during the
 call, from torch's profiler (profile_memory: each op's own allocations and frees summed in time
-order; the model and batch that exist before are not counted). Padding ratio: tokens the model \
+order; the model and batch that exist before are not counted). Padding ratio: tokens the model
 computed / real tokens (perf/padding_ratio), over one
 compute_log_prob and one update_policy.
 """

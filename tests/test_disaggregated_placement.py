@@ -1,8 +1,8 @@
 """Disaggregated placement on 3 real gloo ranks through megarl's own setup (setup_ranks):
 ranks 0-1 train (megatron TP 2, its groups over those two only), rank 2 runs a native engine.
 A real megatron actor's weights cross to the engine over the checkpoint engine's distributed
-transport; the update signal is seen by polling, without blocking; a sync that fails part-way on \
-the engine raises on every rank and leaves the engine
+transport; the update signal is seen by polling, without blocking; a sync that fails part-way on the
+engine raises on every rank and leaves the engine
 on its previous weights, generating; the next sync brings the new ones."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_packing_distributed.py
 
 One spawn walks TP2 x PP2 (PP needs a fixed shape between stages: packed micro-batches padded
-to a common length) and DP4 (token-budget plans agree across DP ranks). On one engine per layout, \
+to a common length) and DP4 (token-budget plans agree across DP ranks). On one engine per layout,
 the padded path with static
 micro-batches is the baseline; packed static, packed by a token budget and padded by a token
 budget must give the same log-probs, entropy and accumulated gradients (fp32, <= 1e-5). The same

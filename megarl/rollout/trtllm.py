@@ -16,7 +16,7 @@ trtllm_comm.py.
 Layout: rank 0 of the rollout TP group owns `tensorrt_llm.LLM`, whose Ray workers megarl places on
 exactly the group's GPUs and checks by device UUID. Every rank calls generate(); rank 0 generates
 and broadcasts; the others wait on a gloo group whose timeout (`wait_timeout_s`, a day by
-default) outlasts start-up and long rollouts (trtllm_comm.py says why). A weight bucket: each rank \
+default) outlasts start-up and long rollouts (trtllm_comm.py says why). A weight bucket: each rank
 puts the full tensors on its own GPU, makes CUDA-IPC
 handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
 `update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.

@@ -31,7 +31,7 @@ def save_model(out_dir: str, kind: str = "qwen2", seed: int = 0, **overrides):
 
 def save_tokenizer(out_dir: str):
     """In a directory of its own: transformers 5 picks a tokenizer class from a config.json's
-    model_type and would swap in that class's decoder. Word-level: token i is the word "w{i:02d}", \
+    model_type and would swap in that class's decoder. Word-level: token i is the word "w{i:02d}",
 so text and ids round-trip exactly (fixed width,
     so the special tokens w00 / w01 never match inside another word)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
