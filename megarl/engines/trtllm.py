@@ -1,8 +1,8 @@
-"""TensorRT-LLM's LLM API, PyTorch backend (megarl/rollout/trtllm.py): NVIDIA GPUs only."""
+"""TensorRT-LLM's LLM API, PyTorch backend (megarl/rollout/trtllm/engine.py): NVIDIA GPUs only."""
 from megarl.engines import EngineInfo
 
 ENGINE = EngineInfo(
-    name="trtllm", summary="TensorRT-LLM on NVIDIA GPUs", build="megarl.rollout.trtllm:build_trtllm",
+    name="trtllm", summary="TensorRT-LLM on NVIDIA GPUs", build="megarl.rollout.trtllm.engine:build_trtllm",
     requires="tensorrt_llm", suggested=True, devices=("cuda",),
     why_no_routes="TensorRT-LLM's LLM API (1.3, megarl's supported line) returns no routed experts: CompletionOutput "
                   "has no routing field and its Qwen3-MoE keeps the top-k inside the fused MoE op (docs/trtllm.md)",

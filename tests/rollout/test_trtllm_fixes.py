@@ -95,10 +95,10 @@ def test_ray_workers_import_the_extension_without_a_pip_install(monkeypatch, dir
 def test_a_worker_that_cannot_import_the_extension_stops_start_up_in_one_line(monkeypatch, dirs, tmp_path):
     """Where the workers cannot import megarl (here: the root megarl puts on their PYTHONPATH has no
     megarl, as on another node of an existing Ray cluster), start-up says what to do in one line."""
-    from megarl.rollout import trtllm_placement as placement
+    from megarl.rollout.trtllm import placement
     trtllm_fake.install(monkeypatch, V13)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setattr(placement, "megarl_root", lambda: str(tmp_path))
-    with pytest.raises(RuntimeError, match="import megarl.rollout.trtllm_placement.DeviceReportingExtension") as err:
+    with pytest.raises(RuntimeError, match="import megarl.rollout.trtllm.placement.DeviceReportingExtension") as err:
         TRTLLMEngine(dirs["a"], cfg(), device="cpu")
     assert "pip install -e" in str(err.value) and "\n" not in str(err.value)

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megarl.rollout.trtllm_comm import Group
+from megarl.rollout.trtllm.comm import Group
 from tests.distributed import run_ranks
 
 SHORT = 1.5          # the launcher's collective timeout in this test (600 s for NCCL in real runs)

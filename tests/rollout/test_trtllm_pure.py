@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from megarl.config.errors import ConfigError
-from megarl.rollout import trtllm_placement as placement
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.trtllm import (TRTLLMEngine, bucket_handles, checkpoint_names, completion_from_output,
-                                   detect_features, llm_kwargs, logprob_mode, response_budget, sampling_kwargs)
+                                   detect_features, llm_kwargs, placement)
+from megarl.rollout.trtllm.args import logprob_mode, response_budget, sampling_kwargs
 from tests.assets.trtllm import extract_snapshot
 from tests.rollout import conformance, trtllm_fake
 from tests.rollout.fixtures import model_dirs, save_model, state_of

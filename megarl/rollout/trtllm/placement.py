@@ -38,7 +38,7 @@ try:                                       # the worker-side class; TensorRT-LLM
 except Exception:                          # no tensorrt_llm here: the class is never instantiated
     _Base = object
 
-EXTENSION = "megarl.rollout.trtllm_placement.DeviceReportingExtension"
+EXTENSION = "megarl.rollout.trtllm.placement.DeviceReportingExtension"
 PLACEMENT_KEYS = ("ray_placement_config", "placement_groups", "placement_bundle_indices")
 
 
@@ -65,8 +65,9 @@ def host_name() -> str:
 
 
 def megarl_root() -> str:
-    """The directory that holds the megarl package (what the workers need on PYTHONPATH)."""
-    return str(Path(__file__).resolve().parents[2])
+    """The directory that holds the megarl package (what the workers need on PYTHONPATH): three
+    folders above this file, megarl/rollout/trtllm/placement.py."""
+    return str(Path(__file__).resolve().parents[3])
 
 
 def device_ordinal(index: int, visible: str | None) -> str:

@@ -10,19 +10,19 @@ tests/rollout/trtllm_fake.py); the conformance suite runs on the real package wh
 `import tensorrt_llm` works, and benchmarks/trtllm_check.py is the procedure for a GPU node.
 
 Pieces: what is asked of TensorRT-LLM (features, arguments, log-probs, the sleep plan) in
-trtllm_args.py; where its workers run in trtllm_placement.py; the TP group and IPC handles in
-trtllm_comm.py.
+args.py; where its workers run in placement.py; the TP group and IPC handles in
+comm.py.
 
 Layout: rank 0 of the rollout TP group owns `tensorrt_llm.LLM`, whose Ray workers megarl places on
 exactly the group's GPUs and checks by device UUID. Every rank calls generate(); rank 0 generates
 and broadcasts; the others wait on a gloo group whose timeout (`wait_timeout_s`, a day by
-default) outlasts start-up and long rollouts (trtllm_comm.py says why). A weight bucket: each rank
+default) outlasts start-up and long rollouts (comm.py says why). A weight bucket: each rank
 puts the full tensors on its own GPU, makes CUDA-IPC
 handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
 `update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.
 
 Sleep (only with enable_sleep_mode=True): releases the KV cache and, when the weights come from
-syncs, the `model_weights` tag, both restore mode NONE; nothing else (trtllm_args.py says why).
+syncs, the `model_weights` tag, both restore mode NONE; nothing else (args.py says why).
 A sync while asleep resumes the weights only; the KV cache comes back in wake(), after the
 refit, so the two are never resident together with a bucket in flight. finalize_weights() and
 wake() reset the prefix cache (the worker extension's reset_prefix_cache), so block reuse never
@@ -42,14 +42,12 @@ from megarl.config.errors import ConfigError
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.build_args import BuildRequest, pad_id
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout import trtllm_placement as placement
 from megarl.rollout.prompts import PromptGuard
-from megarl.rollout.trtllm_args import (KEY, KV_TAG, WEIGHTS_TAG, Features, check_config,  # noqa: F401
-                                        completion_from_output, detect_features, llm_kwargs, logprob_mode,
-                                        max_model_len, require_tensorrt_llm, response_budget, sampling_kwargs,
-                                        sleep_tags, sleep_weights)
-from megarl.rollout.trtllm_comm import (WAIT_TIMEOUT_S, Group, bucket_handles, checkpoint_names,  # noqa: F401
-                                        vocab_size)
+from megarl.rollout.trtllm import placement
+from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, completion_from_output, detect_features,
+                                        llm_kwargs, max_model_len, require_tensorrt_llm, response_budget,
+                                        sampling_kwargs, sleep_tags, sleep_weights)
+from megarl.rollout.trtllm.comm import WAIT_TIMEOUT_S, Group, bucket_handles, checkpoint_names, vocab_size
 from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
