@@ -32,7 +32,8 @@ LAZY_BOUNDARIES = {("megarl.examples.addition", "megarl.examples.addition.checkp
                    ("megarl.examples.tool_use", "megarl.examples.tool_use.model")}
 # The config machinery every component's own config section builds on (megarl/<pkg>/config.py);
 # megarl.config's experiment tree sits above those sections.
-CONFIG_BASE = ("megarl.config.errors", "megarl.config.typed", "megarl.config.loader", "megarl.config.paths")
+CONFIG_BASE = ("megarl.config.errors", "megarl.config.typed", "megarl.config.loader", "megarl.config.paths",
+               "megarl.config.dtypes", "megarl.config.plugins")
 # Underscore names that are not private API in the sense meant here, each for its reason.
 PRIVATE_ALLOWED = {
     # an ATen operator looked up by getattr with a public fallback (attend_matmul) where absent:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarl.config.dtypes import canonical
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, closest, require
 from megarl.engines import EngineInfo, config_info
@@ -129,16 +130,12 @@ def check_critic_on(cfg) -> None:
                           "a critic-free estimator such as grpo", "critic.enable")
 
 
-# dtype spellings -> the name EngineInfo.exact_logprob_dtypes uses
-_DTYPES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
 def _run_dtype(name: str, device: str) -> str:
     """The dtype a model runs at, as far as the config says: auto is bf16 on CUDA, fp32 elsewhere
     (device=auto on a GPU machine is caught at start by trainer/bypass.py resolve_bypass)."""
     if name == "auto":
         return "bfloat16" if device == "cuda" else "float32"
-    return _DTYPES.get(name, name)
+    return canonical(name) or name     # canonical: the name EngineInfo.exact_logprob_dtypes uses
 
 
 def check_bypass_mode(cfg, info: EngineInfo | None = None) -> None:

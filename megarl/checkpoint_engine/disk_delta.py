@@ -22,9 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megarl.checkpoint_engine import delta as D
+from megarl.config.dtypes import NAMES, canonical
 
 DELTA_JSON = "delta.json"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def write_delta(path: str, tensors: dict[str, torch.Tensor], last: dict[str, torch.Tensor], dense_above: float,
@@ -85,7 +85,9 @@ def _apply(export: str, weights: dict[str, torch.Tensor]) -> None:
             meta = fh.metadata()
             for name in fh.keys():
                 kind, codec, nnz, n, dtype, shape, s0, s1 = json.loads(meta[name])
-                dtype = _DTYPES[dtype]
+                if canonical(dtype) != dtype:       # the exporter writes torch's names; anything else is damage
+                    raise ValueError(f"{path}: {name} names dtype {dtype!r}; expected one of {NAMES}")
+                dtype = getattr(torch, dtype)
                 idx, vals = D.decode(kind, codec, fh.get_tensor(name), n, nnz, dtype)
                 cur = weights[name].reshape(-1)
                 if idx is None:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.config.dtypes import short
 from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.registry import abilities
 from megarl.workers.preflight import resolve_dtype
 
-_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 EXACT_TOLERANCE = 1e-3     # fp32 engine vs trainer: ~1e-5 measured; a bug (stale weights) is >> 1e-3
 
 
@@ -75,5 +75,5 @@ def resolve_bypass(cfg, device: torch.device) -> Bypass:
            "to fp32 rounding")
     if why:
         return Bypass(False, False, tolerance, f"off: {why}")
-    return Bypass(True, False, tolerance, f"on: {info.called} at {_SHORT.get(at, at)}, synchronous "
+    return Bypass(True, False, tolerance, f"on: {info.called} at {short(at)}, synchronous "
                   "loop (the rollout's log-probs are the old policy's)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.config.dtypes import NAMES, canonical
 from megarl.config.errors import ConfigError
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout
@@ -51,7 +52,9 @@ def resolve_dtype(name: str, trainable: bool) -> torch.dtype:
     cuda = torch.cuda.is_available()
     if name == "auto":
         return torch.bfloat16 if cuda else torch.float32
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if canonical(name) is None:
+        raise ConfigError(f"dtype={name!r}: use auto, {NAMES}", "dtype")
+    dtype = getattr(torch, canonical(name))
     if not cuda and dtype != torch.float32:
         raise ConfigError(f"dtype={name} needs CUDA (megatron's mixed-precision optimizer); use float32 or auto on CPU",
                           "dtype")

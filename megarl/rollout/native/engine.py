@@ -32,6 +32,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megarl.config.dtypes import NAMES, canonical
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
 from megarl.models.hf_config import read_hf_config
 from megarl.rollout.hf_weights import buckets, iter_hf_weights
@@ -52,11 +53,9 @@ def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
     `auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if name not in table:
-        raise ValueError(f"rollout.dtype={name!r}: use auto, float32, bfloat16 or float16")
-    return table[name]
+    if canonical(name) is None:
+        raise ValueError(f"rollout.dtype={name!r}: use auto, {NAMES}")
+    return getattr(torch, canonical(name))
 
 
 class NativeEngine(BaseRollout):
