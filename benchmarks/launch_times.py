@@ -1,4 +1,4 @@
-"""Times of the launch path, with megarl.launch_check as the job (2 ranks, gloo):
+"""Times of the launch path, with megarl.launcher.check as the job (2 ranks, gloo):
 a run from start to finish, and from one rank failing (raise / SIGKILL / hang) to every rank gone.
 
     python benchmarks/launch_times.py                 # launch/torchrun.sh on this machine
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.peak_memory import ProcessPeaks  # noqa: E402
 
-ENV = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launch_check"}
+ENV = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check"}
 FAIL_LINE = "fails at step"
 
 

@@ -224,7 +224,7 @@ def run_rank(rank, world, path, a):
         actor = None  # rebinding, not `del`: the "naive" closure reads the name
         state.destroy_model_parallel()
         release()
-    # as (key, value) pairs: the ranks' results come back as plain data (megarl.plain_state), whose
+    # as (key, value) pairs: the ranks' results come back as plain data (megarl.storage.plain_state), whose
     # mappings take string or integer keys only
     return [[list(key), value] for key, value in results.items()]
 

@@ -20,12 +20,12 @@ megarl_resolve() {
     vars=$(mktemp) || exit 2
     # Values come back in a file (NUL-separated pairs), never through `eval`: whatever the config's
     # modules print (a user's reward file, say) goes to the terminal and cannot become shell code.
-    if ! "$PYTHON" -m megarl.launch_vars --env-file "$vars" "$@"; then
+    if ! "$PYTHON" -m megarl.launcher.vars --env-file "$vars" "$@"; then
         rm -f "$vars"
         exit 2
     fi
     while IFS= read -r -d '' key && IFS= read -r -d '' value; do
-        [[ $key =~ ^MEGARL_[A-Z_]+$ ]] || { rm -f "$vars"; megarl_die "unexpected name from launch_vars: $key"; }
+        [[ $key =~ ^MEGARL_[A-Z_]+$ ]] || { rm -f "$vars"; megarl_die "unexpected name from megarl.launcher.vars: $key"; }
         printf -v "$key" '%s' "$value"
     done <"$vars"
     rm -f "$vars"

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megarl import plain_state
-from megarl.plain_state import load_plain, save_plain
+from megarl.storage import plain_state
+from megarl.storage.plain_state import load_plain, save_plain
 
 _OWN = ("batch", "non_tensor_batch", "meta_info")
 
@@ -256,7 +256,7 @@ class DataProto:
 
     @classmethod
     def load_from_disk(cls, path: str) -> "DataProto":
-        """Read with torch's weights-only unpickler (megarl.plain_state): loading runs no code."""
+        """Read with torch's weights-only unpickler (megarl.storage.plain_state): loading runs no code."""
         got = load_plain(path)
         if not isinstance(got, cls):
             raise ValueError(f"{path} does not hold a DataProto")

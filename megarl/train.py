@@ -4,53 +4,27 @@
     python -m megarl.train ...                      (the same)
     torchrun --nproc_per_node 2 -m megarl.train ...  (what launch/ scripts run)
 
-Started without torchrun/srun, it checks everything it can (megarl/preflight.py: a bad input is one
+Started without torchrun/srun, it checks everything it can (megarl/launcher/preflight.py: a bad input is one
 line and exit code 2), locks the run directory, then starts trainer.n_gpus_per_node local processes
 (through torch.distributed.run when more than one) and copies their output to <run dir>/logs/.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
 import time
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig, load_config, read_hf_config
+from megarl.config.experiment import ExperimentConfig
 from megarl.config.verl_keys import refuse_hydra_flags
-from megarl.launch_output import RankOutput
-from megarl.preflight_run import tokenizer_available
-from megarl.logs import VERBOSE_ENV, quiet_known_noise
+from megarl.launcher.cli import load_checked, parse_args
+from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
+from megarl.launcher.output import RankOutput
+from megarl.launcher.preflight_run import tokenizer_available
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent
 from megarl.parallel.supervise import LogCopy, run_tree
-from megarl.preflight import bootstrap_and_check, preflight
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="megarl-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", "-c", help="experiment YAML (may name a `base:`)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="validate, print the resolved config and exit without starting anything")
-    parser.add_argument("--check", action="store_true",
-                        help="run every check a launch runs (files, model, lengths, engine, reward, run dir) and exit")
-    parser.add_argument("--verbose", "-v", action="store_true",
-                        help="show every warning (megatron's notices about optional NVIDIA packages included)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
-    return parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
-
-
-def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
-    """The config, validated; with `check_all`, also everything megarl.preflight can check
-    (files, model, lengths, engine, reward, run directory) before any process starts."""
-    cfg = load_config(config, overrides)
-    if check_all:
-        preflight(cfg)
-    elif cfg.model.path:
-        hf = read_hf_config(cfg.model.path)
-        if hf is not None:
-            cfg.check_model(hf)
-    return cfg
+from megarl.launcher.preflight import bootstrap_and_check
 
 
 def _launched_by_a_launcher() -> bool:

@@ -26,7 +26,7 @@ OPTIONAL = ("tensorrt_llm", "transformer_engine", "megatron.core.extensions.tran
             "wandb", "torch.utils.tensorboard", "ray", "matplotlib", "pyarrow", "zstandard", "lz4")
 # The launcher's front door: `megarl-train` refuses a bad config in a second, before torch loads
 # (tests/test_repo.py), so what loads torch is imported inside the function that needs it there.
-LAUNCHER = ("megarl", "megarl.train", "megarl.preflight")
+LAUNCHER = ("megarl", "megarl.train", "megarl.launcher.preflight")
 # Lazy on purpose as well: configs name the examples' packages (`megarl.examples.addition:bootstrap`).
 LAZY_BOUNDARIES = {("megarl.examples.addition", "megarl.examples.addition.checkpoint"),
                    ("megarl.examples.tool_use", "megarl.examples.tool_use.model")}

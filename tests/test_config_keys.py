@@ -27,8 +27,8 @@ CONFIG_MODULES = {"config.py", "typed.py", "loader.py", "experiment.py", "refuse
 
 # Keys read through a generic path the AST check cannot see, each with the reason.
 GENERIC = {
-    "actor_rollout_ref.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
-    "critic.model.external_lib": "imported by megarl.preflight.import_external_libs on every rank",
+    "actor_rollout_ref.model.external_lib": "imported by megarl.launcher.preflight.import_external_libs on every rank",
+    "critic.model.external_lib": "imported by megarl.launcher.preflight.import_external_libs on every rank",
 }
 
 

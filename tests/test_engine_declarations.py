@@ -15,7 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from megarl import engines, preflight
+from megarl import engines
+from megarl.launcher import preflight
 from megarl.config.errors import ConfigError
 from megarl.config.experiment import load_config
 from megarl.engines import EngineInfo
@@ -141,7 +142,7 @@ def test_a_users_class_that_declares_nothing_gets_the_conservative_defaults(tmp_
 
 
 # The modules that once decided abilities by comparing engine names.
-CONSUMERS = ("megarl/rollout/registry.py", "megarl/preflight.py", "megarl/models/routing_replay.py",
+CONSUMERS = ("megarl/rollout/registry.py", "megarl/launcher/preflight.py", "megarl/models/routing_replay.py",
              "megarl/algos/config.py", "megarl/trainer/bypass.py", "megarl/rollout/config.py",
              "megarl/rollout/config_checks.py", "megarl/workers/config_checks.py")
 

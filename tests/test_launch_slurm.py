@@ -8,7 +8,7 @@ cannot be installed or started (not root, no apt-get, no network), every test he
 with the reason.
 
 The quickstart tests run the real trainer (megarl.train) on a small warm-started model. The
-failure-injection and requeue tests run megarl.launch_check (MEGARL_ENTRY), a real gloo
+failure-injection and requeue tests run megarl.launcher.check (MEGARL_ENTRY), a real gloo
 job that takes megarl-train's arguments plus knobs for slow steps and failing ranks.
 """
 import os
@@ -63,7 +63,7 @@ class Cluster:
         assert out.returncode == 0, f"{' '.join(args)}: {out.stderr}"
         return out.stdout
 
-    def submit(self, script: str, *args: str, sbatch_flags: tuple = (), entry: str = "megarl.launch_check",
+    def submit(self, script: str, *args: str, sbatch_flags: tuple = (), entry: str = "megarl.launcher.check",
                env: dict | None = None) -> str:
         job_env = {**self.env, "PYTHON": sys.executable, "MEGARL_ENTRY": entry, **(env or {})}
         out = subprocess.run(["sbatch", "--parsable", f"--output={self.dir}/slurm-%j.out", *sbatch_flags,

@@ -1,6 +1,6 @@
 """launch/torchrun.sh for real: 2 gloo ranks on this machine, resume, and every way a rank can die.
 
-The ranks run megarl.launch_check (MEGARL_ENTRY), a real distributed job that takes
+The ranks run megarl.launcher.check (MEGARL_ENTRY), a real distributed job that takes
 megarl-train's arguments, until the trainer lands; the script, torchrun and the process group are
 the ones megarl.train runs under.
 """
@@ -20,7 +20,7 @@ SCRIPT = "launch/torchrun.sh"
 
 
 def torchrun(run_dir, *overrides, env=None, timeout=120):
-    full_env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launch_check", **(env or {})}
+    full_env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check", **(env or {})}
     start = time.monotonic()
     out = subprocess.run(["bash", SCRIPT, "configs/quickstart.yaml", f"trainer.default_local_dir={run_dir}",
                           *overrides], env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -59,7 +59,7 @@ def test_a_dead_rank_ends_every_rank_and_is_named(tmp_path, mode, why):
     assert rc != 0
     # torchrun's summary lists every rank that ended; rank 1's entry says why. (Its "Root Cause"
     # is the earliest error file, which after a SIGKILL can be rank 0's "connection reset".)
-    summary = out.split("megarl.launch_check FAILED", 1)[1]
+    summary = out.split("megarl.launcher.check FAILED", 1)[1]
     entries = summary.split("\n[")[1:]
     rank1 = [e for e in entries if "rank      : 1 (local_rank: 1)" in e]
     assert rank1 and why in rank1[0], out[-3000:]

@@ -234,7 +234,7 @@ def test_incomplete_save_is_skipped_and_moved_aside_and_damage_names_resume_mode
 
 
 def test_known_noise_is_filtered_unless_verbose(monkeypatch):
-    from megarl import logs
+    from megarl.launcher import logs
     for verbose, shown in ((False, 0), (True, 1)):
         monkeypatch.setenv(logs.VERBOSE_ENV, "1" if verbose else "0")
         with warnings.catch_warnings(record=True) as got:

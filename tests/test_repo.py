@@ -46,7 +46,7 @@ def test_the_launcher_side_loads_no_torch():
     """A bad config stops the launcher before torch loads (seconds, not the ~10 s torch and megatron
     take): importing the front door and loading and checking a config import no torch, whichever
     engine and transport the config names."""
-    code = ("import sys, megarl.train, megarl.launch_vars, megarl.preflight;"
+    code = ("import sys, megarl.train, megarl.launcher.vars, megarl.launcher.preflight;"
             "from megarl.config.experiment import load_config;"
             "load_config(None, []);"
             "load_config(None, ['actor_rollout_ref.rollout.checkpoint_engine.backend=disk',"

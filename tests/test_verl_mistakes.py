@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 import megarl.train as train_mod
-from megarl.launch_output import RankOutput
+from megarl.launcher.output import RankOutput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")

@@ -23,7 +23,7 @@ import threading
 import time
 
 from megarl.config.errors import ConfigError
-from megarl.durable import make_private_dir
+from megarl.storage.durable import make_private_dir
 
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".megarl.lock"

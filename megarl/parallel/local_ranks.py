@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in one torch.distributed world (for tools).
 
-    results = run_local(4, fn, args)     # fn(rank, world, *args) -> plain data (megarl.plain_state); one per rank
+    results = run_local(4, fn, args)     # fn(rank, world, *args) -> plain data (storage/plain_state.py), per rank
     results.peak_mb                      # each rank's peak resident set (MiB), sampled from outside
 
 Under torchrun/srun (RANK already set) the tools call `fn` directly instead. `fn` must be
@@ -21,7 +21,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from megarl.plain_state import load_plain, save_plain
+from megarl.storage.plain_state import load_plain, save_plain
 
 SAMPLE_S = 0.1     # how often the parent reads the ranks' resident sets
 

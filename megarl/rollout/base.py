@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from megarl import plain_state
+from megarl.storage import plain_state
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 

@@ -1,7 +1,7 @@
 """What a launcher and a rank need to agree on: the layout, the run directory, the timeouts.
 
 `shell_assignments(cfg)` and `check_launch(...)` serve the launch scripts' command
-(`python -m megarl.launch_vars`, megarl/launch_vars.py). Inside a rank, `rank_env(cfg)` reads the
+(`python -m megarl.launcher.vars`, megarl/launcher/vars.py). Inside a rank, `rank_env(cfg)` reads the
 torchrun/srun variables and checks them against the config.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The one way megarl writes and reads back step checkpoints: private, owned, listed in a
 SHA-256 manifest, and read without running code.
 
-    make_private_dir / write_durably / fsync_dir     # megarl.durable: 0700 directories, fsync then rename
-    save_plain(obj, path) / load_plain(path)        # megarl.plain_state: data only, weights-only unpickler
+    make_private_dir / write_durably / fsync_dir     # megarl.storage.durable: 0700 directories, fsync then rename
+    save_plain(obj, path) / load_plain(path)        # megarl.storage.plain_state: data only, weights-only unpickler
     seal(step_dir)                                  # collective: 0600/0700, fsync, write manifest.json
     verify(step_dir)                                # collective: refuse the step before anything is read
 
@@ -22,8 +22,8 @@ import stat
 
 import torch.distributed as dist
 
-from megarl.durable import fsync_dir, make_private_dir, write_durably  # noqa: F401  (used by checkpointing)
-from megarl.plain_state import load_plain, save_plain  # noqa: F401  (the one reader of step files)
+from megarl.storage.durable import fsync_dir, make_private_dir, write_durably  # noqa: F401  (used by checkpointing)
+from megarl.storage.plain_state import load_plain, save_plain  # noqa: F401  (the one reader of step files)
 
 MANIFEST = "manifest.json"
 FORMAT = "megarl-manifest-1"

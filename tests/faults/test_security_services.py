@@ -140,7 +140,7 @@ def test_a_print_in_a_reward_file_cannot_steer_the_launch(tmp_path):
             return 0.0
     """))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launch_check"}
+    env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check"}
     out = subprocess.run(["bash", "launch/torchrun.sh", "configs/quickstart.yaml",
                           f"trainer.default_local_dir={run_dir}",
                           "trainer.total_training_steps=1", f"custom_reward_function.path={reward}",
@@ -150,5 +150,5 @@ def test_a_print_in_a_reward_file_cannot_steer_the_launch(tmp_path):
     assert out.returncode == 0, text[-3000:]
     assert not marker.exists()
     assert "MEGARL_NPROC_PER_NODE=7; touch" in text                       # the print reached the terminal
-    assert "2 ranks of megarl.launch_check" in text, text[-2000:]   # and changed nothing
+    assert "2 ranks of megarl.launcher.check" in text, text[-2000:]   # and changed nothing
     assert oct(os.stat(run_dir).st_mode & 0o777) == "0o700"

@@ -1,6 +1,6 @@
 """The variables a launcher needs, from a config checked exactly as megarl-train checks it.
 
-    python -m megarl.launch_vars --config configs/quickstart.yaml [overrides ...] \
+    python -m megarl.launcher.vars --config configs/quickstart.yaml [overrides ...] \
         [--nnodes N] [--nproc-per-node P] [--by "what starts them"]
 
 prints shell assignments (MEGARL_RUN_DIR=..., MEGARL_NPROC_PER_NODE=..., ...); with
@@ -17,12 +17,12 @@ import sys
 
 from megarl.config import ConfigError
 from megarl.trainer.launch_env import check_launch, shell_assignments
-from megarl.preflight import preflight
-from megarl.train import load_checked  # the exact checks megarl-train applies
+from megarl.launcher.preflight import preflight
+from megarl.launcher.cli import load_checked  # the exact checks megarl-train applies
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.launch_vars", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megarl.launcher.vars", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", "-c")
     parser.add_argument("--nnodes", type=int, help="nodes the launcher runs on (checked against trainer.nnodes)")
     parser.add_argument("--nproc-per-node", type=int, help="processes it starts per node (checked)")

@@ -5,8 +5,8 @@ and every launch), so a bad input is one line and exit code 2 before any process
     model     the architecture is one megarl builds (megarl/models/spec.py)
     loggers   every trainer.logger backend's package is installed
 
-The checks that tokenize the data and score a row live in megarl/preflight_data.py; the device
-check in megarl/preflight.py.
+The checks that tokenize the data and score a row live in megarl/launcher/preflight_data.py; the device
+check in megarl/launcher/preflight.py.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ What it checks, model first, reading no model weights:
   bootstrap builds (megarl/config/model_path.py); prompt + response fit its positions;
 - data files exist, are readable UTF-8 / parquet files with the prompt column;
 - the rollout engine is known and importable; a custom class or tools file loads; the device
-  and logger packages asked for are here (megarl/preflight_run.py);
+  and logger packages asked for are here (megarl/launcher/preflight_run.py);
 - the reward function (or manager) imports and has the right signature;
 - with the tokenizer at hand: each split tokenized as the ranks do it, usable rows vs the batch
   size, the reward on one real row (a bootstrapped model: right after the launcher builds it);
@@ -27,10 +27,10 @@ from megarl.algos.config import check_bypass_mode
 from megarl.config.errors import ConfigError
 from megarl.config.model_path import model_path_state
 from megarl.config.plugins import get_attr, import_path, load_class, load_object
-from megarl.diskspace import check_free_space
-from megarl.durable import make_private_dir
+from megarl.launcher.diskspace import check_free_space
+from megarl.storage.durable import make_private_dir
 from megarl.engines import EngineInfo, default_name, resolve
-from megarl.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
+from megarl.launcher.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
 
@@ -55,7 +55,7 @@ def preflight(cfg) -> None:
 
 def check_with_tokenizer(cfg) -> None:
     """The data as the ranks tokenize it, and the reward on one real row."""
-    from megarl.preflight_data import check_datasets, check_reward_on_a_row, load_tokenizer  # lazy: loads torch
+    from megarl.launcher.preflight_data import check_datasets, check_reward_on_a_row, load_tokenizer  # torch
     train = check_datasets(cfg, load_tokenizer(cfg))
     check_reward_on_a_row(cfg, train)
 

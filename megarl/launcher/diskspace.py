@@ -1,4 +1,4 @@
-"""Free space for a run's next checkpoint, checked before any process starts (megarl/preflight.py).
+"""Free space for a run's next checkpoint, checked before any process starts (megarl/launcher/preflight.py).
 
 A full disk used to pass the preflight's write check (creating an empty file needs no blocks),
 and the run then crashed at its first save. The need is the newest complete checkpoint in the run

@@ -1,5 +1,5 @@
 """The launcher's checks that run the ranks' own data code (tokenizer, datasets, reward function),
-so they load transformers and torch: megarl/preflight.py imports this module only once the config is
+so they load transformers and torch: megarl/launcher/preflight.py imports this module only once the config is
 accepted and the model's tokenizer is on disk (`megarl-train --check`).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A small real distributed job that goes through the launch path the way megarl.train does.
 
-    MEGARL_ENTRY=megarl.launch_check launch/torchrun.sh configs/quickstart.yaml trainer.total_training_steps=5
-    MEGARL_ENTRY=megarl.launch_check sbatch launch/slurm/quickstart.sbatch trainer.save_freq=2
+    MEGARL_ENTRY=megarl.launcher.check launch/torchrun.sh configs/quickstart.yaml trainer.total_training_steps=5
+    MEGARL_ENTRY=megarl.launcher.check sbatch launch/slurm/quickstart.sbatch trainer.save_freq=2
 
 It takes megarl-train's arguments and config, starts the process group from env:// with
 trainer.collective_timeout_s, and per step all-reduces a known value, appends a record to
@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megarl.config import ConfigError
 from megarl.config.experiment import ExperimentConfig
 from megarl.trainer.launch_env import rank_env
-from megarl.train import load_checked, parse_args
+from megarl.launcher.cli import load_checked, parse_args
 from megarl.trainer.metrics import MetricsLogger
 
 LATEST = "latest_checkpointed_iteration.txt"  # verl's name for the pointer to the newest step

@@ -1,0 +1,36 @@
+"""megarl-train's command line and the config as every launch path checks it (megarl/train.py,
+`python -m megarl.launcher.vars`, launcher/check.py): one parser, one set of checks.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megarl.config.experiment import ExperimentConfig, load_config, read_hf_config
+from megarl.launcher.preflight import preflight
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="megarl-train",
+                                     description="megarl-train: run an RL experiment from a YAML config.")
+    parser.add_argument("--config", "-c", help="experiment YAML (may name a `base:`)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="validate, print the resolved config and exit without starting anything")
+    parser.add_argument("--check", action="store_true",
+                        help="run every check a launch runs (files, model, lengths, engine, reward, run dir) and exit")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show every warning (megatron's notices about optional NVIDIA packages included)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=5")
+    return parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
+
+
+def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
+    """The config, validated; with `check_all`, also everything megarl.launcher.preflight can check
+    (files, model, lengths, engine, reward, run directory) before any process starts."""
+    cfg = load_config(config, overrides)
+    if check_all:
+        preflight(cfg)
+    elif cfg.model.path:
+        hf = read_hf_config(cfg.model.path)
+        if hf is not None:
+            cfg.check_model(hf)
+    return cfg
