@@ -305,3 +305,23 @@ def test_optional_megatron_sections_name_the_leaf_key(override, key, fix):
         load_config(None, [override])
     message = str(err.value)
     assert message.startswith(key + ":") and fix in message and "\n" not in message, message
+
+
+LAUGHS = "custom_reward_function:\n  reward_kwargs:\n    a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + \
+    "".join(f"    {b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcdefg", "bcdefgh"))
+
+
+@pytest.mark.parametrize("text, words", [
+    (LAUGHS, "aliases expand to over 200000 values"),                        # 10**8 values in ~500 bytes
+    ("data: " + "[" * 3000 + "]" * 3000 + "\n", "nests too deeply"),
+    ("data: &x [1, *x]\n", "an alias refers to itself"),
+    ("custom_reward_function:\n  reward_kwargs:\n" + "".join(
+        f"    {x}: '{('${custom_reward_function.reward_kwargs.' + y + '}') * 10}'\n" for x, y in
+        zip("abcdefghi", "bcdefghij")) + "    j: lol\n", "references expand to over 1000000 characters"),
+])
+def test_yaml_bombs_are_refused_in_one_line(tmp_path, text, words):
+    path = write(tmp_path, "bomb.yaml", text)
+    # a subprocess, so that a regression shows as a timeout here rather than a machine out of memory
+    got = subprocess.run([sys.executable, "-m", "megarl.train", "--config", path, "--print-config"],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 2 and words in got.stderr and got.stderr.strip().count("\n") == 0, got.stderr[-2000:]

@@ -231,3 +231,48 @@ def test_custom_dataset_class_as_in_seed_001(tmp_path):
     assert list(batch.non_tensor_batch["raw_prompt"]) == ["state0", "state1"]
     with pytest.raises(ConfigError, match="has no class named 'Nope'"):
         build_dataset(DataConfig(custom_cls={"path": str(tmp_path / "env_dataset.py"), "name": "Nope"}), [], tok)
+
+
+def test_raw_line_separators_inside_a_row_do_not_split_it(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028/U+2029/U+0085 raw; only "\n" ends a JSONL row.
+    rows = [row("a\u2028b"), row("c\u2029d\x85e"), row("f")]
+    path = tmp_path / "u.jsonl"
+    path.write_bytes(("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n").encode())
+    ds = RLDataset(str(path), text_tokenizer(), config(chat_template="plain", max_bad_row_fraction=0.0))
+    assert len(ds) == 3 and ds.report == {"rows": 3, "kept": 3, "malformed": 0, "filtered_overlong": 0,
+                                          "truncated": 0}
+    path.write_text(json.dumps(rows[0], ensure_ascii=False) + "\n{bad\n")
+    with pytest.raises(ValueError, match=r"line 2 \(bad JSON"):
+        RLDataset(str(path), text_tokenizer(), config(chat_template="plain", max_bad_row_fraction=0.0))
+
+
+class _Watched:
+    """A tokenizer that records the longest text it was handed."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, texts, **kw):
+        self.longest = max([self.longest] + [len(t) for t in texts])
+        return self.tok(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_huge_row_is_judged_by_characters_before_tokenising(tmp_path):
+    import time
+    huge = "1+" * 10_000_000                                      # 20 MB prompt
+    path = write_jsonl(tmp_path / "h.jsonl", [row(huge), row("abc")])
+    for kw, kept, counted in ((dict(filter_overlong_prompts=True), 1, "filtered_overlong"),
+                              (dict(filter_overlong_prompts=False, truncation="left"), 2, "truncated")):
+        tok = _Watched(text_tokenizer())
+        start = time.perf_counter()
+        ds = RLDataset(path, tok, config(chat_template="plain", max_prompt_length=8, **kw))
+        assert time.perf_counter() - start < 5 and tok.longest < 10_000
+        assert len(ds) == kept and ds.report[counted] == 1
+    assert tok.decode(ds[0]["prompt_token_ids"]) == "1+1+1+1+"
+    with pytest.raises(ValueError, match=r"h.jsonl line 1: prompt has over 1024 characters, over "
+                                         r"data.max_prompt_length=8 tokens"):
+        RLDataset(path, _Watched(text_tokenizer()), config(chat_template="plain", max_prompt_length=8,
+                                                           filter_overlong_prompts=False))

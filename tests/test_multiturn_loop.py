@@ -154,6 +154,18 @@ def test_errors_go_back_to_the_model_and_are_counted(tmp_path):
     assert m["multiturn/tool_parse_error"] == 2 and m["multiturn/tool_error"] == 1
 
 
+def test_a_deeply_nested_call_is_counted_as_a_parse_error(tmp_path):
+    deep = "<tool_call>" + "[" * 1500 + "]" * 1500 + "</tool_call>"
+
+    def script(context, j):
+        return ("A: saw error" if "<tool_response>" in context else deep) + EOS
+
+    loop = AgentLoop(ScriptedEngine(TOK, script), TOK, calculator_tools(tmp_path), MultiTurnConfig(enable=True))
+    out = loop.generate_sequences(prompt_batch(TOK, ["Q: 1+0\n"], ["1"], sampling(n=1, max_tokens=4000)))
+    r = rows(out, TOK)[0]
+    assert r["calls"][0]["status"] == "parse_error" and "nests too deeply" in r["tool_text"]
+    assert out.meta_info["metrics"]["multiturn/tool_parse_error"] == 1
+
 def test_budget_counts_tool_tokens_and_truncates(tmp_path):
     def big(context, j):
         return call_text(1, 2) + EOS

@@ -254,6 +254,37 @@ def test_truncate_tool_output_by_tokens():
     assert truncate_tokens(tok, text, 4, "middle") == ("ab...(truncated)ij", True)
 
 
+
+class _Watched:
+    """A tokenizer that records the longest text it was asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def encode(self, text, **kw):
+        self.longest = max(self.longest, len(text))
+        return self.tok.encode(text, **kw)
+
+    def decode(self, ids, **kw):
+        return self.tok.decode(ids, **kw)
+
+
+def test_huge_tool_output_is_cut_by_characters_before_tokenising():
+    text = "a" + "x" * 20_000_000 + "z"                       # 20 MB of tool output
+    for side, want in (("right", "axxx...(truncated)"), ("left", "...(truncated)xxxz"),
+                       ("middle", "ax...(truncated)xz")):
+        tok = _Watched(build_tokenizer())
+        start = time.perf_counter()
+        assert truncate_tokens(tok, text, 4, side) == (want, True)
+        assert time.perf_counter() - start < 2 and tok.longest < 10_000
+
+
+@pytest.mark.parametrize("body", ["[" * 1000 + "]" * 1000, "[" * 100_000, '{"name": "f", "arguments": "'
+                                  + "[" * 100_000 + '"}'])
+def test_deeply_nested_call_is_a_parse_error_not_a_crash(body):
+    calls = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert len(calls) == 1 and "nests too deeply" in calls[0].error
+
 def test_interactions_load_by_name_path_and_verl_file(tmp_path):
     from megarl.rollout.multiturn.interactions import load_interactions, pick
     (tmp_path / "users.py").write_text(textwrap.dedent('''

@@ -44,6 +44,10 @@ def inputs(tmp_path_factory, addition_model_dir):
                                      "    return 1 / 0\n")
     (d / "reward_hangs.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
                                        "extra_info=None):\n    time.sleep(3600)\n")
+    for name, body in (("exits", "import os\n    os._exit(0)"), ("sys_exits", "import sys\n    sys.exit(3)"),
+                       ("killed", "import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)")):
+        (d / f"reward_{name}.py").write_text("def compute_score(data_source, solution_str, ground_truth, "
+                                             f"extra_info=None):\n    {body}\n")
     (d / "model_file").write_text("not a checkpoint")
     (d / "bad_tools.yaml").write_text("tools:\n  - {description: adds two numbers, parameters: {type: object}}\n")
     no_template = d / "no_template"
@@ -56,7 +60,8 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "gpt2" / "config.json").write_text(json.dumps(GPT2Config(n_layer=2, n_embd=64, n_head=4).to_dict()))
     (d / "derived.yaml").write_text(f"base: {QUICKSTART}\nactor_rollout_ref:\n  model:\n    path: my-model\n")
     names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py",
-             "reward_hangs.py", "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
+             "reward_hangs.py", "reward_exits.py", "reward_sys_exits.py", "reward_killed.py",
+             "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
     return {k: str(d / k) for k in names} | {"model": addition_model_dir}
 
 
@@ -83,6 +88,9 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("reward raises", ["custom_reward_function.path=@reward_bad.py"], "reward_bad.py:2"),
     ("reward hangs", ["custom_reward_function.path=@reward_hangs.py", "reward_model.timeout_s=0.5"],
      "did not return within reward_model.timeout_s=0.5 s"),
+    ("reward os._exit", ["custom_reward_function.path=@reward_exits.py"], "ended the reward's process (exit code 0"),
+    ("reward sys.exit", ["custom_reward_function.path=@reward_sys_exits.py"], "called sys.exit(3) at "),
+    ("reward killed", ["custom_reward_function.path=@reward_killed.py"], "ended the reward's process (signal SIGKILL)"),
     ("UTF-16 data file", ["data.train_files=@utf16.jsonl"], "utf16.jsonl is not UTF-8 text (it starts with a UTF-16"),
     ("directory as data file", ["data.train_files=@a_dir"], "a_dir is a directory; give the data file itself, e.g."),
     ("tool without a name", ["actor_rollout_ref.rollout.multi_turn.enable=true",
@@ -98,7 +106,7 @@ if importlib.util.find_spec("tensorboard") is None:
 
 # A launch runs the same preflight as --check; these confirm it stops before spawn_ranks too.
 AS_LAUNCH = ("hub id as model.path", "model.path is a file", "parquet without prompt", "batch larger than rows",
-             "reward raises")
+             "reward raises", "reward os._exit", "reward sys.exit")
 
 
 @pytest.mark.parametrize("check", ["--check", "launch"])
@@ -174,3 +182,16 @@ def test_a_rank_config_error_is_the_last_console_line(tmp_path):
     assert console.getvalue().decode().splitlines() == [
         "megarl: starting 2 processes", "megarl: config error: data.train_files: x; fix",
         "megarl: stopped the ranks; the ranks' full output is in run/logs/megarl-1.log"]
+
+
+@pytest.mark.parametrize("reward, words", [("reward_exits.py", "ended the reward's process (exit code 0"),
+                                           ("reward_sys_exits.py", "called sys.exit(3) at ")])
+def test_a_reward_that_exits_stops_check_with_exit_2(tmp_path, inputs, reward, words):
+    """In its own process: a reward that ends the launcher's process must be seen from outside it."""
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "-m", "megarl.train", "--config", QUICKSTART, "--check",
+                          f"actor_rollout_ref.model.path={inputs['model']}",
+                          f"custom_reward_function.path={inputs[reward]}"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT})
+    assert got.returncode == 2 and words in got.stderr and got.stderr.count("\n") == 1, (got.returncode, got.stderr)

@@ -39,7 +39,14 @@ def _lookup(root: dict, dotted: str, where: str) -> Any:
     return node
 
 
+# A value built from references to values built from references ("${b}${b}..." ten levels down)
+# grows exponentially; no real config value comes near this.
+MAX_CHARS = 1_000_000
+
+
 def resolve(root: dict) -> dict:
+    done: dict[str, Any] = {}             # each referenced key resolves once, however often it is used
+
     def value_of(text: str, where: str, stack: tuple[str, ...]) -> Any:
         def one(ref: str) -> Any:
             ref = ref.strip()
@@ -58,13 +65,19 @@ def resolve(root: dict) -> dict:
                 ref = key
             if ref in stack:
                 raise ConfigError(f"references form a cycle: {' -> '.join((*stack, ref))}", where)
-            target = _lookup(root, ref, where)
-            return walk(target, ref, (*stack, ref)) if isinstance(target, str) else target
+            if ref not in done:
+                target = _lookup(root, ref, where)
+                done[ref] = walk(target, ref, (*stack, ref)) if isinstance(target, str) else target
+            return done[ref]
 
         whole = _REF.fullmatch(text)
         if whole:  # a lone reference keeps the referenced value's type
             return one(whole.group(1))
-        return _REF.sub(lambda m: str(one(m.group(1))), text)
+        out = _REF.sub(lambda m: str(one(m.group(1))), text)
+        if len(out) > MAX_CHARS:
+            raise ConfigError(f"references expand to over {MAX_CHARS} characters; reference fewer values, "
+                              "or fewer values that are themselves built of references", where)
+        return out
 
     def walk(node: Any, where: str, stack: tuple[str, ...] = ()) -> Any:
         if isinstance(node, dict):

@@ -37,12 +37,52 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# Aliases share one node, so a few hundred bytes of nested anchors ("billion laughs") stand for
+# billions of values once anything walks or copies them; configs hold a few thousand at most.
+MAX_NODES = 200_000
+MAX_DEPTH = 100
+
+
+def _check_size(root: yaml.Node, name: str) -> None:
+    """Refuse a document whose aliases expand past MAX_NODES or that nests past MAX_DEPTH, unexpanded."""
+    seen: dict[int, tuple[int, int]] = {}          # id(node) -> (nodes with aliases expanded, height)
+
+    def size(node: yaml.Node, depth: int) -> tuple[int, int]:
+        got = seen.get(id(node))
+        if depth + (got[1] if got else 0) > MAX_DEPTH:       # an alias cycle ends here too
+            raise ConfigError(f"{name} line {node.start_mark.line + 1}: YAML nests over {MAX_DEPTH} levels "
+                              "(or an alias refers to itself); flatten it")
+        if got:
+            return got
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+        count, height = 1, 0
+        for child in children:
+            n, h = size(child, depth + 1)
+            count, height = count + n, max(height, h + 1)
+            if count > MAX_NODES:
+                raise ConfigError(f"{name}: YAML aliases expand to over {MAX_NODES} values (nested anchors, a "
+                                  "'billion laughs'); write the values out or use fewer nested aliases")
+        seen[id(node)] = (count, height)
+        return count, height
+
+    size(root, 0)
+
+
 def load_yaml_text(stream, name: str = "<string>"):
-    """yaml.safe_load, except that a duplicate key is a ConfigError."""
+    """yaml.safe_load, except that a duplicate key, alias bombs and deep nesting are ConfigErrors."""
     loader = _UniqueKeyLoader(stream)
     loader.name = name
     try:
-        return loader.get_single_data()
+        try:
+            node = loader.get_single_node()
+        except RecursionError:        # PyYAML composes recursively: thousands of nested brackets
+            raise ConfigError(f"{name}: YAML nests too deeply to parse (over {MAX_DEPTH} levels is refused); "
+                              "flatten it") from None
+        if node is None:
+            return None
+        _check_size(node, name)
+        return loader.construct_document(node)
     finally:
         loader.dispose()
 

@@ -22,6 +22,10 @@ from megarl.data.templates import render_prompt, resolve_chat_template
 
 log = logging.getLogger("megarl.data")
 ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
+# No tokenizer in use packs more characters than this into one token on average, so a prompt longer
+# than max_prompt_length * this is over-length without tokenising it whole (a 100 MB row would
+# otherwise cost minutes and gigabytes just to be dropped).
+MAX_CHARS_PER_TOKEN = 128
 
 
 def check_prompt(prompt: Any, key: str) -> str | None:
@@ -136,10 +140,20 @@ class RLDataset:
             text = render_prompt(self.tokenizer, row[cfg.prompt_key], self.template, cfg.apply_chat_template)
             good.append((where, row, text))
         self._account_bad(path, bad, got.total)
+        bound = cfg.max_prompt_length * MAX_CHARS_PER_TOKEN
+        sized: list[tuple[str, dict, str, bool]] = []          # (where, row, text, cut by characters)
+        for where, row, text in good:
+            if len(text) <= bound:
+                sized.append((where, row, text, False))
+            elif cfg.filter_overlong_prompts:
+                self.report["filtered_overlong"] += 1
+            else:
+                sized.append((where, row, self._cut_chars(text, bound, path, where), True))
         templated = self.template is not None and cfg.apply_chat_template
-        ids = self.tokenizer([t for _, _, t in good], add_special_tokens=not templated)["input_ids"] if good else []
-        for (where, row, _), tokens in zip(good, ids):
-            tokens = self._fit(tokens, path, where)
+        texts = [t for _, _, t, _ in sized]
+        ids = self.tokenizer(texts, add_special_tokens=not templated)["input_ids"] if texts else []
+        for (where, row, _, cut), tokens in zip(sized, ids):
+            tokens = self._fit(tokens, path, where, cut)
             if tokens is None:
                 continue
             rm = row.get("reward_model") if isinstance(row.get("reward_model"), dict) else {}
@@ -165,10 +179,26 @@ class RLDataset:
                              f"data.max_bad_row_fraction={limit}; first: {shown}; fix the file or raise the limit")
         log.warning("%s: skipped %d malformed of %d rows: %s", path, len(bad), total, shown)
 
-    def _fit(self, tokens: list[int], path: str, where: str) -> list[int] | None:
+    def _cut_chars(self, text: str, bound: int, path: str, where: str) -> str:
+        """A prompt over `bound` characters, cut to the characters truncation could keep (or refused)."""
+        cfg = self.config
+        if cfg.truncation == "error":
+            raise ValueError(f"{path} {where}: prompt has over {bound} characters, over data.max_prompt_length="
+                             f"{cfg.max_prompt_length} tokens; set data.filter_overlong_prompts=true, "
+                             "data.truncation=left|right|middle, or shorten the row")
+        if cfg.truncation == "left":
+            return text[-bound:]
+        if cfg.truncation == "right":
+            return text[:bound]
+        return text[:bound // 2] + text[len(text) - bound // 2:]
+
+    def _fit(self, tokens: list[int], path: str, where: str, cut: bool = False) -> list[int] | None:
         """Apply data.max_prompt_length: drop (counted), truncate, or refuse."""
         cfg, limit = self.config, self.config.max_prompt_length
-        if len(tokens) <= limit:
+        if len(tokens) <= limit and not cut:
+            return tokens
+        if len(tokens) <= limit:                 # already cut by characters (_cut_chars)
+            self.report["truncated"] += 1
             return tokens
         if cfg.filter_overlong_prompts:
             self.report["filtered_overlong"] += 1

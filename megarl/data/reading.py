@@ -48,7 +48,10 @@ def read_rows(path: str, key: str = "data.train_files") -> FileRows:
 
 def _read_jsonl(path: str, text: str) -> FileRows:
     out = FileRows(path)
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Only "\n" ends a row: str.splitlines() also splits at U+2028/U+2029/U+0085, which
+    # json.dumps(ensure_ascii=False) writes raw inside strings, and would break valid rows in two.
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         out.total += 1

@@ -4,7 +4,9 @@ accepted and the model's tokenizer is on disk (`megarl-train --check`).
 """
 from __future__ import annotations
 
-import threading
+import multiprocessing
+import os
+import signal
 import traceback
 
 from transformers import AutoTokenizer
@@ -61,29 +63,51 @@ def check_reward_on_a_row(cfg, dataset) -> None:
     else:
         call = lambda: fn(data_source=source, solution_str=response, ground_truth=truth,  # noqa: E731
                           extra_info=extra, **spec.kwargs)
-    # In a daemon thread under the run's own per-sample limit: a reward that hangs must not hang the
-    # launcher (the thread cannot be killed; it ends with the process).
-    outcome: dict = {}
-    worker = threading.Thread(target=_capture, args=(call, outcome), daemon=True, name="megarl-reward-check")
-    worker.start()
-    worker.join(cfg.reward_model.timeout_s)
+    # In a child process under the run's own per-sample limit: a reward that hangs is killed, and one
+    # that ends its process (os._exit, sys.exit, a signal) ends the child, not the launcher silently.
+    # Forked, so the loaded function and the row need no pickling.
     key = "custom_reward_function.path" if spec.path else "data.reward_fn_key"
-    if worker.is_alive():
-        raise ConfigError(f"scoring the first training row (data_source={source!r}) did not return within "
-                          f"reward_model.timeout_s={cfg.reward_model.timeout_s:g} s, the run's per-sample limit; fix "
-                          "the reward function or raise reward_model.timeout_s", key)
-    err = outcome.get("error")
-    if err is not None:
-        frame = _user_frame(err)
-        raise ConfigError(f"scoring the first training row (data_source={source!r}) raised {type(err).__name__}: "
-                          f"{_one_line(err)} at {frame}; fix the reward function or the rows", key)
+    what = f"scoring the first training row (data_source={source!r})"
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_score_in_child, args=(call, send), daemon=True, name="megarl-reward-check")
+    child.start()
+    send.close()
+    child.join(cfg.reward_model.timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        raise ConfigError(f"{what} did not return within reward_model.timeout_s={cfg.reward_model.timeout_s:g} s, "
+                          "the run's per-sample limit; fix the reward function or raise reward_model.timeout_s", key)
+    try:
+        outcome = recv.recv() if recv.poll() else None
+    except EOFError:                     # the child ended before sending anything
+        outcome = None
+    recv.close()
+    if outcome is None:
+        code = child.exitcode or 0
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code} (os._exit?)"
+        raise ConfigError(f"{what} ended the reward's process ({how}) instead of returning a score; a reward "
+                          "function must return a number, not exit", key)
+    if outcome[0] == "exit":
+        raise ConfigError(f"{what} called sys.exit({outcome[1]}) at {outcome[2]} instead of returning a score; "
+                          "a reward function must return a number, not exit", key)
+    if outcome[0] == "raised":
+        raise ConfigError(f"{what} raised {outcome[1]}: {outcome[2]} at {outcome[3]}; fix the reward function or "
+                          "the rows", key)
 
 
-def _capture(call, outcome: dict) -> None:
+def _score_in_child(call, send) -> None:
     try:
         call()
-    except Exception as err:    # reported by the caller with the user's file and line
-        outcome["error"] = err
+        outcome: tuple = ("ok",)
+    except SystemExit as err:
+        outcome = ("exit", repr(err.code), _user_frame(err))
+    except BaseException as err:    # reported by the parent with the user's file and line
+        outcome = ("raised", type(err).__name__, _one_line(err), _user_frame(err))
+    send.send(outcome)
+    send.close()
+    os._exit(0)    # no atexit handlers or finalizers of the launcher's state in a forked copy
 
 
 def _user_frame(err: BaseException) -> str:

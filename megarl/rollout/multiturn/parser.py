@@ -46,12 +46,20 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         pos = stop + len(CLOSE)
 
 
+# json.loads raises RecursionError on about a thousand nested brackets; model text must never end a
+# run, so that is a malformed call like any other.
+_TOO_DEEP = ('the tool call nests too deeply to parse (over a thousand brackets); write '
+             '{"name": ..., "arguments": {...}}')
+
+
 def _decode(body: str) -> ToolCall:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as err:
         return ToolCall(None, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos}); write "
                                     '{"name": ..., "arguments": {...}}')
+    except RecursionError:
+        return ToolCall(None, error=_TOO_DEEP)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall(None, error='the tool call must be a JSON object with a "name" string and an "arguments" '
                                     "object")
@@ -61,6 +69,8 @@ def _decode(body: str) -> ToolCall:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
             pass
+        except RecursionError:
+            return ToolCall(obj["name"], error=_TOO_DEEP)
     if args is None:
         args = {}
     if not isinstance(args, dict):

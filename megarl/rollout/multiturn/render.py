@@ -22,21 +22,29 @@ from megarl.config.errors import ConfigError
 log = logging.getLogger("megarl.rollout.multiturn")
 _MARK = "MEGARL_PROBE_7c1e"
 TRUNCATED = "...(truncated)"
+# No tokenizer in use packs more characters than this into one token on average.
+MAX_CHARS_PER_TOKEN = 128
 _BASE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}]
 
 
 def truncate_tokens(tokenizer, text: str, limit: int, side: str) -> tuple[str, bool]:
-    """Keep `limit` tokens of `text` (the right/left end, or both ends for middle) and mark the cut."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= limit:
-        return text, False
-    if side == "right":
-        return tokenizer.decode(ids[:limit]) + TRUNCATED, True
-    if side == "left":
-        return TRUNCATED + tokenizer.decode(ids[-limit:]), True
-    head = limit // 2
+    """Keep `limit` tokens of `text` (the right/left end, or both ends for middle) and mark the cut.
+
+    Only the ends that can be kept are tokenised: `limit` tokens span at most limit * MAX_CHARS_PER_TOKEN
+    characters, so a 10 MB output costs a slice, not minutes and gigabytes of token ids.
+    """
+    head = limit if side == "right" else 0 if side == "left" else limit // 2
     tail = limit - head
-    return tokenizer.decode(ids[:head]) + TRUNCATED + tokenizer.decode(ids[len(ids) - tail:]), True
+    keep_head, keep_tail = head * MAX_CHARS_PER_TOKEN, tail * MAX_CHARS_PER_TOKEN
+    if len(text) <= keep_head + keep_tail:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= limit:
+            return text, False
+        first, last = ids[:head], ids[len(ids) - tail:]
+    else:                      # over `limit` tokens at any realistic rate: both ends alone decide
+        first = tokenizer.encode(text[:keep_head], add_special_tokens=False)[:head] if head else []
+        last = tokenizer.encode(text[len(text) - keep_tail:], add_special_tokens=False)[-tail:] if tail else []
+    return (tokenizer.decode(first) if first else "") + TRUNCATED + (tokenizer.decode(last) if last else ""), True
 
 
 class Renderer:
