@@ -325,3 +325,19 @@ def test_yaml_bombs_are_refused_in_one_line(tmp_path, text, words):
     got = subprocess.run([sys.executable, "-m", "megarl.train", "--config", path, "--print-config"],
                          capture_output=True, text=True, timeout=60)
     assert got.returncode == 2 and words in got.stderr and got.stderr.strip().count("\n") == 0, got.stderr[-2000:]
+
+
+@pytest.mark.parametrize("yaml_text, key, words", [
+    ("hydra:\n  run:\n    dir: /tmp/out\n", "hydra", "trainer.default_local_dir"),
+    ("defaults:\n  - ppo_trainer\n  - _self_\n", "defaults", "base: other.yaml"),
+])
+def test_verls_hydra_sections_name_what_megarl_takes_instead(tmp_path, yaml_text, key, words):
+    path = write(tmp_path, "verl.yaml", yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == key and words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hydras_deletion_override_says_what_megarl_does_instead():
+    with pytest.raises(ConfigError, match="Hydra's deletion of a key; every megarl key has a default"):
+        load_config(None, ["~trainer.logger"])

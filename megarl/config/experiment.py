@@ -26,7 +26,7 @@ from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused
 from megarl.config.typed import Section, all_keys, build, defaults_of, derive, freeze, open_keys, to_dict
-from megarl.config.verl_keys import same_section_hint, strip_verl_keys
+from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -214,6 +214,7 @@ def _leaf_paths(node: dict, prefix: str = "") -> list[str]:
 def check_known_keys(raw: dict) -> None:
     """Name the first unknown key: with the full key it ends (`rollout.n=5` -> `actor_rollout_ref.rollout.n`),
     else with the closest key of its own section (megarl's or verl's), else alone."""
+    refuse_hydra_sections(raw)
     known = set(all_keys(ExperimentConfig))
     free = open_keys(ExperimentConfig)
     paths = _leaf_paths(raw)

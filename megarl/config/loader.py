@@ -127,6 +127,9 @@ def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a','b','c'], value parsed as YAML: 5 -> int, true -> bool, [1,2] -> list)."""
+    if text.startswith("~"):
+        raise ConfigError(f"override {text!r} is Hydra's deletion of a key; every megarl key has a default, which a "
+                          "key left out takes: remove the override")
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.path=value; write e.g. "
                           "actor_rollout_ref.rollout.n=5")
