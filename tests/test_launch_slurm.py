@@ -246,7 +246,7 @@ def test_a_failed_rank_fails_the_job_quickly_and_is_named(cluster, tmp_path, scr
 
 @pytest.mark.timeout(300)
 def test_multi_node_scripts_start_ranks_both_ways(cluster, tmp_path):
-    """multi_node.sbatch (srun task per node -> torchrun, c10d rendezvous on the first node) and
+    """multi_node.sbatch (srun task per node -> torchrun, static rendezvous on the first node) and
     multi_node_task_per_gpu.sbatch (srun task per rank), each on this one node, CPU only."""
     for script, flags, mode in (("launch/slurm/multi_node.sbatch", (), "torchrun mode"),
                                 ("launch/slurm/multi_node_task_per_gpu.sbatch", ("--ntasks-per-node=2",), "task mode")):
