@@ -323,3 +323,18 @@ def test_local_cluster_authenticates_with_munge_and_listens_on_loopback(cluster,
         assert subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, timeout=60).returncode == 0
     finally:
         subprocess.run(["kill", open(other / "pid").read().strip()])
+
+
+def test_torchrun_mode_uses_the_static_rendezvous_with_each_node_rank():
+    """No Slurm needed: job.sh's torchrun command names the static rendezvous (the c10d one unpickles
+    what anyone writes to its store on MASTER_PORT, docs/security.md), and node_env.sh hands each
+    node's torchrun its SLURM_NODEID as --node-rank."""
+    text = open("launch/slurm/job.sh").read()
+    torchrun = text[text.index("-m torch.distributed.run"):text.index("fi\n", text.index("-m torch.distributed.run"))]
+    assert "--rdzv-backend=static" in torchrun and "c10d" not in torchrun and "node_env.sh" in text
+    parse = ("import sys; from torch.distributed.run import get_args_parser; "
+             "print(get_args_parser().parse_args(sys.argv[1:]).node_rank)")
+    out = subprocess.run(["bash", "launch/slurm/node_env.sh", sys.executable, "-c", parse, "--rdzv-backend=static",
+                          "--nnodes=4", "train.py"], env={**os.environ, "SLURM_NODEID": "3"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr[-2000:]
