@@ -23,11 +23,15 @@ echo "megarl: $MEGARL_NPROC_PER_NODE ranks of $MEGARL_ENTRY on $(hostname); run 
 threads=$(( $(nproc) / MEGARL_NPROC_PER_NODE ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 
+# torchrun's static rendezvous on a loopback port: its store holds JSON and bytes, where the c10d
+# rendezvous (--standalone) unpickles whatever a local user writes to its store (docs/security.md).
+port=${MASTER_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+
 set +e
 # supervise: torchrun and everything below it end when this script ends, even by kill -9 (parent-death
 # signal), and no helper process outlives the run (megarl/parallel/supervise.py).
-"$PYTHON" -m megarl.parallel.supervise -- "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$MEGARL_NPROC_PER_NODE" \
-    --max-restarts=0 --shutdown-timeout="${MEGARL_SHUTDOWN_TIMEOUT_S:-15}" \
+"$PYTHON" -m megarl.parallel.supervise -- "$PYTHON" -m torch.distributed.run --rdzv-backend=static --nnodes=1 --node-rank=0 \
+    --master-addr=127.0.0.1 --master-port="$port" --nproc-per-node="$MEGARL_NPROC_PER_NODE" --max-restarts=0 --shutdown-timeout="${MEGARL_SHUTDOWN_TIMEOUT_S:-15}" \
     -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 echo "megarl: torchrun exited $rc; log $log" | tee -a "$log"

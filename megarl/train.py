@@ -41,7 +41,10 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     nproc = cfg.trainer.n_gpus_per_node
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        # The static rendezvous: its store holds JSON and bytes. --standalone's c10d rendezvous keeps
+        # pickled state in a store any local user can write, and unpickles it (docs/security.md).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=static", "--nnodes=1", "--node-rank=0",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--nproc_per_node={nproc}",
                "-m", "megarl.train", *argv]
         # torchrun's banner about OMP_NUM_THREADS appears only when it is unset; launch/torchrun.sh's rule.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -72,13 +75,16 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
         lock.release()
 
 
-def single_process_env() -> dict[str, str]:
-    """The variables torchrun would set, for a one-process run."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def single_process_env() -> dict[str, str]:
+    """The variables torchrun would set, for a one-process run."""
     return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def config_error(err: ConfigError) -> int:

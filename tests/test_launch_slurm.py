@@ -246,7 +246,7 @@ def test_a_failed_rank_fails_the_job_quickly_and_is_named(cluster, tmp_path, scr
 
 @pytest.mark.timeout(300)
 def test_multi_node_scripts_start_ranks_both_ways(cluster, tmp_path):
-    """multi_node.sbatch (srun task per node -> torchrun, c10d rendezvous on the first node) and
+    """multi_node.sbatch (srun task per node -> torchrun, static rendezvous on the first node) and
     multi_node_task_per_gpu.sbatch (srun task per rank), each on this one node, CPU only."""
     for script, flags, mode in (("launch/slurm/multi_node.sbatch", (), "torchrun mode"),
                                 ("launch/slurm/multi_node_task_per_gpu.sbatch", ("--ntasks-per-node=2",), "task mode")):
@@ -323,3 +323,18 @@ def test_local_cluster_authenticates_with_munge_and_listens_on_loopback(cluster,
         assert subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, timeout=60).returncode == 0
     finally:
         subprocess.run(["kill", open(other / "pid").read().strip()])
+
+
+def test_torchrun_mode_uses_the_static_rendezvous_with_each_node_rank():
+    """No Slurm needed: job.sh's torchrun command names the static rendezvous (the c10d one unpickles
+    what anyone writes to its store on MASTER_PORT, docs/security.md), and node_env.sh hands each
+    node's torchrun its SLURM_NODEID as --node-rank."""
+    text = open("launch/slurm/job.sh").read()
+    torchrun = text[text.index("-m torch.distributed.run"):text.index("fi\n", text.index("-m torch.distributed.run"))]
+    assert "--rdzv-backend=static" in torchrun and "c10d" not in torchrun and "node_env.sh" in text
+    parse = ("import sys; from torch.distributed.run import get_args_parser; "
+             "print(get_args_parser().parse_args(sys.argv[1:]).node_rank)")
+    out = subprocess.run(["bash", "launch/slurm/node_env.sh", sys.executable, "-c", parse, "--rdzv-backend=static",
+                          "--nnodes=4", "train.py"], env={**os.environ, "SLURM_NODEID": "3"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr[-2000:]

@@ -6,7 +6,8 @@
 #
 # MEGARL_SLURM_MODE picks how ranks start (default: from the allocation):
 #   torchrun  one srun task per node runs torchrun, which starts trainer.n_gpus_per_node ranks;
-#             c10d rendezvous on the first node of the node list (--ntasks-per-node=1).
+#             static rendezvous on the first node of the node list (--ntasks-per-node=1), node
+#             rank from SLURM_NODEID (node_env.sh).
 #   task      one srun task per rank (--ntasks-per-node=G); rank_env.sh maps SLURM_PROCID /
 #             SLURM_NTASKS / SLURM_LOCALID to RANK / WORLD_SIZE / LOCAL_RANK.
 # Logs: <trainer.default_local_dir>/logs/slurm-<job id>.log (and Slurm's own output file).
@@ -68,10 +69,13 @@ else
     task_cpus=${SLURM_CPUS_PER_TASK:-$cpus_node}
     threads=$(( task_cpus / MEGARL_NPROC_PER_NODE ))
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+    # The static rendezvous: the c10d one keeps pickled state in a store on MASTER_PORT that any
+    # user who can reach the node may write, and unpickles it (docs/security.md). Static holds JSON.
     cmd=(srun "${srun_args[@]}" --ntasks="$nnodes" --ntasks-per-node=1 --cpus-per-task="$task_cpus" --label
-         "$PYTHON" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$MEGARL_NPROC_PER_NODE"
-         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
-         --rdzv-conf="join_timeout=$MEGARL_COLLECTIVE_TIMEOUT_S" --max-restarts=0
+         "$MEGARL_REPO/launch/slurm/node_env.sh" "$PYTHON" -m torch.distributed.run --nnodes="$nnodes"
+         --nproc-per-node="$MEGARL_NPROC_PER_NODE" --rdzv-backend=static --master-addr="$MASTER_ADDR"
+         --master-port="$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --rdzv-conf="timeout=$MEGARL_COLLECTIVE_TIMEOUT_S"
+         --max-restarts=0
          --shutdown-timeout="${MEGARL_SHUTDOWN_TIMEOUT_S:-15}"
          -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
 fi

@@ -11,6 +11,7 @@ megarl process shares one layout (ExperimentConfig refuses differing ones).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -34,11 +35,38 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+# The timeout init_distributed was given. Every group made later gets it too: torch's new_group and
+# megatron's groups otherwise wait 30 minutes, so a stopped rank would hold the others that long.
+_timeout = datetime.timedelta(seconds=600.0)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """What a collective of any megarl group waits for its peers (trainer.collective_timeout_s)."""
+    return _timeout
+
+
+@contextlib.contextmanager
+def _groups_default_to(timeout: datetime.timedelta):
+    """Groups created inside get `timeout` when their creator names none (megatron 0.16.1 omits it
+    for its expert-data-parallel gloo group): torch reads these defaults at each new_group."""
+    c10d = dist.distributed_c10d
+    saved = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
+    c10d.default_pg_timeout = timeout
+    if saved[1] is not None:
+        c10d.default_pg_nccl_timeout = timeout
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = saved
+
+
 def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = None,
                      world_size: int | None = None) -> None:
     """Start torch.distributed (idempotent); on CPU install the megatron shim. Without `store`
     the default group is every rank in the environment; with it (a prefix of the job's store),
     the `world_size` ranks that pass the same store: one side of a disaggregated job."""
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)
     cpu_compat.install()
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
@@ -103,10 +131,12 @@ def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int 
                              f"EP={cur[4]}; every megarl role in one process must share that layout (asked for "
                              f"TP={tp} PP={pp} CP={cp} VPP={vpp} EP={ep})")
         return layout()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
-                                 create_gloo_process_groups=torch.cuda.is_available())
+    with _groups_default_to(_timeout):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                                     create_gloo_process_groups=torch.cuda.is_available(),
+                                     distributed_timeout_minutes=_timeout.total_seconds() / 60)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return layout()

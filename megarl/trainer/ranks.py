@@ -121,7 +121,7 @@ def _rollout_tp_group(world: int, rank: int, rtp: int):
     group = None
     for first in range(0, world, rtp):    # every rank must take part in creating every group
         members = list(range(first, first + rtp))
-        g = dist.new_group(members) if rtp > 1 else None
+        g = dist.new_group(members, timeout=state.collective_timeout()) if rtp > 1 else None
         if rank in members:
             group = g
     return group

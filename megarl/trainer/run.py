@@ -81,9 +81,24 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3
+    except RuntimeError as err:
+        if not _collective_timed_out(err):
+            raise
+        # One line instead of torch's trace: the cause is a peer (stopped, hung or far slower), not this rank.
+        line = (f"rank {rank}: a collective waited past trainer.collective_timeout_s={tr.collective_timeout_s:g}s "
+                "for another rank; find the rank that stopped (or raise trainer.collective_timeout_s)")
+        print(f"megarl: stopped: {line}", file=sys.stderr, flush=True)
+        tell_launcher(RuntimeError(line))
+        return 4
     finally:
         destroy(ranks)
     return 0
+
+
+def _collective_timed_out(err: BaseException) -> bool:
+    """gloo's words for a collective that gave up waiting (torch 2.13: "Timed out waiting 4000ms for
+    recv operation to complete"); NCCL's watchdog ends the process itself."""
+    return "Timed out waiting" in str(err) or "timed out" in str(err).lower() and "collective" in str(err).lower()
 
 
 def _run_rollout(cfg, ranks) -> int:

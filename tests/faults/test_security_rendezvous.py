@@ -1,0 +1,113 @@
+"""No store a run opens turns a client's write into code: a real 2-rank `megarl-train` run, every
+TCP port its processes listen on tried as a torch key-value store, every key found overwritten with
+a pickle that would create a marker file, and the run must neither run it nor fail; started by
+`megarl-train` and by launch/torchrun.sh. (launch/slurm/job.sh's torchrun mode: test_launch_slurm.py.)
+
+torchrun's c10d rendezvous keeps its state pickled (base64) under `torch.rendezvous.<id>` and
+unpickles it every few hundred milliseconds; the stores accept anyone who can reach the port. Each
+launch path uses the static rendezvous instead, whose store holds JSON and plain bytes.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import os
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from tests.faults.runs import Launch, overrides, run_processes
+
+
+class _Touch:
+    """Unpickling this runs `touch <path>`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def listening_ports(tag: str) -> set[tuple[str, int]]:
+    found = set()
+    for p in run_processes(tag):
+        try:
+            conns = p.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                host = c.laddr.ip
+                found.add(("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, c.laddr.port))
+    return found
+
+
+def rendezvous_ids(tag: str) -> set[str]:
+    """The run ids torchrun was given (`none` when it was given none): c10d's key is torch.rendezvous.<id>."""
+    ids = {"none"}
+    for p in run_processes(tag):
+        try:
+            args = p.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for i, arg in enumerate(args):
+            for flag in ("--rdzv-id", "--rdzv_id"):
+                if arg.startswith(flag + "="):
+                    ids.add(arg.split("=", 1)[1])
+                elif arg == flag and i + 1 < len(args):
+                    ids.add(args[i + 1])
+    return ids
+
+
+def poison(tag: str, marker) -> dict:
+    """Overwrite every key of every store the run listens with: raw pickles, and c10d's base64
+    form under the rendezvous key names. Returns {address: keys written}."""
+    raw = pickle.dumps(_Touch(marker))
+    encoded = base64.b64encode(raw)
+    names = {f"torch.rendezvous.{i}" for i in rendezvous_ids(tag)}
+    def attach(address):
+        try:
+            store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=2),
+                                  wait_for_workers=False)
+            keys = set(store.list_keys())
+        except Exception:       # gloo's listeners and anything else that is not a store
+            return None
+        for key in keys | names:
+            store.set(key, encoded if key.startswith("torch.rendezvous.") else raw)
+        return f"{address[0]}:{address[1]}", sorted(keys | names)
+    # In parallel: each port that is not a store costs seconds, and the run goes on meanwhile.
+    with ThreadPoolExecutor(16) as pool:
+        written = dict(found for found in pool.map(attach, sorted(listening_ports(tag))) if found)
+    return written
+
+
+def step_logged(run_dir, step: int) -> bool:
+    return any(f"step {step}/{STEPS} " in log.read_text(errors="replace") for log in run_dir.glob("logs/*.log"))
+
+
+STEPS = 60      # long enough to outlast the writes and the 6 s after them
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script", [False, True], ids=["megarl-train", "launch/torchrun.sh"])
+def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, script):
+    marker = tmp_path / "code-ran"
+    run_dir = tmp_path / "run"
+    launch = Launch(overrides(addition_model_dir, run_dir, STEPS, "trainer.save_freq=-1"), script=script)
+    deadline = time.monotonic() + 300
+    while not step_logged(run_dir, 2):           # past start-up, every store open, ~1 s a step from here
+        assert launch.proc.poll() is None, launch.finish()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not reach its first step"
+        time.sleep(0.2)
+    written = poison(launch.tag, marker)
+    time.sleep(6)                             # c10d's agent re-reads its state every 5 s at the latest
+    rc, out = launch.finish()
+    assert written, f"no store found among {listening_ports(launch.tag)}"
+    assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
+    assert rc == 0, out[-3000:]
+    assert step_logged(run_dir, STEPS)
