@@ -104,10 +104,6 @@ def save(root: str, step: int, roles: dict, trainer_state: dict, rank: int, keep
         if rank == 0:
             shutil.rmtree(step_dir(root, step) + ".tmp", ignore_errors=True)   # gives the space back
         last = latest_step_dir(root)
-        if isinstance(err, PeerSaveFailed) and dist.is_initialized():
-            # Every rank raised this from the same agreement. Leave together: torchrun stops the other
-            # ranks at the first exit, and rank 0, still removing the partial save, would die unheard.
-            dist.barrier()
         raise CheckpointSaveError(
             f"saving step {step} failed on rank {peer}: {cause.strerror or cause}"
             + (f" ({cause.filename})" if cause.filename else "") + f"; the partial save was removed and the last "
