@@ -80,9 +80,11 @@ def poison(tag: str, marker) -> dict:
         for key in keys | names:
             store.set(key, encoded if key.startswith("torch.rendezvous.") else raw)
         return f"{address[0]}:{address[1]}", sorted(keys | names)
-    # In parallel: each port that is not a store costs seconds, and the run goes on meanwhile.
-    with ThreadPoolExecutor(16) as pool:
-        written = dict(found for found in pool.map(attach, sorted(listening_ports(tag))) if found)
+    # All at once: each port that is not a store costs 5-35 s of connection retries (gloo's
+    # listeners reset the client), and the run, whose stores close with it, goes on meanwhile.
+    ports = sorted(listening_ports(tag))
+    with ThreadPoolExecutor(max(1, len(ports))) as pool:
+        written = dict(found for found in pool.map(attach, ports) if found)
     return written
 
 
@@ -104,10 +106,16 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
         assert launch.proc.poll() is None, launch.finish()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not reach its first step"
         time.sleep(0.2)
-    written = poison(launch.tag, marker)
+    # A loaded machine can let one attach time out: try again while the run is still going.
+    ports, written = set(), {}
+    for _ in range(4):
+        ports = listening_ports(launch.tag)
+        written = poison(launch.tag, marker)
+        if written or launch.proc.poll() is not None:
+            break
     time.sleep(6)                             # c10d's agent re-reads its state every 5 s at the latest
     rc, out = launch.finish()
-    assert written, f"no store found among {listening_ports(launch.tag)}"
+    assert written, f"no store found among {sorted(ports)}"
     assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
     assert rc == 0, out[-3000:]
     assert step_logged(run_dir, STEPS)
