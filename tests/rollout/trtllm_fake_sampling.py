@@ -106,7 +106,7 @@ _SHARED = torch.Generator().manual_seed(12345)
 
 def generator(snap: dict, seed, sample_index: int) -> torch.Generator:
     if snap.get("seed_semantics") == "per_request":
-        return torch.Generator().manual_seed((seed or 0) * 1000 + sample_index)
+        return torch.Generator().manual_seed(((seed or 0) * 1000 + sample_index) & ((1 << 63) - 1))
     return _SHARED
 
 
