@@ -182,6 +182,10 @@ class _LLM:
         return []
 
     def _sleep(self, tags):
+        """RayGPUWorker.sleep (executor/ray/gpu_worker.py at a3dfe261): each tag through
+        ExecutorMemoryType(tag). A tag restore_modes leaves out is copied to host memory first
+        ("Unlisted entries default to the suitable mode selected between PINNED and CPU",
+        SleepConfig's reference page, current docs; NONE and MEMSET copy nothing)."""
         if self.sleep_modes is None:
             raise ValueError("Sleep feature is not enabled, please set sleep_config in the LLM arguments.")
         valid = set(self.snap["executor_memory_types"] or [])
@@ -224,7 +228,7 @@ class _LLM:
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, inputs, sampling_params=None):
-        blocked = {MODEL, self.weight_tag, KV} & self.released
+        blocked = set(self.released)           # every tag holds something generation uses
         if blocked:
             raise RuntimeError(f"generate() while {sorted(blocked)} are released")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(inputs)
