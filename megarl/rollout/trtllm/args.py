@@ -161,8 +161,8 @@ def discarded_tags(weights: str) -> list[str]:
 
 
 def sleep_tags(feats: Features) -> list[str]:
-    """Every tag sleep() releases: all the build has, the KV cache last (the order wake() reverses
-    is irrelevant; this one frees the large KV cache after the small tags have their host copies)."""
+    """Every tag sleep() releases: all the build has, the KV cache last (released tag by tag, the
+    measured figures then end with the largest one)."""
     return sorted(feats.memory_tags, key=lambda t: t == KV_TAG)
 
 
