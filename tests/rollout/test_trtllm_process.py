@@ -133,3 +133,16 @@ def test_trtllm_check_reads_the_wheels_torch_pin(monkeypatch):
     assert got == {"torch_found": "2.9.1+cu128", "torch_wanted": "<=2.11.0a0,>=2.11.0a0", "torch_matches": False}
     monkeypatch.setattr(md, "version", lambda dist: "2.11.0a0+nv" if dist == "torch" else real_version(dist))
     assert trtllm_check.torch_versions()["torch_matches"] is True
+
+
+def test_the_config_refuses_megarls_ray_pools_beside_trtllm():
+    """Known before any engine starts: the engine declares that it runs Ray in the rank's process."""
+    from megarl.config.errors import ConfigError
+    from megarl.config.experiment import load_config
+    trt = ["actor_rollout_ref.rollout.name=trtllm"]
+    with pytest.raises(ConfigError, match="reward_model.launch_reward_fn_async") as err:
+        load_config(None, trt + ["reward_model.launch_reward_fn_async=true"])
+    assert "\n" not in str(err.value) and "set it to false" in str(err.value)
+    with pytest.raises(ConfigError, match="multi_turn.tool_backend.*use tool_backend=thread"):
+        load_config(None, trt + ["actor_rollout_ref.rollout.multi_turn.tool_backend=ray"])
+    assert load_config(None, ["reward_model.launch_reward_fn_async=true"]).reward_model.launch_reward_fn_async
