@@ -46,6 +46,9 @@ class EngineInfo:
     # only then may the old-log-prob pass be skipped without a tolerance (trainer/bypass.py).
     exact_logprob_dtypes: tuple[str, ...] = ()
     captures_cuda_graphs: bool = False             # rollout.enforce_eager=false means something to it
+    # Runs a Ray of its own inside the rank's process and shuts it down with itself: megarl's Ray
+    # pools (async reward scoring, Ray tool calls) cannot share that process.
+    owns_process_ray: bool = False
     graphs_hint: str = "leave enforce_eager unset"  # where its own graph setting lives instead
 
     @property

@@ -4,8 +4,12 @@ from megarl.engines import EngineInfo
 ENGINE = EngineInfo(
     name="trtllm", summary="TensorRT-LLM on NVIDIA GPUs", build="megarl.rollout.trtllm.engine:build_trtllm",
     requires="tensorrt_llm", suggested=True, devices=("cuda",),
-    why_no_routes="TensorRT-LLM's LLM API (1.3, megarl's supported line) returns no routed experts: CompletionOutput "
-                  "has no routing field and its Qwen3-MoE keeps the top-k inside the fused MoE op (docs/trtllm.md)",
+    # Routed experts from 1.3.0rc29's classes (PR #18397). An installed build without them is
+    # refused in one line where the engine starts: only the installed classes can tell.
+    records_routes=True,
+    # Its Ray executor: ray.init(address="local", ignore_reinit_error=True) in the leader's process,
+    # ray.shutdown() in LLM.shutdown() (docs/trtllm.md, Ray in the leader's process).
+    owns_process_ray=True,
     # It captures graphs itself, configured by its own argument rather than enforce_eager.
     graphs_hint="for TensorRT-LLM set engine_kwargs.trtllm.cuda_graph_config",
 )

@@ -54,6 +54,13 @@ def ensure_ray(num_cpus: int) -> None:
     A Ray started here requires a token (parallel/ray_auth.py)."""
     import ray  # optional at run time: loads (about a second) only when a pool is asked for
     if ray.is_initialized():
+        # TensorRT-LLM's executor starts Ray in this process (namespace "trtllm", no token) and
+        # ray.shutdown()s it with its LLM: a pool there would run unauthenticated and die with it.
+        if ray.get_runtime_context().namespace == "trtllm":
+            raise RuntimeError("Ray in this process belongs to TensorRT-LLM's rollout engine, which shuts it down "
+                               "with the LLM and runs it without megarl's token: with rollout.name=trtllm set "
+                               "reward_model.launch_reward_fn_async=false and "
+                               "actor_rollout_ref.rollout.multi_turn.tool_backend=thread")
         return
     warning = ray_token_auth()
     if warning:

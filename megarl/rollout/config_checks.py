@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
+from megarl.engines import config_info
 from megarl.rollout.config import codec_problem
 
 
@@ -28,6 +29,21 @@ def check_disaggregated_layout(cfg) -> None:
         raise ConfigError("the disaggregated weight sync addresses trainer ranks by TP x PP x DP only; use "
                           "context_parallel_size=1 and virtual_pipeline_model_parallel_size=null with it, or "
                           "placement=colocated", "actor_rollout_ref.rollout.placement")
+
+
+def check_process_ray(cfg) -> None:
+    """An engine that runs Ray inside the rank's process (TensorRT-LLM) cannot share it with megarl's
+    Ray pools: Ray allows one instance per process, and the engine would shut it down with itself."""
+    info = config_info(cfg.rollout.name)
+    if info is None or not info.owns_process_ray:
+        return
+    fix = f"; rollout.name={cfg.rollout.name} runs Ray inside the rank's process and shuts it down with its engine"
+    if cfg.reward_model.launch_reward_fn_async:
+        raise ConfigError(f"true scores in a Ray pool in the same process{fix}: set it to false (rewards in "
+                          "process)", "reward_model.launch_reward_fn_async")
+    if cfg.rollout.multi_turn.tool_backend == "ray":
+        raise ConfigError(f"ray runs tools in a Ray pool in the same process{fix}: use tool_backend=thread",
+                          "actor_rollout_ref.rollout.multi_turn.tool_backend")
 
 
 def check_async_loop_features(cfg) -> None:

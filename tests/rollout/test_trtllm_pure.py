@@ -24,12 +24,12 @@ from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.trtllm import (TRTLLMEngine, bucket_handles, checkpoint_names, completion_from_output,
                                    detect_features, llm_kwargs, placement)
-from megarl.rollout.trtllm.args import logprob_mode, response_budget, sampling_kwargs
+from megarl.rollout.trtllm.args import logprob_mode, prompt_seed, response_budget, sampling_kwargs
 from tests.assets.trtllm import extract_snapshot
 from tests.rollout import conformance, trtllm_fake
 from tests.rollout.fixtures import model_dirs, save_model, state_of
 
-V12, V13 = "trtllm-1.2.0rc2.json", "trtllm-1.3.0rc21.json"
+V12, V13, V29 = "trtllm-1.2.0rc2.json", "trtllm-1.3.0rc21.json", "trtllm-1.3.0rc29.json"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -179,7 +179,7 @@ def test_llm_kwargs_fit_the_snapshot_and_sleep_keeps_or_drops_weights(monkeypatc
     assert kw["max_num_tokens"] == 4096 and "allreduce_strategy" not in kw, "engine_kwargs wins; null removes"
     assert kw["ray_worker_extension_cls"] == placement.EXTENSION and "enable_sleep" not in kw
     keep = {m.value: v for m, v in kw["sleep_config"].restore_modes.items()}
-    assert keep == {"kv_cache": "NONE"}, "load_format=auto: the weights stay on the GPU, never PINNED"
+    assert keep == {"kv_cache": "NONE"}, "load_format=auto: the weights are not named, so they keep their content"
     drop = llm_kwargs(engine_cfg(load_format="dummy"), dirs["a"], feats, args)["sleep_config"].restore_modes
     assert {m.value: v for m, v in drop.items()} == {"kv_cache": "NONE", "model_weights": "NONE"}, \
         "only the weights and the KV cache are discarded; every other tag keeps its content"
@@ -207,7 +207,7 @@ def test_sampling_kwargs_budget_and_greedy_n(monkeypatch):
     feats = detect_features(trtllm_fake.install(monkeypatch, V13))
     sp = SamplingParams(n=4, max_tokens=32, temperature=0.7, seed=5, stop_token_ids=[9], eos_token_ids=[2])
     kw = sampling_kwargs(sp, feats, max_tokens=20, pad_token_id=0)
-    assert kw["n"] == 4 and kw["max_tokens"] == 20 and kw["temperature"] == 0.7 and kw["seed"] == 5
+    assert kw["n"] == 4 and kw["max_tokens"] == 20 and kw["temperature"] == 0.7 and kw["seed"] == prompt_seed(5, 0)
     assert kw["stop_token_ids"] == [2, 9] and kw["end_id"] == 2 and kw["pad_id"] == 0 and \
         kw["include_stop_str_in_output"]
     assert kw["logprobs"] == 0 and kw["logprobs_mode"] == "processed" and kw["logprobs_simple_format"]
@@ -275,7 +275,7 @@ def test_workers_land_on_the_groups_gpu_or_start_up_stops(monkeypatch, dirs):
     # Without the visibility restriction the worker lands on GPU 0: the UUID check stops start-up.
     # (The workers still get megarl on their PYTHONPATH, so only the device check can stop them.)
     monkeypatch.setenv("PYTHONPATH", placement.megarl_root())
-    monkeypatch.setattr(placement, "worker_env", lambda ordinals: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(placement, "worker_env", lambda ordinals, tllm=None: __import__("contextlib").nullcontext())
     with pytest.raises(RuntimeError, match="TP workers run on GPUs \\['GPU-fake-0'\\] \\(worker 0 on GPU-fake-0\\)"):
         TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu:3")
     assert trtllm_fake.sys.modules["tensorrt_llm"].LLM.instances[-1].shut, "a failed start shuts the LLM down"
@@ -298,18 +298,20 @@ def test_sleep_drops_weights_and_the_kv_cache_wakes_after_the_refit(monkeypatch,
     ref = engine.generate([[3, 17, 42]], greedy)
     assert ref[0][0].token_ids == ref[0][1].token_ids, "greedy n=2 works: one request, copied"
     engine.sleep()
-    assert llm.released == {"kv_cache", "model_weights"}, "dummy: weights dropped with the KV cache, nothing else"
+    assert llm.released == {"kv_cache", "model_weights", *llm.extra_tags}, "every tag leaves the GPU"
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate([[3, 17, 42]], greedy)
     mark = len(llm.events)
     _sync(engine, named)                          # the trainer's sync while asleep
     during = llm.events[mark:]
-    assert ("resume kv_cache", llm.weight_bytes + trtllm_fake.KV_BYTES) not in during
-    assert max(b for _, b in during) < llm.weight_bytes + trtllm_fake.KV_BYTES, "KV never resident during the refit"
+    awake = llm.weight_bytes + trtllm_fake.KV_BYTES + trtllm_fake.EXTRA_BYTES * len(llm.extra_tags)
+    assert not any(e[0] == "resume kv_cache" for e in during)
+    assert max(b for _, b in during) < awake, "KV never resident during the refit"
     assert llm.released == {"kv_cache"}
     engine.wake()
     assert not llm.released and llm.events[-1][0] == "resume kv_cache"
-    assert not any(e[0].startswith("host copy") for e in llm.events), "no PINNED host round trip"
+    copied = {e[0].removeprefix("host copy ") for e in llm.events if e[0].startswith("host copy")}
+    assert copied == set(llm.extra_tags), "a host round trip for the small tags, never the weights or KV"
     assert engine.generate([[3, 17, 42]], greedy)[0][0].token_ids == ref[0][0].token_ids
     engine.sleep()
     engine.wake()                                  # woken without a sync: dropped weights are refused
@@ -317,12 +319,13 @@ def test_sleep_drops_weights_and_the_kv_cache_wakes_after_the_refit(monkeypatch,
         engine.generate([[3, 17, 42]], greedy)
 
 
-def test_sleep_keeps_weights_on_the_gpu_when_they_do_not_come_from_syncs(monkeypatch, dirs):
+def test_sleep_backs_the_weights_up_when_they_do_not_come_from_syncs(monkeypatch, dirs):
     trtllm_fake.install(monkeypatch, V13)
     engine = TRTLLMEngine(dirs["a"], engine_cfg(load_format="auto"), device="cpu")
     ref = engine.generate([[5, 6]], SamplingParams(max_tokens=5, do_sample=False))
     engine.sleep()
-    assert engine.llm.released == {"kv_cache"}
+    assert engine.llm.released == {"kv_cache", "model_weights", *engine.llm.extra_tags}
+    assert ("host copy model_weights", engine.llm.weight_bytes) in engine.llm.events, "kept through a host copy"
     engine.wake()
     assert engine.generate([[5, 6]], SamplingParams(max_tokens=5, do_sample=False)) == ref
 
@@ -342,7 +345,8 @@ def test_bucket_handles_carry_names_and_rebuild(tmp_path):
 @pytest.mark.parametrize("snapshot", trtllm_fake.SNAPSHOTS)
 @pytest.mark.parametrize("check", conformance.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record_property):
-    """1.3+: every check passes. A version without logprobs_mode: every check is refused at start-up."""
+    """1.3+: every check passes (seeds repeat only from PR #17172 on). A version without logprobs_mode:
+    every check is refused at start-up."""
     snap = trtllm_fake.load_snapshot(snapshot)
     trtllm_fake.install(monkeypatch, snapshot)
 
@@ -351,6 +355,11 @@ def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record
                             device="cpu")
     if snap["logprobs_modes"] is None:
         with pytest.raises(ConfigError, match="rollouts need TensorRT-LLM >= 1.3"):
+            check(make, dirs)
+        return
+    if check is conformance.check_seed_determinism and snap["seed_semantics"] == "ignored":
+        # Before PR #17172 TorchSampler ignores the seed: no adapter can make a call repeat.
+        with pytest.raises(AssertionError, match="the same seed must give the same tokens"):
             check(make, dirs)
         return
     for key, value in check(make, dirs).items():
@@ -365,7 +374,7 @@ def _tp2(rank, world, model_dir):
     from transformers import AutoModelForCausalLM
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    sys.modules.update(trtllm_fake.build(V13))
+    sys.modules.update(trtllm_fake.build(V29))          # seeds repeat (PR #17172): the same tokens after wake
     engine = TRTLLMEngine(model_dir, engine_cfg(tensor_model_parallel_size=2, load_format="dummy"),
                           tp_group=dist.group.WORLD, device=f"cpu:{rank}")
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -432,7 +441,7 @@ def test_trtllm_check_report_tables():
 
 def _check_procedure(rank, world, model_dir):
     from benchmarks import trtllm_check
-    sys.modules.update(trtllm_fake.build(V13))
+    sys.modules.update(trtllm_fake.build(V29))
     torch.set_num_threads(1)
     result = {"phases": {}}
     trtllm_check._phases(rank, world, model_dir, {"max_tokens": 6, "gpu_memory_utilization": 0.3}, result,
@@ -448,7 +457,10 @@ def test_trtllm_check_procedure_against_megatron_on_the_fake(tmp_path):
     from tests.distributed import run_ranks
     path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2", seed=1, vocab_size=301)
     (result,) = run_ranks(1, _check_procedure, (path,))
-    assert result["same_tokens_after_wake"]
+    assert result["same_tokens_after_wake"] and result["seed_repeats"] and result["equal_prompts_differ"]
+    freed = result["gpu_freed_gb_per_tag"]
+    assert freed["kv_cache"] > 0 and freed["model_weights"] > 0 and set(freed) >= {"model", "sampler"}
+    assert result["gpu_used_gb_asleep"] == 0 < result["gpu_used_gb_awake"], "every tag leaves the GPU"
     assert result["logprob_max_abs_diff_before_sleep"] <= 1e-4 and result["logprob_max_abs_diff_after_wake"] <= 1e-4
     assert {"build_actor", "build_engine", "refit_first", "generate_before_sleep", "sleep", "refit_asleep", "wake",
             "generate_after_wake", "megatron_log_prob_after_wake"} <= set(result["phases"])

@@ -11,20 +11,30 @@ Versions, by feature detection (never by version string; `detect_features`):
   LLM arg sleep_config / enable_sleep  1.3+ SleepConfig(restore_modes) / 1.2's switch
   ExecutorMemoryType.model_weights     the weights under a tag of their own: only they (and the
                                        KV cache) may come back without their content.
+  LLM(enable_return_routed_experts),   routing replay (R3): all three or R3 is refused. LLM.
+  SamplingParams.return_routed_experts _check_arguments refuses the request flag without the LLM's
+  CompletionOutput.routed_experts      (1.3.0rc28 docs, module source); rc29's reference pages list
+                                       all three (PR #18397).
+  Per-request seeds (PR #17172) change TorchSampler's internals, not a class megarl can read:
+  megarl gives every prompt its own seed anyway (`prompt_seed`); a build before the PR ignores it.
 
 Log-probs: the trainer scores log_softmax(logits / T) of the sampled token, before top-k/top-p
 and penalties (greedy: T=1). TensorRT-LLM reports "raw" (before temperature) or "processed"
 (after temperature, penalties and top-k/top-p). raw is exact when T=1 (or greedy); processed
 when only temperature applies. Any other mix has no exact source and is refused with the fix.
 
-Sleep (only with enable_sleep_mode=True): SleepConfig.restore_modes names two tags, both NONE
-(released, nothing copied, garbage on wake-up): `kv_cache`, and `model_weights` when the weights
-come from syncs (load_format=dummy; the next full sync rewrites them). Every other tag
-(`model`, `model_extra`, `executor_extra`, `sampler`, `draft_model_weights`, ...) is left out of
-restore_modes and is never released, so it keeps its content. A build without a
-`model_weights` tag keeps the weights on the GPU: its `model` tag holds other buffers too, and
-discarding those would corrupt the model silently (TensorRT-LLM's own discard test and verl's
-rollout set NONE on MODEL_WEIGHTS_MAIN and KV_CACHE only).
+Sleep (only with enable_sleep_mode=True): sleep() releases every memory tag the build has (the
+`_no_capture_*` start-up tags aside). SleepConfig.restore_modes names NONE (released, nothing
+copied, garbage on wake-up) only for what nothing needs back: `kv_cache`, and `model_weights`
+when the weights come from syncs (load_format=dummy; the next full sync rewrites them). Every
+other tag (`model`, `model_extra`, `executor_extra`, `sampler`, CUDA-graph pools, the weights
+with load_format=auto, ...) is left out of restore_modes: TensorRT-LLM's SleepConfig then backs
+it up in host memory ("Unlisted entries default to the suitable mode selected between PINNED and
+CPU", SleepConfig reference page) and restores its content on wake-up, so it leaves the GPU
+without being lost. A build without a `model_weights` tag backs the weights up with the rest:
+its `model` tag holds other buffers too, and discarding those would corrupt the model silently
+(TensorRT-LLM's own discard test and verl's rollout set NONE on MODEL_WEIGHTS_MAIN and KV_CACHE
+only).
 """
 from __future__ import annotations
 
@@ -33,9 +43,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from megarl.config.errors import ConfigError
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.sampling import step_seed
 
 KEY = "actor_rollout_ref.rollout"
 KV_TAG = "kv_cache"
@@ -62,6 +75,7 @@ class Features:
     sampling_fields: frozenset[str]        # SamplingParams' init fields
     llm_fields: frozenset[str]             # what LLM(...) accepts: its args model's fields + named params
     memory_tags: tuple[str, ...]           # ExecutorMemoryType values (the "_no_capture" ones left out)
+    completion_fields: frozenset[str] = frozenset()   # CompletionOutput's fields
 
     @property
     def logprobs_mode(self) -> bool:
@@ -76,10 +90,17 @@ class Features:
         return "sleep_config" if "sleep_config" in self.llm_fields else (
             "enable_sleep" if "enable_sleep" in self.llm_fields else None)
 
+    def routes_missing(self) -> list[str]:
+        """What routing replay needs and this build lacks (empty: R3 works)."""
+        need = [("LLM(enable_return_routed_experts)", "enable_return_routed_experts" in self.llm_fields),
+                ("SamplingParams.return_routed_experts", "return_routed_experts" in self.sampling_fields),
+                ("CompletionOutput.routed_experts", "routed_experts" in self.completion_fields)]
+        return [name for name, present in need if not present]
+
     def summary(self) -> str:
         return (f"TensorRT-LLM {self.version}: logprobs_mode={self.logprobs_mode} "
                 f"logprobs_simple_format={self.simple_format} sleep={self.sleep or 'none'} "
-                f"weights_tag={WEIGHTS_TAG in self.memory_tags}")
+                f"weights_tag={WEIGHTS_TAG in self.memory_tags} routed_experts={not self.routes_missing()}")
 
 
 def _init_params(fn) -> set[str]:
@@ -111,7 +132,10 @@ def detect_features(tllm) -> Features:
     llm = frozenset(set(getattr(model, "model_fields", {})) | _init_params(tllm.LLM.__init__))
     mem = memory_type_enum(args_mod)
     tags = tuple(str(m.value) for m in mem if not str(m.value).startswith("_")) if mem is not None else ()
-    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags)
+    output = getattr(tllm, "CompletionOutput", None) or getattr(tllm.llmapi, "CompletionOutput", None)
+    completion = frozenset(f.name for f in dataclasses.fields(output)) if dataclasses.is_dataclass(output) else \
+        frozenset(getattr(output, "__annotations__", {}))
+    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags, completion)
 
 
 # -- engine arguments --------------------------------------------------------------------------------
@@ -126,17 +150,31 @@ def max_model_len(cfg: RolloutConfig) -> int | None:
 def sleep_weights(cfg: RolloutConfig, feats: Features) -> str:
     """What sleep() does with the weights: "drop" (tag model_weights, restore mode NONE; the next
     full sync rewrites them) when they come from syncs (load_format=dummy) and the build has that
-    tag, else "keep" (they stay on the GPU)."""
+    tag, else "keep" (released with a host copy, restored on wake-up)."""
     return "drop" if cfg.load_format == "dummy" and WEIGHTS_TAG in feats.memory_tags else "keep"
 
 
-def sleep_tags(weights: str) -> list[str]:
-    """The tags sleep() releases: the KV cache, and the weights when dropped. Nothing else."""
+def discarded_tags(weights: str) -> list[str]:
+    """The tags whose content nothing needs after a sleep (restore mode NONE): the KV cache, and the
+    weights when the next sync rewrites them."""
     return [KV_TAG] + ([WEIGHTS_TAG] if weights == "drop" else [])
+
+
+def sleep_tags(feats: Features) -> list[str]:
+    """Every tag sleep() releases: all the build has, the KV cache last (released tag by tag, the
+    measured figures then end with the largest one)."""
+    return sorted(feats.memory_tags, key=lambda t: t == KV_TAG)
 
 
 def check_config(cfg: RolloutConfig, feats: Features) -> None:
     """Refusals that need no GPU: each one line with the fix, before anything starts."""
+    missing = feats.routes_missing()
+    if cfg.enable_rollout_routing_replay and missing:
+        raise ConfigError(f"TensorRT-LLM {feats.version} has no {', '.join(missing)}, so it cannot return the experts "
+                          "its router chose (R3 needs all three, NVIDIA/TensorRT-LLM PR #18397, in 1.3.0rc29's "
+                          "classes): upgrade tensorrt_llm, or use rollout.name=native, or R2 "
+                          "(actor_rollout_ref.actor.router_replay.mode=R2) with this key off",
+                          f"{KEY}.enable_rollout_routing_replay")
     if not feats.logprobs_mode:
         raise ConfigError(f"TensorRT-LLM {feats.version} cannot return the sampled token's log-prob exactly (its top-K "
                           f"log-probs may omit the sampled token); rollouts need {LOGPROBS_NEEDED}: upgrade "
@@ -156,10 +194,10 @@ def check_config(cfg: RolloutConfig, feats: Features) -> None:
 
 
 def sleep_config(tllm_args_mod, weights: str):
-    """SleepConfig(restore_modes): NONE for exactly the tags sleep() releases (see the module
-    docstring); no other tag is named, so none loses its content."""
+    """SleepConfig(restore_modes): NONE for exactly the tags nothing needs back (see the module
+    docstring); no other tag is named, so each is backed up in host memory and keeps its content."""
     mem = memory_type_enum(tllm_args_mod)
-    return tllm_args_mod.SleepConfig(restore_modes={mem(tag): "NONE" for tag in sleep_tags(weights)})
+    return tllm_args_mod.SleepConfig(restore_modes={mem(tag): "NONE" for tag in discarded_tags(weights)})
 
 
 def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mod: Any,
@@ -188,6 +226,8 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mo
     }
     if cfg.enable_sleep_mode:
         kw["sleep_config"] = sleep_config(tllm_args_mod, sleep_weights(cfg, feats))
+    if cfg.enable_rollout_routing_replay:  # check_config refused builds without it
+        kw["enable_return_routed_experts"] = True
     kw = {k: v for k, v in kw.items() if v is not None}
     for key, value in (cfg.engine_kwargs.get("trtllm") or {}).items():
         if value is None:
@@ -239,11 +279,20 @@ def end_id(sp: SamplingParams) -> int:
     return int(ids[0]) if ids else -1
 
 
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of prompt `index` of a call: one per prompt, so prompts (even equal ones) of a batch
+    draw different samples while the call stays reproducible. TensorRT-LLM after PR #17172 seeds
+    each request's generator from its own seed, so one seed for every prompt would give equal
+    prompts equal samples; before that PR its TorchSampler ignores the seed and nothing repeats."""
+    return None if seed is None else step_seed(seed, index)
+
+
 def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
-                    pad_token_id: int | None = None) -> dict[str, Any]:
-    """Arguments of tensorrt_llm.SamplingParams for one prompt. Greedy always asks n=1: TensorRT-LLM
-    refuses greedy n>1 without TLLM_ALLOW_N_GREEDY_DECODING, and greedy samples are identical
-    anyway (the engine copies the one completion n times)."""
+                    pad_token_id: int | None = None, prompt_index: int = 0,
+                    routes: bool = False) -> dict[str, Any]:
+    """Arguments of tensorrt_llm.SamplingParams for prompt `prompt_index` of a call. Greedy always
+    asks n=1: TensorRT-LLM refuses greedy n>1 without TLLM_ALLOW_N_GREEDY_DECODING, and greedy
+    samples are identical anyway (the engine copies the one completion n times)."""
     mode = logprob_mode(sp)
     end = end_id(sp)
     kw: dict[str, Any] = {
@@ -253,7 +302,7 @@ def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
         "top_k": None if sp.greedy or sp.top_k == -1 else sp.top_k,
         "top_p": None if sp.greedy or sp.top_p == 1.0 else sp.top_p,
         "repetition_penalty": None if sp.repetition_penalty == 1.0 else sp.repetition_penalty,
-        "seed": sp.seed,
+        "seed": prompt_seed(sp.seed, prompt_index),
         # The real EOS goes in end_id: TorchSampler, the 1.3 default, stops greedy requests only
         # on it (see `end_id`). Every stop id (EOS included) is also a stop word, and the stop
         # token stays in the output (the policy learns to stop).
@@ -267,6 +316,7 @@ def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
         "logprobs": 0 if feats.simple_format else 1,
         "logprobs_mode": mode,
         "logprobs_simple_format": True if feats.simple_format else None,
+        "return_routed_experts": True if routes else None,
     }
     kw = {k: v for k, v in kw.items() if v is not None}
     unknown = sorted(set(kw) - feats.sampling_fields)
@@ -280,9 +330,10 @@ def _logprob_value(entry: Any) -> float:
     return float(entry.logprob if hasattr(entry, "logprob") else entry)
 
 
-def completion_from_output(output: Any) -> Completion:
+def completion_from_output(output: Any, routes: bool = False) -> Completion:
     """One tensorrt_llm CompletionOutput -> Completion with the *sampled* token's log-probs, read from
-    the simple format (one float per token) or the dict format ({token id: Logprob})."""
+    the simple format (one float per token) or the dict format ({token id: Logprob}); with `routes`,
+    its routed_experts ([positions fed, MoE layers, top-k] expert ids) as a tensor."""
     tokens = [int(t) for t in output.token_ids]
     per_token = output.logprobs or []
     if len(per_token) != len(tokens):
@@ -297,4 +348,14 @@ def completion_from_output(output: Any) -> Completion:
         else:
             logps.append(float(entry))
     reason = {"stop": "stop", "length": "length"}.get(str(output.finish_reason), "abort")
-    return Completion(tokens, logps, reason)
+    experts = None
+    if routes:
+        raw = getattr(output, "routed_experts", None)
+        if raw is None:
+            raise RuntimeError("TensorRT-LLM returned no routed_experts for a request that asked for them "
+                               "(return_routed_experts=True); a dense model has none: R3 is for MoE models")
+        experts = torch.as_tensor(raw)
+        if experts.dim() != 3:
+            raise RuntimeError(f"TensorRT-LLM's routed_experts has shape {tuple(experts.shape)}; expected "
+                               "[positions, MoE layers, top-k]")
+    return Completion(tokens, logps, reason, routed_experts=experts)

@@ -21,12 +21,15 @@ puts the full tensors on its own GPU, makes CUDA-IPC
 handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
 `update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.
 
-Sleep (only with enable_sleep_mode=True): releases the KV cache and, when the weights come from
-syncs, the `model_weights` tag, both restore mode NONE; nothing else (args.py says why).
-A sync while asleep resumes the weights only; the KV cache comes back in wake(), after the
-refit, so the two are never resident together with a bucket in flight. finalize_weights() and
-wake() reset the prefix cache (the worker extension's reset_prefix_cache), so block reuse never
-serves KV computed with other weights or lost in a sleep.
+Sleep (only with enable_sleep_mode=True): releases every memory tag; restore mode NONE for the KV
+cache and, when the weights come from syncs, the `model_weights` tag, a host copy for the rest
+(args.py says why). A sync while asleep resumes every tag but the KV cache; the KV cache comes
+back in wake(), after the refit, so it is never resident with a bucket in flight.
+finalize_weights() and wake() reset the prefix cache (the worker extension's
+reset_prefix_cache), so block reuse never serves KV computed with other weights or lost in a sleep.
+
+Ray: TensorRT-LLM's executor runs Ray inside the leader's process and shuts it down with the LLM
+(placement.py, `check_process_ray`); megarl's own Ray pools cannot share that process with it.
 """
 from __future__ import annotations
 
@@ -82,9 +85,10 @@ class TRTLLMEngine(BaseRollout):
         check_config(cfg, self.features)
         self.max_len = max_model_len(cfg)
         self.sleep_weights = sleep_weights(cfg, self.features)
+        self.routes = bool(cfg.enable_rollout_routing_replay)   # check_config refused builds without them
         if cfg.enable_sleep_mode and cfg.load_format == "dummy" and self.sleep_weights == "keep" and self.leader:
-            log.info("TensorRT-LLM %s has no %s memory tag: the weights stay on the GPU during sleep",
-                     self.features.version, WEIGHTS_TAG)
+            log.info("TensorRT-LLM %s has no %s memory tag: sleep copies the weights to host memory with the "
+                     "model's other buffers instead of discarding them", self.features.version, WEIGHTS_TAG)
         from tensorrt_llm._torch.utils import get_device_uuid  # optional dependency (megarl[trtllm])
         # Where this rank's bucket tensors live for the IPC handles: its own GPU.
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -105,8 +109,9 @@ class TRTLLMEngine(BaseRollout):
         kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)
 
         def start():
+            placement.check_process_ray()
             try:
-                with placement.worker_env(self.group_ordinals):
+                with placement.worker_env(self.group_ordinals, self.tllm):
                     self.llm = self.tllm.LLM(**kw)
                 placement.check_worker_devices(self.llm._collective_rpc("report_device_id"), self.group_uuids)
             except BaseException as err:
@@ -146,7 +151,7 @@ class TRTLLMEngine(BaseRollout):
         prompts = admit(self, prompts, sampling, prompt_limit)
         # On every rank (same prompts everywhere), so a refusal stops every rank alike.
         kws = [sampling_kwargs(sampling, self.features, response_budget(sampling, len(p), self.max_len),
-                               self.pad_token_id) for p in prompts]
+                               self.pad_token_id, prompt_index=i, routes=self.routes) for i, p in enumerate(prompts)]
         return self._on_leader(lambda: self._generate(prompts, kws, sampling))
 
     def _generate(self, prompts, kws, sampling: SamplingParams) -> list[list[Completion]]:
@@ -154,16 +159,17 @@ class TRTLLMEngine(BaseRollout):
         if mode_enum is not None:
             kws = [{**kw, "logprobs_mode": mode_enum(kw["logprobs_mode"])} for kw in kws]
         outputs = self.llm.generate(prompts, [self.tllm.SamplingParams(**kw) for kw in kws])
-        groups = [[completion_from_output(o) for o in out.outputs] for out in outputs]
+        groups = [[completion_from_output(o, self.routes) for o in out.outputs] for out in outputs]
         if sampling.greedy and sampling.n > 1:
             groups = [[dataclasses.replace(g[0], token_ids=list(g[0].token_ids), log_probs=list(g[0].log_probs))
                        for _ in range(sampling.n)] for g in groups]
         return groups
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if WEIGHTS_TAG in self.released:     # the weights' memory only: the KV cache wakes after the refit
-            self._rpc("wakeup", [WEIGHTS_TAG])
-            self.released.discard(WEIGHTS_TAG)
+        resume = sorted(self.released - {KV_TAG})
+        if resume:                           # all but the KV cache, which wakes after the refit
+            self._rpc("wakeup", resume)
+            self.released -= set(resume)
         self.weights.begin_bucket()
         named = [(name, t.to(self.device)) for name, t in bucket]
         parts = self.comm.gather(bucket_handles(named, self.device_uuid))
@@ -180,14 +186,20 @@ class TRTLLMEngine(BaseRollout):
     def abort_weight_update(self) -> None:
         self.weights.abort()
 
-    def sleep(self) -> None:
+    def sleep(self, on_release=None) -> None:
+        """Release every memory tag (args.py `sleep_tags`). on_release(tag), called on every rank
+        after each tag, releases them one at a time so a caller can measure what each frees
+        (benchmarks/trtllm_check.py); without it, one call releases them all."""
         if not self.cfg_sleep:
             raise RuntimeError("this trtllm engine was built with enable_sleep_mode=false: it cannot sleep")
         if self.asleep:
             return
-        tags = sleep_tags(self.sleep_weights)
-        self._rpc("sleep", tags)
-        self.released |= set(tags)
+        tags = sleep_tags(self.features)
+        for part in ([[t] for t in tags] if on_release else [tags]):
+            self._rpc("sleep", part)
+            self.released |= set(part)
+            if on_release:
+                on_release(part[0])
         if self.sleep_weights == "drop":
             self.weights.release()           # restore mode NONE: their content is gone until a full sync
         self.asleep = True

@@ -13,6 +13,15 @@ executor/ray_gpu_worker.py at 8579c297 before the move):
     `list(map(int, CUDA_VISIBLE_DEVICES.split(",")))`: the entries must be integer ordinals; a
     GPU UUID raises ValueError in every version read.
 
+The workers' environment is the leader's (executor.py at 061a914e: env_vars = os.environ minus
+RAY_RAYLET_PID / RAY_NODE_IP_ADDRESS, plus TLLM_DISABLE_MPI=1 and MASTER_ADDR = the Ray head's
+address). Under torchrun that carries the trainer's RANK / LOCAL_RANK / WORLD_SIZE / MASTER_PORT
+and TORCHELASTIC_* (a worker would read another process group's rank, size and port), and
+megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue: the inference kernels of a worker
+serialise). `worker_env` removes them while the LLM starts, sets NCCL_CUMEM_ENABLE=1 (NeMo-RL's
+TensorRT-LLM workers set it; an explicit value is kept) and puts TensorRT-LLM's bin directory
+first on PATH (NeMo-RL finds it, and the NVRTC headers beside it, through `pip show tensorrt_llm`).
+
 So the leader starts the LLM inside `worker_env`: CUDA_VISIBLE_DEVICES = the group's ordinals in
 TP-rank order (each rank's device index translated through the launcher's own
 CUDA_VISIBLE_DEVICES, `device_ordinal`), TLLM_RAY_FORCE_LOCAL_CLUSTER=1 (a Ray instance of its
@@ -31,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from pathlib import Path
 
 try:                                       # the worker-side class; TensorRT-LLM imports it by name
@@ -39,6 +49,11 @@ except Exception:                          # no tensorrt_llm here: the class is 
     _Base = object
 
 EXTENSION = "megarl.rollout.trtllm.placement.DeviceReportingExtension"
+# torchrun's variables (torch/distributed/run.py, elastic agent) and megatron's queue limit: never
+# the workers' (see the module docstring).
+TRAINER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS")
+TRAINER_PREFIXES = ("TORCHELASTIC_",)
 PLACEMENT_KEYS = ("ray_placement_config", "placement_groups", "placement_bundle_indices")
 
 
@@ -100,20 +115,36 @@ def group_devices(members: list[tuple[str, str, str]], tp_size: int) -> tuple[li
     return uuids, [int(o) for o in ordinals]
 
 
-def worker_environment(ordinals: list[int], env: dict[str, str]) -> dict[str, str]:
-    """The variables to set while the LLM starts (see the module docstring)."""
+def tensorrt_llm_bin(tllm) -> str | None:
+    """TensorRT-LLM's bin directory (inside the installed package), or None without a file path."""
+    path = getattr(tllm, "__file__", None)
+    return os.path.join(os.path.dirname(path), "bin") if path else None
+
+
+def worker_environment(ordinals: list[int], env: dict[str, str], bin_dir: str | None = None) -> dict[str, str | None]:
+    """The variables to change while the LLM starts (None: removed), see the module docstring."""
     paths = [megarl_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != megarl_root()]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(o) for o in ordinals),
-            "TLLM_RAY_FORCE_LOCAL_CLUSTER": env.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1"),
-            "PYTHONPATH": os.pathsep.join(paths)}
+    out: dict[str, str | None] = {k: None for k in env if k in TRAINER_VARS or k.startswith(TRAINER_PREFIXES)}
+    out.update({"CUDA_VISIBLE_DEVICES": ",".join(str(o) for o in ordinals),
+                "TLLM_RAY_FORCE_LOCAL_CLUSTER": env.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1"),
+                "PYTHONPATH": os.pathsep.join(paths),
+                "NCCL_CUMEM_ENABLE": env.get("NCCL_CUMEM_ENABLE", "1")})
+    if bin_dir:
+        out["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep)
+                                                   if p and p != bin_dir])
+    return out
 
 
 @contextlib.contextmanager
-def worker_env(ordinals: list[int]):
+def worker_env(ordinals: list[int], tllm=None):
     """os.environ carries `worker_environment` while the LLM starts; restored afterwards."""
-    overrides = worker_environment(ordinals, dict(os.environ))
+    overrides = worker_environment(ordinals, dict(os.environ), tensorrt_llm_bin(tllm) if tllm else None)
     saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
+    for key, value in overrides.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield overrides
     finally:
@@ -122,6 +153,25 @@ def worker_env(ordinals: list[int]):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+TRTLLM_NAMESPACE = "trtllm"    # the namespace RayExecutor passes to ray.init (executor.py at 061a914e)
+
+
+def check_process_ray() -> None:
+    """Refuse, before the LLM starts, a process whose Ray is already up (megarl's reward or tool
+    pool). RayExecutor's ray.init(..., ignore_reinit_error=True) would then run the workers in that
+    Ray, not in one of their own that sees only the group's GPUs, and LLM.shutdown() calls
+    ray.shutdown() under the pool (it counts the cluster as its own with
+    TLLM_RAY_FORCE_LOCAL_CLUSTER=1). Ray allows one instance per process, so the two cannot be
+    kept apart in it. Another TensorRT-LLM engine's Ray (namespace "trtllm") is TensorRT-LLM's own
+    way. Only looks where ray is already imported: nothing else can have started it."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and ray.get_runtime_context().namespace != TRTLLM_NAMESPACE:
+        raise RuntimeError("Ray already runs in this process (megarl's reward or tool pool); TensorRT-LLM's "
+                           "executor would run its workers in it and shut it down with the LLM: with "
+                           "rollout.name=trtllm set reward_model.launch_reward_fn_async=false and "
+                           "actor_rollout_ref.rollout.multi_turn.tool_backend=thread, or use another engine")
 
 
 def start_failure(err: BaseException) -> str | None:

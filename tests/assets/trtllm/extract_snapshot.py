@@ -9,7 +9,8 @@ SleepConfig / RayPlacementConfig fields, ExecutorMemoryType values, CompletionOu
 fields. A class that llm_args.py imports instead of defining (ExecutorMemoryType lives in
 tensorrt_llm/_torch/virtual_memory.py) is followed through its `from ... import` line. Every
 field records the file and commit it was read from ("fields"). SamplingParams' validation rules
-("sampling_rules") are behaviour, not declarations: they are copied by hand from _validate into
+("sampling_rules") and what TorchSampler does with the seed ("seed_semantics": "ignored" before
+PR #17172, "per_request" after) are behaviour, not declarations: they are copied by hand into
 the snapshot and keep their own provenance there. Writes the JSON next to this file and prints
 its path; the conformance fake (tests/rollout/trtllm_fake.py) accepts exactly what it lists.
 """
