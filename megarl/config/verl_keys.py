@@ -159,11 +159,6 @@ RULES: list[tuple[str, str]] = [
     ("trainer.critic_warmup", "critic warm-up steps are not implemented: the actor updates from the first step; "
                               "remove the key"),
     ("trainer.esi_redundant_time", "elastic-instance saving is not supported; set trainer.save_freq"),
-    ("trainer.log_val_generations", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
-                                    "remove the key"),
-    ("trainer.rollout_data_dir", "rollout dumps are not supported; metrics.jsonl holds each step's metrics"),
-    ("trainer.validation_data_dir", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
-                                    "remove the key"),
     ("trainer.val_only", "megarl has no validation-only mode; "
                          "trainer.val_before_train=true validates before the first step"),
 ]
