@@ -68,6 +68,10 @@ RULES: list[tuple[str, str]] = [
     ("*.megatron.forward_only", _INTERNAL),
     ("*.megatron.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding (packed sequences) instead"),
     ("reward_model.megatron.*", _RM_POOL),
+    ("*.checkpoint.save_contents", "megarl saves model, optimizer and trainer state together every "
+                                   "trainer.save_freq steps; for an HF copy (hf_model) convert a saved step with "
+                                   "python checkpoints_tools/megatron_to_hf.py --ckpt <trainer.default_local_dir>/"
+                                   "global_step_<N>/actor --out <hf dir>"),
     ("*.checkpoint.*", _CHECKPOINT),
     ("trainer.del_local_ckpt_after_load", _CHECKPOINT),
     ("trainer.default_hdfs_dir", "megarl writes to trainer.default_local_dir only; copy it to HDFS yourself"),

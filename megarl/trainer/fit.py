@@ -80,8 +80,10 @@ class RLTrainer:
     def train_on(self, batch: DataProto) -> None:
         """Everything between a rollout and the weight sync; the async loop (fit_async.py) shares it."""
         rewards = self.launch_rewards(batch)
-        with self.timed("old_log_prob", not self.bypass.on):   # not reported when bypassed
+        with self.timed("old_log_prob", not self.bypass.on):
             self.compute_old_log_probs(batch)
+        if self.bypass.on:      # skipped: verl's timing_s/old_log_prob is still there, at the 0 s it took
+            self.timings["old_log_prob"] = 0.0
         with self.timed("ref", self.p.ref):
             self.compute_ref_log_probs(batch)
         with self.timed("values", self.p.critic):
