@@ -1,6 +1,7 @@
 """Every key the typed config accepts acts: it is read by code outside the config modules, or it
 is refused (megarl/config/refused.py) with a tested one-line error, or it is an alias whose
-target changes when it is set, or megarl already does what its every value asks (ALREADY). A key added later without a reader fails here.
+target changes when it is set, or megarl already does what its every value asks (ALREADY). A key
+added later without a reader fails here.
 
 The read check is mechanical: an attribute read `x.<leaf>` (or getattr(x, "<leaf>")) in megarl/
 outside the config modules. It is by leaf name, so it cannot tell two keys with one leaf name
