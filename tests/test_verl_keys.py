@@ -146,7 +146,8 @@ def test_hydra_flags_get_one_line(flag, tmp_path):
 
 def test_dapo_recipes_overlong_buffer_is_read_as_megarls():
     cfg = load_config(None, ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=64",
-                             "reward_model.overlong_buffer.penalty_factor=0.5", "reward_model.overlong_buffer.log=false",
+                             "reward_model.overlong_buffer.penalty_factor=0.5",
+                             "reward_model.overlong_buffer.log=false",
                              "algorithm.overlong_buffer.len=64"])          # both spellings, agreeing
     assert (cfg.algorithm.overlong_buffer.enable, cfg.algorithm.overlong_buffer.len,
             cfg.algorithm.overlong_buffer.penalty_factor) == (True, 64, 0.5)
