@@ -56,22 +56,26 @@ def test_short_run_then_exact_resume_after_sigkill(addition_model_dir, tmp_path)
     # The engine reports the log-probs the actor recomputes after each weight sync.
     assert max(r["rollout_corr/max_abs_log_prob_diff"] for r in rows[1:]) < 1e-4
 
-    # Run B: SIGKILL the whole job while it works on step 5 (its checkpoint is step 4).
+    # Run B: SIGKILL the whole job once step 4's checkpoint is complete but its metrics record is not
+    # yet written (fault point `record`): the checkpoint holds the record, and the resume writes it.
     run_b = tmp_path / "b"
-    proc = train(overrides(addition_model_dir, run_b))
-    pointer = run_b / "latest_checkpointed_iteration.txt"
+    marker = tmp_path / "reached"
+    proc = train(overrides(addition_model_dir, run_b),
+                 env=dict(os.environ, MEGARL_FAULT="pause@record:4", MEGARL_FAULT_DIR=str(tmp_path)))
     deadline = time.time() + 600
-    while not (pointer.is_file() and pointer.read_text().strip() == "4"):
+    while not marker.is_file():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline
         time.sleep(0.05)
+    assert (run_b / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert 4 not in {r["step"] for r in read_metrics(str(run_b))}
     kill_tree(proc)
     code, out = finish(train(overrides(addition_model_dir, run_b)))
     assert code == 0, out[-3000:]
     assert "resumed from" in out and "at step 4" in out
     resumed = {r["step"]: r for r in read_metrics(str(run_b))}
     assert sorted(resumed) == [0, 1, 2, 3, 4, 5, 6]       # steps logged twice are not duplicated
-    for step in (5, 6):
+    for step in (4, 5, 6):
         assert stable(resumed[step]) == stable(rows[step]), step
 
 

@@ -275,8 +275,7 @@ class RLTrainer:
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length, self.cfg.data.max_prompt_length))
         metrics.update(verl_step_metrics(self.step, batch, self.cfg.data_parallel_size()))
         metrics["training/bad_steps"] = self.bad_steps
-        if self.bad_steps <= tr.max_bad_steps and tr.test_freq > 0 and (
-                self.step % tr.test_freq == 0 or self.step == self.total_steps):
+        if tr.test_freq > 0 and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
             with self.timed("testing"):
                 metrics.update(self.validate())
         metrics = self._timing_metrics(batch, metrics)
@@ -287,14 +286,21 @@ class RLTrainer:
                                f"(more than trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. "
                                "Lower the learning rate or check the reward, then resume")
         if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
-            self.pending_record = json.dumps({k: jsonable(v) for k, v in metrics.items()})
-            start = time.perf_counter()
-            self.save()
-            metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-            self.pending_record = None
+            metrics["timing_s/save_checkpoint"] = self.save_holding(metrics)
         self.log.log(self.step, metrics)
         if samples:
             self.log.log_generations(self.step, samples)
+
+    def save_holding(self, record: dict) -> float:
+        """Save with the step's record in the checkpoint (for a resume after a stop before the record
+        is logged); returns the seconds the save took."""
+        self.pending_record = json.dumps({k: jsonable(v) for k, v in record.items()})
+        start = time.perf_counter()
+        self.save()
+        self.pending_record = None
+        seconds = time.perf_counter() - start
+        fault_point("record", self.step, self.global_rank)
+        return seconds
 
     def _timing_metrics(self, batch: DataProto, metrics: dict) -> dict:
         """`metrics` with the step's timings, throughput, MFU, padding and memory peaks."""
