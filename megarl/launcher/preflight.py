@@ -225,9 +225,8 @@ def check_multiturn(cfg) -> None:
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return
-    # lazy: these load torch, which the launcher avoids until here
-    from megarl.rollout.multiturn.interactions import load_interactions
-    from megarl.rollout.multiturn.tools import load_tools
+    from megarl.rollout.multiturn.interactions import load_interactions  # lazy: loads torch (launcher avoids it)
+    from megarl.rollout.multiturn.tools import load_tools  # lazy: loads torch, which the launcher avoids
     if mt.tool_config_path:
         load_tools(mt.tool_config_path)
     load_interactions(list(cfg.rollout.interactions), mt.interaction_config_path)
