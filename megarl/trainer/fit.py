@@ -281,15 +281,13 @@ class RLTrainer:
         metrics = self._timing_metrics(batch, metrics)
         samples = metrics.pop(SAMPLES_KEY, None)
         if self.bad_steps > tr.max_bad_steps:
-            self.log.log(self.step, metrics)
+            self.log_metrics(self.step, metrics, samples)
             raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms "
                                f"(more than trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. "
                                "Lower the learning rate or check the reward, then resume")
         if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
             metrics["timing_s/save_checkpoint"] = self.save_holding(metrics)
-        self.log.log(self.step, metrics)
-        if samples:
-            self.log.log_generations(self.step, samples)
+        self.log_metrics(self.step, metrics, samples)
 
     def save_holding(self, record: dict) -> float:
         """Save with the step's record in the checkpoint (for a resume after a stop before the record
@@ -311,9 +309,9 @@ class RLTrainer:
         metrics.update(self.memory.metrics())
         return metrics
 
-    def log_metrics(self, step: int, metrics: dict) -> None:
-        """One record; log_val_generations' samples (in validation's metrics) to their own tables."""
-        samples = metrics.pop(SAMPLES_KEY, None)
+    def log_metrics(self, step: int, metrics: dict, samples: list | None = None) -> None:
+        """One record; log_val_generations' samples (given, or in validation's metrics) to their own tables."""
+        samples = metrics.pop(SAMPLES_KEY, None) or samples
         self.log.log(step, metrics)
         if samples:
             self.log.log_generations(step, samples)
