@@ -1,6 +1,7 @@
 """Every key the typed config accepts acts: it is read by code outside the config modules, or it
 is refused (megarl/config/refused.py) with a tested one-line error, or it is an alias whose
-target changes when it is set. A key added later without a reader fails here.
+target changes when it is set, or megarl already does what its every value asks (ALREADY). A key
+added later without a reader fails here.
 
 The read check is mechanical: an attribute read `x.<leaf>` (or getattr(x, "<leaf>")) in megarl/
 outside the config modules. It is by leaf name, so it cannot tell two keys with one leaf name
@@ -17,7 +18,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.config.experiment import ExperimentConfig, load_config
-from megarl.config.refused import ALIASES, REFUSED
+from megarl.config.refused import ALIASES, ALREADY, REFUSED
 from megarl.config.typed import all_keys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "megarl"
@@ -66,15 +67,23 @@ def attribute_reads() -> set[str]:
 def test_every_leaf_acts_or_is_refused():
     reads = attribute_reads()
     idle = [k for k in leaves()
-            if k.split(".")[-1] not in reads and k not in REFUSED and k not in ALIASES and k not in GENERIC]
+            if k.split(".")[-1] not in reads and k not in REFUSED and k not in ALIASES and k not in GENERIC
+            and k not in ALREADY]
     assert not idle, (f"accepted but never read outside the config modules: {idle}; read them where they act, "
                       "or refuse them in megarl/config/refused.py")
 
 
 def test_lists_name_real_keys():
     keys = set(all_keys(ExperimentConfig))
-    for key in (*REFUSED, *ALIASES, *ALIASES.values(), *GENERIC):
+    for key in (*REFUSED, *ALIASES, *ALIASES.values(), *GENERIC, *ALREADY):
         assert key in keys, key
+    assert not set(ALREADY) & set(REFUSED), "a key is accepted at every value or refused at some, not both"
+
+
+@pytest.mark.parametrize("key", sorted(ALREADY))
+def test_already_done_key_is_accepted_at_every_value(key):
+    for value in ("true", "false"):
+        load_config(None, [f"{key}={value}"])
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

@@ -299,3 +299,38 @@ def test_continuations_get_a_prompt_limit_not_a_changed_guard(tmp_path):
     assert len(engine.limits) > 1 and max(n for *_, n in engine.limits) > 8     # longer than the guard's own 8
     with pytest.raises(ValueError, match="prompt_length=8"):
         engine.generate([[1] * 9], sampling(n=1))
+
+
+def test_a_rows_tools_kwargs_reach_the_tool_as_verl_passes_them(tmp_path):
+    """verl's extra_info.tools_kwargs: {tool: {create_kwargs, execute_kwargs}}, per row; a tool that
+    names those keyword parameters gets its own part ({} where the row has none)."""
+    (tmp_path / "impl.py").write_text(
+        "def add(a, b, *, create_kwargs, execute_kwargs):\n"
+        "    return f\"{a + b + create_kwargs.get('offset', 0)} {sorted(execute_kwargs)}\"\n")
+    (tmp_path / "tools.yaml").write_text(textwrap.dedent('''
+        tools:
+          - name: calculator
+            description: Add two numbers together
+            parameters:
+              - {name: a, type: number, description: First number}
+              - {name: b, type: number, description: Second number}
+            implementation: impl.py:add
+        '''))
+    loop = AgentLoop(ScriptedEngine(TOK, solver), TOK, load_tools(str(tmp_path / "tools.yaml")),
+                     MultiTurnConfig(enable=True))
+    extra = [{"index": 0, "tools_kwargs": {"calculator": {"create_kwargs": {"offset": 100},
+                                                          "execute_kwargs": {"trace": True}}}},
+             {"index": 1, "tools_kwargs": {"other_tool": {"create_kwargs": {"offset": 5}}}}]
+    out = loop.generate_sequences(prompt_batch(TOK, ["Q: 3+4\n", "Q: 9+8\n"], ["7", "17"], sampling(), extra))
+    got = [r["tool_text"] for r in rows(out, TOK)]
+    assert got == (["\n<tool_response>107 ['trace']</tool_response>\n"] * 2
+                   + ["\n<tool_response>17 []</tool_response>\n"] * 2)
+
+
+def test_a_tool_parameter_cannot_take_verls_row_kwargs_name(tmp_path):
+    (tmp_path / "impl.py").write_text("def f(create_kwargs):\n    return 1\n")
+    (tmp_path / "tools.yaml").write_text("tools:\n  - name: f\n    description: d\n    parameters:\n"
+                                         "      - {name: create_kwargs, type: object, description: x}\n"
+                                         "    implementation: impl.py:f\n")
+    with pytest.raises(ConfigError, match="create_kwargs' is the name of verl's per-row tools_kwargs"):
+        load_tools(str(tmp_path / "tools.yaml"))

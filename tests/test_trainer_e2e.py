@@ -7,6 +7,7 @@ rule rewards, step checkpoints. Each run is `python -m megarl.train` started as 
 - a save interrupted half-way leaves the previous checkpoint as the latest, and it loads;
 - NaN updates are skipped with a warning and the run stops after trainer.max_bad_steps.
 """
+import json
 import os
 import re
 import time
@@ -20,14 +21,33 @@ from tests.helpers.training_runs import finish, kill_tree, overrides, stable, tr
 def test_short_run_then_exact_resume_after_sigkill(addition_model_dir, tmp_path):
     # Run A: never killed.
     run_a = tmp_path / "a"
-    code, out = finish(train(overrides(addition_model_dir, run_a)))
+    dumps = [f"trainer.rollout_data_dir={tmp_path / 'gen'}", f"trainer.validation_data_dir={tmp_path / 'val'}",
+             "trainer.log_val_generations=3"]
+    code, out = finish(train(overrides(addition_model_dir, run_a, *dumps)))
     assert code == 0, out[-3000:]
     rows = read_metrics(str(run_a))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "response_length/mean",
-                "timing_s/gen", "perf/throughput", "rollout_corr/max_abs_log_prob_diff"):
+                "timing_s/gen", "perf/throughput", "rollout_corr/max_abs_log_prob_diff",
+                # verl's names too
+                "training/global_step", "training/epoch", "timing_s/old_log_prob", "perf/cpu_memory_used_gb",
+                "global_seqlen/min", "global_seqlen/balanced_max", "response/aborted_ratio"):
         assert all(key in r for r in rows[1:]), key
+    assert [r["training/global_step"] for r in rows[1:]] == [1, 2, 3, 4, 5, 6]
+    assert {r["step"] for r in rows if "timing_s/save_checkpoint" in r} == {2, 4, 6}
     assert {r["step"] for r in rows if "val/accuracy" in r} == {0, 3, 6}
+    # verl's per-source validation names, with the single source of the addition task
+    assert {r["step"] for r in rows if "val-core/addition/acc/mean@1" in r} == {0, 3, 6}
+    assert rows[3]["val-core/addition/acc/mean@1"] == rows[3]["val/addition/accuracy"]
+    # generation dumps as verl writes them: a file per step, the reward's extra keys (acc, pred) on each line
+    assert sorted(os.listdir(tmp_path / "gen")) == [f"{s}.jsonl" for s in range(1, 7)]
+    assert sorted(os.listdir(tmp_path / "val")) == ["0.jsonl", "3.jsonl", "6.jsonl"]
+    lines = [json.loads(line) for line in open(tmp_path / "gen" / "2.jsonl")]
+    assert len(lines) == 8 * 4 and {"input", "output", "gts", "score", "step", "acc", "pred"} <= set(lines[0])
+    assert {line["step"] for line in lines} == {2}
+    assert sum(line["score"] for line in lines) == pytest.approx(rows[2]["critic/score/mean"] * len(lines))
+    picked = [json.loads(line) for line in open(run_a / "val_generations.jsonl")]
+    assert [p["step"] for p in picked] == [0] * 3 + [3] * 3 + [6] * 3
     assert re.search(r"^step 3/6 \| reward [0-9.]+ \| kl .* \| val_acc", out, re.M), out[-2000:]
     assert "megarl: training layout: TP 2 x PP 1 x DP 1" in out
     assert (run_a / "config.yaml").is_file() and (run_a / "reward_curve.png").is_file()
@@ -36,22 +56,26 @@ def test_short_run_then_exact_resume_after_sigkill(addition_model_dir, tmp_path)
     # The engine reports the log-probs the actor recomputes after each weight sync.
     assert max(r["rollout_corr/max_abs_log_prob_diff"] for r in rows[1:]) < 1e-4
 
-    # Run B: SIGKILL the whole job while it works on step 5 (its checkpoint is step 4).
+    # Run B: SIGKILL the whole job once step 4's checkpoint is complete but its metrics record is not
+    # yet written (fault point `record`): the checkpoint holds the record, and the resume writes it.
     run_b = tmp_path / "b"
-    proc = train(overrides(addition_model_dir, run_b))
-    pointer = run_b / "latest_checkpointed_iteration.txt"
+    marker = tmp_path / "reached"
+    proc = train(overrides(addition_model_dir, run_b),
+                 env=dict(os.environ, MEGARL_FAULT="pause@record:4", MEGARL_FAULT_DIR=str(tmp_path)))
     deadline = time.time() + 600
-    while not (pointer.is_file() and pointer.read_text().strip() == "4"):
+    while not marker.is_file():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline
         time.sleep(0.05)
+    assert (run_b / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert 4 not in {r["step"] for r in read_metrics(str(run_b))}
     kill_tree(proc)
     code, out = finish(train(overrides(addition_model_dir, run_b)))
     assert code == 0, out[-3000:]
     assert "resumed from" in out and "at step 4" in out
     resumed = {r["step"]: r for r in read_metrics(str(run_b))}
     assert sorted(resumed) == [0, 1, 2, 3, 4, 5, 6]       # steps logged twice are not duplicated
-    for step in (5, 6):
+    for step in (4, 5, 6):
         assert stable(resumed[step]) == stable(rows[step]), step
 
 

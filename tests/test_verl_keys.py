@@ -142,3 +142,39 @@ def test_hydra_flags_get_one_line(flag, tmp_path):
                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "--config path/to/file.yaml" in out.stderr
+
+
+def test_dapo_recipes_overlong_buffer_is_read_as_megarls():
+    cfg = load_config(None, ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=64",
+                             "reward_model.overlong_buffer.penalty_factor=0.5",
+                             "reward_model.overlong_buffer.log=false",
+                             "algorithm.overlong_buffer.len=64"])          # both spellings, agreeing
+    assert (cfg.algorithm.overlong_buffer.enable, cfg.algorithm.overlong_buffer.len,
+            cfg.algorithm.overlong_buffer.penalty_factor) == (True, 64, 0.5)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["reward_model.overlong_buffer.len=64", "algorithm.overlong_buffer.len=32"])
+    assert err.value.key == "reward_model.overlong_buffer.len" and "algorithm.overlong_buffer.len=32" in str(err.value)
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("reward_model.reward_manager=dapo", "reward_model.reward_manager", "algorithm.overlong_buffer"),
+    ("data.gen_batch_size=1536", "data.gen_batch_size", "algorithm.filter_groups.max_num_gen_batches"),
+    ("hydra.run.dir=outputs/x", None, "trainer.default_local_dir="),
+    ("+trainer.not_a_key=1", "trainer.not_a_key", "megarl reads Hydra's +trainer.not_a_key as trainer.not_a_key"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+     "actor_rollout_ref.actor.checkpoint.save_contents", "checkpoints_tools/megatron_to_hf.py"),
+])
+def test_verl_recipe_habits_get_one_line_naming_megarls_way(override, key, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key and words in str(err.value) and "\n" not in str(err.value)
+    assert "did you mean" not in str(err.value)      # data.gen_batch_size is not data.train_batch_size
+
+
+def test_verl_recipe_keys_that_megarl_does_are_accepted():
+    assert load_config(None, ["data.return_raw_chat=True"]).data.return_raw_chat is True
+    assert load_config(None, ["+trainer.total_epochs=3"]).trainer.total_epochs == 3    # + read as the plain key
+    docs = open("docs/verl.md").read()
+    for named in ("reward_model.overlong_buffer", "data.gen_batch_size", "megatron_to_hf.py", "hydra.run.dir",
+                  "trainer.rollout_data_dir", "val-core/"):
+        assert named in docs, named

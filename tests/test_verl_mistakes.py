@@ -59,9 +59,17 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "gpt2").mkdir()
     (d / "gpt2" / "config.json").write_text(json.dumps(GPT2Config(n_layer=2, n_embd=64, n_head=4).to_dict()))
     (d / "derived.yaml").write_text(f"base: {QUICKSTART}\nactor_rollout_ref:\n  model:\n    path: my-model\n")
+    # verl's interaction file: a class whose module cannot import, and one whose constructor raises
+    (d / "users.py").write_text("class Strict:\n    def __init__(self, config):\n        raise KeyError('persona')\n"
+                                "    def respond(self, response, *, sample, turn):\n        return None\n")
+    (d / "interaction_missing.yaml").write_text("interaction:\n  - {name: gsm8k, class_name: "
+                                                "verl.interactions.gsm8k_interaction.Gsm8kInteraction, config: {}}\n")
+    (d / "interaction_raises.yaml").write_text(f"interaction:\n  - {{name: u, class_name: '{d / 'users.py'}:Strict', "
+                                               "config: {}}\n")
     names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py",
              "reward_hangs.py", "reward_exits.py", "reward_sys_exits.py", "reward_killed.py",
-             "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
+             "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml", "interaction_missing.yaml",
+             "interaction_raises.yaml")
     return {k: str(d / k) for k in names} | {"model": addition_model_dir}
 
 
@@ -96,6 +104,13 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("tool without a name", ["actor_rollout_ref.rollout.multi_turn.enable=true",
                              "actor_rollout_ref.rollout.tools=@bad_tools.yaml"], "needs a `name`"),
     ("verl key off its default", ["trainer.critic_warmup=2"], "critic warm-up steps are not implemented"),
+    # what each rank's build_agent_loop would hit, seconds after the ranks start
+    ("interaction cannot import", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                   "actor_rollout_ref.rollout.multi_turn.interaction_config_path=@"
+                                   "interaction_missing.yaml"], "cannot import module 'verl.interactions"),
+    ("interaction constructor raises", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                        "actor_rollout_ref.rollout.multi_turn.interaction_config_path=@"
+                                        "interaction_raises.yaml"], "cannot construct"),
 ]
 if not __import__("torch").cuda.is_available():
     MISTAKES.append(("cuda without a GPU", ["trainer.device=cuda"], "trainer.device: cuda, but this machine has no"))

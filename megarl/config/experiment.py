@@ -24,7 +24,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.model_path import confine_bootstrap
-from megarl.config.refused import check_refused
+from megarl.config.refused import check_refused, move_sections
 from megarl.config.typed import Section, all_keys, build, defaults_of, derive, freeze, open_keys, to_dict
 from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
@@ -235,6 +235,7 @@ def check_known_keys(raw: dict) -> None:
 
 
 def build_config(raw: dict) -> ExperimentConfig:
+    raw = move_sections(copy.deepcopy(raw))       # verl's DAPO recipe spellings (megarl/config/refused.py MOVED)
     raw = strip_verl_keys(raw, ExperimentConfig)  # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
     merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
@@ -247,4 +248,19 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     raw = read_yaml(path) if path else {}
     raw = apply_overrides(raw, list(overrides))
     confine_bootstrap(raw, path, list(overrides))   # a bootstrap builds only its own path (config/model_path.py)
-    return build_config(raw)
+    try:
+        return build_config(raw)
+    except ConfigError as err:
+        raise _with_plus_note(err, overrides) from None
+
+
+def _with_plus_note(err: ConfigError, overrides) -> ConfigError:
+    """Hydra's `+key=value` adds a key verl's config lacks; megarl reads it as `key=value`, so a key
+    megarl does not know is refused as any other; its error says so."""
+    plus = [o.split("=", 1)[0].strip()[1:] for o in overrides if o.strip().startswith("+")]
+    hit = next((k for k in plus if err.key and (err.key == k or k.startswith(err.key + ".")
+                                               or err.key.startswith(k + "."))), None)
+    if hit is None or "unknown key" not in err.bare:
+        return err
+    return ConfigError(f"{err.bare} (megarl reads Hydra's +{hit} as {hit}: every key megarl reads exists already, "
+                       "and one it does not know is refused, not added)", err.key)

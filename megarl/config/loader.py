@@ -135,6 +135,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
                           "actor_rollout_ref.rollout.n=5")
     key, raw = text.split("=", 1)
     key = key.strip().lstrip("+")
+    if key == "hydra" or key.startswith("hydra."):
+        raise ConfigError(f"override {text!r} sets Hydra's own settings, which megarl does not run; a run writes to "
+                          "trainer.default_local_dir (hydra.run.dir's place): set trainer.default_local_dir=<dir>")
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key part; write e.g. trainer.save_freq=10")
     try:

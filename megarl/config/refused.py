@@ -8,6 +8,9 @@ config and requires it to be read by the code outside the config modules, refuse
 alias here whose target changes when it is set.
 
     REFUSED["data.dataloader_num_workers"] = ((0,), "why and what to use instead")
+
+A key in ALREADY is accepted at every value: megarl always does what its strongest value asks.
+A verl section in MOVED (verl's DAPO recipe spelling) is read as megarl's section of that name.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ ROLES = ("actor_rollout_ref.actor", "critic")
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "data.dataloader_num_workers": (
         (0,), "megarl tokenizes the whole dataset once at start, so batches need no loader workers; remove the key"),
-    "data.return_raw_chat": (
-        (False,), "megarl always keeps each row's chat messages (raw_prompt) with the batch, which is what true "
-                  "asks for; remove the key"),
+    "data.gen_batch_size": (
+        (None,), "megarl's dynamic sampling (algorithm.filter_groups.enable) generates data.train_batch_size prompts "
+                 "a round and draws more rounds, up to algorithm.filter_groups.max_num_gen_batches, until "
+                 "train_batch_size prompts' groups vary; remove data.gen_batch_size"),
     "actor_rollout_ref.hybrid_engine": (
         (True,), "megarl's engine shares the training ranks unless actor_rollout_ref.rollout.placement="
                  "disaggregated gives it ranks of its own; set that instead"),
@@ -65,6 +69,13 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
                  "all; set that instead"),
 }
 
+# verl keys whose every value megarl honours already: what megarl always does is what they ask for
+# (their false asks for less, which megarl's batches carry unused). key -> what megarl does.
+ALREADY: dict[str, str] = {
+    "data.return_raw_chat": "megarl always keeps each row's chat messages (raw_prompt) with the batch: the "
+                            "multi-turn loop, tools and custom rollouts read them",
+}
+
 # Keys whose value the config module moves into another key (verl spellings): alias -> target.
 ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
@@ -76,6 +87,42 @@ ALIASES: dict[str, str] = {
         "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.tools": "actor_rollout_ref.rollout.multi_turn.tool_config_path",
 }
+
+
+# verl recipe sections megarl reads under its own name: verl section -> megarl section
+MOVED: dict[str, str] = {
+    "reward_model.overlong_buffer": "algorithm.overlong_buffer",      # verl's DAPO recipe (dapo_trainer.yaml)
+}
+
+
+def move_sections(raw: dict) -> dict:
+    """`raw` with each MOVED verl section under megarl's name; a leaf set both ways must agree."""
+    for src, dst in MOVED.items():
+        present, value = _get(raw, src)
+        if not present:
+            continue
+        parent = _parent(raw, src)
+        del parent[src.rsplit(".", 1)[1]]
+        if not isinstance(value, dict):
+            raise ConfigError(f"got {value!r}; verl's DAPO section is a mapping, read as {dst} "
+                              "(enable, len, penalty_factor, log)", src)
+        node = raw
+        for part in dst.split("."):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{dst} is {node!r}, not a section; remove it or {src}", dst)
+        for leaf, v in value.items():
+            if leaf in node and node[leaf] != v:
+                raise ConfigError(f"{v!r} disagrees with {dst}.{leaf}={node[leaf]!r}; {src} is read as {dst}, "
+                                  "set one of them", f"{src}.{leaf}")
+            node[leaf] = v
+    return raw
+
+
+def _parent(node: dict, dotted: str) -> dict:
+    for part in dotted.split(".")[:-1]:
+        node = node[part]
+    return node
 
 
 def _get(node: Any, dotted: str) -> tuple[bool, Any]:

@@ -68,6 +68,10 @@ RULES: list[tuple[str, str]] = [
     ("*.megatron.forward_only", _INTERNAL),
     ("*.megatron.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding (packed sequences) instead"),
     ("reward_model.megatron.*", _RM_POOL),
+    ("*.checkpoint.save_contents", "megarl saves model, optimizer and trainer state together every "
+                                   "trainer.save_freq steps; for an HF copy (hf_model) convert a saved step with "
+                                   "python checkpoints_tools/megatron_to_hf.py --ckpt <trainer.default_local_dir>/"
+                                   "global_step_<N>/actor --out <hf dir>"),
     ("*.checkpoint.*", _CHECKPOINT),
     ("trainer.del_local_ckpt_after_load", _CHECKPOINT),
     ("trainer.default_hdfs_dir", "megarl writes to trainer.default_local_dir only; copy it to HDFS yourself"),
@@ -159,11 +163,6 @@ RULES: list[tuple[str, str]] = [
     ("trainer.critic_warmup", "critic warm-up steps are not implemented: the actor updates from the first step; "
                               "remove the key"),
     ("trainer.esi_redundant_time", "elastic-instance saving is not supported; set trainer.save_freq"),
-    ("trainer.log_val_generations", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
-                                    "remove the key"),
-    ("trainer.rollout_data_dir", "rollout dumps are not supported; metrics.jsonl holds each step's metrics"),
-    ("trainer.validation_data_dir", "megarl logs validation scores (val/*) to metrics.jsonl, not the generations; "
-                                    "remove the key"),
     ("trainer.val_only", "megarl has no validation-only mode; "
                          "trainer.val_before_train=true validates before the first step"),
 ]

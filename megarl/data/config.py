@@ -33,7 +33,8 @@ class DataConfig(Section):
     # validation set stop the run: a metric over a silently smaller set is not the same metric.
     max_val_dropped_fraction: float = 0.0
     dataloader_num_workers: int = 0
-    return_raw_chat: bool = False
+    return_raw_chat: bool = False          # verl's key; megarl always keeps the chat (refused.py ALREADY)
+    gen_batch_size: int | None = None      # verl's DAPO key, refused (refused.py): see algorithm.filter_groups
     custom_cls: dict[str, Any] = field(default_factory=dict)  # {path, name}: a user's dataset class
 
     def __post_init__(self):

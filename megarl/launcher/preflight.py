@@ -7,7 +7,8 @@ What it checks, model first, reading no model weights:
 - the model path is a checkpoint of a supported architecture, or the absent path its own config's
   bootstrap builds (megarl/config/model_path.py); prompt + response fit its positions;
 - data files exist, are readable UTF-8 / parquet files with the prompt column;
-- the rollout engine is known and importable; a custom class or tools file loads; the device
+- the rollout engine is known and importable; a custom class, the tools file and the
+  interactions load (an interaction class is built with its config); the device
   and logger packages asked for are here (megarl/launcher/preflight_run.py);
 - the reward function (or manager) imports and has the right signature;
 - with the tokenizer at hand: each split tokenized as the ranks do it, usable rows vs the batch
@@ -214,10 +215,21 @@ def check_engine(cfg) -> EngineInfo:
         info = abilities(ro)
         check_engine_asks(ro, info, _RO)
         check_bypass_mode(cfg, info)
-    if ro.multi_turn.enable and ro.multi_turn.tool_config_path:
-        from megarl.rollout.multiturn.tools import load_tools  # lazy: loads torch, which the launcher avoids
-        load_tools(ro.multi_turn.tool_config_path)
+    check_multiturn(cfg)
     return info
+
+
+def check_multiturn(cfg) -> None:
+    """What build_agent_loop loads on every rank: the tools file with its implementations, and each
+    interaction (a class is built with its config, as the ranks build it)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    from megarl.rollout.multiturn.interactions import load_interactions  # lazy: loads torch (launcher avoids it)
+    from megarl.rollout.multiturn.tools import load_tools  # lazy: loads torch, which the launcher avoids
+    if mt.tool_config_path:
+        load_tools(mt.tool_config_path)
+    load_interactions(list(cfg.rollout.interactions), mt.interaction_config_path)
 
 
 def check_reward(cfg) -> None:

@@ -44,6 +44,10 @@ class RewardModelConfig(Section):
     format_reward: Literal["none", "think", "answer_tag"] = "none"
 
     def __post_init__(self):
+        require(self.reward_manager != "dapo", "reward_manager",
+                "verl's dapo manager is megarl's naive one with DAPO's overlong penalty, which megarl applies "
+                "under algorithm.overlong_buffer (enable, len, penalty_factor; verl's reward_model.overlong_buffer "
+                "is read as it); set reward_model.reward_manager=naive")
         require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
         require(self.batch_deadline_s is None or self.batch_deadline_s > 0, "batch_deadline_s", "must be > 0 seconds")
         require(self.num_workers >= 1, "num_workers", "must be >= 1")

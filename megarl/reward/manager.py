@@ -75,17 +75,28 @@ def _in_daemon_thread(fn) -> cf.Future:
     return fut
 
 
+EXTRA_COLUMN = "reward_extra_info"   # the batch's per-row column of verl's reward_extra_info
+
+
 @dataclass
 class RewardResult:
     token_level_scores: torch.Tensor               # [B, R], each score on its response's last token
     extra_info: dict[str, list] = field(default_factory=dict)   # per-sample fields (acc, pred, ...)
     metrics: dict[str, float] = field(default_factory=dict)
     notice: str = ""                               # samples that failed to score, for the console
+    # verl's reward_extra_info, per sample: a dict result's every key (score included), a number as
+    # {"acc": score}, plus megarl's shaping fields; what the dumps and val-aux/* metrics show.
+    reward_extra_info: dict[str, list] = field(default_factory=dict)
 
     def apply(self, batch) -> None:
         batch.batch["token_level_scores"] = self.token_level_scores
         for key, values in self.extra_info.items():
             batch.non_tensor_batch[key] = np.array(values, dtype=object)
+        # One per-row dict column, so rows selected or concatenated (DAPO's rounds) keep theirs.
+        n = self.token_level_scores.shape[0]
+        column = np.empty(n, dtype=object)
+        column[:] = [{k: v[i] for k, v in self.reward_extra_info.items()} for i in range(n)]
+        batch.non_tensor_batch[EXTRA_COLUMN] = column
 
 
 @dataclass
@@ -296,9 +307,12 @@ class RewardManager:
                                 f"more than reward_model.max_failure_fraction={self.max_failure_fraction}; first: "
                                 f"sample {failed[0]}: {first.error}")
         scores = [self.failure_score if o.score is None else o.score for o in outcomes]
-        keys = sorted({k for o in outcomes for k in o.info})
+        keys = sorted({k for o in outcomes for k in o.info} - {"score"})
         info = {k: [o.info.get(k) for o in outcomes] for k in keys}
         info["reward_failed"] = [o.score is None for o in outcomes]
+        # verl 0.9.1's reward loop: a dict's keys as returned, a number as acc (a failed sample: failure_score)
+        verl_rows = [o.info if "score" in o.info else {"acc": s} for o, s in zip(outcomes, scores)]
+        verl = {k: [r.get(k) for r in verl_rows] for k in dict.fromkeys(k for r in verl_rows for k in r)}
         non_finite = sum(bool(o.error) and "non-finite" in o.error for o in outcomes)
         metrics = {"reward/failures": float(len(failed) - timeouts), "reward/timeouts": float(timeouts),
                    "reward/failure_fraction": len(failed) / max(n, 1), "reward/non_finite": float(non_finite)}
@@ -307,7 +321,7 @@ class RewardManager:
             notice = (f"{len(failed)} of {n} samples failed to score ({non_finite} non-finite, {timeouts} timed out) "
                       f"and were given reward_model.failure_score={self.failure_score:g}; first: sample {failed[0]}: "
                       f"{outcomes[failed[0]].error}")
-        return RewardResult(place_scores(batch, scores), info, metrics, notice)
+        return RewardResult(place_scores(batch, scores), info, metrics, notice, verl)
 
     def _as_token_level(self, batch, value, what: str) -> torch.Tensor:
         if isinstance(value, (list, tuple, np.ndarray)):
@@ -332,7 +346,7 @@ class RewardManager:
                 raise TypeError(f"{name} returned a dict without 'reward_tensor' (keys: {sorted(out)})")
             info = {k: list(v) for k, v in (out.get("reward_extra_info") or {}).items()}
             out = out["reward_tensor"]
-        return RewardResult(self._as_token_level(batch, out, f"{name}(batch)"), info)
+        return RewardResult(self._as_token_level(batch, out, f"{name}(batch)"), info, reward_extra_info=dict(info))
 
     def _shape(self, batch, res: RewardResult) -> None:
         """Format bonus and DAPO's overlong penalty, added on the last token like the score."""
@@ -340,13 +354,13 @@ class RewardManager:
             _, responses = self._texts(batch)
             ok = torch.tensor([format_reward(r, self.format_kind) for r in responses])
             res.token_level_scores += place_scores(batch, self.format_score * ok)
-            res.extra_info["format"] = ok.tolist()
+            res.extra_info["format"] = res.reward_extra_info["format"] = ok.tolist()
             res.metrics["reward/format_ok"] = ok.mean().item()
         if self.overlong is not None and self.overlong.enable:
             lens = response_lengths(batch).cpu()
             pen = overlong_penalty(lens, self.max_response_length, self.overlong.len, self.overlong.penalty_factor)
             res.token_level_scores += place_scores(batch, pen)
-            res.extra_info["overlong_reward"] = pen.tolist()
+            res.extra_info["overlong_reward"] = res.reward_extra_info["overlong_reward"] = pen.tolist()
             res.metrics["reward/overlong_penalty_mean"] = pen.mean().item()
             res.metrics["reward/overlong_ratio"] = (pen < 0).float().mean().item()
 

@@ -30,11 +30,13 @@ class Outcome:
 
 
 def normalise(out: Any) -> tuple[float, dict]:
-    """A float/int/bool, or a dict with a numeric `score` (other keys are per-sample info)."""
+    """A float/int/bool, or a dict with a numeric `score` (other keys are per-sample info). A dict's
+    info keeps its `score` too: verl's reward_extra_info holds a dict's every key, and a number as `acc`,
+    so the dumps and val-* metrics need to know which of the two the function returned."""
     if isinstance(out, dict):
         if "score" not in out:
             raise TypeError(f"reward function returned a dict without 'score' (keys: {sorted(out)})")
-        info = {k: v for k, v in out.items() if k != "score"}
+        info = dict(out)
         score = out["score"]
     else:
         info, score = {}, out
@@ -45,6 +47,8 @@ def normalise(out: Any) -> tuple[float, dict]:
     score = float(score)
     if not math.isfinite(score):
         raise ValueError(f"reward function returned a non-finite score ({score})")
+    if "score" in info:
+        info["score"] = score
     return score, info
 
 

@@ -39,6 +39,11 @@ class TrainerConfig(Section):
     logger: str | list[str] = field(default_factory=lambda: ["console"])  # console, tensorboard, wandb (one or a list)
     log_dir: str | None = None             # None: <default_local_dir>
     plot_reward_curve: bool = True
+    # verl's generation dumps: <dir>/<step>.jsonl of each step's rollouts / each validation's samples
+    # (megarl/trainer/generations.py); a relative path is taken from the working directory, as verl does
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    log_val_generations: int = 0           # N validation samples per validation to val_generations.jsonl, wandb, TB
 
     # Bad steps: a NaN/inf loss or grad norm skips that update; the run stops after this many.
     max_bad_steps: int = 3
@@ -62,6 +67,7 @@ class TrainerConfig(Section):
         require(self.resume_mode != "resume_path" or bool(self.resume_from_path), "resume_from_path",
                 "resume_mode=resume_path needs resume_from_path=<checkpoint step directory>")
         require(self.max_bad_steps >= 0, "max_bad_steps", "must be >= 0")
+        require(self.log_val_generations >= 0, "log_val_generations", "must be >= 0 (0: none)")
         require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
                 "must be > 0 (TFLOP/s of one device) or null")
         require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 seconds")

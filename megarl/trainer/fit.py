@@ -9,6 +9,7 @@ once, on rank 0, in parallel with the log-prob passes, and broadcast.
 """
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from contextlib import contextmanager
@@ -28,9 +29,12 @@ from megarl.trainer import checkpointing
 from megarl.trainer.bypass import resolve_bypass
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import broadcast_object, generate, sampling_seed
+from megarl.trainer.generations import SAMPLES_KEY, dump_rollout
 from megarl.trainer.memory import PhaseMemory
+from megarl.trainer.metrics import jsonable
 from megarl.trainer.mfu import MFUMeter
 from megarl.trainer.parts import TrainerParts
+from megarl.trainer.step_metrics import memory_metrics, verl_step_metrics
 from megarl.trainer.validation import validate
 
 
@@ -54,13 +58,14 @@ class RLTrainer:
         self.on_started = None     # called once resume() has succeeded (run.py writes the run's record)
         self.memory = PhaseMemory(ranks.device)          # memory/<phase>_peak_gb, like timing_s/<phase>
         self.mfu = MFUMeter.from_parts(cfg, parts, ranks.world, ranks.device)
+        self.pending_record: str | None = None     # the step's metrics while its checkpoint is written
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(self) -> None:
         self.resume()
         self.sync_weights()
         if self.cfg.trainer.val_before_train and self.step == 0:
-            self.log.log(0, self.validate(), print_line=True)
+            self.log_metrics(0, self.validate())
         while self.step < self.total_steps:
             self.step += 1
             self.timings = {}
@@ -75,8 +80,10 @@ class RLTrainer:
     def train_on(self, batch: DataProto) -> None:
         """Everything between a rollout and the weight sync; the async loop (fit_async.py) shares it."""
         rewards = self.launch_rewards(batch)
-        with self.timed("old_log_prob", not self.bypass.on):   # not reported when bypassed
+        with self.timed("old_log_prob", not self.bypass.on):
             self.compute_old_log_probs(batch)
+        if self.bypass.on:      # skipped: verl's timing_s/old_log_prob is still there, at the 0 s it took
+            self.timings["old_log_prob"] = 0.0
         with self.timed("ref", self.p.ref):
             self.compute_ref_log_probs(batch)
         with self.timed("values", self.p.critic):
@@ -195,6 +202,7 @@ class RLTrainer:
         self.actor_loss.start_update()
         metrics = self.p.actor.update_policy(batch, self.actor_loss, temperature=self.sampling.logprob_temperature)
         self._check_update("actor", metrics)
+        self.extra.update(memory_metrics(self.ranks.device))     # verl reads them after the actor's update
         self.bypass.check(metrics, self.step)
 
     def _first_mini_batch_rows(self) -> int:
@@ -219,7 +227,7 @@ class RLTrainer:
         if self.p.val_loader is None:
             return {}
         sampling = self.val_sampling.with_(seed=step_seed(self.sampling_seed, 0, stream=1))
-        return validate(self.p, self.ranks, sampling)
+        return validate(self.p, self.ranks, sampling, self.cfg.trainer, self.step)
 
     def handoff(self, to: str) -> None:
         """Device memory to the rollout engine ("engine": the roles' megatron.*_offload state goes to
@@ -254,31 +262,63 @@ class RLTrainer:
                           f"{self.cfg.trainer.max_bad_steps})")
 
     def finish_step(self, batch: DataProto) -> None:
+        """Dumps, validation, the checkpoint, then the step's record with timing_s/save_checkpoint as
+        verl logs it. The checkpoint holds the record too: a run stopped after its save but before its
+        record writes that record on resume (the step is not run again)."""
         tr = self.cfg.trainer
         metrics, self.extra = self.extra, {}
         self.bad_steps += int(self.step_was_bad)
         self.step_was_bad = False
+        if self.ranks.is_main:
+            with self.timed("dump_rollout_generations", bool(tr.rollout_data_dir)):
+                dump_rollout(tr, self.p.tokenizer, self.step, batch)
         metrics.update(compute_data_metrics(batch, self.cfg.rollout.response_length, self.cfg.data.max_prompt_length))
-        metrics.update(compute_timing_metrics(batch, self.timings))
-        metrics.update(compute_throughput_metrics(batch, self.timings["step"], self.ranks.world))
-        metrics.update(self.mfu.metrics(batch, self.timings))
-        metrics.update(self.p.padding_metrics())
+        metrics.update(verl_step_metrics(self.step, batch, self.cfg.data_parallel_size()))
         metrics["training/bad_steps"] = self.bad_steps
         if tr.test_freq > 0 and (self.step % tr.test_freq == 0 or self.step == self.total_steps):
             with self.timed("testing"):
                 metrics.update(self.validate())
-            metrics["timing_s/testing"] = self.timings["testing"]
-        metrics.update(self.memory.metrics())
-        self.log.log(self.step, metrics)
+        metrics = self._timing_metrics(batch, metrics)
+        samples = metrics.pop(SAMPLES_KEY, None)
         if self.bad_steps > tr.max_bad_steps:
+            self.log_metrics(self.step, metrics, samples)
             raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms "
                                f"(more than trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. "
                                "Lower the learning rate or check the reward, then resume")
         if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
-            self.save()
+            metrics["timing_s/save_checkpoint"] = self.save_holding(metrics)
+        self.log_metrics(self.step, metrics, samples)
+
+    def save_holding(self, record: dict) -> float:
+        """Save with the step's record in the checkpoint (for a resume after a stop before the record
+        is logged); returns the seconds the save took."""
+        self.pending_record = json.dumps({k: jsonable(v) for k, v in record.items()})
+        start = time.perf_counter()
+        self.save()
+        self.pending_record = None
+        seconds = time.perf_counter() - start
+        fault_point("record", self.step, self.global_rank)
+        return seconds
+
+    def _timing_metrics(self, batch: DataProto, metrics: dict) -> dict:
+        """`metrics` with the step's timings, throughput, MFU, padding and memory peaks."""
+        metrics.update(compute_timing_metrics(batch, self.timings))
+        metrics.update(compute_throughput_metrics(batch, self.timings["step"], self.ranks.world))
+        metrics.update(self.mfu.metrics(batch, self.timings))
+        metrics.update(self.p.padding_metrics())
+        metrics.update(self.memory.metrics())
+        return metrics
+
+    def log_metrics(self, step: int, metrics: dict, samples: list | None = None) -> None:
+        """One record; log_val_generations' samples (given, or in validation's metrics) to their own tables."""
+        samples = metrics.pop(SAMPLES_KEY, None) or samples
+        self.log.log(step, metrics)
+        if samples:
+            self.log.log_generations(step, samples)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "bad_steps": self.bad_steps, "world": self.ranks.world,
+                "record": self.pending_record,
                 "train_loader": self.p.train_loader.sampler.state_dict(),
                 "kl_ctrl": self.p.kl_ctrl.state_dict()}
 
@@ -317,6 +357,8 @@ class RLTrainer:
         self.p.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.ranks.is_main:
             self.log.truncate_after(self.step)   # steps logged after the checkpoint run again
+            if state.get("record") and not self.log.has_step(self.step):   # stopped between save and record
+                self.log.log(self.step, json.loads(state["record"]), print_line=False)
         self.p.weight_sync.request_anchor("the trainer resumed from a checkpoint")   # delta syncs: the next is full
         self.log.info(f"megarl: resumed from {path} at step {self.step}")
         notice = checkpointing.rng_notice(state, self.ranks.world)

@@ -60,7 +60,7 @@ class AsyncRLTrainer(RLTrainer):
         if self.next_batch is None:
             self.receive()
         if 0 in self.val_results:
-            self.log.log(0, self.val_results.pop(0), print_line=True)
+            self.log_metrics(0, self.val_results.pop(0))
         while self.step < self.total_steps:
             self.step += 1
             self.timings = {}
@@ -223,7 +223,7 @@ class RolloutWorker:
         if self.p.val_loader is None:
             return
         sampling = self.val_sampling.with_(seed=step_seed(sampling_seed(self.cfg), 0, stream=1))
-        self.val[version] = validate(self.p, self.ranks, sampling)
+        self.val[version] = validate(self.p, self.ranks, sampling, self.cfg.trainer, version)
 
     def enforce_staleness(self, batch: DataProto, prompts: DataProto, t: int) -> tuple[DataProto, dict]:
         """Samples more than max_staleness versions behind version t-1 (the weights batch t is

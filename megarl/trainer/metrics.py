@@ -41,7 +41,7 @@ def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -67,7 +67,7 @@ class MetricsLogger:
             self.backends.append(_WandB(project, experiment, config, run_dir))
 
     def log(self, step: int, metrics: dict[str, Any], print_line: bool = True) -> dict:
-        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, "time": time.time(), **{k: jsonable(v) for k, v in metrics.items()}}
         if not self.enabled:
             return record
         with open(self.path, "a") as f:
@@ -77,6 +77,21 @@ class MetricsLogger:
         for backend in self.backends:
             backend.log(step, record)
         return record
+
+    def log_generations(self, step: int, samples: list[tuple[str, str, float]]) -> None:
+        """trainer.log_val_generations' samples (input, output, score): a line each in
+        val_generations.jsonl, and verl's table (wandb) or text (TensorBoard) per step."""
+        if not self.enabled:
+            return
+        with open(os.path.join(os.path.dirname(self.path), "val_generations.jsonl"), "a") as f:
+            for text_in, text_out, score in samples:
+                f.write(json.dumps({"step": step, "input": text_in, "output": text_out, "score": score},
+                                   ensure_ascii=False) + "\n")
+        for backend in self.backends:
+            backend.log_generations(step, samples)
+
+    def has_step(self, step: int) -> bool:
+        return any(r.get("step") == step for r in read_metrics(os.path.dirname(self.path)))
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run logs them again), and a line cut short
@@ -121,6 +136,13 @@ class _TensorBoard:
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_generations(self, step: int, samples: list) -> None:
+        text = f"**Generation Results - Step {step}**\n\n" + "".join(
+            f"### Sample {i + 1}\n**Input:** {a}\n\n**Output:** {b}\n\n**Score:** {c}\n\n"
+            for i, (a, b, c) in enumerate(samples))
+        self.writer.add_text("val/generations", text, step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -133,9 +155,15 @@ class _WandB:
             raise RuntimeError("trainer.logger includes wandb but the package is missing; "
                                "pip install wandb (or megarl[logging])") from err
         self.run = wandb.init(project=project, name=experiment, config=config, dir=run_dir, resume="allow")
+        self.wandb, self.rows = wandb, []       # verl's validation table: one row per step, all steps kept
 
     def log(self, step: int, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=step)
+
+    def log_generations(self, step: int, samples: list) -> None:
+        columns = ["step"] + [f"{name}_{i + 1}" for i in range(len(samples)) for name in ("input", "output", "score")]
+        self.rows.append([step] + [x for sample in samples for x in sample])
+        self.run.log({"val/generations": self.wandb.Table(columns=columns, data=self.rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()

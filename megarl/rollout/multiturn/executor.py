@@ -60,10 +60,13 @@ class ToolExecutor:
             return ToolResult(f"Error: tool {call.name!r}: {why}", "bad_arguments")
         return None
 
-    def run(self, calls: list[ToolCall]) -> list[ToolResult]:
+    def run(self, calls: list[ToolCall], tools_kwargs: list | None = None) -> list[ToolResult]:
+        """Results in order; `tools_kwargs[i]` is call i's row's extra_info.tools_kwargs (verl's)."""
         out: list[ToolResult | None] = [self.check(c) for c in calls]
         todo = [i for i, r in enumerate(out) if r is None]
-        jobs = [(self.tools[calls[i].name], calls[i].arguments) for i in todo]
+        rows = tools_kwargs or [None] * len(calls)
+        jobs = [(self.tools[calls[i].name], self.tools[calls[i].name].with_row(calls[i].arguments, rows[i]))
+                for i in todo]
         for i, (status, value) in zip(todo, self.runner.run(jobs, self.timeout_s)):
             name = calls[i].name
             if status == "ok":

@@ -48,8 +48,8 @@ def _load(ref: str, key: str, config: dict | None = None) -> Callable[..., Any]:
     if inspect.isclass(obj):
         try:
             obj = obj(config or {}) if config is not None else obj()
-        except TypeError as err:
-            raise ConfigError(f"cannot construct {ref}: {err}", key) from None
+        except Exception as err:      # the user's constructor: any failure is this one config line
+            raise ConfigError(f"cannot construct {ref}: {type(err).__name__}: {err}", key) from None
         if not callable(getattr(obj, "respond", None)):
             raise ConfigError(f"{ref} has no respond(response, *, sample, turn) method (verl's async "
                               "generate_response API is not supported; add respond())", key)

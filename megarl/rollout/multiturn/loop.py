@@ -291,7 +291,8 @@ class AgentLoop(RolloutEngine):
             return
         k = self.cfg.max_parallel_calls
         flat = [c for _, calls, _ in pending for c in calls[:k]]
-        results = self._agree(self.executor.run(flat) if self._leader() else None)
+        rows = [_tools_kwargs(t) for t, calls, _ in pending for _ in calls[:k]]
+        results = self._agree(self.executor.run(flat, rows) if self._leader() else None)
         it = iter(results)
         for t, calls, after_eos in pending:
             outs: list[ToolResult] = [next(it) for _ in calls[:k]]
@@ -349,6 +350,12 @@ class AgentLoop(RolloutEngine):
                                                 tokenize=False, add_generation_prompt=True)
             out.append(self.tok.encode(text, add_special_tokens=False))
         return out
+
+
+def _tools_kwargs(t: Trajectory):
+    """The row's extra_info.tools_kwargs, where verl's dataset reads it from."""
+    info = t.sample.get("extra_info")
+    return info.get("tools_kwargs") if isinstance(info, dict) else None
 
 
 def multiturn_metrics(batch: DataProto) -> dict[str, float]:

@@ -19,9 +19,17 @@ function: {...}}` entries load too):
 
 An implementation is called as `fn(**arguments)` with the model's JSON arguments (checked against
 the parameters first) and returns str | dict | list | number; anything but a string reaches the
-model as JSON. Relative file paths resolve against the tools.yaml's folder, then the working
-directory. A tool without an implementation (the guide's `search`: there is no internet here)
-loads with a warning, and calling it tells the model so.
+model as JSON. verl's per-row `extra_info.tools_kwargs` ({tool name: {create_kwargs: {...},
+execute_kwargs: {...}}}, e.g. the ground truth verl's Gsm8kTool is created with) reaches a function
+that names `create_kwargs` and/or `execute_kwargs` among its keyword parameters, as those dicts
+({} when the row gives none), the way verl hands them to a tool's create and execute:
+
+    def check_answer(answer: str, *, create_kwargs: dict) -> str:
+        return "correct" if answer == create_kwargs.get("ground_truth") else "try again"
+
+Relative file paths resolve against the tools.yaml's folder, then the working directory. A tool
+without an implementation (the guide's `search`: there is no internet here) loads with a warning,
+and calling it tells the model so.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "bool
               "object": (dict,), "null": (type(None),)}
 TYPE_ALIASES = {"str": "string", "float": "number", "int": "integer", "bool": "boolean", "list": "array",
                 "dict": "object", "none": "null"}
+ROW_KWARGS = ("create_kwargs", "execute_kwargs")   # verl's per-row tools_kwargs, by the tool call they reach
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -58,6 +67,13 @@ class Tool:
     implementation: str | None = None          # resolved spec: builtin:x, /abs/file.py:fn, pkg.mod:fn
     fn: Callable[..., Any] | None = field(default=None, repr=False)
     timeout_s: float | None = None
+    row_kwargs: tuple[str, ...] = ()           # which of ROW_KWARGS fn takes (verl's tools_kwargs parts)
+
+    def with_row(self, arguments: dict[str, Any], tools_kwargs: Any) -> dict[str, Any]:
+        """The call's keyword arguments: the model's, plus this tool's part of the row's tools_kwargs."""
+        mine = tools_kwargs.get(self.name) if isinstance(tools_kwargs, dict) else None
+        mine = mine if isinstance(mine, dict) else {}
+        return {**arguments, **{k: dict(mine.get(k) or {}) for k in self.row_kwargs}}
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -269,6 +285,13 @@ def _check_signature(tool: Tool, where: str, key: str) -> None:
     except (TypeError, ValueError):
         return
     names = list((tool.parameters.get("properties") or {}))
+    taken = [n for n in names if n in ROW_KWARGS]
+    if taken:
+        raise ConfigError(f"{where}: parameter {taken[0]!r} is the name of verl's per-row tools_kwargs, which megarl "
+                          "passes from the row, not the model; rename the parameter", key)
+    tool.row_kwargs = tuple(k for k in ROW_KWARGS if k in sig.parameters
+                            and sig.parameters[k].kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                           inspect.Parameter.POSITIONAL_OR_KEYWORD))
     try:
         sig.bind_partial(**{n: None for n in names})
     except TypeError as err:
