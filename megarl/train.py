@@ -92,7 +92,7 @@ def config_error(err: ConfigError) -> int:
     if _rank() == 0:
         print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
     if _launched_by_a_launcher() and "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from megarl.trainer.run import tell_launcher  # lazy: the ranks' code (torch, megatron)
+        from megarl.trainer.launch_env import tell_launcher  # lazy: the ranks' side
         tell_launcher(err)
     return 2
 

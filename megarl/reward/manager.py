@@ -19,6 +19,8 @@ A batch that already holds `rm_scores` (a reward model's output, [B] or [B, R]) 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,7 +37,13 @@ from megarl.config.plugins import construct, load_class
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.reward.pool import RayScoringPool
 from megarl.reward.rules import check_data_sources, format_reward
-from megarl.reward.scoring import Outcome, Sample, call_in_process, normalise
+from megarl.reward.scoring import (Outcome, RewardExit, Sample, call_in_process, exits_refused, hard_exit,
+                                   normalise)
+
+# How long past reward_model.batch_deadline_s a reward call that ignores its SIGALRM (it swallows the
+# exception, or is stuck in C code) may keep rank 0 before the rank ends itself naming the deadline;
+# its peers would otherwise wait out trainer.collective_timeout_s and blame a lost connection.
+STUCK_GRACE_S = 5.0
 
 
 class RewardFailure(RuntimeError):
@@ -144,7 +152,12 @@ class RewardManager:
     def scorer(self) -> str:
         """What scores, for error lines: the user's function or class, or the built-in rules."""
         if self.custom is not None:
-            return f"reward_model.reward_manager {type(self.custom).__module__}.{type(self.custom).__name__}"
+            cls = type(self.custom)
+            try:            # the file the user named (a file's module gets a generated name)
+                where = f"{inspect.getsourcefile(cls)}:"
+            except TypeError:
+                where = f"{cls.__module__}."
+            return f"reward_model.reward_manager {where}{cls.__name__}"
         if self.spec.is_default:
             return "megarl's built-in rules (megarl/reward/rules.py)"
         return f"custom_reward_function {self.spec.path}:{self.spec.name}"
@@ -162,7 +175,7 @@ class RewardManager:
             fut: cf.Future = cf.Future()
             fut.set_result(("rm", batch.batch["rm_scores"]))
         elif self.custom is not None:
-            fut = _in_daemon_thread(lambda: ("custom", self.custom(self._with_text(batch))))
+            fut = _in_daemon_thread(lambda: ("custom", self._call_custom(batch)))
         else:
             samples = self._samples(batch)
             if self.kind == "batch":
@@ -172,8 +185,16 @@ class RewardManager:
                 fut = _in_daemon_thread(lambda: ("outcomes", self._score_in_pool(samples, deadline)))
             else:
                 fut = cf.Future()
-                fut.set_result(("outcomes", self._score_in_process(samples)))
+                try:
+                    fut.set_result(("outcomes", self._score_in_process(samples)))
+                except BaseException as err:   # raised by result(), where the loop hands it to every rank
+                    fut.set_exception(err)
         return RewardFuture(fut, batch, started)
+
+    def _call_custom(self, batch):
+        view = self._with_text(batch)
+        with exits_refused():
+            return self.custom(view)
 
     def _score_in_pool(self, samples: list[Sample], deadline: float | None) -> list[Outcome]:
         try:
@@ -183,7 +204,29 @@ class RewardManager:
                                  slowest_samples(samples, late.seconds, late.running)) from None
 
     def _score_in_process(self, samples: list[Sample]) -> list[Outcome]:
-        """One sample after another, each bounded by timeout_s and by what is left of the deadline."""
+        """One sample after another, each bounded by timeout_s and by what is left of the deadline
+        (SIGALRM); a call that outlives both by STUCK_GRACE_S ends the rank (`_stuck_past_deadline`)."""
+        if self.deadline_s is None:
+            return self._score_samples(samples)
+        watchdog = threading.Timer(self.deadline_s + STUCK_GRACE_S, self._stuck_past_deadline, (len(samples),))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return self._score_samples(samples)
+        finally:
+            watchdog.cancel()
+
+    def _stuck_past_deadline(self, n: int) -> None:
+        """Nothing can interrupt the main thread from here, so this rank ends itself with the cause."""
+        err = deadline_error(self.scorer, self.deadline_s, n, None, f"a call still running {STUCK_GRACE_S:g}s past "
+                             "the deadline, ignoring its timeout (it catches the timeout's exception, or waits in C "
+                             "code)")
+        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+        from megarl.trainer.launch_env import tell_launcher   # lazy: loads the config tree
+        tell_launcher(err)
+        hard_exit(3)
+
+    def _score_samples(self, samples: list[Sample]) -> list[Outcome]:
         begin, seconds, out = time.monotonic(), {}, []
         for i, sample in enumerate(samples):
             left = None if self.deadline_s is None else self.deadline_s - (time.monotonic() - begin)
@@ -207,13 +250,19 @@ class RewardManager:
         except cf.TimeoutError:
             raise deadline_error(self.scorer, self.deadline_s, len(handle.batch), None,
                                  "the call for the whole batch, still running") from None
+        except RewardExit as err:
+            raise RewardFailure(f"{self.scorer} {err} while scoring a batch of {len(handle.batch)} samples; a reward "
+                                "must return a score (or raise), not end the process") from None
         batch = handle.batch
         if what == "outcomes":
             res = self._from_outcomes(batch, value)
         elif what == "rm":
             res = RewardResult(self._as_token_level(batch, value, "rm_scores"))
         else:
-            res = self._from_custom(batch, value)
+            try:
+                res = self._from_custom(batch, value)
+            except (TypeError, ValueError) as err:   # the class's output, not megarl: one line naming it
+                raise RewardFailure(f"{self.scorer}: {err}") from None
         self._sanitise(res)
         self._shape(batch, res)
         res.metrics["reward/latency_s"] = time.perf_counter() - handle.started  # overlaps the log-prob passes
@@ -268,10 +317,11 @@ class RewardManager:
     # -- turning outputs into scores --------------------------------------------------------------
     def _score_batched(self, samples: list[Sample]) -> list[Outcome]:
         try:
-            outs = self.fn(data_sources=[s.data_source for s in samples],
-                           solution_strs=[s.solution_str for s in samples],
-                           ground_truths=[s.ground_truth for s in samples], extra_infos=[s.extra_info for s in samples],
-                           **self.spec.kwargs)
+            with exits_refused():
+                outs = self.fn(data_sources=[s.data_source for s in samples],
+                               solution_strs=[s.solution_str for s in samples],
+                               ground_truths=[s.ground_truth for s in samples],
+                               extra_infos=[s.extra_info for s in samples], **self.spec.kwargs)
             if len(outs) != len(samples):
                 raise ValueError(f"returned {len(outs)} scores for {len(samples)} samples")
         except Exception as err:

@@ -4,14 +4,12 @@ Called by `megarl-train` (megarl/train.py) on every rank started by torchrun / s
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.trainer.checkpointing import CheckpointSaveError
+from megarl.trainer.launch_env import tell_launcher
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
 from megarl.trainer.fit import BadStepLimit, RLTrainer
 from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
@@ -19,20 +17,6 @@ from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.parts import build_parts, write_run_dir
 from megarl.trainer.plot import plot_reward_curve
 from megarl.trainer.ranks import destroy, setup_ranks
-
-
-def tell_launcher(err: BaseException) -> None:
-    """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
-    none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")   # set by torchrun; absent otherwise
-    if not path:
-        return
-    # torch's ErrorHandler.record_exception format, with the one-line message where it puts the
-    # traceback: these errors are the user's to fix, and torchrun's summary prints that field.
-    line = f"{type(err).__name__}: {err}"
-    with open(path, "w") as f:
-        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                               "timestamp": str(int(time.time()))}}}, f)
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
