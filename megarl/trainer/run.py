@@ -17,11 +17,15 @@ from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.parts import build_parts, write_run_dir
 from megarl.trainer.plot import plot_reward_curve
 from megarl.trainer.ranks import destroy, setup_ranks
+from megarl.trainer.stopping import EXIT_CODE, StopRequest, Stopped
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
     tr = cfg.trainer
     rank, ranks = 0, None
+    # Installed first, so a signal during the start-up is kept for the first step boundary. The
+    # disaggregated trainer's rollout ranks have no step boundary to agree at: signals end it as before.
+    stop = StopRequest(tr.stop_grace_s).install() if cfg.rollout.placement != "disaggregated" else None
     try:
         ranks = setup_ranks(cfg)
         rank = ranks.global_rank if ranks.role != "colocated" else ranks.rank
@@ -40,6 +44,7 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
                  f"run dir {tr.default_local_dir}")
         trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
+        trainer.stop = stop
         if ranks.is_main:   # after a successful resume: a refused one leaves the run's record as it was
             trainer.on_started = lambda: write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
         try:
@@ -62,6 +67,10 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
             print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         tell_launcher(err)
         return 3
+    except Stopped as err:
+        if rank == 0:
+            print(f"megarl: {err}", file=sys.stderr, flush=True)
+        return EXIT_CODE
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3
