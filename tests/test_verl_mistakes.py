@@ -59,9 +59,20 @@ def inputs(tmp_path_factory, addition_model_dir):
     (d / "gpt2").mkdir()
     (d / "gpt2" / "config.json").write_text(json.dumps(GPT2Config(n_layer=2, n_embd=64, n_head=4).to_dict()))
     (d / "derived.yaml").write_text(f"base: {QUICKSTART}\nactor_rollout_ref:\n  model:\n    path: my-model\n")
+    (d / "reward_float.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                       "    return float(solution_str == str(ground_truth))\n")
+    (d / "tagged.yaml").write_text("interaction:\n  - !!python/object/apply:os.system ['echo hi']\n")
+    pickled = d / "pickled"
+    shutil.copytree(addition_model_dir, pickled)
+    for weights in pickled.glob("*.safetensors*"):
+        weights.unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a torch.save zip, never opened")
+    (d / "open_run").mkdir()
+    os.chmod(d / "open_run", 0o775)
     names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py",
              "reward_hangs.py", "reward_exits.py", "reward_sys_exits.py", "reward_killed.py",
-             "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml")
+             "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml", "reward_float.py", "tagged.yaml",
+             "pickled", "open_run")
     return {k: str(d / k) for k in names} | {"model": addition_model_dir}
 
 
@@ -96,6 +107,18 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("tool without a name", ["actor_rollout_ref.rollout.multi_turn.enable=true",
                              "actor_rollout_ref.rollout.tools=@bad_tools.yaml"], "needs a `name`"),
     ("verl key off its default", ["trainer.critic_warmup=2"], "critic warm-up steps are not implemented"),
+    ("filter on a field the reward lacks", ["custom_reward_function.path=@reward_float.py",
+                                            "algorithm.filter_groups.enable=true",
+                                            "algorithm.filter_groups.metric=acc"],
+     "algorithm.filter_groups.metric: 'acc' is not a field the reward gives (scoring the first training row, it "
+     "returned only a number)"),
+    ("interactions file with a YAML tag", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                           "actor_rollout_ref.rollout.multi_turn.interaction_config_path=@tagged.yaml"],
+     "tagged.yaml is not valid YAML at line 2, column 5: could not determine a constructor for the tag"),
+    ("weights only as a pickle", ["actor_rollout_ref.model.path=@pickled"],
+     "holds its weights only as pytorch_model.bin, a pickle megarl does not load"),
+    ("run directory writable by its group", ["trainer.default_local_dir=@open_run"],
+     "open_run is writable by group (mode 775), so no resume would trust its checkpoints; chmod 700"),
 ]
 if not __import__("torch").cuda.is_available():
     MISTAKES.append(("cuda without a GPU", ["trainer.device=cuda"], "trainer.device: cuda, but this machine has no"))

@@ -6,6 +6,7 @@ Only rank 0 writes; the other ranks' loggers are silent.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -49,6 +50,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl could not take a step's record (a full disk); the run stops with this one line."""
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, loggers: list[str], project: str, experiment: str,
                  config: dict | None = None, enabled: bool = True, stream: TextIO | None = None,
@@ -70,13 +75,33 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
         if not self.enabled:
             return record
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append((json.dumps(record) + "\n").encode(), step)
         if print_line:
             print(progress_line(step, self.total_steps, record), file=self.stream, flush=True)
         for backend in self.backends:
             backend.log(step, record)
         return record
+
+    def _append(self, line: bytes, step: int) -> None:
+        """One write of the whole line; a write that fails (a full disk) or falls short is taken back,
+        so metrics.jsonl never ends in a torn line, and the run stops with one line saying so."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            before = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, line)
+                if written != len(line):
+                    raise OSError(errno.ENOSPC, f"only {written} of {len(line)} bytes written")
+            except OSError as err:
+                try:
+                    os.ftruncate(fd, before)
+                except OSError:
+                    pass
+                raise MetricsWriteError(f"writing step {step}'s metrics to {self.path} failed "
+                                        f"({err.strerror or err}); the file ends at the step before; free space "
+                                        "and resume (the last checkpoint is intact)") from None
+        finally:
+            os.close(fd)
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run logs them again), and a line cut short

@@ -13,9 +13,9 @@ from megarl.trainer.launch_env import tell_launcher
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
 from megarl.trainer.fit import BadStepLimit, RLTrainer
 from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
-from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.metrics import MetricsLogger, MetricsWriteError
 from megarl.trainer.parts import build_parts, write_run_dir
-from megarl.trainer.plot import plot_reward_curve
+from megarl.trainer.plot import plot_after_run
 from megarl.trainer.ranks import destroy, setup_ranks
 from megarl.trainer.stopping import EXIT_CODE, StopRequest, Stopped
 
@@ -53,16 +53,14 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
             if parts.reward is not None:
                 parts.reward.close()
             if ranks.is_main and tr.plot_reward_curve:
-                path = plot_reward_curve(tr.log_dir or tr.default_local_dir)
-                if path:
-                    log.info(f"megarl: reward curve: {path}")
+                plot_after_run(tr.log_dir or tr.default_local_dir, log.info)
             log.close()
     except ConfigError as err:
         print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
               file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
-    except (RewardFailure, CheckpointSaveError) as err:  # a reward's deadline or failures, a full disk: one line
+    except (RewardFailure, CheckpointSaveError, MetricsWriteError) as err:  # a reward, a full disk: one line
         if rank == 0 or isinstance(err, CheckpointSaveError):
             print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         tell_launcher(err)
