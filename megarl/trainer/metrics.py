@@ -6,7 +6,6 @@ Only rank 0 writes; the other ranks' loggers are silent.
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -89,9 +88,9 @@ class MetricsLogger:
         try:
             before = os.fstat(fd).st_size
             try:
-                written = os.write(fd, line)
-                if written != len(line):
-                    raise OSError(errno.ENOSPC, f"only {written} of {len(line)} bytes written")
+                view = memoryview(line)
+                while view:                  # a short write, then the next one says why (ENOSPC)
+                    view = view[os.write(fd, view):]
             except OSError as err:
                 try:
                     os.ftruncate(fd, before)
