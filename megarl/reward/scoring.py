@@ -65,6 +65,9 @@ class RewardExit(BaseException):
 
 _REAL_EXIT = os._exit
 _guarded_threads: set[int] = set()
+# A process forked while a reward is scored (its own multiprocessing) ends with os._exit: in the
+# child that must end the child, whatever thread ident it inherited.
+os.register_at_fork(after_in_child=_guarded_threads.clear)
 
 
 def _exit_unless_scoring(code=0):
