@@ -194,12 +194,52 @@ def check_weight_format(path: str, key: str) -> None:
     model file, so the ranks would refuse it after start-up; said here, with the conversion."""
     names = os.listdir(path)
     if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        for name in sorted(n for n in names if n.endswith(".safetensors")):
+            problem = safetensors_problem(os.path.join(path, name))
+            if problem:
+                raise ConfigError(f"{os.path.join(path, name)} {problem}; re-save or re-download the model", key)
         return
     pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
     if pickles:
         raise ConfigError(f"{path} holds its weights only as {pickles[0]}, a pickle megarl does not load (loading one "
                           "can run code); convert it once where you trust the file: AutoModelForCausalLM."
                           "from_pretrained(path).save_pretrained(path, safe_serialization=True)", key)
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_problem(path: str) -> str | None:
+    """What is wrong with a safetensors file's header (its JSON only: no tensor is read): a file that
+    is no safetensors file (a link to /etc/shadow), or tensors whose sizes and offsets do not add up
+    to the file (a header that lies). None when it checks out."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or length > min(size - 8, 100 << 20):
+            return "is not a safetensors file (no header of a valid length)"
+        try:
+            header = json.loads(f.read(length))
+            end = 0
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, stop = info["data_offsets"]
+                count = 1
+                for dim in info["shape"]:
+                    count *= int(dim)
+                width = _DTYPE_BYTES.get(info["dtype"])
+                if width is not None and stop - start != count * width:
+                    return (f"says tensor {name} of shape {info['shape']} ({info['dtype']}) takes {stop - start} "
+                            f"bytes, not {count * width}")
+                end = max(end, stop)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"is not a safetensors file (its header: {type(err).__name__})"
+    if 8 + length + end != size:
+        return f"has {size} bytes, but its header accounts for {8 + length + end}"
+    return None
 
 
 def check_device(cfg, info: EngineInfo) -> None:
