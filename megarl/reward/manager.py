@@ -32,6 +32,9 @@ import torch
 from megarl.algos.dapo import overlong_penalty
 from megarl.config.errors import ConfigError
 from megarl.parallel.actor_pool import PoolDeadline
+from megarl.parallel.lifecycle import tell_launcher
+from megarl.reward.failures import (RewardDeadline, RewardFailure, deadline_error, in_daemon_thread,  # noqa: F401
+                                    slowest_samples)
 from megarl.protocol import DataProto
 from megarl.config.plugins import construct, load_class
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
@@ -44,43 +47,6 @@ from megarl.reward.scoring import (Outcome, RewardExit, Sample, call_in_process,
 # exception, or is stuck in C code) may keep rank 0 before the rank ends itself naming the deadline;
 # its peers would otherwise wait out trainer.collective_timeout_s and blame a lost connection.
 STUCK_GRACE_S = 5.0
-
-
-class RewardFailure(RuntimeError):
-    """Too many samples of a batch failed to score; the run stops with this one-line message."""
-
-
-class RewardDeadline(RewardFailure):
-    """The reward step of one batch passed reward_model.batch_deadline_s."""
-
-
-def slowest_samples(samples: list[Sample], seconds: dict[int, float], running: set[int], k: int = 3) -> str:
-    """'#12 (data_source gsm8k) 31.0s still running, #3 (gsm8k) 2.1s' for the k slowest samples."""
-    order = sorted(seconds, key=lambda i: (i not in running, -seconds[i]))[:k]
-    return ", ".join(f"#{i} (data_source {samples[i].data_source}) {seconds[i]:.1f}s"
-                     + (" still running" if i in running else "") for i in order) or "none started"
-
-
-def deadline_error(what: str, deadline_s: float, n: int, done: int | None, slowest: str) -> RewardDeadline:
-    scored = f"{done} of {n} scored; " if done is not None else ""
-    return RewardDeadline(f"the reward step passed reward_model.batch_deadline_s={deadline_s:g}s on a batch of {n} "
-                          f"samples, scoring with {what}; {scored}slowest: {slowest}; fix the function (or give it "
-                          "reward_model.launch_reward_fn_async=true, whose workers are killed at timeout_s) or raise "
-                          "the deadline")
-
-
-def _in_daemon_thread(fn) -> cf.Future:
-    """Run fn() in a daemon thread: a reward call stuck past the deadline must not keep the
-    process alive at exit (a ThreadPoolExecutor's threads are joined at interpreter exit)."""
-    fut: cf.Future = cf.Future()
-
-    def work() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as err:  # handed to the waiting thread
-            fut.set_exception(err)
-    threading.Thread(target=work, name="megarl-reward", daemon=True).start()
-    return fut
 
 
 @dataclass
@@ -175,14 +141,14 @@ class RewardManager:
             fut: cf.Future = cf.Future()
             fut.set_result(("rm", batch.batch["rm_scores"]))
         elif self.custom is not None:
-            fut = _in_daemon_thread(lambda: ("custom", self._call_custom(batch)))
+            fut = in_daemon_thread(lambda: ("custom", self._call_custom(batch)))
         else:
             samples = self._samples(batch)
             if self.kind == "batch":
-                fut = _in_daemon_thread(lambda: ("outcomes", self._score_batched(samples)))
+                fut = in_daemon_thread(lambda: ("outcomes", self._score_batched(samples)))
             elif self.pool is not None:
                 deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
-                fut = _in_daemon_thread(lambda: ("outcomes", self._score_in_pool(samples, deadline)))
+                fut = in_daemon_thread(lambda: ("outcomes", self._score_in_pool(samples, deadline)))
             else:
                 fut = cf.Future()
                 try:
@@ -222,7 +188,6 @@ class RewardManager:
                              "the deadline, ignoring its timeout (it catches the timeout's exception, or waits in C "
                              "code)")
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
-        from megarl.trainer.launch_env import tell_launcher   # lazy: loads the config tree
         tell_launcher(err)
         hard_exit(3)
 

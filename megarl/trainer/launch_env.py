@@ -6,10 +6,8 @@ torchrun/srun variables and checks them against the config.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import time
 from dataclasses import dataclass
 
 from megarl.config import ConfigError
@@ -72,17 +70,3 @@ def check_launch(cfg: ExperimentConfig, nnodes: int | None, nproc_per_node: int 
     if nproc_per_node is not None and tr.n_gpus_per_node != nproc_per_node:
         raise ConfigError(f"is {tr.n_gpus_per_node}, but {by} starts {nproc_per_node} process(es) per node; "
                           "drop the override or change the allocation", "trainer.n_gpus_per_node")
-
-
-def tell_launcher(err: BaseException) -> None:
-    """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
-    none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")   # set by torchrun; absent otherwise
-    if not path:
-        return
-    # torch's ErrorHandler.record_exception format, with the one-line message where it puts the
-    # traceback: these errors are the user's to fix, and torchrun's summary prints that field.
-    line = f"{type(err).__name__}: {err}"
-    with open(path, "w") as f:
-        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                               "timestamp": str(int(time.time()))}}}, f)

@@ -9,7 +9,7 @@ import sys
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.trainer.checkpointing import CheckpointSaveError
-from megarl.trainer.launch_env import tell_launcher
+from megarl.parallel.lifecycle import tell_launcher
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
 from megarl.trainer.fit import BadStepLimit, RLTrainer
 from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker

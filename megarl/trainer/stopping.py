@@ -11,6 +11,7 @@ so in one line and exits 143 without a save; the last checkpoint stays the resum
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -60,8 +61,7 @@ class StopRequest:
         return bool(flag.item())
 
     def _grace_passed(self) -> None:
-        from megarl.reward.scoring import hard_exit   # the interpreter's own os._exit
         print(f"megarl: stopped by {self.name}: no step ended within trainer.stop_grace_s={self.grace_s:g}s, so "
               "nothing was saved; the same command resumes from the last checkpoint (raise trainer.stop_grace_s "
               "to save on a stop)", file=sys.stderr, flush=True)
-        hard_exit(EXIT_CODE)
+        os._exit(EXIT_CODE)      # the main thread may be stuck in a collective: end the process from here

@@ -12,8 +12,7 @@ import pytest
 from megarl.trainer.metrics import read_metrics
 from tests.faults.conftest import STEPS
 from tests.faults.runs import Launch, overrides
-from tests.faults.test_kill_resume import _digests
-from tests.helpers.training_runs import stable
+from tests.helpers.training_runs import stable, step_digests
 
 
 @pytest.mark.timeout(900)
@@ -46,4 +45,4 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_c
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in got:
         assert stable(got[s]) == stable(ref[s]), s
-    assert _digests(run_dir / f"global_step_{STEPS}") == _digests(sync_chain["ref"] / f"global_step_{STEPS}")
+    assert step_digests(run_dir / f"global_step_{STEPS}") == step_digests(sync_chain["ref"] / f"global_step_{STEPS}")
