@@ -1,15 +1,20 @@
 """SIGTERM to `megarl-train` (what Slurm sends at preemption and at the time limit): the ranks finish
 the step they are in, save it, say so in one line and exit 143; the same command resumes there and
-ends bitwise (CPU fp32) as the run that was never stopped (the sync chain's reference, conftest.py)."""
+ends bitwise (CPU fp32) as the run that was never stopped (the sync chain's reference, conftest.py).
+A step that does not end within trainer.stop_grace_s: exit 143 and one line saying nothing was saved."""
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
 import signal
+import sys
 import time
 
 import pytest
 
 from megarl.trainer.metrics import read_metrics
+from megarl.trainer.stopping import StopRequest
 from tests.faults.conftest import STEPS
 from tests.faults.runs import Launch, overrides
 from tests.helpers.training_runs import stable, step_digests
@@ -46,3 +51,24 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_c
     for s in got:
         assert stable(got[s]) == stable(ref[s]), s
     assert step_digests(run_dir / f"global_step_{STEPS}") == step_digests(sync_chain["ref"] / f"global_step_{STEPS}")
+
+
+def _stuck_after_sigterm(stderr_path):
+    sys.stderr = open(stderr_path, "w")       # pytest's capture is not this child's to write
+    StopRequest(grace_s=1).install()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)                            # a step that never reaches its boundary
+
+
+def test_a_step_that_outlives_the_grace_period_exits_143_saying_nothing_was_saved(tmp_path):
+    stderr = tmp_path / "stderr"
+    child = multiprocessing.get_context("fork").Process(target=_stuck_after_sigterm, args=(str(stderr),))
+    child.start()
+    child.join(45)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("still running 45 s after SIGTERM with trainer.stop_grace_s=1")
+    assert child.exitcode == 143
+    assert stderr.read_text().strip() == (
+        "megarl: stopped by SIGTERM: no step ended within trainer.stop_grace_s=1s, so nothing was saved; the same "
+        "command resumes from the last checkpoint (raise trainer.stop_grace_s to save on a stop)")
