@@ -32,6 +32,7 @@ def export(ckpt: str, out: str, dtype: str | None = None) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    check_sealed(ckpt)
     meta = read_meta(ckpt)
     config = dict(meta["hf_config"])
     spec = ModelSpec.from_hf_config(config)
@@ -44,6 +45,20 @@ def export(ckpt: str, out: str, dtype: str | None = None) -> None:
     config["dtype"] = str(target).replace("torch.", "")
     tensors = checkpoint_to_hf(plain_tensors(ckpt), spec, head)
     save_hf(out, ((n, t.to(target)) for n, t in tensors), config, aux_from=os.path.join(ckpt, HF_DIR))
+
+
+def check_sealed(ckpt: str) -> None:
+    """A role directory of a step megarl saved (global_step_N/actor) is checked against the step's
+    manifest first, as a resume checks it: torch's reader unpickles `.metadata`, so a file changed
+    since the save is refused before it is read (verified_io.Refused)."""
+    from megarl.trainer import verified_io
+    for step in (ckpt, os.path.dirname(ckpt)):
+        if os.path.isfile(os.path.join(step, verified_io.MANIFEST)):
+            try:
+                verified_io.verify(step)
+            except verified_io.Refused as err:
+                raise ValueError(f"refused {step}: {err}") from None
+            return
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from megarl.launcher.cli import load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.launcher.output import RankOutput
 from megarl.launcher.preflight_run import tokenizer_available
-from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent
+from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent, tell_launcher
 from megarl.parallel.supervise import LogCopy, run_tree
 from megarl.launcher.preflight import bootstrap_and_check
 
@@ -92,7 +92,6 @@ def config_error(err: ConfigError) -> int:
     if _rank() == 0:
         print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
     if _launched_by_a_launcher() and "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from megarl.trainer.run import tell_launcher  # lazy: the ranks' code (torch, megatron)
         tell_launcher(err)
     return 2
 

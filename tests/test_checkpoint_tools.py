@@ -4,6 +4,7 @@ on its last line; bad input stops with one line before any rank starts."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -44,6 +45,19 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(models):
     b = AutoModelForCausalLM.from_pretrained(back)
     ids = AutoTokenizer.from_pretrained(back)("w1 w2 w3 w40", return_tensors="pt").input_ids
     assert torch.equal(a(ids).logits, b(ids).logits)
+    # Inside a step megarl sealed, a .metadata changed after the save is refused before torch unpickles it.
+    from megarl.trainer import verified_io
+    step = os.path.join(models["root"], "run", "global_step_1")
+    shutil.copytree(ckpt, os.path.join(step, "actor"))
+    os.chmod(os.path.dirname(step), 0o700)
+    verified_io.seal(step)
+    with open(os.path.join(step, "actor", ".metadata"), "ab") as f:
+        f.write(b"\x80")
+    got = run("checkpoints_tools/megatron_to_hf.py", "--ckpt", os.path.join(step, "actor"), "--out", back + "2")
+    last = got.stderr.strip().splitlines()[-1]
+    assert got.returncode == 2 and last.startswith(f"megatron_to_hf: refused {step}: actor/.metadata has "), \
+        got.stderr[-3000:]
+    assert not os.path.exists(back + "2")
 
 
 @pytest.mark.timeout(600)

@@ -66,10 +66,35 @@ def inputs(tmp_path_factory, addition_model_dir):
                                                 "verl.interactions.gsm8k_interaction.Gsm8kInteraction, config: {}}\n")
     (d / "interaction_raises.yaml").write_text(f"interaction:\n  - {{name: u, class_name: '{d / 'users.py'}:Strict', "
                                                "config: {}}\n")
+    (d / "reward_float.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                       "    return float(solution_str == str(ground_truth))\n")
+    (d / "tagged.yaml").write_text("interaction:\n  - !!python/object/apply:os.system ['echo hi']\n")
+    pickled = d / "pickled"
+    shutil.copytree(addition_model_dir, pickled)
+    for weights in pickled.glob("*.safetensors*"):
+        weights.unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a torch.save zip, never opened")
+    lying = d / "lying"
+    shutil.copytree(addition_model_dir, lying)
+    weights = lying / "model.safetensors"
+    blob = weights.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["shape"] = [dim * 2 for dim in header[first]["shape"]]      # claims more than it holds
+    text = json.dumps(header).encode()
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + blob[8 + n:])
+    linked = d / "linked"
+    shutil.copytree(addition_model_dir, linked)
+    (linked / "model.safetensors").unlink()
+    (d / "shadow").write_text("root:$6$saltsalt$hash:19000:0:99999:7:::\n")
+    os.symlink(d / "shadow", linked / "model.safetensors")
+    (d / "open_run").mkdir()
+    os.chmod(d / "open_run", 0o775)
     names = ("no_prompt.parquet", "three.jsonl", "utf16.jsonl", "locked.jsonl", "a_dir", "reward_bad.py",
              "reward_hangs.py", "reward_exits.py", "reward_sys_exits.py", "reward_killed.py",
              "model_file", "bad_tools.yaml", "no_template", "gpt2", "derived.yaml", "interaction_missing.yaml",
-             "interaction_raises.yaml")
+             "interaction_raises.yaml", "reward_float.py", "tagged.yaml", "pickled", "open_run", "lying", "linked")
     return {k: str(d / k) for k in names} | {"model": addition_model_dir}
 
 
@@ -111,6 +136,22 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("interaction constructor raises", ["actor_rollout_ref.rollout.multi_turn.enable=true",
                                         "actor_rollout_ref.rollout.multi_turn.interaction_config_path=@"
                                         "interaction_raises.yaml"], "cannot construct"),
+    ("filter on a field the reward lacks", ["custom_reward_function.path=@reward_float.py",
+                                            "algorithm.filter_groups.enable=true",
+                                            "algorithm.filter_groups.metric=acc"],
+     "algorithm.filter_groups.metric: 'acc' is not a field the reward gives (scoring the first training row, it "
+     "returned only a number)"),
+    ("interactions file with a YAML tag", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                           "actor_rollout_ref.rollout.multi_turn.interaction_config_path=@tagged.yaml"],
+     "tagged.yaml is not valid YAML at line 2, column 5: could not determine a constructor for the tag"),
+    ("weights only as a pickle", ["actor_rollout_ref.model.path=@pickled"],
+     "holds its weights only as pytorch_model.bin, a pickle megarl does not load"),
+    ("safetensors header that lies", ["actor_rollout_ref.model.path=@lying"],
+     "model.safetensors says tensor lm_head.weight of shape [32, 256] (F32) takes 8192 bytes, not 32768"),
+    ("weight file linked to a secret", ["actor_rollout_ref.model.path=@linked"],
+     "model.safetensors is not a safetensors file (no header of a valid length)"),
+    ("run directory writable by its group", ["trainer.default_local_dir=@open_run"],
+     "open_run is writable by group (mode 775), so no resume would trust its checkpoints; chmod 700"),
 ]
 if not __import__("torch").cuda.is_available():
     MISTAKES.append(("cuda without a GPU", ["trainer.device=cuda"], "trainer.device: cuda, but this machine has no"))

@@ -25,7 +25,8 @@ from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused, move_sections
-from megarl.config.typed import Section, all_keys, build, defaults_of, derive, freeze, open_keys, to_dict
+from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, freeze, key_like, not_a_key, open_keys,
+                                 to_dict)
 from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
@@ -225,6 +226,10 @@ def check_known_keys(raw: dict) -> None:
     for path in paths:
         if accepted(path):
             continue
+        parts = path.split(".")
+        for i, part in enumerate(parts):
+            if not key_like(part):
+                raise not_a_key(part, ".".join(parts[:i]))
         below = sorted((p for p in paths if p == path or p.startswith(path + ".")), key=lambda p: -p.count("."))
         for deeper in below:  # `rollout.n` -> `actor_rollout_ref.rollout.n`
             suffix = sorted(k for k in known if k.endswith("." + deeper))

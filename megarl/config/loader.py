@@ -29,8 +29,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue     # `<<: *anchor`: SafeLoader merges it below; its keys may be overridden here
             key = self.construct_object(key_node, deep=True)
-            if key in seen and key != "<<":
+            if key in seen:
                 raise ConfigError(f"{self.name}: key {key!r} appears twice (lines {seen[key] + 1} and "
                                   f"{key_node.start_mark.line + 1}); keep one")
             seen[key] = key_node.start_mark.line
@@ -121,6 +123,10 @@ def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
     merged: dict = {}
     for base in bases:
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        real = os.path.realpath(base_path)
+        if not real.endswith((".yaml", ".yml")):   # a link to /etc/shadow: refused by name, never read
+            raise ConfigError(f"{path}: {BASE_KEY}: {base} is {real}, not a .yaml/.yml file; a base is another "
+                              "megarl config")
         merged = deep_merge(merged, read_yaml(base_path, (*_seen, path)))
     return deep_merge(merged, data)
 

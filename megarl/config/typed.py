@@ -19,6 +19,20 @@ from megarl.config.errors import ConfigError
 _MISSING = dataclasses.MISSING
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.I)
 
+# What a typed key looks like. Anything else in a key position (a whole line of some other file read as
+# YAML, say /etc/shadow's) is not echoed into the error.
+_KEY_LIKE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+
+
+def key_like(name) -> bool:
+    return bool(_KEY_LIKE.fullmatch(str(name)))
+
+
+def not_a_key(name, prefix: str) -> ConfigError:
+    """The error for a key that is no name at all, which it does not echo."""
+    return ConfigError(f"holds a key of {len(str(name))} characters that is not a name (is this file a megarl "
+                       "config?); remove it", prefix or "(top level)")
+
 
 def closest(name: str, options: list[str]) -> str | None:
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
@@ -139,6 +153,8 @@ def build(cls: type, raw: dict | None, prefix: str = "") -> Any:
             hint = closest(str(name), list(fields))
             fix = f"; did you mean '{prefix + '.' if prefix else ''}{hint}'?" if hint else (
                 f"; valid keys here: {', '.join(sorted(fields))}")
+            if not key_like(name):
+                raise not_a_key(name, prefix)
             raise ConfigError(f"unknown key{fix}", key)
         kwargs[name] = _coerce(value, hints[name], key)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,8 @@ def read_rows(path: str, key: str = "data.train_files") -> FileRows:
     if ext == ".parquet":
         return _read_parquet(path)
     if ext in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
+        # surrogateescape: a row with bytes that are not UTF-8 is named and skipped, not the whole file refused
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
         if ext == ".json" and text.lstrip().startswith("["):
             return _read_json_array(path, text)
@@ -61,8 +63,40 @@ def _read_jsonl(path: str, text: str) -> FileRows:
         except json.JSONDecodeError as err:
             out.bad.append(BadRow(path, where, f"bad JSON: {err.msg}"))
             continue
+        except RecursionError:        # a ground_truth nested 100,000 deep: this row, not the run
+            out.bad.append(BadRow(path, where, f"nested too deeply to parse (over {sys.getrecursionlimit()} levels)"))
+            continue
+        problem = _not_encodable(line, row)
+        if problem:
+            out.bad.append(BadRow(path, where, problem))
+            continue
         _add(out, where, row)
     return out
+
+
+def _not_encodable(line: str, row: Any) -> str | None:
+    """Bytes that are not UTF-8 (read with surrogateescape), or a lone UTF-16 surrogate written as a
+    JSON escape (\\ud800): json.loads takes both, but the tokenizer and every writer refuse them later,
+    far from the row. The row is named here and skipped like a malformed one."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"bytes that are not UTF-8 at character {err.start + 1}; re-save the file as UTF-8"
+    stack = [row]
+    while stack:                      # iterative: the row may nest up to the parser's own limit
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return (f"a lone UTF-16 surrogate \\u{ord(value[err.start]):04x} in the string {value[:40]!r}, which "
+                        "is no character; fix the writer (or drop the row)")
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return None
 
 
 def _read_json_array(path: str, text: str) -> FileRows:

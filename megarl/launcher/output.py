@@ -1,11 +1,13 @@
-"""The launcher's copy of its ranks' output: once a rank reports a config error, the console keeps
-that one line and stops there (torchrun's tracebacks about the stopped ranks go to the log only).
+"""The launcher's copy of its ranks' output: once a rank reports a config error, or that a stop signal
+stopped the run, the console keeps that one line and stops there (torchrun's tracebacks about the
+stopped ranks go to the log only).
 
     echo = RankOutput(sys.stdout.buffer); echo.write(chunk) ...; code = echo.exit_code(proc.wait())
 """
 from __future__ import annotations
 
 MARK = b"config error: "
+STOPPED = b"megarl: stopped by SIG"     # the ranks' line after a SIGTERM / SIGUSR1 (megarl/trainer/stopping.py)
 
 
 class RankOutput:
@@ -21,15 +23,15 @@ class RankOutput:
         *lines, self.pending = self.pending.split(b"\n")
         for line in lines:
             self.console.write(line + b"\n")
-            if line.startswith(b"megarl: ") and MARK in line:
+            if line.startswith(b"megarl: ") and MARK in line or line.startswith(STOPPED):
                 self.error_line = line
                 break
         self.console.flush()
 
     def exit_code(self, code: int) -> int:
         """The ranks' exit code, or 2 (a config error) once one reported its line."""
-        if self.error_line is None:
-            if self.pending:
+        if self.error_line is None or self.error_line.startswith(STOPPED):
+            if self.pending and self.error_line is None:
                 self.console.write(self.pending)
                 self.console.flush()
             return code

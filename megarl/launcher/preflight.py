@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import os
+import stat
 import tempfile
 
 from megarl.algos.config import check_bypass_mode
@@ -49,6 +50,7 @@ def preflight(cfg) -> None:
     if tokenizer_available(cfg):               # else after the bootstrap: bootstrap_and_check()
         check_with_tokenizer(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    check_run_dir_private(cfg.trainer.default_local_dir, "trainer.default_local_dir")
     check_free_space(cfg)     # a full disk passes the write check (an empty file needs no blocks)
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
@@ -98,11 +100,13 @@ def count_rows(path: str, key: str) -> int:
         hint = " (relative paths in a config file are taken from that file's folder)" if not os.path.isabs(path) else ""
         raise ConfigError(f"data file not found: {path}{hint}", key)
     try:
+        with open(path, "rb") as f:
+            bom = f.read(2) in (b"\xff\xfe", b"\xfe\xff")
+        if bom:
+            raise ConfigError(f"{path} is not UTF-8 text (it starts with a UTF-16 byte-order mark); save it as UTF-8 "
+                              "(e.g. iconv -f UTF-16 -t UTF-8)", key)
+        # Other bytes that are not UTF-8 are the rows' problem: the dataset names and skips each such row.
         return _count_rows(path, key)
-    except UnicodeDecodeError as err:
-        bom = " (it starts with a UTF-16 byte-order mark)" if err.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise ConfigError(f"{path} is not UTF-8 text{bom}; save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)",
-                          key) from None
     except OSError as err:
         raise ConfigError(f"cannot read {path} ({err.strerror or type(err).__name__}); check its permissions",
                           key) from None
@@ -118,7 +122,7 @@ def _count_rows(path: str, key: str) -> int:
             raise ConfigError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})", key) from None
     if ext not in (".jsonl", ".json"):
         raise ConfigError(f"{path}: unsupported file type {ext or '(none)'}; use .jsonl, .json or .parquet", key)
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         head = f.read(1 << 16)
         if ext == ".json" and head.lstrip().startswith("["):
             try:
@@ -166,6 +170,7 @@ def check_model_paths(cfg) -> None:
         hf = read_json(config_json, key)
         check_architecture(hf, config_json)    # before the layout: GPT-2's n_head is not num_attention_heads
         cfg.check_model(hf)   # layout against heads/layers; lengths against positions
+        check_weight_format(m.path, key)
     bootstrapping = not os.path.isfile(config_json)  # the bootstrap may write the tokenizer too
     if m.tokenizer_path and m.tokenizer_path != m.path and not bootstrapping and not os.path.exists(m.tokenizer_path):
         raise ConfigError(f"{m.tokenizer_path} does not exist; point it at a tokenizer directory or remove it "
@@ -183,6 +188,59 @@ def check_model_paths(cfg) -> None:
     if cfg.trainer.resume_mode == "resume_path" and not os.path.isdir(cfg.trainer.resume_from_path):
         raise ConfigError(f"{cfg.trainer.resume_from_path} is not a directory; give a global_step_N directory",
                           "trainer.resume_from_path")
+
+
+def check_weight_format(path: str, key: str) -> None:
+    """Weights only as pickles (pytorch_model*.bin): megarl reads safetensors only and never unpickles a
+    model file, so the ranks would refuse it after start-up; said here, with the conversion."""
+    names = os.listdir(path)
+    if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        for name in sorted(n for n in names if n.endswith(".safetensors")):
+            problem = safetensors_problem(os.path.join(path, name))
+            if problem:
+                raise ConfigError(f"{os.path.join(path, name)} {problem}; re-save or re-download the model", key)
+        return
+    pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+    if pickles:
+        raise ConfigError(f"{path} holds its weights only as {pickles[0]}, a pickle megarl does not load (loading one "
+                          "can run code); convert it once where you trust the file: AutoModelForCausalLM."
+                          "from_pretrained(path).save_pretrained(path, safe_serialization=True)", key)
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_problem(path: str) -> str | None:
+    """What is wrong with a safetensors file's header (its JSON only: no tensor is read): a file that
+    is no safetensors file (a link to /etc/shadow), or tensors whose sizes and offsets do not add up
+    to the file (a header that lies). None when it checks out."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or length > min(size - 8, 100 << 20):
+            return "is not a safetensors file (no header of a valid length)"
+        try:
+            header = json.loads(f.read(length))
+            end = 0
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, stop = info["data_offsets"]
+                count = 1
+                for dim in info["shape"]:
+                    count *= int(dim)
+                width = _DTYPE_BYTES.get(info["dtype"])
+                if width is not None and stop - start != count * width:
+                    return (f"says tensor {name} of shape {info['shape']} ({info['dtype']}) takes {stop - start} "
+                            f"bytes, not {count * width}")
+                end = max(end, stop)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"is not a safetensors file (its header: {type(err).__name__})"
+    if 8 + length + end != size:
+        return f"has {size} bytes, but its header accounts for {8 + length + end}"
+    return None
 
 
 def check_device(cfg, info: EngineInfo) -> None:
@@ -274,3 +332,17 @@ def check_run_dir(path: str, key: str) -> None:
     except OSError as err:
         raise ConfigError(f"cannot write to {os.path.abspath(path)} ({err.strerror}); choose a writable directory",
                           key) from None
+
+
+def check_run_dir_private(path: str, key: str) -> None:
+    """Every resume refuses a run directory that another user could write (megarl/trainer/verified_io.py):
+    refused here, before a run trains and saves into one it could never resume from."""
+    st = os.stat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"{os.path.abspath(path)} is owned by uid {st.st_uid}, not by this user; its checkpoints "
+                          "could not be resumed from; choose a directory of your own", key)
+    if mode & 0o022:
+        raise ConfigError(f"{os.path.abspath(path)} is writable by {'group' if mode & 0o020 else 'others'} (mode "
+                          f"{mode:o}), so no resume would trust its checkpoints; chmod 700 {os.path.abspath(path)} "
+                          "(or choose a new directory)", key)

@@ -95,12 +95,30 @@ def check_reward_on_a_row(cfg, dataset) -> None:
     if outcome[0] == "raised":
         raise ConfigError(f"{what} raised {outcome[1]}: {outcome[2]} at {outcome[3]}; fix the reward function or "
                           "the rows", key)
+    check_filter_metric(cfg, outcome[1])
+
+
+def check_filter_metric(cfg, info_keys: list[str]) -> None:
+    """DAPO's dynamic sampling filters on a per-sample field: the reward must give it (else the first
+    step fails inside the sampler). `info_keys`: what the reward returned beside its score."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable or fg.metric in ("seq_reward", "seq_final_reward", "score"):
+        return
+    added = ["reward_failed"] + (["format"] if cfg.reward_model.format_reward != "none" else []) + (
+        ["overlong_reward"] if cfg.algorithm.overlong_buffer.enable else [])
+    if fg.metric not in [*info_keys, *added]:
+        given = ", ".join(sorted(info_keys)) or "only a number"
+        raise ConfigError(f"{fg.metric!r} is not a field the reward gives (scoring the first training row, it "
+                          f"returned {given}); return a dict with {fg.metric!r}, or filter on score / seq_reward",
+                          "algorithm.filter_groups.metric")
 
 
 def _score_in_child(call, send) -> None:
     try:
-        call()
-        outcome: tuple = ("ok",)
+        out = call()
+        if isinstance(out, (list, tuple)) and out:      # a batch reward: one result per row
+            out = out[0]
+        outcome: tuple = ("ok", sorted(map(str, out)) if isinstance(out, dict) else [])
     except SystemExit as err:
         outcome = ("exit", repr(err.code), _user_frame(err))
     except BaseException as err:    # reported by the parent with the user's file and line

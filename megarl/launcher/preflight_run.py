@@ -67,7 +67,7 @@ def check_columns(path: str, key: str, prompt_key: str) -> None:
 
 
 def _first_json_row(path: str, ext: str):
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         if ext == ".json":
             text = f.read()
             if text.lstrip().startswith("["):

@@ -46,8 +46,18 @@ class HFCheckpoint:
     def _weight_map(self) -> dict[str, str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                return dict(json.load(f)["weight_map"])
+            try:
+                with open(index) as f:
+                    weight_map = dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
+            # The index names files to open: one that leaves the directory (../../etc/shadow) is refused
+            # before it is opened, naming the index and the entry.
+            for file in sorted(set(map(str, weight_map.values()))):
+                if os.path.basename(file) != file or file in (".", "..") or not file.endswith(".safetensors"):
+                    raise ValueError(f"{index}: weight_map sends tensors to {file!r}, which is not a *.safetensors "
+                                     f"file in {self.path}; fix or remove the index")
+            return weight_map
         files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
         if not files:
             raise ValueError(f"{self.path}: no *.safetensors weights (megarl reads safetensors only; "

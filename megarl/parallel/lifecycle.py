@@ -1,4 +1,4 @@
-"""Process lifetime: ranks that die with their launcher, and one writer per run directory.
+"""Process lifetime: ranks that die with their launcher (and tell it why), and one writer per run directory.
 
     die_with_parent()                 # in a rank: SIGKILL when the process that started it dies
     lock = RunDirLock(run_dir)        # raises ConfigError naming the holder's pid and host
@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -95,3 +96,17 @@ class RunDirLock:
             os.close(self.fd)  # closing drops the flock; the file stays (its text is only informative)
             self.fd = None
             os.environ.pop(LOCK_HELD_ENV, None)
+
+
+def tell_launcher(err: BaseException) -> None:
+    """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
+    none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")   # set by torchrun; absent otherwise
+    if not path:
+        return
+    # torch's ErrorHandler.record_exception format, with the one-line message where it puts the
+    # traceback: these errors are the user's to fix, and torchrun's summary prints that field.
+    line = f"{type(err).__name__}: {err}"
+    with open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                               "timestamp": str(int(time.time()))}}}, f)

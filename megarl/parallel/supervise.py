@@ -148,36 +148,66 @@ class LogCopy:
 
 
 class Stop(Exception):
-    """This launcher was told to stop (SIGTERM / SIGHUP)."""
+    """This launcher was told to stop (SIGTERM / SIGUSR1 / SIGHUP)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _raise_stop(signum, frame):
-    raise Stop(signal.Signals(signum).name)
+    raise Stop(signum)
+
+
+# The ranks stop at their next step boundary on these, save and exit 143 (megarl/trainer/stopping.py).
+# They go to the ranks themselves: torchrun would turn them into a SIGKILL of its workers 30 s later.
+GRACEFUL = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _ranks_of(proc: subprocess.Popen, cmd: list[str]) -> list:
+    """The rank processes: torchrun's children, or the child itself when it is the only rank."""
+    try:
+        child = psutil.Process(proc.pid)
+        return child.children() if "torch.distributed.run" in cmd else [child]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def run_tree(cmd: list[str], env: dict | None, sink: Callable[[bytes], None]) -> int:
     """Run `cmd`, handing its output (stdout + stderr) to `sink`; end the whole tree below us when
     it exits, fails or we are stopped. Returns the child's exit code (128+N for signal N)."""
     become_subreaper()
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=_child_preexec if sys.platform.startswith("linux") else None)
     fd = proc.stdout.fileno()
+    stopped = 0
     try:
         try:
             _pump(proc, fd, sink)
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)       # torchrun stops its ranks itself; then the drain
             _pump(proc, fd, sink)
-        except Stop:
-            proc.terminate()
-            _pump(proc, fd, sink)
+        except Stop as stop:
+            if stop.signum not in GRACEFUL:
+                proc.terminate()
+                _pump(proc, fd, sink)
+            else:       # the ranks save at a step boundary and leave; a second signal ends the tree at once
+                for rank in _ranks_of(proc, cmd):
+                    try:
+                        rank.send_signal(stop.signum)
+                    except psutil.NoSuchProcess:
+                        pass
+                _pump(proc, fd, sink)
+                stopped = stop.signum
     finally:
         end_tree()
         proc.stdout.close()
         for s, h in old.items():
             signal.signal(s, h)
     code = proc.wait()
+    if stopped and code:
+        return 128 + signal.SIGTERM      # the ranks' 143 (saved at a stop signal); torchrun itself says 1
     return 128 - code if code < 0 else code
 
 

@@ -19,6 +19,8 @@ A batch that already holds `rm_scores` (a reward model's output, [B] or [B, R]) 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import inspect
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,49 +32,21 @@ import torch
 from megarl.algos.dapo import overlong_penalty
 from megarl.config.errors import ConfigError
 from megarl.parallel.actor_pool import PoolDeadline
+from megarl.parallel.lifecycle import tell_launcher
+from megarl.reward.failures import (RewardDeadline, RewardFailure, deadline_error, in_daemon_thread,  # noqa: F401
+                                    slowest_samples)
 from megarl.protocol import DataProto
 from megarl.config.plugins import construct, load_class
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.reward.pool import RayScoringPool
 from megarl.reward.rules import check_data_sources, format_reward
-from megarl.reward.scoring import Outcome, Sample, call_in_process, normalise
+from megarl.reward.scoring import (Outcome, RewardExit, Sample, call_in_process, exits_refused, hard_exit,
+                                   normalise)
 
-
-class RewardFailure(RuntimeError):
-    """Too many samples of a batch failed to score; the run stops with this one-line message."""
-
-
-class RewardDeadline(RewardFailure):
-    """The reward step of one batch passed reward_model.batch_deadline_s."""
-
-
-def slowest_samples(samples: list[Sample], seconds: dict[int, float], running: set[int], k: int = 3) -> str:
-    """'#12 (data_source gsm8k) 31.0s still running, #3 (gsm8k) 2.1s' for the k slowest samples."""
-    order = sorted(seconds, key=lambda i: (i not in running, -seconds[i]))[:k]
-    return ", ".join(f"#{i} (data_source {samples[i].data_source}) {seconds[i]:.1f}s"
-                     + (" still running" if i in running else "") for i in order) or "none started"
-
-
-def deadline_error(what: str, deadline_s: float, n: int, done: int | None, slowest: str) -> RewardDeadline:
-    scored = f"{done} of {n} scored; " if done is not None else ""
-    return RewardDeadline(f"the reward step passed reward_model.batch_deadline_s={deadline_s:g}s on a batch of {n} "
-                          f"samples, scoring with {what}; {scored}slowest: {slowest}; fix the function (or give it "
-                          "reward_model.launch_reward_fn_async=true, whose workers are killed at timeout_s) or raise "
-                          "the deadline")
-
-
-def _in_daemon_thread(fn) -> cf.Future:
-    """Run fn() in a daemon thread: a reward call stuck past the deadline must not keep the
-    process alive at exit (a ThreadPoolExecutor's threads are joined at interpreter exit)."""
-    fut: cf.Future = cf.Future()
-
-    def work() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as err:  # handed to the waiting thread
-            fut.set_exception(err)
-    threading.Thread(target=work, name="megarl-reward", daemon=True).start()
-    return fut
+# How long past reward_model.batch_deadline_s a reward call that ignores its SIGALRM (it swallows the
+# exception, or is stuck in C code) may keep rank 0 before the rank ends itself naming the deadline;
+# its peers would otherwise wait out trainer.collective_timeout_s and blame a lost connection.
+STUCK_GRACE_S = 5.0
 
 
 EXTRA_COLUMN = "reward_extra_info"   # the batch's per-row column of verl's reward_extra_info
@@ -155,7 +129,12 @@ class RewardManager:
     def scorer(self) -> str:
         """What scores, for error lines: the user's function or class, or the built-in rules."""
         if self.custom is not None:
-            return f"reward_model.reward_manager {type(self.custom).__module__}.{type(self.custom).__name__}"
+            cls = type(self.custom)
+            try:            # the file the user named (a file's module gets a generated name)
+                where = f"{inspect.getsourcefile(cls)}:"
+            except TypeError:
+                where = f"{cls.__module__}."
+            return f"reward_model.reward_manager {where}{cls.__name__}"
         if self.spec.is_default:
             return "megarl's built-in rules (megarl/reward/rules.py)"
         return f"custom_reward_function {self.spec.path}:{self.spec.name}"
@@ -173,18 +152,26 @@ class RewardManager:
             fut: cf.Future = cf.Future()
             fut.set_result(("rm", batch.batch["rm_scores"]))
         elif self.custom is not None:
-            fut = _in_daemon_thread(lambda: ("custom", self.custom(self._with_text(batch))))
+            fut = in_daemon_thread(lambda: ("custom", self._call_custom(batch)))
         else:
             samples = self._samples(batch)
             if self.kind == "batch":
-                fut = _in_daemon_thread(lambda: ("outcomes", self._score_batched(samples)))
+                fut = in_daemon_thread(lambda: ("outcomes", self._score_batched(samples)))
             elif self.pool is not None:
                 deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
-                fut = _in_daemon_thread(lambda: ("outcomes", self._score_in_pool(samples, deadline)))
+                fut = in_daemon_thread(lambda: ("outcomes", self._score_in_pool(samples, deadline)))
             else:
                 fut = cf.Future()
-                fut.set_result(("outcomes", self._score_in_process(samples)))
+                try:
+                    fut.set_result(("outcomes", self._score_in_process(samples)))
+                except BaseException as err:   # raised by result(), where the loop hands it to every rank
+                    fut.set_exception(err)
         return RewardFuture(fut, batch, started)
+
+    def _call_custom(self, batch):
+        view = self._with_text(batch)
+        with exits_refused():
+            return self.custom(view)
 
     def _score_in_pool(self, samples: list[Sample], deadline: float | None) -> list[Outcome]:
         try:
@@ -194,7 +181,28 @@ class RewardManager:
                                  slowest_samples(samples, late.seconds, late.running)) from None
 
     def _score_in_process(self, samples: list[Sample]) -> list[Outcome]:
-        """One sample after another, each bounded by timeout_s and by what is left of the deadline."""
+        """One sample after another, each bounded by timeout_s and by what is left of the deadline
+        (SIGALRM); a call that outlives both by STUCK_GRACE_S ends the rank (`_stuck_past_deadline`)."""
+        if self.deadline_s is None:
+            return self._score_samples(samples)
+        watchdog = threading.Timer(self.deadline_s + STUCK_GRACE_S, self._stuck_past_deadline, (len(samples),))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return self._score_samples(samples)
+        finally:
+            watchdog.cancel()
+
+    def _stuck_past_deadline(self, n: int) -> None:
+        """Nothing can interrupt the main thread from here, so this rank ends itself with the cause."""
+        err = deadline_error(self.scorer, self.deadline_s, n, None, f"a call still running {STUCK_GRACE_S:g}s past "
+                             "the deadline, ignoring its timeout (it catches the timeout's exception, or waits in C "
+                             "code)")
+        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+        tell_launcher(err)
+        hard_exit(3)
+
+    def _score_samples(self, samples: list[Sample]) -> list[Outcome]:
         begin, seconds, out = time.monotonic(), {}, []
         for i, sample in enumerate(samples):
             left = None if self.deadline_s is None else self.deadline_s - (time.monotonic() - begin)
@@ -218,13 +226,19 @@ class RewardManager:
         except cf.TimeoutError:
             raise deadline_error(self.scorer, self.deadline_s, len(handle.batch), None,
                                  "the call for the whole batch, still running") from None
+        except RewardExit as err:
+            raise RewardFailure(f"{self.scorer} {err} while scoring a batch of {len(handle.batch)} samples; a reward "
+                                "must return a score (or raise), not end the process") from None
         batch = handle.batch
         if what == "outcomes":
             res = self._from_outcomes(batch, value)
         elif what == "rm":
             res = RewardResult(self._as_token_level(batch, value, "rm_scores"))
         else:
-            res = self._from_custom(batch, value)
+            try:
+                res = self._from_custom(batch, value)
+            except (TypeError, ValueError) as err:   # the class's output, not megarl: one line naming it
+                raise RewardFailure(f"{self.scorer}: {err}") from None
         self._sanitise(res)
         self._shape(batch, res)
         res.metrics["reward/latency_s"] = time.perf_counter() - handle.started  # overlaps the log-prob passes
@@ -279,10 +293,11 @@ class RewardManager:
     # -- turning outputs into scores --------------------------------------------------------------
     def _score_batched(self, samples: list[Sample]) -> list[Outcome]:
         try:
-            outs = self.fn(data_sources=[s.data_source for s in samples],
-                           solution_strs=[s.solution_str for s in samples],
-                           ground_truths=[s.ground_truth for s in samples], extra_infos=[s.extra_info for s in samples],
-                           **self.spec.kwargs)
+            with exits_refused():
+                outs = self.fn(data_sources=[s.data_source for s in samples],
+                               solution_strs=[s.solution_str for s in samples],
+                               ground_truths=[s.ground_truth for s in samples],
+                               extra_infos=[s.extra_info for s in samples], **self.spec.kwargs)
             if len(outs) != len(samples):
                 raise ValueError(f"returned {len(outs)} scores for {len(samples)} samples")
         except Exception as err:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +46,11 @@ def normalise(out: Any) -> tuple[float, dict]:
         score = score.item()
     if not isinstance(score, (bool, int, float)):
         raise TypeError(f"reward function returned {type(score).__name__}; return a float or a dict with 'score'")
-    score = float(score)
+    try:
+        score = float(score)
+    except OverflowError:       # an int past float range (10**400): a cause, not a traceback from float()
+        raise ValueError(f"reward function returned an integer of {score.bit_length()} bits, beyond a float's "
+                         "range (about 1.8e308); return a float") from None
     if not math.isfinite(score):
         raise ValueError(f"reward function returned a non-finite score ({score})")
     if "score" in info:
@@ -52,8 +58,47 @@ def normalise(out: Any) -> tuple[float, dict]:
     return score, info
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """BaseException: a reward's own `except Exception` must not swallow its timeout."""
+
+
+class RewardExit(BaseException):
+    """A reward function tried to end its process (sys.exit, os._exit). BaseException, so neither the
+    per-sample containment nor a user's `except Exception` takes it: the run stops, naming the reward."""
+
+
+_REAL_EXIT = os._exit
+_guarded_threads: set[int] = set()
+# A process forked while a reward is scored (its own multiprocessing) ends with os._exit: in the
+# child that must end the child, whatever thread ident it inherited.
+os.register_at_fork(after_in_child=_guarded_threads.clear)
+
+
+def _exit_unless_scoring(code=0):
+    if threading.get_ident() in _guarded_threads:
+        raise RewardExit(f"called os._exit({code})")
+    _REAL_EXIT(code)
+
+
+@contextmanager
+def exits_refused():
+    """sys.exit and os._exit from this thread raise RewardExit inside the block. A rank that ends
+    there would leave its peers only a lost connection to report, and exit code 0 reads as success.
+    os._exit is replaced once for the process; outside a scoring thread it ends the process as before."""
+    os._exit = _exit_unless_scoring
+    me = threading.get_ident()
+    _guarded_threads.add(me)
+    try:
+        yield
+    except SystemExit as err:
+        raise RewardExit(f"called sys.exit({err.code!r})") from None
+    finally:
+        _guarded_threads.discard(me)
+
+
+def hard_exit(code: int) -> None:
+    """End this process now (os._exit as the interpreter gave it)."""
+    _REAL_EXIT(code)
 
 
 def _raise_timeout(signum, frame):
@@ -69,7 +114,9 @@ def call_in_process(fn, sample: Sample, extra_kwargs: dict, timeout_s: float | N
     try:
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        score, info = normalise(fn(**sample.kwargs(), **extra_kwargs))
+        with exits_refused():
+            out = fn(**sample.kwargs(), **extra_kwargs)
+        score, info = normalise(out)
         return Outcome(score, info)
     except _Timeout:
         return Outcome(None, error=f"timed out after {timeout_s:g}s", timed_out=True)

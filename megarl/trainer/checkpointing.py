@@ -62,9 +62,11 @@ def latest_step_dir(root: str) -> str | None:
     """The directory of the newest complete checkpoint under `root`, or None."""
     pointer = os.path.join(root, POINTER)
     if os.path.isfile(pointer):
-        with open(pointer) as f:
-            text = f.read().strip()
-        if text.isdigit() and os.path.isfile(os.path.join(step_dir(root, int(text)), "trainer_state.pt")):
+        with open(pointer, encoding="utf-8", errors="replace") as f:
+            text = f.read(64).strip()
+        # isdigit() alone takes '²' and other digits int() refuses: a damaged pointer is ignored, not a traceback.
+        if (text.isascii() and text.isdigit()
+                and os.path.isfile(os.path.join(step_dir(root, int(text)), "trainer_state.pt"))):
             return step_dir(root, int(text))
     steps = complete_steps(root)  # pointer missing or stale: fall back to the newest complete dir
     return step_dir(root, steps[-1]) if steps else None

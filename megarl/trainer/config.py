@@ -23,6 +23,9 @@ class TrainerConfig(Section):
     n_gpus_per_node: int = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
     collective_timeout_s: float = 600.0    # a rank that waits this long on a collective fails the job
+    # SIGTERM / SIGUSR1 (preemption, a time limit): the ranks save at the next step boundary and exit 143.
+    # A step that has not ended this long after the signal is given up: exit 143, no save.
+    stop_grace_s: float = 300.0
 
     # Checkpoints.
     save_freq: int = -1                    # every N steps; -1 = never
@@ -71,6 +74,7 @@ class TrainerConfig(Section):
         require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
                 "must be > 0 (TFLOP/s of one device) or null")
         require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 seconds")
+        require(self.stop_grace_s > 0, "stop_grace_s", "must be > 0 seconds")
 
     @property
     def world_size(self) -> int:

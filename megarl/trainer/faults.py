@@ -35,6 +35,10 @@ def fault_point(name: str, step: int, rank: int) -> None:
         if point != name or int(at) != step or int(who[0] if who else 0) != rank:
             continue
         if action == "pause":
+            # A parked rank never reaches a step boundary: the stop signals end it at once again, as
+            # the kill drills expect of a rank torchrun stops (megarl/trainer/stopping.py saves instead).
+            for stop in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(stop, signal.SIG_DFL)
             marker = os.path.join(os.environ.get(FAULT_DIR_ENV, "."), "reached")
             with open(marker + ".tmp", "w") as f:
                 f.write(f"{name}:{step}:{rank}:{os.getpid()}\n")

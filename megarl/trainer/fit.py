@@ -33,6 +33,7 @@ from megarl.trainer.generations import SAMPLES_KEY, dump_rollout
 from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.metrics import jsonable
 from megarl.trainer.mfu import MFUMeter
+from megarl.trainer.stopping import Stopped
 from megarl.trainer.parts import TrainerParts
 from megarl.trainer.step_metrics import memory_metrics, verl_step_metrics
 from megarl.trainer.validation import validate
@@ -56,6 +57,8 @@ class RLTrainer:
         self.extra: dict = {}      # metrics the steps add as they go; finish_step logs them
         self.step_was_bad = False  # an update of this step was skipped (NaN/inf)
         self.on_started = None     # called once resume() has succeeded (run.py writes the run's record)
+        self.saved_step = -1       # the step save() last wrote
+        self.stop = None           # a StopRequest (megarl/trainer/stopping.py): SIGTERM saves at a step boundary
         self.memory = PhaseMemory(ranks.device)          # memory/<phase>_peak_gb, like timing_s/<phase>
         self.mfu = MFUMeter.from_parts(cfg, parts, ranks.world, ranks.device)
         self.pending_record: str | None = None     # the step's metrics while its checkpoint is written
@@ -76,6 +79,17 @@ class RLTrainer:
                 with self.timed("sync"):
                     self.sync_weights()
             self.finish_step(batch)
+            if self.stop is not None and self.step < self.total_steps and self.stop.agreed(self.ranks.group,
+                                                                                         self.ranks.device):
+                self.stop_here()
+
+    def stop_here(self) -> None:
+        """Save this step (unless save_freq just did) and leave the loop with one line to say so."""
+        root = self.cfg.trainer.default_local_dir
+        if self.saved_step != self.step:
+            self.save()
+        raise Stopped(f"stopped by {self.stop.name} after step {self.step} of {self.total_steps}; saved "
+                      f"{checkpointing.step_dir(root, self.step)}; the same command resumes there")
 
     def train_on(self, batch: DataProto) -> None:
         """Everything between a rollout and the weight sync; the async loop (fit_async.py) shares it."""
@@ -328,6 +342,7 @@ class RLTrainer:
                            self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep,
                            say=self.log.info)
         self.handoff("engine")
+        self.saved_step = self.step
         self.log.info(f"megarl: saved step {self.step} to "
                       f"{checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 

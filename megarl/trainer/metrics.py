@@ -49,6 +49,10 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl could not take a step's record (a full disk); the run stops with this one line."""
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, loggers: list[str], project: str, experiment: str,
                  config: dict | None = None, enabled: bool = True, stream: TextIO | None = None,
@@ -70,8 +74,7 @@ class MetricsLogger:
         record = {"step": step, "time": time.time(), **{k: jsonable(v) for k, v in metrics.items()}}
         if not self.enabled:
             return record
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append((json.dumps(record) + "\n").encode(), step)
         if print_line:
             print(progress_line(step, self.total_steps, record), file=self.stream, flush=True)
         for backend in self.backends:
@@ -92,6 +95,27 @@ class MetricsLogger:
 
     def has_step(self, step: int) -> bool:
         return any(r.get("step") == step for r in read_metrics(os.path.dirname(self.path)))
+
+    def _append(self, line: bytes, step: int) -> None:
+        """One write of the whole line; a write that fails (a full disk) or falls short is taken back,
+        so metrics.jsonl never ends in a torn line, and the run stops with one line saying so."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            before = os.fstat(fd).st_size
+            try:
+                view = memoryview(line)
+                while view:                  # a short write, then the next one says why (ENOSPC)
+                    view = view[os.write(fd, view):]
+            except OSError as err:
+                try:
+                    os.ftruncate(fd, before)
+                except OSError:
+                    pass
+                raise MetricsWriteError(f"writing step {step}'s metrics to {self.path} failed "
+                                        f"({err.strerror or err}); the file ends at the step before; free space "
+                                        "and resume (the last checkpoint is intact)") from None
+        finally:
+            os.close(fd)
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run logs them again), and a line cut short

@@ -32,9 +32,27 @@ def plot_reward_curve(run_dir: str, out: str | None = None) -> str | None:
     ax.legend(loc="lower right")
     fig.tight_layout()
     out = out or os.path.join(run_dir, "reward_curve.png")
-    fig.savefig(out)
-    plt.close(fig)
+    tmp = out + ".tmp.png"      # renamed into place whole: a full disk leaves the old curve, not 0 bytes
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return out
+
+
+def plot_after_run(run_dir: str, say) -> None:
+    """The curve at the end of a run, which may be ending on a full disk: a failure is one line from
+    `say`, never a second exception chained to the one that ended the run."""
+    try:
+        path = plot_reward_curve(run_dir)
+    except Exception as err:  # matplotlib's and the filesystem's errors alike: the run's outcome stands
+        say(f"megarl: the reward curve was not written ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+        return
+    if path:
+        say(f"megarl: reward curve: {path}")
 
 
 if __name__ == "__main__":

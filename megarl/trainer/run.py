@@ -4,40 +4,28 @@ Called by `megarl-train` (megarl/train.py) on every rank started by torchrun / s
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.trainer.checkpointing import CheckpointSaveError
+from megarl.parallel.lifecycle import tell_launcher
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
 from megarl.trainer.fit import BadStepLimit, RLTrainer
 from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
-from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.metrics import MetricsLogger, MetricsWriteError
 from megarl.trainer.parts import build_parts, write_run_dir
-from megarl.trainer.plot import plot_reward_curve
+from megarl.trainer.plot import plot_after_run
 from megarl.trainer.ranks import destroy, setup_ranks
-
-
-def tell_launcher(err: BaseException) -> None:
-    """Write this rank's cause into torchrun's error file. A rank that returns an exit code leaves
-    none, and torchrun's summary would then blame a peer's later "connection closed" instead."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")   # set by torchrun; absent otherwise
-    if not path:
-        return
-    # torch's ErrorHandler.record_exception format, with the one-line message where it puts the
-    # traceback: these errors are the user's to fix, and torchrun's summary prints that field.
-    line = f"{type(err).__name__}: {err}"
-    with open(path, "w") as f:
-        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                               "timestamp": str(int(time.time()))}}}, f)
+from megarl.trainer.stopping import EXIT_CODE, StopRequest, Stopped
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
     tr = cfg.trainer
     rank, ranks = 0, None
+    # Installed first, so a signal during the start-up is kept for the first step boundary. The
+    # disaggregated trainer's rollout ranks have no step boundary to agree at: signals end it as before.
+    stop = StopRequest(tr.stop_grace_s).install() if cfg.rollout.placement != "disaggregated" else None
     try:
         ranks = setup_ranks(cfg)
         rank = ranks.global_rank if ranks.role != "colocated" else ranks.rank
@@ -56,6 +44,7 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
                  f"run dir {tr.default_local_dir}")
         trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
+        trainer.stop = stop
         if ranks.is_main:   # after a successful resume: a refused one leaves the run's record as it was
             trainer.on_started = lambda: write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
         try:
@@ -64,20 +53,22 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
             if parts.reward is not None:
                 parts.reward.close()
             if ranks.is_main and tr.plot_reward_curve:
-                path = plot_reward_curve(tr.log_dir or tr.default_local_dir)
-                if path:
-                    log.info(f"megarl: reward curve: {path}")
+                plot_after_run(tr.log_dir or tr.default_local_dir, log.info)
             log.close()
     except ConfigError as err:
         print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
               file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
-    except (RewardFailure, CheckpointSaveError) as err:  # a reward's deadline or failures, a full disk: one line
+    except (RewardFailure, CheckpointSaveError, MetricsWriteError) as err:  # a reward, a full disk: one line
         if rank == 0 or isinstance(err, CheckpointSaveError):
             print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         tell_launcher(err)
         return 3
+    except Stopped as err:
+        if rank == 0:
+            print(f"megarl: {err}", file=sys.stderr, flush=True)
+        return EXIT_CODE
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3

@@ -123,6 +123,9 @@ def _check_owner(st: os.stat_result) -> str | None:
 def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
     """(file, problem) for the first thing wrong with `step_dir`, or None."""
     root = os.path.dirname(step_dir)
+    if os.path.islink(step_dir):        # its files would be checked wherever it points
+        return f"({step_dir})", f"is a symbolic link (to {os.path.realpath(step_dir)}); a step directory is read " \
+                                "only where it was saved"
     for path, what in ((root, "the run directory "), (step_dir, "")):
         bad = _check_owner(os.stat(path))
         if bad:
@@ -145,9 +148,14 @@ def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
     try:
         with open(manifest_path) as f:
             listed = json.load(f)
-        if listed.get("format") != FORMAT or not isinstance(listed.get("sha256"), dict):
+        if not isinstance(listed, dict) or listed.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} manifest")
-        sizes, listed = listed.get("bytes", {}), listed["sha256"]
+        sizes, listed = listed.get("bytes", {}), listed.get("sha256")
+        # A hand-edited manifest of the wrong types is refused here, not met as a TypeError below.
+        if not isinstance(listed, dict) or not all(isinstance(v, str) for v in listed.values()):
+            raise ValueError("'sha256' is not a map of file names to hex digests")
+        if not isinstance(sizes, dict) or not all(type(v) is int for v in sizes.values()):
+            raise ValueError("'bytes' is not a map of file names to integer sizes")
     except (OSError, ValueError, AttributeError) as err:
         return MANIFEST, f"cannot be read ({type(err).__name__}: {str(err)[:120]})"
     files = _files(step_dir)

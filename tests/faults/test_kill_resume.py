@@ -1,19 +1,10 @@
 """SIGKILL of a whole run at a step, a save and a weight sync (sync and async trainers): each
 resume continues bitwise (CPU fp32) as the run that was never killed, metrics and weights."""
-import hashlib
-import os
-
 import pytest
 
 from megarl.trainer.metrics import read_metrics
 from tests.faults.conftest import STEPS
-from tests.helpers.training_runs import stable
-
-
-def _digests(step_dir):
-    actor = os.path.join(step_dir, "actor")
-    return {name: hashlib.sha256(open(os.path.join(actor, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(actor)) if name.endswith(".distcp")}
+from tests.helpers.training_runs import stable, step_digests
 
 
 def check_chain(chain):
@@ -37,7 +28,7 @@ def check_chain(chain):
         assert stable(got[step]) == stable(ref[step]), step
     # The weights and optimizer state after the last step, byte for byte.
     last = f"global_step_{STEPS}"
-    assert _digests(chain["run"] / last) == _digests(chain["ref"] / last)
+    assert step_digests(chain["run"] / last) == step_digests(chain["ref"] / last)
 
 
 @pytest.mark.timeout(900)

@@ -1,6 +1,7 @@
 """Rewards that fail: NaN on part of a batch is counted (metric) and told (console line); in the
 Ray pool, a hung reward (past reward_model.batch_deadline_s) and a raising one stop the run with
-the reward named as the root cause in torchrun's summary, not rank 1's "Connection closed"."""
+the reward named as the root cause in torchrun's summary, not rank 1's "Connection closed"; a
+reward scored in rank 0 that calls os._exit(0) fails the run (rc != 0) with one line naming it."""
 import pytest
 
 from megarl.trainer.metrics import read_metrics
@@ -19,6 +20,12 @@ def nan_quarter(data_source, solution_str, ground_truth, extra_info=None):
 def hangs(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str.strip() != str(ground_truth):
         time.sleep(3600)
+    return 1.0
+
+def exits(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str.strip() != str(ground_truth):
+        import os
+        os._exit(0)
     return 1.0
 
 def raises(data_source, solution_str, ground_truth, extra_info=None):
@@ -66,3 +73,13 @@ def test_ray_pool_reward_is_the_root_cause(addition_model_dir, tmp_path, name, c
     assert "ZeroDivisionError: the grader divided by zero" in root if name == "raises" else True
     assert sum(line.startswith("megarl: stopped:") for line in out.splitlines()) == 1, out[-3000:]
     assert launch.left_after(10) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_that_exits_inside_a_rank_fails_the_run_naming_it(addition_model_dir, tmp_path):
+    rc, out = _launch(addition_model_dir, tmp_path, "exits").finish()
+    assert rc != 0, out[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("megarl: stopped:")]
+    assert len(stopped) == 1 and "rewards.py:exits called os._exit(0) while scoring a batch of 32" in stopped[0], \
+        out[-3000:]
+    assert "Connection reset by peer" not in _root_cause(out), out[-3000:]

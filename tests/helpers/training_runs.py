@@ -1,5 +1,7 @@
 """Whole training runs as users start them (`python -m megarl.train`), for the end-to-end tests
 (tests/test_trainer_e2e.py, test_trainer_async.py, test_parallel_trainer.py, gpu/test_gpu.py)."""
+import hashlib
+import os
 import re
 import signal
 import subprocess
@@ -48,3 +50,10 @@ def kill_tree(proc):
 
 def stable(record):
     return {k: v for k, v in record.items() if not VOLATILE.match(k)}
+
+
+def step_digests(step_dir) -> dict[str, str]:
+    """SHA-256 of each `.distcp` file of a step's actor (weights and optimizer state, byte for byte)."""
+    actor = os.path.join(step_dir, "actor")
+    return {name: hashlib.sha256(open(os.path.join(actor, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(actor)) if name.endswith(".distcp")}

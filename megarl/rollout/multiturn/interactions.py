@@ -27,6 +27,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import yaml
+
 from megarl.config.errors import ConfigError
 from megarl.config.loader import load_yaml_text
 from megarl.config.plugins import get_attr, import_path
@@ -63,8 +65,13 @@ def _from_file(path: str) -> dict[str, Callable[..., Any]]:
     key = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
     if not os.path.isfile(path):
         raise ConfigError(f"{path} does not exist", key)
-    with open(path) as f:
-        raw = load_yaml_text(f, path) or {}
+    try:
+        with open(path) as f:
+            raw = load_yaml_text(f, path) or {}
+    except yaml.YAMLError as err:      # a tag (!!python/...) or a syntax error: one line, as for tools.yaml
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise ConfigError(f"{path} is not valid YAML{at}: {getattr(err, 'problem', None) or err}", key) from None
     entries = raw.get("interaction") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise ConfigError(f"{path} must hold `interaction:` with a list of {{name, class_name, config}}", key)
