@@ -38,6 +38,7 @@ from megarl.reward.failures import (RewardDeadline, RewardFailure, deadline_erro
 from megarl.protocol import DataProto
 from megarl.config.plugins import construct, load_class
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
+from megarl.reward.placement import place_scores, response_lengths
 from megarl.reward.pool import RayScoringPool
 from megarl.reward.rules import check_data_sources, format_reward
 from megarl.reward.scoring import (Outcome, RewardExit, Sample, call_in_process, exits_refused, hard_exit,
@@ -78,28 +79,6 @@ class RewardFuture:
     future: cf.Future
     batch: Any
     started: float
-
-
-def last_token_index(batch) -> torch.Tensor:
-    """Per row, the position of the last response token that counts (mask 1); 0 when none."""
-    mask = batch.batch["response_mask"]
-    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    return torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(-1).values.clamp(min=0)   # [B]
-
-
-def response_lengths(batch) -> torch.Tensor:
-    b = batch.batch
-    if "response_lens" in b:
-        return b["response_lens"]
-    return last_token_index(batch) + (b["response_mask"].sum(-1) > 0).long()
-
-
-def place_scores(batch, scores) -> torch.Tensor:
-    """[B] scores -> [B, R] with each score on the row's last counted response token."""
-    mask = batch.batch["response_mask"]
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    out[torch.arange(mask.shape[0]), last_token_index(batch).cpu()] = torch.as_tensor(scores, dtype=torch.float32)
-    return out
 
 
 def ground_truth_of(row: Any) -> Any:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megarl.reward.manager import EXTRA_COLUMN, ground_truth_of, response_lengths
+from megarl.reward.manager import EXTRA_COLUMN, ground_truth_of
+from megarl.reward.placement import response_lengths
 
 
 @dataclass
