@@ -47,6 +47,8 @@ class EngineInfo:
     exact_logprob_dtypes: tuple[str, ...] = ()
     captures_cuda_graphs: bool = False             # rollout.enforce_eager=false means something to it
     graphs_hint: str = "leave enforce_eager unset"  # where its own graph setting lives instead
+    sleeps: bool = True                            # free_cache_engine / enable_sleep_mode mean something to it
+    min_head_dim: int = 0                          # smallest attention head size its kernels take (0: any)
 
     @property
     def called(self) -> str:

