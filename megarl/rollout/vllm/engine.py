@@ -54,6 +54,7 @@ def _dtype(cfg: RolloutConfig, device: torch.device) -> str:
 class VLLMEngine(BaseRollout):
     # temperature with top-k/top-p/penalty has no exact log-prob in vLLM: refused (llm_api.logprob_mode)
     refuses_truncated_temperature = True
+    sleeps = False                       # vLLM's CPU backend has no sleep mode (megarl/engines/vllm.py)
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, user_kwargs: dict | None = None, tokenizer=None,
                  device: str | torch.device = "cpu", expected_names: list[str] | None = None):
@@ -110,7 +111,7 @@ class VLLMEngine(BaseRollout):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
-        mode = logprob_mode(sampling, "vLLM")
+        mode = self.logprob_mode(sampling)
         from vllm import SamplingParams as VSP
         from vllm import TokensPrompt
         params = [VSP(**sampling_kwargs(sampling, response_budget(sampling, len(p), self.max_len))) for p in prompts]
@@ -120,6 +121,9 @@ class VLLMEngine(BaseRollout):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return copy_greedy([[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs], sampling)
+
+    def logprob_mode(self, sampling: SamplingParams) -> str:
+        return logprob_mode(sampling, "vLLM")
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.weights.begin_bucket()
