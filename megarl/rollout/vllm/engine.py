@@ -43,6 +43,11 @@ from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
 MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+# Every LLM built here lives until the process exits. vLLM 0.32.0's in-process engine core, when an
+# LLM is shut down or collected, tears down distributed state it assumes it owns
+# (v1/engine/core.py EngineCore.shutdown -> cleanup_dist_env_and_memory), which destroys
+# torch.distributed's default group: the trainer's, in a training run. A rank builds one engine.
+_LIVE: list = []
 
 
 def _dtype(cfg: RolloutConfig, device: torch.device) -> str:
@@ -100,6 +105,7 @@ class VLLMEngine(BaseRollout):
         set_threads, rng = torch.set_num_threads, torch.random.get_rng_state()
         try:
             self.llm = LLM(**kw, **user)
+            _LIVE.append(self.llm)
         finally:
             torch.set_num_threads = set_threads          # vLLM's CPU worker made it a no-op
             torch.random.set_rng_state(rng)               # and seeded the global generator
