@@ -202,6 +202,25 @@ def process_left_intact(engine) -> dict:
     return {}
 
 
+def benchmark_peer(out_dir: str) -> dict:
+    """benchmarks/rollout_throughput.py's vLLM peer (through megarl's adapter) at a tiny shape: its
+    rows pass the contract check, its log-probs equal transformers', and it is timed beside native."""
+    import contextlib
+    import io
+    from benchmarks.rollout_throughput import main as bench
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench(["--model-dir", os.path.join(out_dir, "toy"), "--vocab-size", "600", "--layers", "2", "--hidden", "128",
+               "--heads", "2", "--kv-heads", "1", "--intermediate", "256", "--prompts", "3", "--n", "2",
+               "--max-tokens", "8", "--repeats", "1", "--threads", "1", "--shortest", "4", "--longest", "12",
+               "--no-plain"])
+    text = out.getvalue()
+    assert "vllm check: 6 rows (expected 3 x n=2 = 6)" in text and "0 with a stop id inside" in text, text
+    diff = float(text.split("max |diff| ")[1].split(",")[0])
+    assert diff <= 1e-5 and "ratio native / vllm" in text, text
+    return {"benchmark_vllm_logprob_max_abs_err": diff}
+
+
 def main(out_dir: str) -> int:
     import torch.distributed as dist
     from tests.distributed import free_port
@@ -223,6 +242,7 @@ def main(out_dir: str) -> int:
          results)
     trap("reload_per_bucket", reload_per_bucket, check_sync_splitting_layers, make, dirs, results)
     trap("no_prefix_cache_reset", no_cache_reset, check_prefix_cache_after_sync, make, dirs, results)
+    run("benchmark_peer", lambda: benchmark_peer(out_dir), results)
     run("process_left_intact", lambda: process_left_intact(make()), results)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
