@@ -84,6 +84,11 @@ def test_small_heads_are_refused_naming_the_limit(tmp_path):
     cfg.check_model(json.load(open(os.path.join(big, "config.json"))))
 
 
+def test_rollout_tp_above_one_is_refused():
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size: =2: the vllm engine runs at rollout TP 1"):
+        RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False, tensor_model_parallel_size=2)
+
+
 def test_engine_kwargs_megarl_sets_are_refused():
     from megarl.rollout.vllm.args import check_config
     cfg = RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False,

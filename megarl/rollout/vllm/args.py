@@ -49,22 +49,20 @@ def require_vllm():
     return vllm
 
 
-def set_environment(tp_size: int) -> None:
-    """vLLM reads these when it is imported and when the engine starts (setdefault: a user's wins).
-    In-process engine core: the engine lives in the rollout rank itself, colocated with the trainer,
-    and generate/collective_rpc pass Python objects (in vLLM's multi-process mode tensors sent through
-    collective_rpc arrive as lists). On CPU a TP group binds one OpenMP core set per rank and keeps
-    none back (with the default, a 2-core host leaves each worker one thread or none)."""
+def set_environment() -> None:
+    """vLLM reads this when it is imported (setdefault: a user's value wins). In-process engine
+    core: the engine lives in the rollout rank itself, colocated with the trainer, and
+    generate/collective_rpc pass Python objects (in vLLM's multi-process mode tensors sent through
+    collective_rpc arrive as lists, and its CPU workers need VLLM_CPU_OMP_THREADS_BIND="0|1" and
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 on a 2-core host)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if tp_size > 1:
-        cpus = sorted(os.sched_getaffinity(0))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:tp_size]))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def check_config(cfg: RolloutConfig) -> None:
-    """verl's keys that vLLM cannot honour here, refused before vLLM loads (free_cache_engine and
-    enable_sleep_mode are refused where the config is built: megarl/engines/vllm.py declares sleeps=False)."""
+    """verl's keys that vLLM cannot honour here, refused before vLLM loads. Sleep keys and rollout TP
+    are refused where the config is built, from megarl/engines/vllm.py's declaration (sleeps=False,
+    max_tp=1: vLLM's external_launcher would lay a TP group over the rollout ranks, but each rank
+    samples unseeded requests from its own torch generator, so one group's ranks could diverge)."""
     if cfg.quantization:
         raise ConfigError(f"={cfg.quantization!r}: megarl's weight sync sends full-precision HF tensors and its "
                           "log-probs must match the trainer's; remove it", f"{KEY}.quantization")

@@ -3,11 +3,11 @@
     engine = VLLMEngine(model_dir, cfg)        # every rank of a rollout TP group builds one
     python -m pytest -q tests/rollout/test_vllm.py     # the contract, weight syncs, parity, in one subprocess
 
-Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0). Where
-torch.distributed is already up (a training run), every rank builds its own LLM with vLLM's
-`external_launcher` backend, which lays vLLM's TP groups over the existing ranks in order, so a
-rollout TP group of megarl is one of vLLM's; without it (a single process) vLLM starts its own
-one-rank group. Every rank of a TP group calls generate() with the same prompts.
+Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0), at
+rollout TP 1: every rank its own engine. Where torch.distributed is already up (a training run),
+each builds its LLM with vLLM's `external_launcher` backend, which takes the existing ranks as
+independent replicas (its "external DP"); without it (a single process) vLLM starts its own
+one-rank group.
 
 Weight sync: update_weights() feeds each bucket into one vLLM reload session per sync
 (worker.py says why one), finalize_weights() closes it and resets the prefix cache: vLLM keeps
@@ -66,7 +66,7 @@ class VLLMEngine(BaseRollout):
         check_config(cfg)
         hf_config = read_hf_config(model_dir)
         check_head_dim(hf_config)
-        set_environment(cfg.tensor_model_parallel_size)
+        set_environment()
         require_vllm()
         from vllm import LLM  # optional dependency (README: Using vLLM)
         from vllm.engine.arg_utils import EngineArgs
