@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
+from megarl.engines import config_info, default_name
 from megarl.rollout.config import codec_problem
 
 
@@ -124,7 +125,6 @@ def check_model_rollout_tp(cfg, hf_config: dict) -> None:
 
 def check_model_head_dim(cfg, hf_config: dict) -> None:
     """An engine whose attention kernels take only large heads (declared: EngineInfo.min_head_dim)."""
-    from megarl.engines import config_info, default_name
     info = config_info(cfg.rollout.name)
     heads, hidden = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
     size = hf_config.get("head_dim") or (hidden // heads if hidden and heads else None)

@@ -152,6 +152,17 @@ def run(name, fn, results):
     print(name, json.dumps(results[name])[:400], flush=True)
 
 
+PROMPTS = [[5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4]]
+TEMP = 0.8
+
+
+def _policy_loss(out, mb):
+    """A policy-gradient loss, enough to move every weight between syncs."""
+    m = mb.batch["response_mask"].float()
+    loss = -(out["log_probs"] * mb.batch["advantages"] * m).sum() / mb.meta_info["global_tokens"]
+    return loss, {"actor/pg_loss": loss.detach()}
+
+
 def parity_with_megatron(root: str) -> dict:
     """Actor (megatron-core, TP1) and engine (load_format=dummy: weights only from syncs) in this
     process; each step: the colocated checkpoint engine syncs, the engine generates, the actor
@@ -163,7 +174,6 @@ def parity_with_megatron(root: str) -> dict:
     from megarl.protocol import DataProto
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
-    from tests.rollout.test_actor_logprob_match import PROMPTS, TEMP, _policy_loss
 
     path = make_tiny_hf(os.path.join(root, "parity"), "qwen2", seed=1, vocab_size=301, **SHAPE)
     actor = ActorWorker(ModelConfig(path=path), ActorConfig(

@@ -14,6 +14,7 @@ verl's keys either act or stop the run in one line (check_config):
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -74,7 +75,6 @@ def check_config(cfg: RolloutConfig) -> None:
 
 def check_engine_kwargs(user: dict[str, Any], engine_args_cls) -> None:
     """engine_kwargs.vllm keys are vLLM's EngineArgs fields (checked once vLLM is imported)."""
-    import dataclasses
     fields = {f.name for f in dataclasses.fields(engine_args_cls)}
     for key in user:
         if key not in fields:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+import psutil
 import torch
 
 from megarl.config.errors import ConfigError
@@ -69,7 +70,7 @@ class VLLMEngine(BaseRollout):
         set_environment()
         require_vllm()
         from vllm import LLM  # optional dependency (README: Using vLLM)
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import EngineArgs  # optional dependency (README: Using vLLM)
         user = dict(user_kwargs or {})
         check_engine_kwargs(user, EngineArgs)
         self.max_len = cfg.max_model_len or (cfg.prompt_length or 0) + (cfg.response_length or 0) or None
@@ -78,7 +79,6 @@ class VLLMEngine(BaseRollout):
                               f"{KEY}.max_model_len")
         dtype = _dtype(cfg, self.device)
         if "kv_cache_memory_bytes" not in user:
-            import psutil
             user["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, hf_config, self.max_len,
                                                            torch.finfo(getattr(torch, dtype)).bits // 8,
                                                            psutil.virtual_memory().total)
@@ -113,8 +113,8 @@ class VLLMEngine(BaseRollout):
                  prompt_limit: int | None = None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         mode = self.logprob_mode(sampling)
-        from vllm import SamplingParams as VSP
-        from vllm import TokensPrompt
+        from vllm import SamplingParams as VSP  # optional dependency, loaded with the engine
+        from vllm import TokensPrompt  # optional dependency, loaded with the engine
         params = [VSP(**sampling_kwargs(sampling, response_budget(sampling, len(p), self.max_len))) for p in prompts]
         if mode != self._mode:
             self._rpc(worker.set_logprobs_mode, MODES[mode])

@@ -23,7 +23,7 @@ def _runner(worker):
 
 
 def begin_reload(worker) -> None:
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # runs inside vLLM's worker
     initialize_layerwise_reload(_runner(worker).get_model())
 
 
@@ -33,7 +33,7 @@ def load_bucket(worker, named: list) -> int:
 
 
 def finish_reload(worker) -> None:
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # runs inside vLLM's worker
     runner = _runner(worker)
     finalize_layerwise_reload(runner.get_model(), runner.model_config)
     # What GPUModelRunner.reload_weights also drops: state derived from the old weights.
