@@ -22,8 +22,9 @@ from tests.rollout import conformance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKS = (["parity_with_megatron"] + [c.__name__ for c in conformance.CHECKS]
-          + ["check_sync_splitting_layers", "check_prefix_cache_after_sync", "trap_raw_logprobs",
-             "trap_reload_per_bucket", "trap_no_prefix_cache_reset", "benchmark_peer", "process_left_intact"])
+          + ["check_sync_splitting_layers", "check_prefix_cache_after_sync",
+             "check_failed_bucket_refuses_then_recovers", "trap_raw_logprobs", "trap_reload_per_bucket",
+             "trap_no_prefix_cache_reset", "benchmark_peer", "process_left_intact"])
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,24 @@ def check_prefix_cache_after_sync(engine, dirs) -> dict:
     return {"long_prompt_after_sync_max_abs_err": err}
 
 
+def check_failed_bucket_refuses_then_recovers(engine, dirs) -> dict:
+    """A bucket that fails inside vLLM (a tensor of the wrong shape, after a good bucket): the engine
+    refuses to generate rather than serve a mix; the next full sync brings it back, exact."""
+    import pytest
+    named = state_of(dirs["model_b"])
+    engine.update_weights(named[:3])
+    bad = [(n, t[..., :-1].contiguous() if t.dim() == 2 else t) for n, t in named[3:6]]
+    with pytest.raises(Exception):
+        engine.update_weights(bad)
+    with pytest.raises(RuntimeError, match="did not receive a complete weight update"):
+        engine.generate(conformance.PROMPTS[:1], SamplingParams(max_tokens=4, do_sample=False))
+    conformance._sync(engine, named)
+    oracle = conformance.Oracle(dirs["model_b"])
+    groups = engine.generate(conformance.PROMPTS, SamplingParams(n=1, max_tokens=8, do_sample=False))
+    assert [g[0].token_ids for g in groups] == [oracle.greedy(p, 8) for p in conformance.PROMPTS]
+    return {"after_failed_bucket_logprob_max_abs_err": oracle.max_error(groups, conformance.PROMPTS, 1.0)}
+
+
 def trap(name, step_in, check, make, dirs, results):
     """The check must fail on an engine that steps in the trap, or the check proves nothing."""
     try:
@@ -248,6 +266,8 @@ def main(out_dir: str) -> int:
         run(check.__name__, lambda c=check: c(make, dirs), results)
     run("check_sync_splitting_layers", lambda: check_sync_splitting_layers(make(), dirs), results)
     run("check_prefix_cache_after_sync", lambda: check_prefix_cache_after_sync(make(), dirs), results)
+    run("check_failed_bucket_refuses_then_recovers", lambda: check_failed_bucket_refuses_then_recovers(make(), dirs),
+        results)
     trap("raw_logprobs", raw_logprobs, lambda e, d: conformance.check_sampled_logprobs(lambda **_: e, d), make, dirs,
          results)
     trap("reload_per_bucket", reload_per_bucket, check_sync_splitting_layers, make, dirs, results)

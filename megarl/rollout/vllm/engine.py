@@ -137,7 +137,9 @@ class VLLMEngine(BaseRollout):
         try:
             self._rpc(worker.load_bucket, named)
         except BaseException:
-            self.abort_weight_update()
+            # Layers of this bucket may be part-loaded: closing the session processes them half-new.
+            self._close_session()
+            self.weights.mixed()
             raise
         for name, _ in named:
             self.weights.received(name)
@@ -155,13 +157,12 @@ class VLLMEngine(BaseRollout):
             self.weights.finalize()          # refuses (and keeps refusing generate) if a tensor is missing
 
     def abort_weight_update(self) -> None:
-        got_any = bool(self.weights._got)
+        # Closing the session puts back the old tensors of every layer that received nothing, so a
+        # sync aborted before its first bucket keeps the old weights; once a bucket is in, the layers
+        # it reached are processed half-new and WeightState.abort leaves the engine refusing to
+        # generate until a full sync.
         self.weights.abort()
-        # Closing the session puts back the old tensors of every layer that received nothing; a layer
-        # that got part of its tensors is processed half-new, so then WeightState refuses to generate.
         self._close_session()
-        if got_any and self.weights.state != "incomplete":
-            self.weights.state = "incomplete"
 
     def sleep(self) -> None:
         raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
