@@ -130,14 +130,16 @@ def check_prefix_cache_after_sync(engine, dirs) -> dict:
 
 
 def check_failed_bucket_refuses_then_recovers(engine, dirs) -> dict:
-    """A bucket that fails inside vLLM (a tensor of the wrong shape, after a good bucket): the engine
-    refuses to generate rather than serve a mix; the next full sync brings it back, exact."""
+    """A sync that fails after its first bucket (a tensor of the wrong shape, refused before vLLM
+    sees it; the transport then aborts): the engine refuses to generate rather than serve a mix,
+    and the next full sync brings it back, exact."""
     import pytest
     named = state_of(dirs["model_b"])
     engine.update_weights(named[:3])
     bad = [(n, t[..., :-1].contiguous() if t.dim() == 2 else t) for n, t in named[3:6]]
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="does not match the model's"):
         engine.update_weights(bad)
+    engine.abort_weight_update()                           # what the checkpoint engine does on a failure
     with pytest.raises(RuntimeError, match="did not receive a complete weight update"):
         engine.generate(conformance.PROMPTS[:1], SamplingParams(max_tokens=4, do_sample=False))
     conformance._sync(engine, named)

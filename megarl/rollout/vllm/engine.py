@@ -36,7 +36,6 @@ from megarl.rollout.build_args import BuildRequest, vocab_size
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
 from megarl.rollout.prompts import PromptGuard
-from megarl.rollout.trtllm.comm import checkpoint_names
 from megarl.rollout.vllm import worker
 from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, check_head_dim, kv_cache_bytes,
                                       require_vllm, sampling_kwargs, set_environment)
@@ -83,11 +82,13 @@ class VLLMEngine(BaseRollout):
                                                            torch.finfo(getattr(torch, dtype)).bits // 8,
                                                            psutil.virtual_memory().total)
         self.guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation, vocab_size=vocab_size(model_dir, tokenizer))
-        names = expected_names if expected_names is not None else checkpoint_names(model_dir)
+        self.shapes = _checkpoint_shapes(model_dir)
+        names = expected_names if expected_names is not None else list(self.shapes)
         self.weights = WeightState(names, ready=cfg.load_format != "dummy")
         self.asleep = False
         self._mode: str | None = None
         self._session = False
+        self._broken = ""                    # why vLLM's reload state can no longer be trusted
         kw = dict(model=model_dir, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
                   seed=cfg.seed or 0, tensor_parallel_size=cfg.tensor_model_parallel_size,
                   max_model_len=self.max_len, logprobs_mode="processed_logprobs",
@@ -111,6 +112,8 @@ class VLLMEngine(BaseRollout):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:
+        if self._broken:
+            raise RuntimeError(self._broken)
         prompts = admit(self, prompts, sampling, prompt_limit)
         mode = self.logprob_mode(sampling)
         from vllm import SamplingParams as VSP  # optional dependency, loaded with the engine
@@ -127,6 +130,17 @@ class VLLMEngine(BaseRollout):
         return logprob_mode(sampling, "vLLM")
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._broken:
+            raise RuntimeError(self._broken)
+        # vLLM's weight loaders assert on a wrong shape half-way through a layer, which its reload
+        # session cannot undo: a tensor that does not fit the checkpoint is refused before any of the
+        # bucket reaches vLLM (the transport then aborts the sync; the next full sync recovers).
+        bucket = list(bucket)
+        for name, t in bucket:
+            want = self.shapes.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {want}; the "
+                                 "trainer and the rollout model must be the same architecture")
         self.weights.begin_bucket()
         if not self._session:
             self._rpc(worker.begin_reload)
@@ -136,10 +150,15 @@ class VLLMEngine(BaseRollout):
         named = [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
         try:
             self._rpc(worker.load_bucket, named)
-        except BaseException:
-            # Layers of this bucket may be part-loaded: closing the session processes them half-new.
-            self._close_session()
+        except BaseException as err:
+            # Layers of this bucket may be part-loaded: the weights are a mix until a full sync.
             self.weights.mixed()
+            try:
+                self._close_session()
+            except BaseException as close_err:   # noqa: BLE001 - vLLM's reload state is then unusable
+                self._broken = (f"vLLM could not close its weight reload after a failed bucket ({type(err).__name__}: "
+                                f"{err}; then {type(close_err).__name__}: {close_err}); restart the run from its "
+                                "last checkpoint")
             raise
         for name, _ in named:
             self.weights.received(name)
@@ -169,6 +188,22 @@ class VLLMEngine(BaseRollout):
 
     def wake(self) -> None:
         raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+
+
+def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint (safetensors headers): what a full sync
+    must deliver, and the shape each tensor must have."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith("rotary_emb.inv_freq"):
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
 
 
 def _keep_process_group(llm) -> None:
