@@ -23,11 +23,14 @@ global generator; both are put back after start-up so the trainer's threads and 
 """
 from __future__ import annotations
 
+import glob
 import logging
+import os
 from collections.abc import Iterable
 
 import psutil
 import torch
+from safetensors import safe_open
 
 from megarl.config.errors import ConfigError
 from megarl.models.hf_config import read_hf_config
@@ -193,10 +196,6 @@ class VLLMEngine(BaseRollout):
 def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the HF checkpoint (safetensors headers): what a full sync
     must deliver, and the shape each tensor must have."""
-    import glob
-    import os
-
-    from safetensors import safe_open
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:
