@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")       # vLLM's first generate compiles a helper otherwise
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")       # vLLM's first generate compiles a sampling function otherwise
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -68,11 +68,11 @@ def reload_per_bucket(engine) -> None:
 
 def no_cache_reset(engine) -> None:
     """A sync that forgets to reset vLLM's prefix cache."""
-    def close_session():
-        if engine._session:
-            engine._session = False
+    def end_reload():
+        if engine._reloading:
+            engine._reloading = False
             engine._rpc(worker.finish_reload)
-    engine._close_session = close_session
+    engine._end_reload = end_reload
 
 
 class Pool:
@@ -89,7 +89,7 @@ class Pool:
         if self.engine is None:
             self.engine = VLLMEngine(self.dirs["a"], config())
         e = self.engine
-        for name in ("logprob_mode", "update_weights", "finalize_weights", "_close_session"):
+        for name in ("logprob_mode", "update_weights", "finalize_weights", "_end_reload"):
             e.__dict__.pop(name, None)
         if e.weights.state == "updating":
             e.abort_weight_update()

@@ -2,7 +2,7 @@
 
     engine.py      VLLMEngine: megarl's rollout contract on one in-process LLM per rollout rank
     args.py        the environment, verl's keys -> LLM arguments (or a one-line refusal), SamplingParams
-    worker.py      what runs inside vLLM's worker: the one reload session per weight sync
+    worker.py      what runs inside vLLM's worker: one reload per weight sync
 
 What vLLM shares with TensorRT-LLM (log-prob mode, budgets, completions) is megarl/rollout/llm_api.py.
 Nothing here imports vllm at import time: it loads when an engine is built.

@@ -9,7 +9,7 @@ each builds its LLM with vLLM's `external_launcher` backend, which takes the exi
 independent replicas (its "external DP"); without it (a single process) vLLM starts its own
 one-rank group.
 
-Weight sync: update_weights() feeds each bucket into one vLLM reload session per sync
+Weight sync: update_weights() feeds each bucket into one vLLM reload per sync
 (worker.py says why one), finalize_weights() closes it and resets the prefix cache: vLLM keeps
 finished prompts' KV blocks and would serve a prompt of 128+ tokens (8+ full blocks of 16) from KV
 computed with the old weights. A sync that fails part-way leaves layers half-loaded, so the engine
@@ -90,7 +90,7 @@ class VLLMEngine(BaseRollout):
         self.weights = WeightState(names, ready=cfg.load_format != "dummy")
         self.asleep = False
         self._mode: str | None = None
-        self._session = False
+        self._reloading = False
         self._broken = ""                    # why vLLM's reload state can no longer be trusted
         kw = dict(model=model_dir, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
                   seed=cfg.seed or 0, tensor_parallel_size=cfg.tensor_model_parallel_size,
@@ -135,8 +135,8 @@ class VLLMEngine(BaseRollout):
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._broken:
             raise RuntimeError(self._broken)
-        # vLLM's weight loaders assert on a wrong shape half-way through a layer, which its reload
-        # session cannot undo: a tensor that does not fit the checkpoint is refused before any of the
+        # vLLM's weight loaders assert on a wrong shape half-way through a layer, which an open
+        # reload cannot undo: a tensor that does not fit the checkpoint is refused before any of the
         # bucket reaches vLLM (the transport then aborts the sync; the next full sync recovers).
         bucket = list(bucket)
         for name, t in bucket:
@@ -145,9 +145,9 @@ class VLLMEngine(BaseRollout):
                 raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {want}; the "
                                  "trainer and the rollout model must be the same architecture")
         self.weights.begin_bucket()
-        if not self._session:
+        if not self._reloading:
             self._rpc(worker.begin_reload)
-            self._session = True
+            self._reloading = True
         # vLLM buffers a layer's tensors until the layer is complete, which may be a later bucket,
         # and the sender reuses its bucket buffer after this call: keep copies.
         named = [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
@@ -157,7 +157,7 @@ class VLLMEngine(BaseRollout):
             # Layers of this bucket may be part-loaded: the weights are a mix until a full sync.
             self.weights.mixed()
             try:
-                self._close_session()
+                self._end_reload()
             except BaseException as close_err:   # noqa: BLE001 - vLLM's reload state is then unusable
                 self._broken = (f"vLLM could not close its weight reload after a failed bucket ({type(err).__name__}: "
                                 f"{err}; then {type(close_err).__name__}: {close_err}); restart the run from its "
@@ -166,25 +166,25 @@ class VLLMEngine(BaseRollout):
         for name, _ in named:
             self.weights.received(name)
 
-    def _close_session(self) -> None:
-        if self._session:
-            self._session = False
+    def _end_reload(self) -> None:
+        if self._reloading:
+            self._reloading = False
             self._rpc(worker.finish_reload)
             self.llm.reset_prefix_cache()
 
     def finalize_weights(self) -> None:
         try:
-            self._close_session()
+            self._end_reload()
         finally:
             self.weights.finalize()          # refuses (and keeps refusing generate) if a tensor is missing
 
     def abort_weight_update(self) -> None:
-        # Closing the session puts back the old tensors of every layer that received nothing, so a
+        # Ending the reload puts back the old tensors of every layer that received nothing, so a
         # sync aborted before its first bucket keeps the old weights; once a bucket is in, the layers
         # it reached are processed half-new and WeightState.abort leaves the engine refusing to
         # generate until a full sync.
         self.weights.abort()
-        self._close_session()
+        self._end_reload()
 
     def sleep(self) -> None:
         raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")

@@ -1,7 +1,7 @@
 """What megarl runs inside vLLM's worker, through `LLM.collective_rpc(fn, args=...)`: each function
 takes the worker first (vLLM 0.32.0, v1/executor: a callable is called as fn(worker, *args)).
 
-A weight sync is one reload session (vLLM 0.32.0, model_executor/model_loader/reload/layerwise.py):
+A weight sync is one reload (vLLM 0.32.0, model_executor/model_loader/reload/layerwise.py):
 
     begin_reload         initialize_layerwise_reload(model): every layer's kernel tensors are set aside
                          and its weight loaders wrapped to buffer what arrives
@@ -10,7 +10,7 @@ A weight sync is one reload session (vLLM 0.32.0, model_executor/model_loader/re
     finish_reload        finalize_layerwise_reload(model, model_config): layers that got nothing get
                          their old tensors back, attention layers are processed last
 
-Why one session per sync and not `reload_weights` per bucket: reload_weights finalizes at the end of
+Why one reload per sync and not `reload_weights` per bucket: reload_weights finalizes at the end of
 its iterator, so a bucket that holds q but not k/v (or gate but not up) finalizes a half-loaded
 layer: NaN and then wrong log-probs (tests/rollout/vllm_checks.py shows it). `model.load_weights`
 alone fails on CPU: the CPU backend repacks linear weights into parameters without weight_loader.
@@ -28,7 +28,7 @@ def begin_reload(worker) -> None:
 
 
 def load_bucket(worker, named: list) -> int:
-    """Feed one bucket into the open session; returns how many vLLM parameters it touched."""
+    """Feed one bucket into the open reload; returns how many vLLM parameters it touched."""
     return len(_runner(worker).get_model().load_weights(iter(named)) or ())
 
 
