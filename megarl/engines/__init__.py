@@ -50,6 +50,9 @@ class EngineInfo:
     # pools (async reward scoring, Ray tool calls) cannot share that process.
     owns_process_ray: bool = False
     graphs_hint: str = "leave enforce_eager unset"  # where its own graph setting lives instead
+    sleeps: bool = True                            # free_cache_engine / enable_sleep_mode mean something to it
+    min_head_dim: int = 0                          # smallest attention head size its kernels take (0: any)
+    max_tp: int = 0                                # largest rollout tensor_model_parallel_size it runs (0: any)
 
     @property
     def called(self) -> str:

@@ -248,6 +248,9 @@ def check_device(cfg, info: EngineInfo) -> None:
     device, name = cfg.trainer.device, cfg.rollout.name
     if device == "cpu" and "cpu" in info.devices:
         return
+    if device == "cuda" and "cuda" not in info.devices:
+        raise ConfigError(f"cuda, but the {name} engine runs on {', '.join(info.devices)} only in megarl; set "
+                          f"trainer.device={info.devices[0]} or use rollout.name={default_name()}", "trainer.device")
     import torch  # lazy: the launcher loads torch only when a GPU is asked for
     if torch.cuda.is_available():
         return

@@ -258,6 +258,15 @@ def check_engine_asks(ro: RolloutConfig, info: EngineInfo, key: str = "") -> Non
     if ro.enforce_eager is False and not info.captures_cuda_graphs:
         raise ConfigError(f"false asks for CUDA graphs, which the {ro.name} engine does not capture (engines "
                           f"that do: {', '.join(graph_engines())}); {info.graphs_hint}", "enforce_eager").under(key)
+    if info.max_tp and ro.tensor_model_parallel_size > info.max_tp:
+        raise ConfigError(f"={ro.tensor_model_parallel_size}: the {ro.name} engine runs at rollout TP {info.max_tp} or "
+                          f"less in megarl ({info.summary}); set it to {info.max_tp} (each rank then runs its own "
+                          "engine)", "tensor_model_parallel_size").under(key)
+    for sleep_key in ("free_cache_engine", "enable_sleep_mode"):
+        if not info.sleeps and getattr(ro, sleep_key):
+            raise ConfigError(f"=true asks the {ro.name} engine to sleep between rollouts, which it cannot "
+                              f"({info.summary} has no sleep mode); set actor_rollout_ref.rollout.free_cache_engine"
+                              "=false and enable_sleep_mode=false", sleep_key).under(key)
     if ro.enable_rollout_routing_replay and not info.records_routes:
         use = " or ".join(f"rollout.name={name}" for name in recording_engines())
         raise ConfigError(f"{info.why_no_routes}; for R3 use {use}, or R2 (actor_rollout_ref.actor.router_replay."

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
-from megarl.engines import config_info
+from megarl.engines import config_info, default_name
 from megarl.rollout.config import codec_problem
 
 
@@ -136,3 +136,15 @@ def check_model_rollout_tp(cfg, hf_config: dict) -> None:
     if heads % rtp or kv % rtp:
         raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
                           "groups", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+
+
+def check_model_head_dim(cfg, hf_config: dict) -> None:
+    """An engine whose attention kernels take only large heads (declared: EngineInfo.min_head_dim)."""
+    info = config_info(cfg.rollout.name)
+    heads, hidden = hf_config.get("num_attention_heads"), hf_config.get("hidden_size")
+    size = hf_config.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if info is not None and info.min_head_dim and size is not None and size < info.min_head_dim:
+        raise ConfigError(f"={info.name} ({info.summary}) takes attention head sizes of {info.min_head_dim} or more; "
+                          f"this model's is {size} (hidden_size {hidden} / num_attention_heads {heads}): use a model "
+                          f"with larger heads (as configs/quickstart_vllm.yaml does) or rollout.name={default_name()}",
+                          "actor_rollout_ref.rollout.name")

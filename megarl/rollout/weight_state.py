@@ -62,6 +62,10 @@ class WeightState:
             self.state = self._before if not self._got else "incomplete"
             self._got = set()
 
+    def mixed(self) -> None:
+        """A bucket failed part-way through loading: the weights are a mix, whatever was received."""
+        self.state, self._got = "incomplete", set()
+
     def release(self) -> None:
         if self.state != "updating":
             self.state = "released"

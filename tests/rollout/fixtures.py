@@ -55,8 +55,10 @@ def in_buckets(named, count: int):
     return [named[i:i + size] for i in range(0, len(named), size)]
 
 
-def model_dirs(root: str) -> dict:
-    """Weights A (the engine's start) and B (a sync's new weights), same config; the tokenizer."""
+def model_dirs(root: str, **overrides) -> dict:
+    """Weights A (the engine's start) and B (a sync's new weights), same config; the tokenizer.
+    `overrides`: config keys over tiny_config's (vLLM on CPU needs larger attention heads)."""
     a, b, tok = (os.path.join(root, k) for k in ("a", "b", "tok"))
     save_tokenizer(tok)
-    return {"a": a, "b": b, "tok": tok, "model_a": save_model(a, seed=0), "model_b": save_model(b, seed=1)}
+    return {"a": a, "b": b, "tok": tok, "model_a": save_model(a, seed=0, **overrides),
+            "model_b": save_model(b, seed=1, **overrides)}

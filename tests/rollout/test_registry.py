@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("name", ["vllm", "sglang"])
+@pytest.mark.parametrize("name", ["sglang"])
 def test_not_integrated_engines_are_refused_with_the_alternatives(model_dir, name):
     with pytest.raises(ConfigError, match=f"rollout.name: {name} is not integrated in megarl; use rollout.name=native"):
         build_rollout(RolloutConfig(name=name), model_dir)

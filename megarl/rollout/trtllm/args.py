@@ -49,6 +49,9 @@ from megarl.config.errors import ConfigError
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.sampling import step_seed
+# The rules TensorRT-LLM shares with vLLM (log-prob mode, budget, completions): megarl/rollout/llm_api.py
+from megarl.rollout.llm_api import completion_from_output as shared_completion
+from megarl.rollout.llm_api import logprob_mode, response_budget  # noqa: F401
 
 KEY = "actor_rollout_ref.rollout"
 KV_TAG = "kv_cache"
@@ -242,30 +245,6 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mo
 
 
 # -- sampling and log-probs ----------------------------------------------------------------------------
-def logprob_mode(sp: SamplingParams) -> str:
-    """Which TensorRT-LLM log-prob equals the trainer's log_softmax(logits / T) of the sampled token:
-    raw when T is 1 (greedy counts as T=1), processed when only temperature applies; else refused."""
-    if sp.greedy or sp.temperature == 1.0:
-        return "raw"
-    if sp.top_k == -1 and sp.top_p == 1.0 and sp.repetition_penalty == 1.0:
-        return "processed"
-    raise ConfigError(f"temperature={sp.temperature} together with top_k={sp.top_k}/top_p={sp.top_p}/"
-                      f"repetition_penalty={sp.repetition_penalty}: TensorRT-LLM reports log-probs before temperature "
-                      "(raw) or after top-k/top-p and penalties (processed), never the trainer's "
-                      "log_softmax(logits/T); "
-                      "set temperature=1.0, or drop top_k/top_p/repetition_penalty, or use rollout.name=native",
-                      f"{KEY}.temperature")
-
-
-def response_budget(sp: SamplingParams, prompt_len: int, max_len: int | None) -> int:
-    """max_tokens = min(response budget, room left in max_model_len after the prompt)."""
-    room = sp.max_tokens if max_len is None else min(sp.max_tokens, max_len - prompt_len)
-    if room < 1:
-        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in max_model_len={max_len}; "
-                         "raise max_model_len or shorten the prompt (prompt_length / prompt_truncation=left)")
-    return room
-
-
 def end_id(sp: SamplingParams) -> int:
     """SamplingParams.end_id: the tokenizer's first EOS id; with ignore_eos, the first stop token id
     (so a greedy request still stops on one); -1 (never) when nothing may stop the response.
@@ -326,36 +305,19 @@ def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
     return kw
 
 
-def _logprob_value(entry: Any) -> float:
-    return float(entry.logprob if hasattr(entry, "logprob") else entry)
-
-
 def completion_from_output(output: Any, routes: bool = False) -> Completion:
-    """One tensorrt_llm CompletionOutput -> Completion with the *sampled* token's log-probs, read from
-    the simple format (one float per token) or the dict format ({token id: Logprob}); with `routes`,
-    its routed_experts ([positions fed, MoE layers, top-k] expert ids) as a tensor."""
-    tokens = [int(t) for t in output.token_ids]
-    per_token = output.logprobs or []
-    if len(per_token) != len(tokens):
-        raise RuntimeError(f"TensorRT-LLM returned {len(per_token)} log-prob entries for {len(tokens)} tokens")
-    logps = []
-    for pos, (tok, entry) in enumerate(zip(tokens, per_token)):
-        if isinstance(entry, dict):
-            if tok not in entry:          # never take another entry of the dict
-                raise RuntimeError(f"TensorRT-LLM log-probs at position {pos} lack the sampled token {tok} "
-                                   f"(entries for {sorted(entry)[:5]})")
-            logps.append(_logprob_value(entry[tok]))
-        else:
-            logps.append(float(entry))
-    reason = {"stop": "stop", "length": "length"}.get(str(output.finish_reason), "abort")
-    experts = None
-    if routes:
-        raw = getattr(output, "routed_experts", None)
-        if raw is None:
-            raise RuntimeError("TensorRT-LLM returned no routed_experts for a request that asked for them "
-                               "(return_routed_experts=True); a dense model has none: R3 is for MoE models")
-        experts = torch.as_tensor(raw)
-        if experts.dim() != 3:
-            raise RuntimeError(f"TensorRT-LLM's routed_experts has shape {tuple(experts.shape)}; expected "
-                               "[positions, MoE layers, top-k]")
-    return Completion(tokens, logps, reason, routed_experts=experts)
+    """One tensorrt_llm CompletionOutput -> Completion: tokens and sampled-token log-probs as the
+    LLM-API engines share them (rollout/llm_api.py); with `routes`, its routed_experts
+    ([positions fed, MoE layers, top-k] expert ids) as a tensor."""
+    done = shared_completion(output, "TensorRT-LLM")
+    if not routes:
+        return done
+    raw = getattr(output, "routed_experts", None)
+    if raw is None:
+        raise RuntimeError("TensorRT-LLM returned no routed_experts for a request that asked for them "
+                           "(return_routed_experts=True); a dense model has none: R3 is for MoE models")
+    experts = torch.as_tensor(raw)
+    if experts.dim() != 3:
+        raise RuntimeError(f"TensorRT-LLM's routed_experts has shape {tuple(experts.shape)}; expected "
+                           "[positions, MoE layers, top-k]")
+    return dataclasses.replace(done, routed_experts=experts)

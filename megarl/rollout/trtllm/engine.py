@@ -34,7 +34,6 @@ Ray: TensorRT-LLM's executor runs Ray inside the leader's process and shuts it d
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 from collections.abc import Iterable
@@ -45,6 +44,7 @@ from megarl.config.errors import ConfigError
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.build_args import BuildRequest, pad_id
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.llm_api import copy_greedy
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.trtllm import placement
 from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, completion_from_output, detect_features,
@@ -159,11 +159,8 @@ class TRTLLMEngine(BaseRollout):
         if mode_enum is not None:
             kws = [{**kw, "logprobs_mode": mode_enum(kw["logprobs_mode"])} for kw in kws]
         outputs = self.llm.generate(prompts, [self.tllm.SamplingParams(**kw) for kw in kws])
-        groups = [[completion_from_output(o, self.routes) for o in out.outputs] for out in outputs]
-        if sampling.greedy and sampling.n > 1:
-            groups = [[dataclasses.replace(g[0], token_ids=list(g[0].token_ids), log_probs=list(g[0].log_probs))
-                       for _ in range(sampling.n)] for g in groups]
-        return groups
+        return copy_greedy([[completion_from_output(o, self.routes) for o in out.outputs] for out in outputs],
+                           sampling)
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         resume = sorted(self.released - {KV_TAG})

