@@ -152,6 +152,15 @@ class NodeSet:
         self.procs.append(proc)
         return proc
 
+    @staticmethod
+    def close_proc(proc: subprocess.Popen) -> None:
+        """End a process started by popen() and everything in its session."""
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def wait_reachable(self, src: Node, dst: Node, port: int, timeout: float = 30) -> None:
         """There is no ping here: a TCP connect (refused is fine) shows the path is up."""
         code = (f"import socket,time,sys\nend=time.time()+{timeout}\n"
@@ -165,11 +174,7 @@ class NodeSet:
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self.close_proc(proc)
         # Whatever else runs in a node (daemons' children, job steps) is found by its namespace.
         for node in self.nodes:
             if node.netns in self.made:
