@@ -99,6 +99,7 @@ def run(cfg: ExperimentConfig) -> int:
     state = load(run_dir, start, env.rank) if start else {"step": 0, "acc": 0.0}
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     print(f"launch_check: rank {env.rank}/{env.world_size} local {env.local_rank} on {socket.gethostname()} "
+          f"({torch.get_num_threads()} threads, gloo on {os.environ.get('GLOO_SOCKET_IFNAME', 'the hostname')}) "
           f"resumes after step {start}", flush=True)
     logger = MetricsLogger(tr.log_dir or run_dir, ["console"], tr.project_name, tr.experiment_name,
                            enabled=env.rank == 0, total_steps=total)

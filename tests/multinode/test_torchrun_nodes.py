@@ -12,26 +12,15 @@ import time
 import pytest
 
 from megarl.trainer.metrics import read_metrics
-from tests.multinode.nodes import NodeSet
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs/quickstart.yaml")
 
 
-@pytest.fixture(scope="module")
-def nodes():
-    why = NodeSet.refusal()
-    if why:
-        pytest.skip(why)
-    with NodeSet(2) as ns:
-        ns.wait_reachable(ns[1], ns[0], 9)
-        yield ns
-
-
 def launch(ns, run_dir, overrides, env=None, timeout=300, nodes=None):
     """NNODES=2 NODE_RANK=i MASTER_ADDR=node0 launch/torchrun.sh on node0 and node1 at once;
     [(exit code, output, seconds)] per node."""
-    nodes = nodes or list(ns)
+    nodes = nodes or [ns[0], ns[1]]
     procs, begin = [], time.monotonic()
     for node in nodes:
         node_env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check",
