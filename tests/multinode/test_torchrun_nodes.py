@@ -108,3 +108,55 @@ def test_trainer_with_tp2_split_across_nodes_checks_inputs_once(nodes, tmp_path,
     before_training = {pid for pid, up in zip(lines[::2], lines[1::2]) if up == "False"}
     assert len(before_training) == 1, calls.read_text()
     assert not leftover(nodes)
+
+
+@pytest.mark.timeout(600)
+def test_loopback_hostnames_bad_master_addresses_and_node_local_run_dirs(nodes, tmp_path):
+    one_rank = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.save_freq=-1"]
+    # Debian's `127.0.1.1 <hostname>` on both nodes: gloo left to the hostname binds loopback and
+    # its peer gets "Connection refused, remote=[127.0.1.1]"; the launch binds the bridge's interface.
+    for node in nodes:
+        nodes.set_hosts(node, loopback=True)
+    try:
+        assert nodes[0].run(["getent", "hosts", "node0"]).stdout.startswith("127.0.1.1")
+        results = launch(nodes, tmp_path / "loopback", one_rank, timeout=240)
+        for rc, out, _ in results:
+            assert rc == 0, out[-3000:]
+        assert "launch_check: rank 1/2 local 0 on node1 (" in results[1][1], results[1][1][-3000:]
+        assert "gloo on eth0) resumes" in results[1][1]
+        assert [r["step"] for r in read_metrics(str(tmp_path / "loopback"))] == [1, 2]
+
+        # A first node's name that is loopback on another node, or no name at all: one line, no rank.
+        for master, line in (("localhost", "megarl: MASTER_ADDR=localhost is 127.0.0.1 (loopback) on node1, "
+                                           "node 1; give the first node's network address"),
+                             ("nosuchnode", "megarl: MASTER_ADDR=nosuchnode does not resolve on node1; set it to "
+                                            "the first node's address")):
+            got = nodes[1].run(["bash", "launch/torchrun.sh", CONFIG, f"trainer.default_local_dir={tmp_path / 'x'}",
+                                *one_rank], cwd=REPO, timeout=120,
+                               env={**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": "1",
+                                    "MASTER_ADDR": master})
+            assert got.returncode == 2 and line in got.stderr, got.stdout + got.stderr
+            assert "torch.distributed.run" not in got.stdout + got.stderr
+    finally:
+        for node in nodes:
+            nodes.set_hosts(node)
+
+    # Node-local storage: node1 has a /scratch of its own at the same path. The run directory
+    # there is not the one rank 0 writes; every node stops at start with one line that says so.
+    scratch = tmp_path / "scratch"
+    own = tmp_path / "node1-scratch"
+    scratch.mkdir()
+    own.mkdir()
+    nodes[1].bind(str(own), str(scratch))
+    try:
+        results = launch(nodes, scratch / "run", one_rank, timeout=240)
+    finally:
+        nodes[1].unbind(str(scratch))
+    line = (f"megarl: config error: trainer.default_local_dir: {scratch / 'run'} is not shared between nodes: "
+            "rank(s) 1 do not see the file rank 0 wrote there")
+    assert all(rc != 0 for rc, _, _ in results), [r[1][-2000:] for r in results]
+    assert line + " (this rank, on node1, is one)" in results[1][1], results[1][1][-3000:]
+    assert line in results[0][1], results[0][1][-3000:]
+    assert "launch_check: done" not in results[0][1] + results[1][1]
+    assert not (scratch / "run" / "metrics.jsonl").exists()
+    assert not leftover(nodes)
