@@ -27,7 +27,7 @@ layout=("trainer.nnodes=$nnodes")
 check=()
 [[ -n ${NPROC_PER_NODE:-} ]] && layout+=("trainer.n_gpus_per_node=$NPROC_PER_NODE")
 if (( nnodes == 1 )); then
-    by="launch/torchrun.sh (one node)"
+    by="launch/torchrun.sh (NNODES=1)"
 else
     [[ -n ${MASTER_ADDR:-} ]] || megarl_die "NNODES=$nnodes needs MASTER_ADDR: the first node's name or address, the same on every node"
     by="launch/torchrun.sh (NNODES=$nnodes)"
