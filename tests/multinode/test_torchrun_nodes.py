@@ -47,8 +47,20 @@ def leftover(ns):
     return {n.name: n.pids() - {n.holder.pid} for n in ns if n.pids() - {n.holder.pid}}
 
 
+@pytest.fixture
+def loopback_hostnames(nodes):
+    """Debian's `127.0.1.1 <hostname>` line in every node's /etc/hosts: gloo left to the hostname
+    binds loopback there and its peers get "Connection refused, remote=[127.0.1.1]"."""
+    for node in nodes:
+        nodes.set_hosts(node, loopback=True)
+    yield
+    for node in nodes:
+        nodes.set_hosts(node)
+
+
 @pytest.mark.timeout(600)
-def test_two_nodes_two_ranks_each_then_a_rank_killed_on_the_second_node(nodes, tmp_path):
+def test_two_nodes_two_ranks_each_then_a_rank_killed_on_the_second_node(nodes, loopback_hostnames, tmp_path):
+    assert nodes[0].run(["getent", "hosts", "node0"]).stdout.startswith("127.0.1.1")
     run_dir = tmp_path / "run"
     results = launch(nodes, run_dir, ["trainer.total_training_steps=3", "trainer.save_freq=3"])
     for rc, out, _ in results:
@@ -58,9 +70,9 @@ def test_two_nodes_two_ranks_each_then_a_rank_killed_on_the_second_node(nodes, t
     assert {r["launch/world_size"] for r in records} == {4}
     assert records[-1]["launch/acc"] == 10 * (1 + 2 + 3)     # (1 + 2 + 3 + 4) x step, summed
     out0, out1 = results[0][1], results[1][1]
-    # Each node's ranks say where they run; gloo is bound to the bridge's interface, not the
-    # address the hostname resolves to.
-    assert "launch_check: rank 2/4 local 0 on node1" in out1 + out0
+    # Each node's ranks say where they run; gloo is bound to the bridge's interface, not to the
+    # loopback address the hostname resolves to.
+    assert "launch_check: rank 2/4 local 0 on node1" in out1 + out0 and "gloo on eth0) resumes" in out1
     assert "node 1 of 2, rendezvous node0:29611, gloo on eth0" in out1
     assert not leftover(nodes)
 
@@ -111,35 +123,19 @@ def test_trainer_with_tp2_split_across_nodes_checks_inputs_once(nodes, tmp_path,
 
 
 @pytest.mark.timeout(600)
-def test_loopback_hostnames_bad_master_addresses_and_node_local_run_dirs(nodes, tmp_path):
+def test_bad_master_addresses_and_node_local_run_dirs(nodes, tmp_path):
     one_rank = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=2", "trainer.save_freq=-1"]
-    # Debian's `127.0.1.1 <hostname>` on both nodes: gloo left to the hostname binds loopback and
-    # its peer gets "Connection refused, remote=[127.0.1.1]"; the launch binds the bridge's interface.
-    for node in nodes:
-        nodes.set_hosts(node, loopback=True)
-    try:
-        assert nodes[0].run(["getent", "hosts", "node0"]).stdout.startswith("127.0.1.1")
-        results = launch(nodes, tmp_path / "loopback", one_rank, timeout=240)
-        for rc, out, _ in results:
-            assert rc == 0, out[-3000:]
-        assert "launch_check: rank 1/2 local 0 on node1 (" in results[1][1], results[1][1][-3000:]
-        assert "gloo on eth0) resumes" in results[1][1]
-        assert [r["step"] for r in read_metrics(str(tmp_path / "loopback"))] == [1, 2]
-
-        # A first node's name that is loopback on another node, or no name at all: one line, no rank.
-        for master, line in (("localhost", "megarl: MASTER_ADDR=localhost is 127.0.0.1 (loopback) on node1, "
-                                           "node 1; give the first node's network address"),
-                             ("nosuchnode", "megarl: MASTER_ADDR=nosuchnode does not resolve on node1; set it to "
-                                            "the first node's address")):
-            got = nodes[1].run(["bash", "launch/torchrun.sh", CONFIG, f"trainer.default_local_dir={tmp_path / 'x'}",
-                                *one_rank], cwd=REPO, timeout=120,
-                               env={**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": "1",
-                                    "MASTER_ADDR": master})
-            assert got.returncode == 2 and line in got.stderr, got.stdout + got.stderr
-            assert "torch.distributed.run" not in got.stdout + got.stderr
-    finally:
-        for node in nodes:
-            nodes.set_hosts(node)
+    # A first node's name that is loopback on another node, or no name at all: one line, no rank.
+    for master, line in (("localhost", "megarl: MASTER_ADDR=localhost is 127.0.0.1 (loopback) on node1, "
+                                       "node 1; give the first node's network address"),
+                         ("nosuchnode", "megarl: MASTER_ADDR=nosuchnode does not resolve on node1; set it to "
+                                        "the first node's address")):
+        got = nodes[1].run(["bash", "launch/torchrun.sh", CONFIG, f"trainer.default_local_dir={tmp_path / 'x'}",
+                            *one_rank], cwd=REPO, timeout=120,
+                           env={**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": "1",
+                                "MASTER_ADDR": master})
+        assert got.returncode == 2 and line in got.stderr, got.stdout + got.stderr
+        assert "torch.distributed.run" not in got.stdout + got.stderr
 
     # Node-local storage: node1 has a /scratch of its own at the same path. The run directory
     # there is not the one rank 0 writes; every node stops at start with one line that says so.
