@@ -83,6 +83,7 @@ def test_two_node_sbatch_with_node_names_that_are_not_hosts(nodes, slurm, tmp_pa
                     env={"MEGARL_CHECK_FAIL": "3:3:kill", "MEGARL_CHECK_STEP_S": "0.1"})
     job = slurm.wait(job_id, timeout=240)
     seconds = time.monotonic() - begin
+    print(f"\nrank 3 killed on cn2: submit-to-failed {seconds:.1f}s")
     out = slurm.output(job_id)
     assert job["JobState"] == "FAILED", out[-3000:]
     last = [line for line in out.splitlines() if f"megarl: job {job_id} failed" in line]

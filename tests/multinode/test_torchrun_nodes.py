@@ -82,6 +82,7 @@ def test_two_nodes_two_ranks_each_then_a_rank_killed_on_the_second_node(nodes, l
                                                   "trainer.collective_timeout_s=120"],
                      env={"MEGARL_CHECK_FAIL": "3:3:kill", "MEGARL_CHECK_STEP_S": "0.1"}, timeout=240)
     assert all(rc != 0 for rc, _, _ in results), [r[1][-2000:] for r in results]
+    print(f"\nrank 3 killed on node1: both nodes' torchrun ended {max(s for _, _, s in results):.1f}s after start")
     out1 = results[1][1]
     assert "rank      : 3 (local_rank: 1)" in out1 and "Signal 9 (SIGKILL)" in out1, out1[-3000:]
     assert "torchrun exited 1 on node 1 (node1)" in out1
