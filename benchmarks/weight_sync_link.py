@@ -1,6 +1,7 @@
 """Full vs delta weight sync between two nodes over a rate-limited link (root; Linux namespaces):
 
     python benchmarks/weight_sync_link.py [--rates 1gbit,10gbit] [--steps 5] [--lrs 1e-6] [--layers 6]
+    python benchmarks/weight_sync_link.py --smoke       # CI: a tiny model, 3 steps, 1 Gbit/s
 
 Two nodes are built as in tests/multinode/nodes.py (network, UTS and mount namespaces, a bridge in
 a namespace of its own; nothing added to the host's namespace). Each node's veth is shaped with
@@ -49,7 +50,8 @@ def run_at(ns: NodeSet, a, model: str, results: str) -> list:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=static", "--nnodes=2",
                f"--node-rank={node.index}", "--master-addr=node0", f"--master-port={PORT}", f"--local-addr={node.addr}",
                "--nproc-per-node=2", "--max-restarts=0", os.path.join(REPO, "benchmarks/weight_sync.py"), "--delta",
-               f"--steps={a.steps}", f"--lrs={a.lrs}", f"--layers={a.layers}", f"--bucket-mb={a.bucket_mb}",
+               f"--steps={a.steps}", f"--lrs={a.lrs}", f"--layers={a.layers}", f"--hidden={a.hidden}",
+               f"--vocab={a.vocab}", f"--bucket-mb={a.bucket_mb}", f"--anchor-every={a.anchor_every}",
                "--no-disk", f"--model-dir={model}", f"--results-dir={results}", *([] if a.zstd else ["--no-zstd"])]
         procs.append(ns.popen(node, cmd, cwd=REPO, env=env))
     codes = [p.wait() for p in procs]
@@ -66,8 +68,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--anchor-every", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--no-zstd", dest="zstd", action="store_false")
+    ap.add_argument("--smoke", action="store_true", help="CI: a tiny model, 3 steps, one link speed")
     a = ap.parse_args()
+    if a.smoke:
+        vars(a).update(rates="1gbit", steps=3, layers=2, hidden=64, vocab=512, bucket_mb=0.05, anchor_every=4,
+                       zstd=False)
     why = NodeSet.refusal()
     if why:
         raise SystemExit(f"weight_sync_link: {why}")
@@ -76,7 +84,7 @@ def main() -> None:
     from megarl.models.tiny import make_tiny_hf
     with tempfile.TemporaryDirectory() as tmp, NodeSet(2) as ns:
         model = os.path.join(tmp, "model")
-        make_tiny_hf(model, "qwen2", tokenizer=False, **weight_sync.shape(a.layers))
+        make_tiny_hf(model, "qwen2", tokenizer=False, **weight_sync.shape(a.layers, a.hidden, a.vocab))
         for rate in a.rates.split(","):
             shape_link(ns, rate)
             results = os.path.join(tmp, rate)
@@ -84,8 +92,8 @@ def main() -> None:
             begin = time.perf_counter()
             ranks = run_at(ns, a, model, results)
             print(f"\n== link {rate} (tc tbf on each node's veth): trainer ranks 0-1 on node0, bf16 engines 2-3 on "
-                  f"node1; Qwen2 {a.layers} layers; {a.steps} steps; load average {os.getloadavg()[0]:.1f} "
-                  f"({time.perf_counter() - begin:.0f} s)", flush=True)
+                  f"node1; Qwen2 {a.layers} layers, hidden {a.hidden}; {a.steps} steps; "
+                  f"load average {os.getloadavg()[0]:.1f} ({time.perf_counter() - begin:.0f} s)", flush=True)
             wd.report(ranks, a)
 
 
