@@ -147,14 +147,14 @@ class NodeSet:
                 raise RuntimeError(f"{node.name} did not start (exit {node.holder.wait(10)})")
 
     def popen(self, node: Node, argv: list[str], cwd: str | None = None, **kw) -> subprocess.Popen:
-        """A process on `node`, in a session of its own; ended by close() if still running."""
+        """A process on `node`, leading a process group of its own; ended by close() if still running."""
         proc = subprocess.Popen(node.enter(argv, cwd), start_new_session=True, **kw)
         self.procs.append(proc)
         return proc
 
     @staticmethod
     def close_proc(proc: subprocess.Popen) -> None:
-        """End a process started by popen() and everything in its session."""
+        """End a process started by popen() and everything in its process group."""
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
