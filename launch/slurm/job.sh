@@ -104,11 +104,16 @@ fi
 first_failure() {
     local found
     if [[ $mode == torchrun ]]; then
-        # srun's label says which node's torchrun reported it (its "host" may read localhost).
-        local task
-        read -r task found < <(awk '/: Root Cause/ {f = 1; split($0, a, ":"); task = a[1]}
-            f && /rank +:/ {sub(/^[0-9]+: +/, ""); r = $0}
-            f && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" | tr -s ' ') || true
+        # srun's label says which node's torchrun reported it (its "host" may read localhost). The
+        # node whose task srun saw fail first is the one to read: across nodes, a peer's torchrun
+        # may print its own Root Cause first (its ranks saw the connection close).
+        local task want
+        want=$(grep -m1 -oE 'srun: error: [^:]+: task [0-9]+: (Exited|Killed)' "$log" | grep -oE 'task [0-9]+' |
+               cut -d' ' -f2) || true
+        read -r task found < <(awk -v want="$want" '/: Root Cause/ {split($0, a, ":"); if (!f && (want == "" || a[1] == want)) {f = 1; task = a[1]}}
+            f && index($0, task ":") == 1 && /rank +:/ {sub(/^[0-9]+: +/, ""); r = $0}
+            f && index($0, task ":") == 1 && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" |
+            tr -s ' ') || true
         [[ -n $found ]] && found="on node $(sed -n "$(( task + 1 ))p" <<<"$nodes"): $found"
     else
         found=$(grep -E 'srun: error: [^:]+: tasks? [0-9,-]+: ' "$log" | grep -v -m1 ': Terminated$' || true)
