@@ -115,7 +115,10 @@ first_failure() {
             f && index($0, task ":") == 1 && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" |
             tr -s ' ') || true
         [[ -n $found ]] && found="on node $(sed -n "$(( task + 1 ))p" <<<"$nodes"): $found"
-    else
+    fi
+    # No torchrun summary (a task that stopped before torchrun started, or the task form): srun's
+    # report of the first task that did not merely get terminated.
+    if [[ -z ${found:-} ]]; then
         found=$(grep -E 'srun: error: [^:]+: tasks? [0-9,-]+: ' "$log" | grep -v -m1 ': Terminated$' || true)
     fi
     echo "${found:-not reported (see the lines above)}"
