@@ -236,6 +236,13 @@ def delta_main(a) -> None:
     if a.zstd and codec_problem("zstd"):
         print(f"weight_sync --delta: skipping the delta+zstd way ({codec_problem('zstd')})", flush=True)
         a.zstd = False
+    if a.results_dir:
+        # Ranks started by torchrun, on several nodes: each runs its part; the caller reports.
+        from megarl.storage.plain_state import save_plain
+        rank = int(os.environ["RANK"])
+        save_plain({"result": wd.run_rank(rank, int(os.environ["WORLD_SIZE"]), a.model_dir, a)},
+                   os.path.join(a.results_dir, f"rank{rank}.pt"))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model_dir or os.path.join(tmp, "model")
         if not os.path.exists(os.path.join(path, "config.json")):
@@ -270,6 +277,8 @@ def main() -> None:
     ap.add_argument("--anchor-every", type=int, default=20, help="--delta: a full sync every K (in the averages)")
     ap.add_argument("--no-zstd", dest="zstd", action="store_false", help="--delta: skip the delta+zstd way")
     ap.add_argument("--no-disk", dest="disk", action="store_false", help="--delta: skip the disk transport")
+    ap.add_argument("--results-dir", default=None,
+                    help="--delta under torchrun (benchmarks/weight_sync_link.py): each rank writes its results here")
     a = ap.parse_args()
     a.layouts, a.rollout_tp = LAYOUTS, ROLLOUT_TP
     a.lrs = [float(x) for x in a.lrs.split(",")]

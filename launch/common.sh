@@ -30,3 +30,18 @@ megarl_resolve() {
     done <"$vars"
     rm -f "$vars"
 }
+
+# megarl_node_net MASTER_ADDR NODE_RANK (multi-node only)
+# Exports GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as the interface that routes to the first node,
+# unless the user set them, and sets MEGARL_LOCAL_ADDR to this node's address on it (torchrun's
+# --local-addr). Left to itself gloo binds whatever the hostname resolves to: loopback on a
+# machine with Debian's `127.0.1.1 <hostname>` line, which no other node can reach.
+megarl_node_net() {
+    MEGARL_LOCAL_ADDR=""
+    [[ -n ${GLOO_SOCKET_IFNAME:-} ]] && return
+    local net
+    net=$("$PYTHON" -m megarl.launcher.nodenet --master-addr "$1" --node-rank "$2") || exit 2
+    export GLOO_SOCKET_IFNAME=${net%% *}
+    export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$GLOO_SOCKET_IFNAME}
+    MEGARL_LOCAL_ADDR=${net#* }
+}

@@ -18,7 +18,7 @@ import time
 from megarl.config import ConfigError
 from megarl.config.experiment import ExperimentConfig
 from megarl.config.verl_keys import refuse_hydra_flags
-from megarl.launcher.cli import load_checked, parse_args
+from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.launcher.output import RankOutput
 from megarl.launcher.preflight_run import tokenizer_available
@@ -40,6 +40,7 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     directory's lock for them, and copy their output to <run dir>/logs/megarl-*.log."""
     nproc = cfg.trainer.n_gpus_per_node
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[PREFLIGHT_DONE_ENV] = "1"      # checked here, just now: the ranks check only their node
     if nproc > 1:
         # The static rendezvous: its store holds JSON and bytes. --standalone's c10d rendezvous keeps
         # pickled state in a store any local user can write, and unpickles it (docs/security.md).

@@ -81,6 +81,18 @@ def test_delta_weight_sync_benchmark_smoke():
     assert "bit-identical read-back: yes" in out and re.search(r"rank 3 \d+", out), out
 
 
+@pytest.mark.timeout(600)
+def test_weight_sync_over_a_shaped_link_between_two_nodes_smoke():
+    """weight_sync_link.py --smoke: trainer and engines on two namespace nodes, 1 Gbit/s tbf link."""
+    from tests.multinode.nodes import NodeSet
+    why = NodeSet.refusal()
+    if why:
+        pytest.skip(why)
+    out = run("benchmarks/weight_sync_link.py", "--smoke")
+    assert "== link 1gbit" in out and "delta engines bit-identical to full after every step: yes" in out, out
+    assert re.search(r"\(2,1\) -> 1 +delta +[\d.]+ ", out), out
+
+
 @pytest.mark.timeout(900)
 def test_single_process_benchmarks_smoke():
     out = run("benchmarks/update_memory.py", "--smoke")

@@ -88,7 +88,7 @@ def test_bad_config_stops_before_any_rank_starts(tmp_path):
     assert "megarl: config error: actor_rollout_ref.rollout.tmperature: unknown key; did you mean" in out
     assert "torch.distributed.run" not in out and not (tmp_path / "run").exists()
     rc, out, _ = torchrun(tmp_path / "run", "trainer.nnodes=2")
-    assert rc == 2 and "trainer.nnodes: is 2, but launch/torchrun.sh (one node) runs on 1 node(s)" in out
+    assert rc == 2 and "trainer.nnodes: is 2, but launch/torchrun.sh (NNODES=1) runs on 1 node(s)" in out
 
 
 def test_rank_env_and_launch_checks_name_the_mismatch():

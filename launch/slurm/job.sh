@@ -46,10 +46,30 @@ log="$MEGARL_LOG_DIR/slurm-$SLURM_JOB_ID.log"
 say() { echo "megarl: $*" | tee -a "$log"; }
 
 nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
-export MASTER_ADDR=${MASTER_ADDR:-$(head -n1 <<<"$nodes")}
-# One port per job id: jobs sharing a node do not collide, a requeued job reuses its own.
-export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
-cpus_node=${SLURM_CPUS_ON_NODE:-$(nproc)}
+first=$(head -n1 <<<"$nodes")
+# The rendezvous address is the first node's NodeAddr: a Slurm NodeName need not resolve as a
+# host name (NodeName=cn1 NodeHostname=node1 NodeAddr=10.0.0.2), and then every rank would retry
+# "gai error -3" until the join timeout.
+if [[ -z ${MASTER_ADDR:-} ]]; then
+    MASTER_ADDR=$(scontrol show node -o "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2-) || true
+    [[ -n $MASTER_ADDR ]] || megarl_die "cannot read the NodeAddr of $first (scontrol show node $first); set MASTER_ADDR to its address"
+fi
+export MASTER_ADDR
+# A port free on the first node, which is where this batch script runs: a port derived from the
+# job id alone collides for jobs whose ids differ by the range.
+if [[ -z ${MASTER_PORT:-} ]]; then
+    if [[ ${SLURMD_NODENAME:-} == "$first" ]]; then
+        MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+    else
+        MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+    fi
+fi
+export MASTER_PORT
+# Ranks that skip the inputs checked above, and what node_env.sh / rank_env.sh need on each node.
+export MEGARL_PREFLIGHT_DONE=1 MEGARL_NNODES MEGARL_NPROC_PER_NODE PYTHON
+# CPUs of the smallest node ("2(x3),4" reads 2): one --cpus-per-task must fit on every node. Each
+# node sets its ranks' OMP_NUM_THREADS from its own CPUs (node_env.sh, rank_env.sh), not this one's.
+cpus_node=$(tr ',' '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$(nproc)}}" | sed 's/(.*//' | sort -n | head -n1)
 say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(tr '\n' ' ' <<<"$nodes")| $mode mode," \
      "$MEGARL_NNODES x $MEGARL_NPROC_PER_NODE ranks of $MEGARL_ENTRY | rendezvous $MASTER_ADDR:$MASTER_PORT |" \
      "run dir $MEGARL_RUN_DIR | log $log"
@@ -62,13 +82,10 @@ srun_args=(--kill-on-bad-exit=1 --wait="$MEGARL_SHUTDOWN_WAIT_S" --nodes="$nnode
 if [[ $mode == task ]]; then
     task_cpus=${SLURM_CPUS_PER_TASK:-$(( cpus_node / MEGARL_NPROC_PER_NODE ))}
     (( task_cpus > 0 )) || task_cpus=1
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$task_cpus}
     cmd=(srun "${srun_args[@]}" --ntasks="$ntasks" --ntasks-per-node="$MEGARL_NPROC_PER_NODE" --cpus-per-task="$task_cpus"
          --label "$MEGARL_REPO/launch/slurm/rank_env.sh" "$PYTHON" -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
 else
     task_cpus=${SLURM_CPUS_PER_TASK:-$cpus_node}
-    threads=$(( task_cpus / MEGARL_NPROC_PER_NODE ))
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
     # The static rendezvous: the c10d one keeps pickled state in a store on MASTER_PORT that any
     # user who can reach the node may write, and unpickles it (docs/security.md). Static holds JSON.
     cmd=(srun "${srun_args[@]}" --ntasks="$nnodes" --ntasks-per-node=1 --cpus-per-task="$task_cpus" --label
@@ -87,13 +104,21 @@ fi
 first_failure() {
     local found
     if [[ $mode == torchrun ]]; then
-        # srun's label says which node's torchrun reported it (its "host" may read localhost).
-        local task
-        read -r task found < <(awk '/: Root Cause/ {f = 1; split($0, a, ":"); task = a[1]}
-            f && /rank +:/ {sub(/^[0-9]+: +/, ""); r = $0}
-            f && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" | tr -s ' ') || true
+        # srun's label says which node's torchrun reported it (its "host" may read localhost). The
+        # node whose task srun saw fail first is the one to read: across nodes, a peer's torchrun
+        # may print its own Root Cause first (its ranks saw the connection close).
+        local task want
+        want=$(grep -m1 -oE 'srun: error: [^:]+: task [0-9]+: (Exited|Killed)' "$log" | grep -oE 'task [0-9]+' |
+               cut -d' ' -f2) || true
+        read -r task found < <(awk -v want="$want" '/: Root Cause/ {split($0, a, ":"); if (!f && (want == "" || a[1] == want)) {f = 1; task = a[1]}}
+            f && index($0, task ":") == 1 && /rank +:/ {sub(/^[0-9]+: +/, ""); r = $0}
+            f && index($0, task ":") == 1 && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" |
+            tr -s ' ') || true
         [[ -n $found ]] && found="on node $(sed -n "$(( task + 1 ))p" <<<"$nodes"): $found"
-    else
+    fi
+    # No torchrun summary (a task that stopped before torchrun started, or the task form): srun's
+    # report of the first task that did not merely get terminated.
+    if [[ -z ${found:-} ]]; then
         found=$(grep -E 'srun: error: [^:]+: tasks? [0-9,-]+: ' "$log" | grep -v -m1 ': Terminated$' || true)
     fi
     echo "${found:-not reported (see the lines above)}"

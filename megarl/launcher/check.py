@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megarl.config import ConfigError
 from megarl.config.experiment import ExperimentConfig
+from megarl.parallel.shared_storage import check_shared_dir
 from megarl.trainer.launch_env import rank_env
 from megarl.launcher.cli import load_checked, parse_args
 from megarl.trainer.metrics import MetricsLogger
@@ -94,11 +95,18 @@ def run(cfg: ExperimentConfig) -> int:
                             timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
     tr = cfg.trainer
     run_dir = tr.default_local_dir
+    try:
+        check_shared_dir(run_dir)
+    except ConfigError as err:
+        print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
     total = tr.total_training_steps or 10
     start = latest_step(run_dir) if tr.resume_mode == "auto" else 0
     state = load(run_dir, start, env.rank) if start else {"step": 0, "acc": 0.0}
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     print(f"launch_check: rank {env.rank}/{env.world_size} local {env.local_rank} on {socket.gethostname()} "
+          f"({torch.get_num_threads()} threads, gloo on {os.environ.get('GLOO_SOCKET_IFNAME', 'the hostname')}) "
           f"resumes after step {start}", flush=True)
     logger = MetricsLogger(tr.log_dir or run_dir, ["console"], tr.project_name, tr.experiment_name,
                            enabled=env.rank == 0, total_steps=total)

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from megarl.config.experiment import ExperimentConfig, load_config, read_hf_config
-from megarl.launcher.preflight import preflight
+from megarl.launcher.preflight import node_checks, preflight
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -23,11 +24,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
 
 
+# Set by launch/*: the launcher ran preflight() once for the job before starting any rank.
+PREFLIGHT_DONE_ENV = "MEGARL_PREFLIGHT_DONE"
+
+
 def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
     """The config, validated; with `check_all`, also everything megarl.launcher.preflight can check
-    (files, model, lengths, engine, reward, run directory) before any process starts."""
+    (files, model, lengths, engine, reward, run directory) before any process starts. A rank whose
+    launcher already did that checks only its own node (preflight.node_checks)."""
     cfg = load_config(config, overrides)
-    if check_all:
+    if check_all and os.environ.get(PREFLIGHT_DONE_ENV) == "1" and "RANK" in os.environ:
+        node_checks(cfg)
+    elif check_all:
         preflight(cfg)
     elif cfg.model.path:
         hf = read_hf_config(cfg.model.path)

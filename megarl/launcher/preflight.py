@@ -56,6 +56,16 @@ def preflight(cfg) -> None:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
 
 
+def node_checks(cfg) -> None:
+    """What is a node's own, for the nodes after the first and for ranks whose launcher ran
+    preflight(): its devices and its run directory. The inputs (data, model, reward) are checked
+    once per job, not once per rank: tokenising every split took 3.3 s a rank for the quickstart."""
+    import_external_libs(cfg)
+    check_device(cfg, resolve(cfg.rollout.name))
+    check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    check_free_space(cfg)
+
+
 def check_with_tokenizer(cfg) -> None:
     """The data as the ranks tokenize it, and the reward on one real row."""
     from megarl.launcher.preflight_data import check_datasets, check_reward_on_a_row, load_tokenizer  # torch

@@ -17,7 +17,7 @@ import sys
 
 from megarl.config import ConfigError
 from megarl.trainer.launch_env import check_launch, shell_assignments
-from megarl.launcher.preflight import preflight
+from megarl.launcher.preflight import node_checks, preflight
 from megarl.launcher.cli import load_checked  # the exact checks megarl-train applies
 
 
@@ -27,13 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nnodes", type=int, help="nodes the launcher runs on (checked against trainer.nnodes)")
     parser.add_argument("--nproc-per-node", type=int, help="processes it starts per node (checked)")
     parser.add_argument("--by", default="the launcher")
+    parser.add_argument("--node-only", action="store_true",
+                        help="check only this node's part (devices, run directory): another node checks the inputs")
     parser.add_argument("--env-file", help="write NAME\\0VALUE\\0 pairs here instead of printing assignments")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
         cfg = load_checked(args.config, args.overrides, check_all=False)
         check_launch(cfg, args.nnodes, args.nproc_per_node, by=args.by)
-        preflight(cfg)  # after the layout check: it creates the run directory
+        (node_checks if args.node_only else preflight)(cfg)  # after the layout check: it creates the run directory
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
 from megarl.trainer.metrics import MetricsLogger, MetricsWriteError
 from megarl.trainer.parts import build_parts, write_run_dir
 from megarl.trainer.plot import plot_after_run
+from megarl.parallel.shared_storage import check_shared_dir
 from megarl.trainer.ranks import destroy, setup_ranks
 from megarl.trainer.stopping import EXIT_CODE, StopRequest, Stopped
 
@@ -29,6 +30,7 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     try:
         ranks = setup_ranks(cfg)
         rank = ranks.global_rank if ranks.role != "colocated" else ranks.rank
+        check_shared_dir(tr.default_local_dir)    # before anything is saved where a node cannot see it
         if ranks.role == "rollout":
             return _run_rollout(cfg, ranks)
         log = MetricsLogger(tr.log_dir or tr.default_local_dir, tr.logger, tr.project_name, tr.experiment_name,
