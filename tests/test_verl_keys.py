@@ -1,9 +1,12 @@
 """Every key of verl's trainer configs is known to megarl: implemented, accepted at verl's default
 (with the reason in megarl/config/verl_keys.py), or refused in one line naming what to use.
 
-The oracle is verl's own composed key tree at release v0.7.0 (tests/assets/verl/config/_generated_*.yaml,
-written by verl's Hydra from ppo_trainer.yaml / ppo_megatron_trainer.yaml and the files their defaults
-lists include, all stored beside it).
+The oracles are verl's own composed key trees (_generated_ppo_trainer.yaml and
+_generated_ppo_megatron_trainer.yaml, written by verl's Hydra from ppo_trainer.yaml /
+ppo_megatron_trainer.yaml and the files their defaults lists include) of two releases:
+- v0.7.0, stored under tests/assets/verl/config/ with every file they include;
+- 0.9.1, read from the installed verl package (CI runs `pip install --no-deps verl==0.9.1`); its
+  tests skip, saying so, where verl is not installed.
 """
 from __future__ import annotations
 
@@ -17,14 +20,17 @@ import yaml
 from megarl.config import ConfigError
 from megarl.config.experiment import load_config
 from megarl.config.experiment import ExperimentConfig
-from megarl.config.refused import ALIASES, REFUSED
+from megarl.config.refused import ALIASES, LEGACY_NULL, REFUSED, moved_from
 from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_defaults
 
 HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
 sys.path.insert(0, HERE)
-from make_defaults import table, verl_leaves  # noqa: E402
+from make_defaults import INSTALL, installed_verl, table, verl_leaves  # noqa: E402
 
 ROOTS = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
+NO_VERL = f"verl 0.9.1 is not installed, and its key trees come from the installed package: {INSTALL}"
+needs_verl = pytest.mark.skipif(installed_verl() is None, reason=NO_VERL)
+RELEASES = ["0.7.0", pytest.param("0.9.1", marks=needs_verl)]
 
 
 def _included(path: str, seen: set[str]) -> None:
@@ -58,20 +64,33 @@ def test_every_included_file_is_stored():
     assert len(verl_leaves()) > 650        # 694 distinct leaves at v0.7.0
 
 
+@needs_verl
+def test_installed_trees_are_verl_091s():
+    """The installed package's trees are 0.9.1's: larger than 0.7.0's, with the sections 0.9.1 added."""
+    leaves = verl_leaves("0.9.1")
+    assert len(leaves) > 1000         # 1089 distinct leaves at 0.9.1
+    assert {"reward.reward_model.enable", "distillation.enabled", "trainer.use_v1",
+            "actor_rollout_ref.actor.megatron.router_replay.mode"} <= set(leaves)
+    assert "reward_manager.name" not in leaves          # moved to reward.reward_manager.name
+
+
+@needs_verl
 def test_defaults_table_is_verls():
-    """megarl/config/verl_defaults.yaml equals what verl's composed trees give (regenerate with
-    `python tests/assets/verl/make_defaults.py`)."""
+    """megarl/config/verl_defaults.yaml equals what verl's composed trees of both releases give (regenerate
+    with `python tests/assets/verl/make_defaults.py`, verl 0.9.1 installed)."""
     stored = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "megarl", "config",
                                               "verl_defaults.yaml")))
     assert stored == table()
 
 
-def test_every_verl_leaf_is_known():
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_verl_leaf_is_known(release):
     """Each leaf at each of verl's defaults: never 'unknown'; a verl-only key at its default is accepted,
     at another value refused with its reason."""
     unknown, refused_at_default = [], []
-    for key, defaults in verl_leaves().items():
-        ours = megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES
+    for key, defaults in verl_leaves(release).items():
+        ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES
+                or moved_from(key) is not None)
         assert ours or key in verl_defaults(), f"{key}: neither megarl's nor in verl_keys"
         if not ours:
             assert rule_for(key), f"{key}: no reason in verl_keys.RULES"
@@ -178,3 +197,70 @@ def test_verl_recipe_keys_that_megarl_does_are_accepted():
     for named in ("reward_model.overlong_buffer", "data.gen_batch_size", "megatron_to_hf.py", "hydra.run.dir",
                   "trainer.rollout_data_dir", "val-core/"):
         assert named in docs, named
+
+
+@pytest.mark.parametrize("override,alternative", [
+    ("reward.reward_model.enable=true", "set reward_model.enable instead"),
+    ("reward.reward_model.model_path=/models/rm", "set reward_model.model.path instead"),
+    ("reward.reward_manager.name=batch", "set reward_model.reward_manager instead"),
+    ("reward.num_workers=4", "set reward_model.num_workers instead"),
+    ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "set actor_rollout_ref.actor.router_replay.mode"),
+    ("actor_rollout_ref.ref.megatron.router_replay.mode=R2", "set actor_rollout_ref.ref.router_replay.mode"),
+    ("reward.reward_model.rollout.tensor_model_parallel_size=4", "reward_model.model.path"),
+    ("distillation.enabled=true", "distillation from a teacher model is not implemented"),
+    ("trainer.use_v1=false", "async_training"),
+    ("actor_rollout_ref.rollout.disaggregation.enabled=true", "actor_rollout_ref.rollout.placement=disaggregated"),
+    ("critic.optim.muon_momentum=0.9", "critic.optim.optimizer is adam or adamw"),
+    ("skip.rollout.enable=true", "every step generates"),
+    ("actor_rollout_ref.rollout.multi_turn.function_tool_path=tools.py", "multi_turn.tool_config_path"),
+])
+def test_verl_091_keys_are_refused_naming_megarls_key(override, alternative):
+    """Keys verl 0.9.1 added or moved: a value other than verl's default stops with one line naming
+    megarl's way (verl's spelling at 0.9.1's default is accepted: test_every_verl_leaf_is_known)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == override.split("=")[0]
+    assert alternative in str(err.value) and "\n" not in str(err.value)
+
+
+def test_verl_091_custom_reward_function_spelling_is_read_as_megarls(tmp_path):
+    """verl 0.9.1 moved custom_reward_function under reward.; megarl reads it as its own section."""
+    cfg = load_config(None, ["reward.custom_reward_function.path=my_reward", "reward.custom_reward_function.name=fn"])
+    assert (cfg.custom_reward_function.path, cfg.custom_reward_function.name) == ("my_reward", "fn")
+    # a relative file in a config file is taken from the file's folder, as under megarl's spelling
+    (tmp_path / "cfg.yaml").write_text("reward:\n  custom_reward_function:\n    path: rules/score.py\n")
+    assert load_config(str(tmp_path / "cfg.yaml")).custom_reward_function.path == str(tmp_path / "rules/score.py")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["reward.custom_reward_function.name=fn", "custom_reward_function.name=other"])
+    assert err.value.key == "reward.custom_reward_function.name" and "custom_reward_function.name='other'" in str(
+        err.value)
+    # verl 0.9.1's null under the old spelling means "not set": the new spelling's value stands
+    cfg = load_config(None, ["custom_reward_function.name=null", "reward.custom_reward_function.name=fn"])
+    assert cfg.custom_reward_function.name == "fn"
+
+
+@needs_verl
+def test_verl_091_legacy_reward_nulls_read_as_unset():
+    """verl 0.9.1 keeps verl 0.7's reward keys at null ("read reward.* instead"); each such key of the
+    installed tree loads, and megarl's defaults apply where megarl implements it."""
+    leaves = verl_leaves("0.9.1")
+    legacy = sorted(k for k, d in leaves.items()
+                    if k.split(".")[0] in ("custom_reward_function", "reward_model") and d == [None])
+    assert set(LEGACY_NULL) <= set(legacy)
+    cfg, base = load_config(None, [f"{k}=null" for k in legacy]), load_config(None)
+    assert cfg.custom_reward_function.name == base.custom_reward_function.name == "compute_score"
+    assert (cfg.reward_model.enable, cfg.reward_model.reward_manager) == (False, "naive")
+    assert cfg.reward_model.num_workers == base.reward_model.num_workers
+
+
+@needs_verl
+def test_docs_name_what_verl_091_changed():
+    """docs/verl.md's section on verl 0.9.1 names every top-level section 0.9.1 added or removed."""
+    text = open("docs/verl.md").read()
+    assert "## What verl 0.9.1 changed since 0.7.0" in text
+    section = text.split("## What verl 0.9.1 changed since 0.7.0", 1)[1].split("\n## ", 1)[0]
+    old = {k.split(".")[0] for k in verl_leaves("0.7.0")}
+    new = {k.split(".")[0] for k in verl_leaves("0.9.1")}
+    assert old ^ new, "0.9.1 has the same top-level sections as 0.7.0"
+    missing = [name for name in sorted(old ^ new) if f"`{name}" not in section]
+    assert not missing, missing

@@ -29,7 +29,7 @@ INPUT_PATH_KEYS = (
     "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
     "critic.model.path", "critic.model.tokenizer_path",
     "reward_model.model.path", "reward_model.model.tokenizer_path",
-    "custom_reward_function.path",
+    "custom_reward_function.path", "reward.custom_reward_function.path",    # verl 0.9.1's spelling of it
     "actor_rollout_ref.rollout.tools", "actor_rollout_ref.rollout.interactions",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path",
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
@@ -41,7 +41,8 @@ INPUT_PATH_KEYS = (
 # Keys that may hold a hub id (ORG/NAME), which megarl refuses with the download command.
 HUB_ID_OR_DIR = {"actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
                  "critic.model.tokenizer_path", "reward_model.model.path"}
-MODULE_OR_FILE = {"custom_reward_function.path", "actor_rollout_ref.rollout.custom_cls_path", "data.custom_cls.path"}
+MODULE_OR_FILE = {"custom_reward_function.path", "reward.custom_reward_function.path",
+                  "actor_rollout_ref.rollout.custom_cls_path", "data.custom_cls.path"}
 
 
 def _looks_like_file(value: str) -> bool:

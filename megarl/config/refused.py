@@ -89,10 +89,37 @@ ALIASES: dict[str, str] = {
 }
 
 
-# verl recipe sections megarl reads under its own name: verl section -> megarl section
+# verl sections megarl reads under its own name: verl section -> megarl section
 MOVED: dict[str, str] = {
     "reward_model.overlong_buffer": "algorithm.overlong_buffer",      # verl's DAPO recipe (dapo_trainer.yaml)
+    # verl 0.9.1 moved the custom scorer under reward.; verl 0.7's spelling is megarl's
+    "reward.custom_reward_function": "custom_reward_function",
 }
+
+
+# verl 0.9.1 keeps verl 0.7's reward keys (megarl's spelling) with null defaults meaning "not set here, read
+# reward.*" (verl/trainer/config/legacy_reward_impl.yaml); megarl reads such a null as the key left out, so
+# its own default applies, which is verl's reward.* default but for num_workers (megarl's pool of 2).
+LEGACY_NULL = ("custom_reward_function.name", "reward_model.enable", "reward_model.reward_manager",
+               "reward_model.num_workers")
+NULL_IS_UNSET = {"custom_reward_function"}
+
+
+def drop_legacy_nulls(raw: dict) -> dict:
+    """`raw` without the LEGACY_NULL keys that are null."""
+    for key in LEGACY_NULL:
+        present, value = _get(raw, key)
+        if present and value is None:
+            del _parent(raw, key)[key.rsplit(".", 1)[1]]
+    return raw
+
+
+def moved_from(key: str) -> str | None:
+    """megarl's key for a leaf under a MOVED verl section, else None."""
+    for src, dst in MOVED.items():
+        if key.startswith(src + "."):
+            return dst + key[len(src):]
+    return None
 
 
 def move_sections(raw: dict) -> dict:
@@ -103,20 +130,35 @@ def move_sections(raw: dict) -> dict:
             continue
         parent = _parent(raw, src)
         del parent[src.rsplit(".", 1)[1]]
+        _prune(raw, src.rsplit(".", 1)[0])      # `reward:` left empty is no section of megarl's
         if not isinstance(value, dict):
-            raise ConfigError(f"got {value!r}; verl's DAPO section is a mapping, read as {dst} "
-                              "(enable, len, penalty_factor, log)", src)
+            raise ConfigError(f"got {value!r}; this verl section is a mapping, read as {dst}", src)
         node = raw
         for part in dst.split("."):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{dst} is {node!r}, not a section; remove it or {src}", dst)
+        # under verl 0.9.1's reward keys a null means "not set here" (LEGACY_NULL), so it yields to a value
+        unset = (None,) if dst in NULL_IS_UNSET else ()
         for leaf, v in value.items():
-            if leaf in node and node[leaf] != v:
+            if leaf in node and v in unset:
+                continue
+            if leaf in node and node[leaf] not in unset and node[leaf] != v:
                 raise ConfigError(f"{v!r} disagrees with {dst}.{leaf}={node[leaf]!r}; {src} is read as {dst}, "
                                   "set one of them", f"{src}.{leaf}")
             node[leaf] = v
     return raw
+
+
+def _prune(raw: dict, dotted: str) -> None:
+    """Remove the section at `dotted` and each ancestor of it, while each is left empty."""
+    parts = dotted.split(".")
+    for depth in range(len(parts), 0, -1):
+        path = ".".join(parts[:depth])
+        present, node = _get(raw, path)
+        if not present or node != {}:
+            return
+        del _parent(raw, path)[parts[depth - 1]]
 
 
 def _parent(node: dict, dotted: str) -> dict:

@@ -2,9 +2,10 @@
 
 A verl command line or YAML carries over as written: every leaf of verl's composed
 ppo_trainer.yaml / ppo_megatron_trainer.yaml (release v0.7.0, stored with all their included files
-under tests/assets/verl/) is one of
+under tests/assets/verl/, and release 0.9.1, read from the installed verl package) is one of
 - a megarl key (megarl implements it; megarl/config/experiment.py and the component configs),
-- a key in megarl/config/refused.py (accepted at verl's default, or an alias of a megarl key),
+- a key in megarl/config/refused.py (accepted at verl's default, an alias of a megarl key, or under a
+  verl section read as megarl's, MOVED),
 - a key here: its verl defaults are in verl_defaults.yaml (next to this file, written by
   `python tests/assets/verl/make_defaults.py`); at one of them the key is dropped, because the
   reason in RULES says why that default changes nothing in megarl; any other value stops the run
@@ -26,7 +27,7 @@ from megarl.config.refused import REFUSED
 from megarl.config.typed import all_keys, open_keys
 
 DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "verl_defaults.yaml")
-VERL_RELEASE = "v0.7.0 (f9c855f7cf04d603c9546bc01776c74806a879c1)"
+VERL_RELEASE = "v0.7.0 (f9c855f7cf04d603c9546bc01776c74806a879c1) and 0.9.1 (PyPI)"
 
 _MEGATRON = "megarl trains with megatron-core, not FSDP"
 _OFFLOAD = f"{_MEGATRON}; set the layout and offload under <role>.megatron (param_offload, optimizer_offload)"
@@ -49,11 +50,20 @@ _CHECKPOINT = ("megarl saves model, optimizer and trainer state together every t
 _MCORE_CKPT = ("megarl reads HF safetensors through its own converter (megarl/models/convert.py) and saves megatron "
                "distributed checkpoints itself; to start from a megatron checkpoint set "
                "<role>.megatron.dist_checkpointing_path")
+_PADDING = ("megarl packs or pads each micro-batch itself (packed sequences via "
+            "actor_rollout_ref.model.use_remove_padding); remove the key")
+_OPTIM_DTYPES = ("megarl keeps main gradients and Adam states in fp32 (megatron-core's distributed optimizer); "
+                 "remove the key")
+_DISTILL = ("distillation from a teacher model is not implemented; megarl trains from rewards "
+            "(custom_reward_function, reward_model); remove the key")
+_V1 = ("megarl has one trainer, not verl's v1/legacy choice; overlap generation with training through "
+       "actor_rollout_ref.rollout.placement=disaggregated and async_training.* (max_staleness); remove the key")
+_RM_091 = "verl 0.9.1's spelling of a key megarl reads under verl 0.7's name; set {} instead"
 
 # (glob over the dotted key, why the default is harmless and what to use instead). First match wins.
 RULES: list[tuple[str, str]] = [
     ("*._target_", "verl's Hydra class target; megarl builds its typed config itself; remove the key"),
-    ("*fsdp_config.*", _OFFLOAD),
+    ("*fsdp_config.*", _OFFLOAD), ("critic.fsdp.*", _OFFLOAD),
     ("*.strategy", "megarl trains with megatron-core only; remove the key or set megatron"),
     ("*.use_torch_compile", "megarl's roles run megatron-core's own kernels, not torch.compile; remove the key"),
     ("*profiler.*", _PROFILE), ("global_profiler.*", _PROFILE),
@@ -64,6 +74,25 @@ RULES: list[tuple[str, str]] = [
     ("*.megatron.override_ddp_config", "megarl sets megatron's DDP options from the layout; tune the model through "
                                        "<role>.megatron.override_transformer_config"),
     ("*.megatron.override_mcore_model_config", "use <role>.megatron.override_transformer_config"),
+    ("*.megatron.use_megatron_fsdp", "megarl shards with megatron-core's distributed optimizer "
+                                     "(<role>.megatron.use_distributed_optimizer), not Megatron-FSDP; remove the key"),
+    ("*.megatron.dynamic_context_parallel", "megarl's context parallelism is fixed by the layout: set "
+                                            "<role>.megatron.context_parallel_size; remove the key"),
+    ("*.megatron.max_seqlen_per_dp_cp_rank", "megarl's context parallelism is fixed by the layout: set "
+                                             "<role>.megatron.context_parallel_size; remove the key"),
+    ("*.megatron.dist_ckpt_optim_fully_reshardable", _CHECKPOINT),
+    ("*.megatron.distrib_optim_fully_reshardable_mem_efficient", _CHECKPOINT),
+    ("*.megatron.pad_*", _PADDING), ("*.pad_to_length", _PADDING),
+    # verl 0.9.1 moved route replay under <role>.megatron; megarl keeps verl 0.7's place (the critic has none)
+    ("critic.megatron.router_replay.mode", "megarl replays routes for the actor and reference only "
+                                           "(actor_rollout_ref.actor.router_replay.mode); remove the key"),
+    ("*.megatron.router_replay.mode", _RM_091.format("<role>.router_replay.mode")),
+    ("*.qat.*", "quantization-aware training is not supported: megarl trains in bf16 on GPU, fp32 on CPU; "
+                "remove the key"),
+    ("actor_rollout_ref.rollout.qat", "quantization-aware training is not supported; remove the key"),
+    ("*.mtp.*", "multi-token prediction (MTP) layers and speculative decoding are not supported; remove the key"),
+    ("actor_rollout_ref.rollout.mtp", "multi-token prediction (MTP) layers and speculative decoding are not "
+                                      "supported; remove the key"),
     ("*.megatron.dtype", "megarl trains in bf16 on GPU and fp32 on CPU (trainer.device); remove the key"),
     ("*.megatron.forward_only", _INTERNAL),
     ("*.megatron.use_remove_padding", "set actor_rollout_ref.model.use_remove_padding (packed sequences) instead"),
@@ -85,13 +114,21 @@ RULES: list[tuple[str, str]] = [
     ("*.optim.num_cycles", "megarl's cosine decay runs one half cycle to <role>.optim.min_lr; remove the key"),
     ("*.optim.lr_warmup_init", "megarl's warm-up starts from 0; remove the key"),
     ("*.optim.lr_wsd_*", "warmup-stable-decay is not supported; use <role>.optim.lr_decay_style"),
+    ("*.optim.muon_*", "the Muon optimizer is not supported; <role>.optim.optimizer is adam or adamw"),
+    ("*.optim.use_layer_wise_distributed_optimizer", "the Muon optimizer is not supported; megarl shards Adam "
+                                                     "with <role>.megatron.use_distributed_optimizer"),
+    ("*.optim.use_precision_aware_optimizer", _OPTIM_DTYPES), ("*.optim.main_grads_dtype", _OPTIM_DTYPES),
+    ("*.optim.exp_avg_dtype", _OPTIM_DTYPES), ("*.optim.exp_avg_sq_dtype", _OPTIM_DTYPES),
+    ("*.optim.zero_indexed_step", "megarl's learning-rate schedule is set by <role>.optim.lr_warmup_steps "
+                                  "and lr_decay_style; remove the key"),
     ("*.optim.weight_decay_incr_style", "megarl keeps <role>.optim.weight_decay constant; remove the key"),
     ("*.optim.use_checkpoint_opt_param_scheduler", "megarl resumes the scheduler from its own checkpoint; "
                                                    "remove the key"),
     ("*.ulysses_sequence_parallel_size", "for long sequences use <role>.megatron.context_parallel_size "
                                          "(megatron's context parallelism) instead of Ulysses"),
     ("*.use_fused_kernels", _KERNELS), ("*.fused_kernel_options.*", _KERNELS), ("*.use_liger", _KERNELS),
-    ("*.entropy_checkpointing", _KERNELS), ("*.entropy_from_logits_with_chunking", _KERNELS),
+    ("*.entropy_checkpointing", _KERNELS), ("*.entropy_from_logits_chunk_size", _KERNELS),
+    ("*.entropy_from_logits_with_chunking", _KERNELS),
     ("*.tiled_mlp.*", _KERNELS), ("*.enable_activation_offload", "use <role>.megatron.override_transformer_config "
                                                                  "(recompute_granularity) to save activation memory"),
     ("*.use_shm", "megarl reads models and data from the file system; remove the key"),
@@ -108,23 +145,43 @@ RULES: list[tuple[str, str]] = [
                                               "choose actor_rollout_ref.actor.policy_loss.loss_mode among megarl's"),
     ("actor_rollout_ref.actor.tau_*", "the SAPO loss is not implemented; choose another "
                                       "actor_rollout_ref.actor.policy_loss.loss_mode"),
-    ("actor_rollout_ref.actor.loss_scale_factor", "megarl's loss is set by actor_rollout_ref.actor.loss_agg_mode; "
-                                                  "remove the key"),
+    ("*.loss_scale_factor", "megarl's loss is set by <role>.loss_agg_mode; remove the key"),
+    ("actor_rollout_ref.actor.calculate_sum_pi_squared", "no megarl loss uses the sum of squared policy "
+                                                         "probabilities; remove the key"),
+    ("actor_rollout_ref.actor.use_prefix_grouper", "megarl trains each response with its own copy of the prompt "
+                                                   "(no shared-prefix grouping); remove the key"),
     ("*.freeze_vision_tower", _MM), ("data.image_*", _MM), ("data.video_key", _MM),
     ("data.return_multi_modal_inputs", _MM), ("*.limit_images", _MM),
-    ("actor_rollout_ref.model.custom_chat_template", "put the template in the tokenizer directory's "
-                                                     "tokenizer_config.json (chat_template) instead"),
-    ("actor_rollout_ref.model.hf_config_path", "megarl reads config.json from actor_rollout_ref.model.path; "
-                                               "remove the key"),
+    ("data.audio_key", _MM), ("data.mm_processor_kwargs", _MM),
+    ("*.model.custom_chat_template", "put the template in the tokenizer directory's "
+                                     "tokenizer_config.json (chat_template) instead"),
+    ("*.model.hf_config_path", "megarl reads config.json from <role>.model.path; remove the key"),
     ("actor_rollout_ref.rollout.agent.*", "megarl's agent loop is the multi-turn rollout "
                                           "(actor_rollout_ref.rollout.multi_turn.*) or a custom class "
                                           "(rollout.name=custom, custom_cls_path)"),
+    ("*.function_tool_path", "declare tools in the file actor_rollout_ref.rollout.multi_turn.tool_config_path "
+                             "names (megarl's tool functions); remove the key"),
     ("actor_rollout_ref.rollout.multi_turn.*", "megarl renders multi-turn prompts with the tokenizer's own template "
                                                "and checks tokenization itself; remove the key"),
     ("actor_rollout_ref.rollout.prometheus.*", _ENGINE_ONLY), ("actor_rollout_ref.rollout.trace.*", _ENGINE_ONLY),
     ("actor_rollout_ref.rollout.disable_log_stats", _ENGINE_ONLY),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", _ENGINE_ONLY),
     ("actor_rollout_ref.rollout.layered_summon", _ENGINE_ONLY),
+    ("actor_rollout_ref.rollout.full_determinism", _ENGINE_ONLY),
+    ("actor_rollout_ref.rollout.scheduling_policy", _ENGINE_ONLY),
+    ("actor_rollout_ref.rollout.router_config_path", _ENGINE_ONLY),
+    ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", _ENGINE_ONLY),
+    ("actor_rollout_ref.rollout.disaggregation.*", "prefill/decode disaggregation of a vLLM/SGLang server is not "
+                                                   "supported; to give generation ranks of their own set "
+                                                   "actor_rollout_ref.rollout.placement=disaggregated"),
+    ("actor_rollout_ref.rollout.nnodes", "the rollout runs on the training ranks, or on the ranks "
+                                         "actor_rollout_ref.rollout.placement=disaggregated gives it; remove the key"),
+    ("actor_rollout_ref.rollout.n_gpus_per_node", "the rollout runs on the training ranks, or on the ranks "
+                                                  "actor_rollout_ref.rollout.placement=disaggregated gives it; "
+                                                  "remove the key"),
+    ("actor_rollout_ref.rollout.checkpoint_engine.*", "choose megarl's weight transport with "
+                                                      "actor_rollout_ref.rollout.checkpoint_engine.backend; "
+                                                      "remove the key"),
     ("actor_rollout_ref.rollout.multi_stage_wake_up", _ENGINE_ONLY),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", _ENGINE_ONLY),
     ("actor_rollout_ref.rollout.layer_name_map.*", _ENGINE_ONLY),
@@ -135,6 +192,8 @@ RULES: list[tuple[str, str]] = [
     ("actor_rollout_ref.rollout.calculate_log_probs", "megarl's engines always return log-probs; remove the key"),
     ("actor_rollout_ref.rollout.update_weights_bucket_megabytes",
      "set actor_rollout_ref.rollout.checkpoint_engine.bucket_size_mb instead"),
+    ("algorithm.filter_groups.max_inflight_gen_batches", "megarl generates one round at a time, up to "
+                                                         "algorithm.filter_groups.max_num_gen_batches; remove the key"),
     ("algorithm.pf_ppo.*", "PF-PPO reweighting is not implemented; remove the key"),
     ("algorithm.use_pf_ppo", "PF-PPO reweighting is not implemented; remove the key"),
     ("algorithm.rollout_correction.*", "this rollout-correction mode is not implemented; megarl's "
@@ -158,7 +217,22 @@ RULES: list[tuple[str, str]] = [
     ("reward_manager.*", "set reward_model.reward_manager (naive, batch, or a class path) instead"),
     ("reward_model.sandbox_fusion.*", "sandboxed code execution is not built in; score code in "
                                       "custom_reward_function.path"),
+    ("*sandbox_fusion.*", "sandboxed code execution is not built in; score code in custom_reward_function.path"),
+    # verl 0.9.1 gathered the reward keys under reward.; megarl reads verl 0.7's names (reward.custom_reward_function
+    # is read as custom_reward_function, refused.py MOVED)
+    ("reward.reward_model.enable", _RM_091.format("reward_model.enable")),
+    ("reward.reward_model.model_path", _RM_091.format("reward_model.model.path")),
+    ("reward.reward_manager.name", _RM_091.format("reward_model.reward_manager")),
+    ("reward.num_workers", _RM_091.format("reward_model.num_workers")),
+    ("reward.reward_manager.*", "set reward_model.reward_manager to naive, batch, or a class path "
+                                "(pkg.module:Class or file.py:Class) instead"),
+    ("reward.reward_model.*", _RM_POOL),
     ("reward_model.*", _RM_POOL),
+    ("skip.*", "rollout dumps are not supported: every step generates; remove the key"),
+    ("distillation.*", _DISTILL),
+    ("trainer.use_v1", _V1), ("trainer.v1.*", _V1),
+    ("trainer.checkpoint_callback_class", "megarl calls nothing at save; process the step directories under "
+                                          "trainer.default_local_dir after they are written; remove the key"),
     ("trainer.balance_batch", "megarl cuts micro-batches by tokens where use_dynamic_bsz is set; remove the key"),
     ("trainer.critic_warmup", "critic warm-up steps are not implemented: the actor updates from the first step; "
                               "remove the key"),
@@ -173,6 +247,13 @@ def verl_defaults() -> dict[str, list[Any]]:
     """dotted verl key -> the values verl's two trainer configs give it by default."""
     with open(DEFAULTS_FILE) as f:
         return yaml.safe_load(f)["keys"]
+
+
+@functools.lru_cache(maxsize=1)
+def _verl_sections() -> frozenset[str]:
+    """Keys with keys below them. One release's leaf can be another's section (0.7.0's
+    rollout.profiler.tool_config is an interpolation, 0.9.1's a mapping): a mapping there is walked."""
+    return frozenset(".".join(k.split(".")[:i]) for k in verl_defaults() for i in range(1, k.count(".") + 1))
 
 
 def rule_for(key: str) -> str | None:
@@ -235,7 +316,7 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
             key = f"{prefix}.{name}" if prefix else str(name)
             if megarl_implements(key, root) and key not in sections:
                 out[name] = value
-            elif key in table:
+            elif key in table and not (isinstance(value, dict) and value and key in _verl_sections()):
                 if not any(_same(value, d) for d in _accepted(key, table[key])):
                     shown = " or ".join(repr(d) for d in table[key])
                     raise ConfigError(f"{value!r} is not supported (a verl key megarl accepts only at verl's default "

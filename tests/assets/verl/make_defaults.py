@@ -1,14 +1,20 @@
 """Write megarl/config/verl_defaults.yaml: verl's default of every verl key megarl does not implement.
 
+    pip install --no-deps verl==0.9.1
     python tests/assets/verl/make_defaults.py      (from the repository root)
 
-Input: config/_generated_ppo_trainer.yaml and config/_generated_ppo_megatron_trainer.yaml here,
-verl's own Hydra composition of ppo_trainer.yaml / ppo_megatron_trainer.yaml and every file their
-defaults lists include (all stored under config/), copied unchanged from verl v0.7.0
-(commit f9c855f7cf04d603c9546bc01776c74806a879c1, Apache-2.0, see LICENSE).
+Input: two releases of verl's own Hydra composition of ppo_trainer.yaml / ppo_megatron_trainer.yaml
+(_generated_ppo_trainer.yaml, _generated_ppo_megatron_trainer.yaml):
+- v0.7.0: stored under config/ here with every file their defaults lists include, copied unchanged
+  from verl v0.7.0 (commit f9c855f7cf04d603c9546bc01776c74806a879c1, Apache-2.0, see LICENSE);
+- 0.9.1: read from the installed verl package (verl/trainer/config/), which ships them. verl's
+  __init__ needs tensordict and ray, so the package is located without being imported.
+A key in both releases is accepted at either release's default.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import sys
 
@@ -16,10 +22,33 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREES = ("_generated_ppo_trainer.yaml", "_generated_ppo_megatron_trainer.yaml")
+RELEASES = ("0.7.0", "0.9.1")
+INSTALL = "pip install --no-deps verl==0.9.1"
 
 
-def verl_leaves() -> dict[str, list]:
-    """dotted key -> distinct defaults across the two composed trees (an empty mapping is a leaf)."""
+def installed_verl() -> str | None:
+    """verl/trainer/config of the installed verl 0.9.1, or None where verl is not installed.
+    Another installed release is an error: its trees would silently replace 0.9.1's."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        return None
+    version = importlib.metadata.version("verl")
+    if version != "0.9.1":
+        raise RuntimeError(f"installed verl is {version}; the key-tree oracle is verl 0.9.1: {INSTALL}")
+    return os.path.join(os.path.dirname(spec.origin), "trainer", "config")
+
+
+def tree_dir(release: str) -> str:
+    if release == "0.7.0":
+        return os.path.join(HERE, "config")
+    found = installed_verl()
+    if found is None:
+        raise FileNotFoundError(f"verl {release}'s trees come from the installed package: {INSTALL}")
+    return found
+
+
+def verl_leaves(release: str = "0.7.0") -> dict[str, list]:
+    """dotted key -> distinct defaults across one release's two composed trees (an empty mapping is a leaf)."""
     out: dict[str, list] = {}
 
     def walk(node, prefix):
@@ -31,15 +60,26 @@ def verl_leaves() -> dict[str, list]:
                 out[key].append(value)
 
     for tree in TREES:
-        with open(os.path.join(HERE, "config", tree)) as f:
+        with open(os.path.join(tree_dir(release), tree)) as f:
             walk(yaml.safe_load(f), "")
+    return out
+
+
+def all_leaves() -> dict[str, list]:
+    """Both releases' leaves, each key with the defaults of every release that has it."""
+    out: dict[str, list] = {}
+    for release in RELEASES:
+        for key, defaults in verl_leaves(release).items():
+            out.setdefault(key, []).extend(d for d in defaults if d not in out[key])
     return out
 
 
 def table() -> dict:
     from megarl.config.experiment import ExperimentConfig
     from megarl.config.verl_keys import VERL_RELEASE, megarl_implements
-    keys = {k: v for k, v in verl_leaves().items() if not megarl_implements(k, ExperimentConfig)}
+    from megarl.config.refused import moved_from
+    keys = {k: v for k, v in all_leaves().items()
+            if not megarl_implements(k, ExperimentConfig) and not moved_from(k)}
     return {"release": VERL_RELEASE, "keys": keys}
 
 
