@@ -264,3 +264,13 @@ def test_docs_name_what_verl_091_changed():
     assert old ^ new, "0.9.1 has the same top-level sections as 0.7.0"
     missing = [name for name in sorted(old ^ new) if f"`{name}" not in section]
     assert not missing, missing
+
+
+def test_verl_091_naive_checkpoint_engine_is_megarls_colocated_transport():
+    """verl 0.9.1's default backend `naive` is its engine for a rollout on the training ranks."""
+    key = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    assert load_config(None, [f"{key}=naive"]).actor_rollout_ref.rollout.checkpoint_engine.backend == "colocated"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}=naive", "actor_rollout_ref.rollout.placement=disaggregated",
+                           "actor_rollout_ref.rollout.disaggregated_ranks=1", "trainer.n_gpus_per_node=2"])
+    assert err.value.key == key and "backend=auto or distributed" in str(err.value)

@@ -24,7 +24,7 @@ from megarl.config.errors import ConfigError
 
 KEY = "actor_rollout_ref.rollout.checkpoint_engine"
 PLACEMENTS = ("colocated", "disaggregated")       # rollout.placement's values
-ALIASES = ("auto", "delta_sharded")               # read by CheckpointEngineConfig, never registered
+ALIASES = ("auto", "delta_sharded", "naive")      # read by CheckpointEngineConfig, never registered
 _PACKAGE = "megarl.checkpoint_engine.transports"
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transports")
 

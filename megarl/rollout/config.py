@@ -109,6 +109,8 @@ class CheckpointEngineConfig(Section):
     # `disk_dir` for an engine in another job), or auto (from placement). delta_sharded: verl's name
     # for the distributed transport with delta on (verl-project/verl c04f5e9,
     # verl/checkpoint_engine/delta_checkpoint_engine.py, registers "delta" and "delta_sharded").
+    # naive: verl 0.9.1's default, its engine for a rollout on the training ranks
+    # (verl/checkpoint_engine/base.py registers ColocatedCheckpointEngine as "naive"): the colocated transport.
     backend: str = "auto"
     bucket_size_mb: float = 512            # one bucket's buffer (MiB); a rank holds at most two, plus one tensor
     overlap: bool = True                   # move the next bucket while the engine loads this one
@@ -141,6 +143,8 @@ class CheckpointEngineConfig(Section):
                     "backend=delta_sharded (verl) is the distributed transport with "
                     "delta on; remove delta=off or use backend=distributed")
             self.backend, self.delta = "distributed", "on"
+        if self.backend == "naive":
+            self.backend = "colocated"
         self.delta = self.delta or "off"
         require(self.delta_anchor_every >= 1, "delta_anchor_every", "must be >= 1 (1: every sync is full)")
         require(0 < self.delta_dense_above <= 1, "delta_dense_above", "must be in (0, 1]")
