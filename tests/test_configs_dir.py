@@ -8,6 +8,7 @@ command. configs/quickstart.yaml's run from another directory is tests/test_newc
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from megarl.config.experiment import load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 NEEDS_A_DOWNLOAD = {"grpo_gsm8k_qwen2.5_7b.yaml", "ppo_gsm8k_qwen2.5_7b.yaml"}
+# Checked here, not run: vLLM's engine is exercised by tests/rollout/test_vllm.py in one subprocess.
+CHECK_ONLY = {"quickstart_vllm.yaml"}
 # The tiny configs run here; bootstrap_kwargs shrink only the warm start (the model's shape stays).
 TINY = {"grpo_moe_tiny.yaml": {"warm_start_steps": 5}, "quickstart_ppo.yaml": {"warm_start_steps": 5},
         "verl_gsm8k_tiny.yaml": {"warm_start_steps": 5}, "tool_use.yaml": {"steps": 5}}
@@ -36,7 +39,7 @@ def gsm8k_dir(tmp_path_factory):
 
 def test_the_list_is_complete():
     names = {os.path.basename(c) for c in CONFIGS}
-    assert NEEDS_A_DOWNLOAD | set(TINY) | {"quickstart.yaml"} == names
+    assert NEEDS_A_DOWNLOAD | CHECK_ONLY | set(TINY) | {"quickstart.yaml"} == names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
@@ -50,6 +53,11 @@ def test_check_from_another_directory(config, tmp_path, gsm8k_dir, monkeypatch, 
     if os.path.basename(config) in NEEDS_A_DOWNLOAD:
         assert code == 2 and out.err.count("\n") == 1, out.err
         assert "huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir models/Qwen2.5-7B-Instruct" in out.err
+    elif (os.path.basename(config) in CHECK_ONLY and importlib.util.find_spec("vllm") is None
+          and not os.environ.get("CI")):
+        # Where vLLM is not installed (CI installs it), --check must say so in one line.
+        assert code == 2 and out.err.count("\n") == 1, out.err
+        assert "needs the 'vllm' package, which is not installed here" in out.err
     else:
         assert code == 0, out.err
         assert "config and inputs check out" in out.out

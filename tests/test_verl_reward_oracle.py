@@ -5,6 +5,7 @@ every data source verl routes to a rule megarl reimplements (megarl/reward/verl_
     python -m pytest -q tests/test_verl_reward_oracle.py
 """
 import importlib
+import importlib.machinery
 import os
 import sys
 import types
@@ -14,14 +15,14 @@ import pytest
 from megarl.reward.rules import check_data_sources, default_compute_score
 
 REASON = "the oracle is verl 0.9.1's scorer: pip install --no-deps verl==0.9.1"
-if importlib.util.find_spec("verl") is None:
+if importlib.machinery.PathFinder.find_spec("verl") is None:    # sys.path only, never a stand-in module
     pytest.skip(REASON, allow_module_level=True)
 
 
 def _verl_scorer():
     """verl.utils.reward_score without running verl/__init__.py, which needs tensordict and ray
     (not installed with --no-deps); the scorers themselves need only the standard library."""
-    root = os.path.dirname(importlib.util.find_spec("verl").origin)
+    root = os.path.dirname(importlib.machinery.PathFinder.find_spec("verl").origin)
     saved = {k: sys.modules.get(k) for k in ("verl", "verl.utils")}
     try:
         for name, path in (("verl", root), ("verl.utils", os.path.join(root, "utils"))):

@@ -8,6 +8,7 @@ namespace holding what it uses.
     write = verl_function("trainer/ppo/ray_trainer.py", "_write_generations", cls="RayPPOTrainer")
 """
 import ast
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -22,7 +23,8 @@ REASON = "the oracle is verl 0.9.1's source: pip install --no-deps verl==0.9.1"
 
 
 def verl_root() -> str:
-    spec = importlib.util.find_spec("verl")
+    # PathFinder searches sys.path only: a test may have left a stand-in `verl` in sys.modules.
+    spec = importlib.machinery.PathFinder.find_spec("verl")
     if spec is None or spec.origin is None:
         pytest.skip(REASON)
     return os.path.dirname(spec.origin)

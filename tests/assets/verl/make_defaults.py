@@ -14,6 +14,7 @@ A key in both releases is accepted at either release's default.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -29,7 +30,8 @@ INSTALL = "pip install --no-deps verl==0.9.1"
 def installed_verl() -> str | None:
     """verl/trainer/config of the installed verl 0.9.1, or None where verl is not installed.
     Another installed release is an error: its trees would silently replace 0.9.1's."""
-    spec = importlib.util.find_spec("verl")
+    # PathFinder searches sys.path only: a test may have left a stand-in `verl` in sys.modules.
+    spec = importlib.machinery.PathFinder.find_spec("verl")
     if spec is None or spec.origin is None:
         return None
     version = importlib.metadata.version("verl")
