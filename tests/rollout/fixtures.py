@@ -62,3 +62,21 @@ def model_dirs(root: str, **overrides) -> dict:
     save_tokenizer(tok)
     return {"a": a, "b": b, "tok": tok, "model_a": save_model(a, seed=0, **overrides),
             "model_b": save_model(b, seed=1, **overrides)}
+
+
+def trtllm_config(**kw):
+    """The TensorRT-LLM adapter's tests' rollout config: short prompts and responses, weights loaded."""
+    from megarl.rollout.config import RolloutConfig
+    return RolloutConfig(**{"name": "trtllm", "load_format": "auto", "prompt_length": 16, "response_length": 12, **kw})
+
+
+# The log-prob parity checks' prompts and sampling temperature, and a policy-gradient loss that moves
+# every weight between syncs (tests/rollout/test_actor_logprob_match.py, tests/rollout/vllm_checks.py).
+PARITY_PROMPTS = [[5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4]]
+PARITY_TEMPERATURE = 0.8
+
+
+def policy_loss(out, mb):
+    m = mb.batch["response_mask"].float()
+    loss = -(out["log_probs"] * mb.batch["advantages"] * m).sum() / mb.meta_info["global_tokens"]
+    return loss, {"actor/pg_loss": loss.detach()}

@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
+from tests.rollout.fixtures import PARITY_PROMPTS, PARITY_TEMPERATURE, policy_loss
 
-PROMPTS = [[5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4]]
-TEMP = 0.8
-
-
-def _policy_loss(out, mb):
-    m = mb.batch["response_mask"].float()
-    loss = -(out["log_probs"] * mb.batch["advantages"] * m).sum() / mb.meta_info["global_tokens"]
-    return loss, {"actor/pg_loss": loss.detach()}
+PROMPTS, TEMP, _policy_loss = PARITY_PROMPTS, PARITY_TEMPERATURE, policy_loss
 
 
 def _steps(rank, world, path):

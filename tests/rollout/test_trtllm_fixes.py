@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.config import RolloutConfig
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import conformance, trtllm_fake
-from tests.rollout.fixtures import model_dirs, state_of
+from tests.rollout.fixtures import model_dirs, state_of, trtllm_config
 
 V13 = "trtllm-1.3.0rc21.json"
 
@@ -29,8 +28,7 @@ def dirs(tmp_path_factory):
     return model_dirs(str(tmp_path_factory.mktemp("trtllm_fix_models")))
 
 
-def cfg(**kw) -> RolloutConfig:
-    return RolloutConfig(**{"name": "trtllm", "load_format": "auto", "prompt_length": 16, "response_length": 12, **kw})
+cfg = trtllm_config
 
 
 def test_workers_start_on_integer_ordinals_under_a_launchers_visible_devices(monkeypatch, dirs):

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.config import RolloutConfig
 from megarl.rollout.trtllm import TRTLLMEngine, placement
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, state_of
+from tests.rollout.fixtures import model_dirs, state_of, trtllm_config
 
 V29 = "trtllm-1.3.0rc29.json"
 
@@ -28,8 +27,7 @@ def dirs(tmp_path_factory):
     return model_dirs(str(tmp_path_factory.mktemp("trtllm_process_models")))
 
 
-def cfg(**kw) -> RolloutConfig:
-    return RolloutConfig(**{"name": "trtllm", "load_format": "auto", "prompt_length": 16, "response_length": 12, **kw})
+cfg = trtllm_config
 
 
 # -- Ray in the leader's process ------------------------------------------------------------------------

@@ -12,10 +12,9 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams, pack_completions
-from megarl.rollout.config import RolloutConfig
 from megarl.rollout.trtllm import TRTLLMEngine, detect_features
 from tests.rollout import trtllm_fake, trtllm_fake_llm
-from tests.rollout.fixtures import model_dirs
+from tests.rollout.fixtures import model_dirs, trtllm_config
 from tests.rollout.trtllm_fake_sampling import routes_for
 
 V21, V29 = "trtllm-1.3.0rc21.json", "trtllm-1.3.0rc29.json"
@@ -29,8 +28,7 @@ def dirs(tmp_path_factory):
     return model_dirs(str(tmp_path_factory.mktemp("trtllm_r3_models")))
 
 
-def cfg(**kw) -> RolloutConfig:
-    return RolloutConfig(**{"name": "trtllm", "load_format": "auto", "prompt_length": 16, "response_length": 12, **kw})
+cfg = trtllm_config
 
 
 # -- routing replay ---------------------------------------------------------------------------------

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.config import RolloutConfig
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs
+from tests.rollout.fixtures import model_dirs, trtllm_config
 
 V13 = "trtllm-1.3.0rc21.json"
 PROMPT = [3, 17, 42, 8, 5]
@@ -24,8 +23,7 @@ def dirs(tmp_path_factory):
     return model_dirs(str(tmp_path_factory.mktemp("trtllm_stop_models")))
 
 
-def cfg(**kw) -> RolloutConfig:
-    return RolloutConfig(**{"name": "trtllm", "load_format": "auto", "prompt_length": 16, "response_length": 12, **kw})
+cfg = trtllm_config
 
 
 def test_greedy_responses_stop_at_eos_with_the_default_sampler(monkeypatch, dirs):

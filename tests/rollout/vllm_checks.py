@@ -34,7 +34,8 @@ from megarl.rollout.registry import build_rollout  # noqa: E402
 from megarl.rollout.vllm import worker  # noqa: E402
 from megarl.rollout.vllm.engine import VLLMEngine  # noqa: E402
 from tests.rollout import conformance  # noqa: E402
-from tests.rollout.fixtures import in_buckets, model_dirs, state_of  # noqa: E402
+from tests.rollout.fixtures import (PARITY_PROMPTS, PARITY_TEMPERATURE, in_buckets, model_dirs,  # noqa: E402
+                                    policy_loss, state_of)
 
 # vLLM's CPU attention takes head sizes of 64 and more: hidden 128 over 2 heads.
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
@@ -172,15 +173,7 @@ def run(name, fn, results):
     print(name, json.dumps(results[name])[:400], flush=True)
 
 
-PROMPTS = [[5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4]]
-TEMP = 0.8
-
-
-def _policy_loss(out, mb):
-    """A policy-gradient loss, enough to move every weight between syncs."""
-    m = mb.batch["response_mask"].float()
-    loss = -(out["log_probs"] * mb.batch["advantages"] * m).sum() / mb.meta_info["global_tokens"]
-    return loss, {"actor/pg_loss": loss.detach()}
+PROMPTS, TEMP, _policy_loss = PARITY_PROMPTS, PARITY_TEMPERATURE, policy_loss
 
 
 def parity_with_megatron(root: str) -> dict:
