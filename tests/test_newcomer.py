@@ -189,7 +189,7 @@ def test_messages_ending_with_the_answer_follow_verls_convention(tmp_path):
 # -- reward deadline, resume, logs ---------------------------------------------------------------------
 def test_reward_deadline_names_the_function_and_the_slowest_samples(tmp_path):
     from megarl.reward.loading import RewardFnSpec
-    from megarl.reward.config import RewardSettings
+    from megarl.reward.settings import RewardSettings
     from megarl.reward.manager import RewardDeadline, RewardManager
     from megarl.reward.scorers import BatchedScorer, InProcessScorer
     from tests.helpers.reward import rollout_batch, tokenizer

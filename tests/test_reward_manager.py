@@ -8,7 +8,7 @@ import torch
 from megarl.config import ConfigError
 from megarl.config.experiment import load_config
 from megarl.reward.loading import RewardFnSpec
-from megarl.reward.config import RewardSettings
+from megarl.reward.settings import RewardSettings
 from megarl.reward.manager import RewardFailure, RewardManager, build_reward_manager
 from megarl.reward.scorers import InProcessScorer
 from tests.helpers.reward import rollout_batch, text_tokenizer, tokenizer

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.algos.shaping import Shaping
 from megarl.config.typed import Section, require
 
 
@@ -54,20 +53,3 @@ class RewardModelConfig(Section):
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
         require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction", "must be within [0, 1]")
 
-
-@dataclass(frozen=True)
-class RewardSettings:
-    """What the reward manager reads, built once from the experiment's tree (`RewardSettings.of(cfg)`);
-    how a batch is scored is the scorer's (megarl/reward/scorers.py)."""
-    failure_score: float = 0.0             # reward_model.failure_score
-    max_failure_fraction: float = 0.9      # reward_model.max_failure_fraction
-    deadline_s: float | None = None        # reward_model.batch_deadline_s
-    shaping: Shaping = Shaping()           # format bonus and DAPO's overlong penalty
-
-    @classmethod
-    def of(cls, cfg: Any) -> "RewardSettings":
-        """From an ExperimentConfig: reward_model.*, algorithm.overlong_buffer, data.max_response_length."""
-        rm = cfg.reward_model
-        shaping = Shaping.of(rm.format_reward, rm.format_score, cfg.algorithm.overlong_buffer,
-                             cfg.data.max_response_length)
-        return cls(rm.failure_score, rm.max_failure_fraction, rm.batch_deadline_s, shaping)

@@ -24,7 +24,7 @@ import torch
 from megarl.algos.dapo import overlong_penalty
 from megarl.algos.shaping import format_bonus
 from megarl.protocol import DataProto
-from megarl.reward.config import RewardSettings
+from megarl.reward.settings import RewardSettings
 from megarl.reward.failures import (RewardDeadline, RewardFailure, deadline_error, in_daemon_thread,  # noqa: F401
                                     slowest_samples)
 from megarl.reward.placement import place_scores, response_lengths
@@ -119,7 +119,7 @@ class RewardManager:
         # verl 0.9.1's reward loop: a dict's keys as returned, a number as acc (a failed sample: failure_score)
         verl_rows = [o.info if "score" in o.info else {"acc": s} for o, s in zip(outcomes, scores)]
         verl = {k: [r.get(k) for r in verl_rows] for k in dict.fromkeys(k for r in verl_rows for k in r)}
-        non_finite = sum(bool(o.error) and "non-finite" in o.error for o in outcomes)
+        non_finite = sum(o.error is not None and "non-finite" in o.error for o in outcomes)
         metrics = {"reward/failures": float(len(failed) - timeouts), "reward/timeouts": float(timeouts),
                    "reward/failure_fraction": len(failed) / max(n, 1), "reward/non_finite": float(non_finite)}
         notice = ""
@@ -138,7 +138,7 @@ class RewardManager:
             res.token_level_scores += place_scores(batch, format_bonus(ok, shaping.format_score))
             res.extra_info["format"] = res.reward_extra_info["format"] = ok.tolist()
             res.metrics["reward/format_ok"] = ok.mean().item()
-        if shaping.overlong_len is not None:
+        if shaping.overlong_len is not None and shaping.max_response_length:   # Shaping refuses one without the other
             lens = response_lengths(batch).cpu()
             pen = overlong_penalty(lens, shaping.max_response_length, shaping.overlong_len,
                                    shaping.overlong_penalty_factor)

@@ -130,7 +130,8 @@ class InProcessScorer:
         hard_exit(3)
 
     def _score_samples(self, samples: list[Sample], deadline_s: float | None) -> list[Outcome]:
-        begin, seconds, out = time.monotonic(), {}, []
+        begin, out = time.monotonic(), []
+        seconds: dict[int, float] = {}
         for i, sample in enumerate(samples):
             left = None if deadline_s is None else deadline_s - (time.monotonic() - begin)
             if left is not None and left <= 0:
