@@ -74,6 +74,7 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     from megarl.rollout.native import NativeEngine, TPComm
     from megarl.trainer.memory import PhaseMemory
     from megarl.trainer.mfu import resolve_peak_flops
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
 
@@ -83,6 +84,7 @@ def measure(rank: int, world: int, path: str, a) -> dict:
                       log_prob_micro_batch_size_per_gpu=a.log_prob_micro, optim=OptimConfig(lr=1e-6),
                       megatron=MegatronConfig(use_distributed_optimizer=cuda and not a.no_dist_opt),
                       dtype="bfloat16" if cuda else "float32")
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     actor = ActorWorker(ModelConfig(path=path, enable_gradient_checkpointing=a.recompute), cfg)
     dev = actor.engine.device
     data = make_batch(actor.spec.vocab_size, B, P, R)

@@ -33,6 +33,7 @@ SHAPES = {"full": dict(model=dict(hidden_size=256, intermediate_size=688, num_hi
 
 def one(path: str, setting: str, shape: str) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
     from tests.helpers.megatron_roles import TEMP, make_batch, policy_loss
@@ -40,6 +41,7 @@ def one(path: str, setting: str, shape: str) -> None:
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, ppo_max_token_len_per_gpu=65536,
                       megatron=MegatronConfig(override_transformer_config=SETTINGS[setting]),
                       optim=OptimConfig(lr=1e-3))
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     actor = ActorWorker(ModelConfig(path=path), cfg)
     data = make_batch(301, B=8, **SHAPES[shape]["rows"])
     process = actor._process(TEMP, True, True)

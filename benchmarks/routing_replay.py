@@ -124,6 +124,7 @@ def measure(rank, world, path: str, prompts, a) -> dict:
     from dataclasses import replace
 
     from megarl.models import routing_replay as rr
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, ModelConfig, OptimConfig, RouterReplayConfig
     batch = rollout(path, prompts, a.n, a.response, a.seed)
@@ -133,6 +134,7 @@ def measure(rank, world, path: str, prompts, a) -> dict:
     engine_routes = batch.batch[rr.KEY]
     cfg = ActorConfig(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=a.micro, log_prob_micro_batch_size_per_gpu=B,
                       optim=OptimConfig(lr=1e-5), router_replay=RouterReplayConfig(mode="R2"))
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     actor = ActorWorker(ModelConfig(path=path), cfg)
     packed = actor.engine.schedule.packed          # THD rows back to back (the default) or right-padded
     tap = RouterTap(actor.engine.chunks)

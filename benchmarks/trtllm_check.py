@@ -132,6 +132,7 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
         phases[name] = round(time.perf_counter() - start, 4)
         return value
 
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     actor = timed("build_actor", lambda: ActorWorker(ModelConfig(path=model), ActorConfig(
         ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,
         megatron=MegatronConfig(tensor_model_parallel_size=world))))

@@ -87,6 +87,7 @@ ROWS = [("padded, static", False, False, False), ("padded, dynamic", False, True
 def run_row(path, a, row, data):
     import torch
 
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
     name, packed, dynamic, offload = row
@@ -101,6 +102,7 @@ def run_row(path, a, row, data):
         extra["megatron"] = MegatronConfig(param_offload=True, grad_offload=True, optimizer_offload=True)
     cfg = ActorConfig(ppo_mini_batch_size=a.batch, ppo_micro_batch_size_per_gpu=a.micro,
                       optim=OptimConfig(lr=1e-6), **extra)
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     if extra:
         actor = ActorWorker(ModelConfig(path=path, use_remove_padding=packed), cfg,
                             log_prob_max_tokens=a.max_tokens if dynamic else None)

@@ -190,6 +190,7 @@ def rank_main(rank, world, path, a):
 
     from megarl.algos.loss_fn import make_actor_loss_fn
     from megarl.config.experiment import load_config
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     torch.set_num_threads(a.threads)
     timers = Timers()
@@ -203,6 +204,7 @@ def rank_main(rank, world, path, a):
                              "data.max_prompt_length=16", "data.max_response_length=8", "trainer.device=cpu",
                              "algorithm.adv_estimator=grpo"]
                       + ([f"actor_rollout_ref.actor.megatron.sequence_parallel={a.sp}"] if world > 1 else []))
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     actor = ActorWorker.from_config(cfg.resolved(1))
     loss = timers.wrap("loss fn", make_actor_loss_fn(cfg))
     data = make_batch(a.shape["vocab_size"], a.batch)

@@ -51,8 +51,10 @@ def loss_fn(out, mb):
 def megarl_steps(rank, world, path, a):
     import torch.distributed as dist
 
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     cfg = ActorConfig(ppo_mini_batch_size=a.batch, ppo_micro_batch_size_per_gpu=a.micro, optim=OptimConfig(lr=1e-5),
                       megatron=MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
     actor = ActorWorker(ModelConfig(path=path), cfg)

@@ -142,12 +142,14 @@ def floor_sync(sync, buf, engine) -> None:
 def policy_weights(path: str, tp: int, pp: int):
     """The policy's megatron shards without gradient buffers or optimizer state: a sync reads the
     weights only, and megatron DDP's fp32 grad buffer alone would add one more model per rank."""
+    from megarl.parallel import state
     from megarl.workers.actor import engine_spec
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
     from megarl.workers.engine import EngineShardView, MegatronEngine
 
     class Weights(EngineShardView):
         def __init__(self):
+            state.init_distributed()   # the rank set-up: the engine starts no process group
             self.engine = MegatronEngine(engine_spec(
                 ModelConfig(path=path), ActorConfig(megatron=MegatronConfig(tensor_model_parallel_size=tp,
                                                                             pipeline_model_parallel_size=pp)),

@@ -21,7 +21,9 @@ from megarl.parallel.local_ranks import launched, run_local  # noqa: E402
 
 
 def convert(rank: int, world: int, hf: str, out: str, tp: int, pp: int, head: str) -> None:
+    from megarl.parallel import state
     from megarl.workers.engine import EngineSpec, MegatronEngine
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     eng = MegatronEngine(EngineSpec(hf, tp=tp, pp=pp, head=head, trainable=False, dtype="float32",
                                     head_from_checkpoint=head == "value" and _has_score(hf)))
     eng.save_checkpoint(out, with_optimizer=False)

@@ -25,7 +25,9 @@ def tokens(vocab: int, batch: int, seq: int, seed: int):
 
 
 def sharded_logits(rank: int, world: int, hf: str, tp: int, pp: int, batch: int, seq: int, seed: int):
+    from megarl.parallel import state
     from megarl.workers.engine import EngineSpec, MegatronEngine
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     eng = MegatronEngine(EngineSpec(hf, tp=tp, pp=pp, trainable=False, dtype="float32"))
     out = eng.logits(tokens(eng.spec.vocab_size, batch, seq, seed))
     return out if rank == 0 else None

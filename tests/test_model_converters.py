@@ -30,9 +30,11 @@ def freeze_embeddings(options: dict) -> Converter:
 
 def check_actor(rank: int, world: int, path: str) -> dict:
     from megarl.models.convert import EMBED
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, OptimConfig, ModelConfig
 
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, optim=OptimConfig(lr=1e-3))
     engine = ActorWorker(ModelConfig(path=path, converters=[FREEZE]), cfg).engine
     in_optimizer = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}

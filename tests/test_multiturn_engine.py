@@ -17,6 +17,7 @@ import megarl.examples.tool_use.model as tool_model
 from megarl.examples.tool_use.model import build_tokenizer, call_text, prompt_text
 from megarl.reward.loading import RewardFnSpec
 from megarl.reward.manager import RewardManager
+from megarl.reward.scorers import InProcessScorer
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import MultiTurnConfig
 from megarl.rollout.multiturn import AgentLoop, load_tools
@@ -101,7 +102,8 @@ def test_greedy_tool_use_scored_by_the_example_reward(model_dir):
     got = rows(out, tok)
     for r, (a, b) in zip(got, PROBLEMS):
         assert r["text"].startswith(call_text(a, b) + f"\n<tool_response>{a + b}</tool_response>\nA: ")
-    manager = RewardManager(tok, RewardFnSpec(path="megarl/examples/tool_use/reward.py", name="compute_score"))
+    manager = RewardManager(tok, InProcessScorer(tok, RewardFnSpec(path="megarl/examples/tool_use/reward.py",
+                                                                   name="compute_score")))
     result = manager(out)
     scores = result.token_level_scores.sum(-1)
     assert result.extra_info["tool_called"] == [True] * len(PROBLEMS)

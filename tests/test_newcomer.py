@@ -189,7 +189,9 @@ def test_messages_ending_with_the_answer_follow_verls_convention(tmp_path):
 # -- reward deadline, resume, logs ---------------------------------------------------------------------
 def test_reward_deadline_names_the_function_and_the_slowest_samples(tmp_path):
     from megarl.reward.loading import RewardFnSpec
+    from megarl.reward.settings import RewardSettings
     from megarl.reward.manager import RewardDeadline, RewardManager
+    from megarl.reward.scorers import BatchedScorer, InProcessScorer
     from tests.helpers.reward import rollout_batch, tokenizer
     fn = tmp_path / "slow.py"
     fn.write_text("import time\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -197,13 +199,15 @@ def test_reward_deadline_names_the_function_and_the_slowest_samples(tmp_path):
                   "def batched(data_sources, solution_strs, ground_truths, extra_infos):\n"
                   "    time.sleep(30)\n")
     batch = rollout_batch(["3", "4", "5", "6"], ["3", "4", "5", "6"])
-    manager = RewardManager(tokenizer(), RewardFnSpec(str(fn)), timeout_s=10, deadline_s=0.3)
+    manager = RewardManager(tokenizer(), InProcessScorer(tokenizer(), RewardFnSpec(str(fn)), timeout_s=10),
+                            RewardSettings(deadline_s=0.3))
     with pytest.raises(RewardDeadline) as err:
         manager(batch)
     msg = str(err.value)
     assert f"custom_reward_function {fn}:compute_score" in msg and "batch_deadline_s=0.3s" in msg
     assert "slowest: #1 (data_source addition)" in msg and "still running" in msg and "\n" not in msg
-    batched = RewardManager(tokenizer(), RewardFnSpec(str(fn), "batched", batched=True), kind="batch", deadline_s=0.3)
+    batched = RewardManager(tokenizer(), BatchedScorer(tokenizer(), RewardFnSpec(str(fn), "batched", batched=True)),
+                            RewardSettings(deadline_s=0.3))
     begin = time.monotonic()
     with pytest.raises(RewardDeadline, match=f"scoring with custom_reward_function {fn}:batched"):
         batched.result(batched.compute_async(batch))

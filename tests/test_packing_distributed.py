@@ -61,6 +61,7 @@ def check_packing(rank, world, path, rm_path):
     from megarl.workers.logprob import linear_log_probs, token_log_probs
     from megarl.workers.outputs import value_outputs
 
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     data = make_batch(301, B=8, R=6, seed=3)
     res = {}
     for tp, pp in ((2, 2), (1, 1)):

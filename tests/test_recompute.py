@@ -30,10 +30,12 @@ WAYS = {
 
 
 def grads_each_way(rank, world, path):
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, OptimConfig
     from tests.helpers.megatron_roles import TEMP, make_batch, policy_loss
 
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     data, out = make_batch(301), {}
     for name, (flag, kwargs, over) in WAYS.items():
         cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, entropy_coeff=0.01,

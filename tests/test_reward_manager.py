@@ -8,7 +8,9 @@ import torch
 from megarl.config import ConfigError
 from megarl.config.experiment import load_config
 from megarl.reward.loading import RewardFnSpec
+from megarl.reward.settings import RewardSettings
 from megarl.reward.manager import RewardFailure, RewardManager, build_reward_manager
+from megarl.reward.scorers import InProcessScorer
 from tests.helpers.reward import rollout_batch, text_tokenizer, tokenizer
 
 CUSTOM = '''
@@ -155,7 +157,7 @@ def test_custom_manager_class_as_in_seed_001(tmp_path):
     c = cfg(f"reward_model.reward_manager={path}:CustomRewardManager",
             f"reward_model.reward_manager_kwargs={{environment: {first_digit_5}}}")
     manager = build_reward_manager(c, tokenizer())
-    assert "tokenizer" in manager.custom.seen                 # **kwargs receive what we have
+    assert "tokenizer" in manager.scorer.instance.seen                 # **kwargs receive what we have
     res = manager.result(manager.compute_async(rollout_batch(["51", "6"], ["", ""])))
     assert res.token_level_scores[0, 2] == 1.0 and res.token_level_scores[1].sum() == 0.0
     token = build_reward_manager(cfg(f"reward_model.reward_manager={path}:TokenLevel"), tokenizer())
@@ -184,8 +186,8 @@ def test_format_bonus_and_overlong_penalty():
     assert res.token_level_scores.sum(-1).tolist() == [1.25, 1.0, -0.75]
     assert res.extra_info["format"] == [1.0, 0.0, 1.0] and res.metrics["reward/format_ok"] == pytest.approx(2 / 3)
     over = load_config(None, ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=4",
-                              "data.max_response_length=8"]).algorithm.overlong_buffer
-    manager = RewardManager(tokenizer(), RewardFnSpec(), overlong=over, max_response_length=8)
+                              "data.max_response_length=8"])
+    manager = RewardManager(tokenizer(), InProcessScorer(tokenizer(), RewardFnSpec()), RewardSettings.of(over))
     res = manager(rollout_batch(["1", "123456"], ["1", "0"], width=8))
     # lengths 2 and 7 (with EOS): expected 8 - 4 = 4; 7 exceeds by 3 -> -3/4
     assert res.token_level_scores.sum(-1).tolist() == pytest.approx([1.0, -0.75])

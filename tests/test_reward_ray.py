@@ -62,7 +62,7 @@ def test_pool_contains_raising_hanging_and_dying_functions(ray_cluster, funcs):
         assert res.extra_info["reward_failed"] == [False, True, True, True, False]
         pids = {p for p in res.extra_info["pid"] if p is not None}
         assert 1 <= len(pids) <= 2 and all(isinstance(p, int) for p in pids)
-        assert manager.pool.replaced == 2                   # the hung and the dead worker
+        assert manager.scorer.pool.replaced == 2                   # the hung and the dead worker
         # the run goes on with a whole pool
         again = manager(rollout_batch(["7", "8"], ["7", "9"], source="x"))
         assert again.token_level_scores.sum(-1).tolist() == [1.0, 0.0]

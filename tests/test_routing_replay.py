@@ -110,6 +110,7 @@ def batch_routes(routes: torch.Tensor, data) -> torch.Tensor:
 
 # -- the spawn ------------------------------------------------------------------------------------------------
 def _actor(path: str, tp: int, pp: int, ep: int, recompute: bool, micro: int):
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig, RouterReplayConfig
     mc = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
@@ -117,6 +118,7 @@ def _actor(path: str, tp: int, pp: int, ep: int, recompute: bool, micro: int):
                       optim=OptimConfig(lr=1e-3), router_replay=RouterReplayConfig(mode="R2"))
     model = ModelConfig(path=path, override_config=dict(NO_AUX), enable_gradient_checkpointing=recompute,
                         use_remove_padding=(tp, pp, ep, recompute) != PADDED)
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     return ActorWorker(model, cfg)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from megarl.algos.config import AlgorithmConfig
 from megarl.algos.registry import Registry
 from megarl.algos.tensor_ops import masked_whiten
 
@@ -86,7 +87,7 @@ def grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=Non
     """(score - group mean) / (group std + eps), broadcast over the response tokens."""
     uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "grpo")
     scores = token_level_rewards.sum(-1)                                          # [B]
-    mean, std, _ = group_stats(scores, uid)
+    mean, std = group_stats(scores, uid)[:2]
     adv = scores - mean
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
@@ -112,7 +113,7 @@ def rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=Non
     i.e. n/(n-1) * (score - group mean). A lone response keeps its raw score (verl)."""
     uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "rloo")
     scores = token_level_rewards.sum(-1)
-    mean, _, n = group_stats(scores, uid)
+    mean, n = group_stats(scores, uid)[::2]
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
     adv = adv[:, None] * response_mask.to(adv.dtype)
     return adv, adv
@@ -125,7 +126,7 @@ def grpo_passk(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, u
     """Pass@k: only the best response of each group is credited, with best minus second best."""
     uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "grpo_passk")
     scores = token_level_rewards.sum(-1)
-    _, std, _ = group_stats(scores, uid)
+    std = group_stats(scores, uid)[1]
     adv = torch.zeros_like(scores)
     gid, n_groups = group_index(uid, scores.device)
     for g in range(n_groups):
@@ -169,7 +170,7 @@ def reinforce_plus_plus_baseline(token_level_rewards: torch.Tensor, response_mas
     uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "reinforce_plus_plus_baseline")
     mask = response_mask.to(token_level_rewards.dtype)
     scores = token_level_rewards.sum(-1)
-    mean, _, _ = group_stats(scores, uid)
+    mean = group_stats(scores, uid)[0]
     adv = (scores - mean)[:, None] * mask
     adv = masked_whiten(adv, mask) * mask
     return adv, adv
@@ -186,7 +187,7 @@ def remax(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward
     return returns - reward_baselines[:, None] * mask, returns
 
 
-def compute_advantage(batch, cfg) -> "object":
+def compute_advantage(batch, cfg: AlgorithmConfig) -> "object":
     """Fill `advantages` and `returns` of a DataProto from its rewards, per `cfg` (AlgorithmConfig)."""
     fn = get_adv_estimator(cfg.adv_estimator)
     b, nt = batch.batch, batch.non_tensor_batch

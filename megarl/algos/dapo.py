@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megarl.algos.config import FilterGroupsConfig
 from megarl.algos.tensor_ops import group_rows
 from megarl.protocol import DataProto
 
@@ -46,7 +47,7 @@ def filter_metric(batch, metric: str) -> np.ndarray:
 class DynamicSampler:
     """Collect groups with reward variance across generation rounds until a batch is full."""
 
-    def __init__(self, prompts_wanted: int, cfg):
+    def __init__(self, prompts_wanted: int, cfg: FilterGroupsConfig):
         self.wanted, self.cfg = prompts_wanted, cfg
         self.parts: list = []
         self.kept = self.seen = self.rounds = 0
@@ -74,7 +75,8 @@ class DynamicSampler:
     def take(self):
         """The first `prompts_wanted` kept groups, whole."""
         batch = DataProto.concat(self.parts)
-        order, rows = [], []
+        order: list = []
+        rows: list[int] = []
         for uid, idx in group_rows(batch.non_tensor_batch["uid"]).items():
             if len(order) == self.wanted:
                 break

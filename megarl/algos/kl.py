@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from megarl.algos.config import KLControlConfig
 from megarl.algos.registry import Registry
 from megarl.algos.tensor_ops import masked_mean
 
@@ -89,7 +90,7 @@ class AdaptiveKLController:
         self.value = state["value"]
 
 
-def make_kl_controller(cfg) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(cfg: KLControlConfig) -> FixedKLController | AdaptiveKLController:
     """From `algorithm.kl_ctrl` (KLControlConfig). Its state belongs in the trainer checkpoint."""
     if cfg.type == "fixed":
         return FixedKLController(cfg.kl_coef)

@@ -97,7 +97,7 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
             metrics["actor/kl_coef"] = torch.tensor(actor.kl_loss_coef)
         return loss, metrics
 
-    loss_fn.start_update = lambda: seen.__setitem__(0, 0)
+    loss_fn.start_update = lambda: seen.__setitem__(0, 0)  # type: ignore[attr-defined]  # a function's attribute
     return loss_fn
 
 

@@ -157,10 +157,10 @@ class ExperimentConfig(Section):
         if crit.forward_max_token_len_per_gpu is None:
             crit.forward_max_token_len_per_gpu = crit.ppo_max_token_len_per_gpu
 
-    def token_budgets(self) -> list[tuple[str, int]]:
-        """(key, budget) of every pass that cuts micro-batches by tokens."""
+    def token_budgets(self) -> list[tuple[str, int | None]]:
+        """(key, budget) of every pass that cuts micro-batches by tokens (each set once the tree is built)."""
         ro, ref, crit = self.rollout, self.actor_rollout_ref.ref, self.critic
-        out = []
+        out: list[tuple[str, int | None]] = []
         if self.actor.use_dynamic_bsz:
             out.append(("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", self.actor.ppo_max_token_len_per_gpu))
         if ro.log_prob_use_dynamic_bsz:

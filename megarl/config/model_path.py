@@ -20,7 +20,7 @@ from megarl.config.paths import looks_like_hub_id
 MODEL = ("actor_rollout_ref", "model")
 KEY = "actor_rollout_ref.model.path"
 def _model(raw: dict) -> dict:
-    node = raw
+    node: Any = raw
     for part in MODEL:
         node = node.get(part) if isinstance(node, dict) else None
     return node if isinstance(node, dict) else {}

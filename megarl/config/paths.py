@@ -53,6 +53,8 @@ class PathInFile(str):
     """An input path written with a ${...} reference in a config file: it resolves later
     (interpolate.py), and what it resolves to is then taken from this file's folder, as a path
     written out in full would be."""
+    base: str
+    key: str
 
     def __new__(cls, text: str, base: str, key: str):
         self = super().__new__(cls, text)
@@ -84,7 +86,7 @@ def resolve_file_paths(data: dict, base: str) -> dict:
     """`data` (one file's mapping, in place) with its relative input paths made absolute against `base`."""
     for key in INPUT_PATH_KEYS:
         *parents, leaf = key.split(".")
-        node = data
+        node: Any = data
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and leaf in node:

@@ -31,6 +31,8 @@ def import_path(path: str, key: str):
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, full)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"cannot load {full} as a Python module; give a .py file or an importable module", key)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module             # registered first so the file's own pickling works
         try:

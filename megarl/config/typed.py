@@ -52,7 +52,7 @@ def _type_name(tp: Any) -> str:
         return f"list[{_type_name(args[0])}]" if args else "list"
     if origin is dict:
         return "mapping"
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return "mapping"
     return getattr(tp, "__name__", str(tp))
 
@@ -87,7 +87,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         hint = closest(str(value), [str(a) for a in get_args(tp)])
         fix = f"; did you mean {hint!r}?" if hint else ""
         raise ConfigError(f"got {value!r}, expected one of {allowed}{fix}", key)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -185,7 +185,7 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
         out.append(key)
         tp = hints[f.name]
         for cand in (tp, *get_args(tp)):
-            if dataclasses.is_dataclass(cand):
+            if isinstance(cand, type) and dataclasses.is_dataclass(cand):
                 out.extend(all_keys(cand, key))
                 break
     return out
@@ -197,8 +197,8 @@ def defaults_of(cls: type) -> dict:
     for f in dataclasses.fields(cls):
         if f.default is not _MISSING:
             out[f.name] = to_dict(f.default)
-        elif f.default_factory is not _MISSING:  # type: ignore[misc]
-            out[f.name] = to_dict(f.default_factory())  # type: ignore[misc]
+        elif f.default_factory is not _MISSING:
+            out[f.name] = to_dict(f.default_factory())
     return out
 
 
@@ -213,7 +213,7 @@ def open_keys(cls: type, prefix: str = "") -> list[str]:
         if any(c is dict or get_origin(c) is dict for c in cands):
             out.append(key)
         for cand in cands:
-            if dataclasses.is_dataclass(cand):
+            if isinstance(cand, type) and dataclasses.is_dataclass(cand):
                 out.extend(open_keys(cand, key))
                 break
     return out

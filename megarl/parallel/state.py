@@ -87,6 +87,15 @@ def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = No
                             **where)
 
 
+def require_distributed(who: str) -> None:
+    """Stop in one line where the rank set-up has not started torch.distributed: only the rank
+    set-up starts it (megarl/trainer/ranks.py:setup_ranks for a run, init_distributed for a tool),
+    so the collective timeout is given in one place."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{who} needs torch.distributed started first: call megarl.parallel.state."
+                           "init_distributed(timeout_s) in the rank set-up (setup_ranks does it for a run)")
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int

@@ -52,3 +52,4 @@ class RewardModelConfig(Section):
         require(self.batch_deadline_s is None or self.batch_deadline_s > 0, "batch_deadline_s", "must be > 0 seconds")
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
         require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction", "must be within [0, 1]")
+

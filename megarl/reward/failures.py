@@ -23,9 +23,10 @@ def slowest_samples(samples: list[Sample], seconds: dict[int, float], running: s
                      + (" still running" if i in running else "") for i in order) or "none started"
 
 
-def deadline_error(what: str, deadline_s: float, n: int, done: int | None, slowest: str) -> RewardDeadline:
+def deadline_error(what: str, deadline_s: float | None, n: int, done: int | None, slowest: str) -> RewardDeadline:
     scored = f"{done} of {n} scored; " if done is not None else ""
-    return RewardDeadline(f"the reward step passed reward_model.batch_deadline_s={deadline_s:g}s on a batch of {n} "
+    deadline = "none" if deadline_s is None else f"{deadline_s:g}s"
+    return RewardDeadline(f"the reward step passed reward_model.batch_deadline_s={deadline} on a batch of {n} "
                           f"samples, scoring with {what}; {scored}slowest: {slowest}; fix the function (or give it "
                           "reward_model.launch_reward_fn_async=true, whose workers are killed at timeout_s) or raise "
                           "the deadline")

@@ -16,6 +16,7 @@ from typing import Any
 
 from megarl.config.errors import ConfigError
 from megarl.config.plugins import check_signature, get_attr, import_path
+from megarl.reward.config import CustomRewardFunctionConfig
 from megarl.reward.rules import default_compute_score
 
 SAMPLE_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -45,7 +46,7 @@ class RewardFnSpec:
         return fn
 
 
-def load_reward_fn(cfg, batched: bool = False):
+def load_reward_fn(cfg: CustomRewardFunctionConfig, batched: bool = False):
     """(spec, function) from `custom_reward_function` (CustomRewardFunctionConfig), checked."""
     spec = RewardFnSpec(cfg.path, cfg.name, dict(cfg.reward_kwargs), batched)
     if spec.is_default and batched:

@@ -8,6 +8,7 @@ DAPO's dynamic sampling (`acc`, `pred`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from megarl.reward.math_answer import boxed_score, gsm8k_score
 from megarl.reward.verl_math import answer_tag_em, gsm8k_exact, hendrycks_score, minerva_score
@@ -20,7 +21,7 @@ def integer_score(solution_str: str, ground_truth) -> dict:
     Strict on purpose: the quickstart rewards stopping right after the answer."""
     m = _INT.fullmatch(solution_str)
     pred = m.group(1) if m else solution_str.strip()
-    correct = bool(m) and int(m.group(1)) == int(str(ground_truth).strip())
+    correct = m is not None and int(m.group(1)) == int(str(ground_truth).strip())
     return {"score": float(correct), "acc": float(correct), "pred": pred}
 
 
@@ -92,8 +93,9 @@ def check_data_sources(sources, key: str = "data.reward_fn_key") -> None:
                          "set custom_reward_function.path to score other data")
 
 
-_RULES = {"verl_gsm8k": gsm8k_exact, "hendrycks": hendrycks_score, "minerva": minerva_score,
-          "answer_em": answer_tag_em, "gsm8k": gsm8k_score, "boxed": boxed_score}
+_RULES: dict[str, Callable[..., dict]] = {
+    "verl_gsm8k": gsm8k_exact, "hendrycks": hendrycks_score, "minerva": minerva_score, "answer_em": answer_tag_em,
+    "gsm8k": gsm8k_score, "boxed": boxed_score}
 
 
 def default_compute_score(data_source, solution_str: str, ground_truth, extra_info=None, **kwargs) -> dict:

@@ -112,7 +112,7 @@ def call_in_process(fn, sample: Sample, extra_kwargs: dict, timeout_s: float | N
                  and hasattr(signal, "setitimer"))
     previous = signal.signal(signal.SIGALRM, _raise_timeout) if use_alarm else None
     try:
-        if use_alarm:
+        if use_alarm and timeout_s:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
         with exits_refused():
             out = fn(**sample.kwargs(), **extra_kwargs)

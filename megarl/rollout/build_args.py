@@ -34,7 +34,8 @@ class BuildRequest:
 
 
 def pad_id(tokenizer) -> int:
-    """Padding for packed batches: the tokenizer's pad, else its EOS, else 0 (masked out anyway)."""
+    """Padding for packed batches: the tokenizer's pad, else its EOS, else 0 (masked out anyway).
+    The one place the pad id is chosen: the engines' builders and the trainer's batches read it here."""
     for attr in ("pad_token_id", "eos_token_id"):
         value = getattr(tokenizer, attr, None)
         if value is not None:

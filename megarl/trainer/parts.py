@@ -25,6 +25,7 @@ from megarl.config.model_path import model_path_state
 from megarl.data.build import build_loaders
 from megarl.config.plugins import load_object
 from megarl.reward.manager import build_reward_manager
+from megarl.rollout.build_args import pad_id
 from megarl.rollout.multiturn import build_agent_loop
 from megarl.rollout.registry import build_rollout
 from megarl.workers.actor import ActorWorker
@@ -118,13 +119,12 @@ def build_shared(cfg, ranks, log) -> Shared:
     ensure_model(cfg, ranks)
     m = cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_loader, val_loader = build_loaders(cfg.data, tokenizer)
     for loader in (train_loader, val_loader):
         summary = getattr(getattr(loader, "dataset", None), "summary", None)
         if summary is not None and log is not None:
             log.info(f"megarl: {summary()}")
-    return Shared(tokenizer, pad, train_loader, val_loader, total_steps(cfg, train_loader))
+    return Shared(tokenizer, pad_id(tokenizer), train_loader, val_loader, total_steps(cfg, train_loader))
 
 
 def build_roles(cfg, shared: Shared) -> dict:

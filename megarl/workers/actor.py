@@ -28,7 +28,7 @@ from megarl.workers.outputs import log_prob_outputs
 
 
 def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bool, optim=None, dtype: str = "auto",
-                timeout_s: float = 600.0, head_from_checkpoint: bool = False, role: str) -> EngineSpec:
+                head_from_checkpoint: bool = False, role: str) -> EngineSpec:
     mc = role_cfg.megatron or MegatronConfig()
     return EngineSpec(
         model_path=model.path, tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
@@ -46,7 +46,7 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         packing=model.use_remove_padding and mc.context_parallel_size == 1,
         # MoE routing replay (actor / reference router_replay.mode; the critic routes itself)
         routing_replay=getattr(getattr(role_cfg, "router_replay", None), "mode", "disabled") != "disabled",
-        timeout_s=timeout_s, seed=mc.seed, role=role)
+        seed=mc.seed, role=role)
 
 
 def _distributed_optimizer(mc) -> bool:
@@ -57,19 +57,19 @@ def _distributed_optimizer(mc) -> bool:
 
 
 class ActorWorker(EngineShardView, RoleMemory):
-    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1, timeout_s: float = 600.0,
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout_n: int = 1,
                  log_prob_max_tokens: int | None = None):
         self.cfg = actor
         self.rollout_n = rollout_n
         self.log_prob_max_tokens = log_prob_max_tokens  # rollout.log_prob_max_token_len_per_gpu when dynamic
         self.engine = MegatronEngine(engine_spec(model, actor, trainable=True, optim=actor.optim, dtype=actor.dtype,
-                                                 timeout_s=timeout_s, role="actor_rollout_ref.actor"))
+                                                 role="actor_rollout_ref.actor"))
         self.offload_kw = offload_plan(actor.megatron, "actor_rollout_ref.actor", True, self.engine.device)
 
     @classmethod
     def from_config(cls, cfg) -> "ActorWorker":
         ro = cfg.rollout
-        return cls(cfg.model, cfg.actor, ro.n, cfg.trainer.collective_timeout_s,
+        return cls(cfg.model, cfg.actor, ro.n,
                    ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None)
 
     def _process(self, temperature: float, with_entropy: bool, entropy_grad: bool = False):

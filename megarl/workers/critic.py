@@ -19,7 +19,7 @@ from megarl.workers.outputs import value_outputs
 
 
 class CriticWorker(EngineShardView, RoleMemory):
-    def __init__(self, critic: CriticConfig, rollout_n: int = 1, timeout_s: float = 600.0, dtype: str = "auto",
+    def __init__(self, critic: CriticConfig, rollout_n: int = 1, dtype: str = "auto",
                  log_prob_micro_batch_size: int | None = None):
         if critic.ppo_mini_batch_size is None or critic.ppo_micro_batch_size_per_gpu is None:
             raise ValueError("critic.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu are unset; build the "
@@ -28,13 +28,13 @@ class CriticWorker(EngineShardView, RoleMemory):
         self.rollout_n = rollout_n
         self.forward_micro = log_prob_micro_batch_size or critic.ppo_micro_batch_size_per_gpu
         self.engine = MegatronEngine(engine_spec(
-            critic.model, critic, head="value", trainable=True, optim=critic.optim, dtype=dtype, timeout_s=timeout_s,
+            critic.model, critic, head="value", trainable=True, optim=critic.optim, dtype=dtype,
             head_from_checkpoint=critic.model.init_from == "path", role="critic"))
         self.offload_kw = offload_plan(critic.megatron, "critic", True, self.engine.device)
 
     @classmethod
     def from_config(cls, cfg) -> "CriticWorker":
-        return cls(cfg.critic, cfg.rollout.n, cfg.trainer.collective_timeout_s, cfg.actor.dtype,
+        return cls(cfg.critic, cfg.rollout.n, cfg.actor.dtype,
                    cfg.actor.log_prob_micro_batch_size_per_gpu)
 
     def compute_values(self, data: DataProto):

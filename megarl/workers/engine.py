@@ -2,6 +2,7 @@
 
 The actor, critic and reference are thin layers over it (megarl/workers/{actor,critic,reference}.py):
 
+    state.init_distributed(timeout_s)     # the rank set-up's (megarl/trainer/ranks.py), never the engine's
     eng = MegatronEngine(EngineSpec(path, tp=2, pp=2, head="lm", trainable=True, optim=cfg))
     rows = eng.forward_rows(batch, micro=4, process=fn)           # forward-only, full batch back
     metrics = eng.train(batch, mini=16, micro=4, epochs=1, process=fn, loss_fn=loss, prefix="actor")
@@ -79,7 +80,7 @@ class MegatronEngine(cpu_compat.Boundary):
         self.es = es
         self.dtype = resolve_dtype(es.dtype, es.trainable)
         self.spec, ckpt, self.hf_dtype = read_spec(es)  # hf_dtype: what exports write back
-        state.init_distributed(es.timeout_s)
+        state.require_distributed("MegatronEngine")
         self.shards = Shards(es, self.spec, self.dtype)
         # what the roles, the checkpoint engine and checkpoint.py read
         self.layout, self.device, self.config = self.shards.layout, self.shards.device, self.shards.config

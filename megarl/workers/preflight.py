@@ -43,7 +43,6 @@ class EngineSpec:
     packing: bool = True                    # THD-packed micro-batches (model.use_remove_padding)
     transformer_overrides: dict = field(default_factory=dict)
     converters: list | dict = field(default_factory=list)  # model converters, by name (megarl/models/converters.py)
-    timeout_s: float = 600.0
     seed: int = 42
     role: str = "actor"
 

@@ -18,11 +18,10 @@ from megarl.workers.outputs import log_prob_outputs
 
 
 class ReferenceWorker:
-    def __init__(self, model: ModelConfig, ref: RefConfig, micro_batch_size: int = 4, dtype: str = "auto",
-                 timeout_s: float = 600.0):
+    def __init__(self, model: ModelConfig, ref: RefConfig, micro_batch_size: int = 4, dtype: str = "auto"):
         self.cfg = ref
         self.micro = ref.log_prob_micro_batch_size_per_gpu or micro_batch_size
-        self.engine = MegatronEngine(engine_spec(model, ref, trainable=False, dtype=dtype, timeout_s=timeout_s,
+        self.engine = MegatronEngine(engine_spec(model, ref, trainable=False, dtype=dtype,
                                                  role="actor_rollout_ref.ref"))
         # a frozen role has only weights to move (its megatron section may be the actor's, grads and all)
         wants = ref.param_offload or bool(ref.megatron and ref.megatron.param_offload)
@@ -33,8 +32,7 @@ class ReferenceWorker:
 
     @classmethod
     def from_config(cls, cfg) -> "ReferenceWorker":
-        return cls(cfg.model, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.dtype,
-                   cfg.trainer.collective_timeout_s)
+        return cls(cfg.model, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.dtype)
 
     def compute_ref_log_prob(self, data: DataProto, temperature: float = 1.0):
         eng = self.engine

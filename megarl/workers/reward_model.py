@@ -33,7 +33,7 @@ def _last_token_scores(values: torch.Tensor, mb: DataProto) -> dict[str, torch.T
 
 class RewardModelWorker:
     def __init__(self, model: ModelConfig, role_cfg, actor_vocab: int | None, micro_batch_size: int = 4,
-                 dtype: str = "auto", timeout_s: float = 600.0):
+                 dtype: str = "auto"):
         hf = read_hf_config(model.path) if model.path else None
         if hf is None:
             raise ConfigError("reward_model.enable needs an HF reward-model directory (a *ForSequenceClassification "
@@ -43,7 +43,7 @@ class RewardModelWorker:
                               f"({actor_vocab}); it must share the actor's tokenizer", _KEY)
         self.micro = micro_batch_size
         self.engine = MegatronEngine(engine_spec(model, role_cfg, head="value", trainable=False, dtype=dtype,
-                                                 timeout_s=timeout_s, head_from_checkpoint=True,
+                                                 head_from_checkpoint=True,
                                                  role="reward_model"))
 
     @classmethod
@@ -51,8 +51,7 @@ class RewardModelWorker:
         rm = cfg.reward_model
         model = ModelConfig(path=rm.model.get("path"), tokenizer_path=rm.model.get("tokenizer_path"))
         actor_hf = read_hf_config(cfg.model.path) or {}
-        return cls(model, cfg.actor, actor_hf.get("vocab_size"), rm.micro_batch_size_per_gpu, cfg.actor.dtype,
-                   cfg.trainer.collective_timeout_s)
+        return cls(model, cfg.actor, actor_hf.get("vocab_size"), rm.micro_batch_size_per_gpu, cfg.actor.dtype)
 
     def compute_scores(self, data: DataProto) -> torch.Tensor:
         return self.engine.forward_rows(data, self.micro, _last_token_scores, ("scores",), {"scores": ()})["scores"]

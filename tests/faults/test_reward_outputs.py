@@ -13,7 +13,9 @@ import pytest
 
 from megarl.config.experiment import load_config
 from megarl.reward.loading import RewardFnSpec
+from megarl.reward.settings import RewardSettings
 from megarl.reward.manager import RewardFailure, RewardManager, build_reward_manager
+from megarl.reward.scorers import InProcessScorer
 from tests.helpers.reward import rollout_batch, tokenizer
 
 REWARDS = '''
@@ -107,7 +109,8 @@ def test_a_custom_manager_of_the_wrong_shape_names_the_class(rewards):
 
 def _stuck(stderr_path, path):
     sys.stderr = open(stderr_path, "w")
-    manager = RewardManager(tokenizer(), RewardFnSpec(path, "ignores_timeout"), timeout_s=0.5, deadline_s=1)
+    scorer = InProcessScorer(tokenizer(), RewardFnSpec(path, "ignores_timeout"), timeout_s=0.5)
+    manager = RewardManager(tokenizer(), scorer, RewardSettings(deadline_s=1))
     manager(rollout_batch(["5", "6"], ["5", "5"], source="x"))
 
 

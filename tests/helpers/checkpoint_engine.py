@@ -16,11 +16,13 @@ TEMP = 0.7
 
 
 def actor_at(path: str, tp: int, pp: int, micro: int = 2):
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
     cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro,
                       megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                       optim=OptimConfig(lr=1e-3))
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     return ActorWorker(ModelConfig(path=path), cfg)
 
 

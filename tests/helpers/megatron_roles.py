@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from megarl.models.tiny import token_rows
+from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.actor import ActorWorker
 from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
@@ -104,6 +105,7 @@ def make_actor(path: str, micro: int, *, tp: int = 1, pp: int = 1, cp: int = 1, 
     # entropy_coeff: policy_loss has an entropy bonus, so the entropy must carry gradients.
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, megatron=mc, entropy_coeff=0.01,
                       optim=OptimConfig(**{"lr": 1e-3, **optim}))
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     return ActorWorker(ModelConfig(path=path, override_config=dict(override or {})), cfg)
 
 

@@ -31,10 +31,12 @@ def make_batch(vocab: int, B: int, P: int, R: int, seed: int = 0):
 
 
 def make_actor(path: str, tp: int = 1, micro: int = 2, mini: int = 4, **megatron):
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
     cfg = ActorConfig(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro, optim=OptimConfig(lr=1e-3),
                       megatron=MegatronConfig(tensor_model_parallel_size=tp, **megatron))
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     return ActorWorker(ModelConfig(path=path), cfg)
 
 

@@ -27,6 +27,7 @@ def _steps(rank, world, path):
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
 
+    state.init_distributed()   # the rank set-up; the engine starts no process group
     actor = ActorWorker(ModelConfig(path=path), ActorConfig(
         ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, megatron=MegatronConfig(tensor_model_parallel_size=2),
         optim=OptimConfig(lr=3e-2)))

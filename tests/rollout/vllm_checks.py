@@ -185,10 +185,12 @@ def parity_with_megatron(root: str) -> dict:
     from megarl.checkpoint_engine.source import ShardSource
     from megarl.models.tiny import make_tiny_hf
     from megarl.protocol import DataProto
+    from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
 
     path = make_tiny_hf(os.path.join(root, "parity"), "qwen2", seed=1, vocab_size=301, **SHAPE)
+    state.init_distributed()   # the rank set-up (megatron's CPU layer); the engine starts no process group
     actor = ActorWorker(ModelConfig(path=path), ActorConfig(
         ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, megatron=MegatronConfig(tensor_model_parallel_size=1),
         optim=OptimConfig(lr=3e-2)))
