@@ -87,7 +87,7 @@ def test_defaults_table_is_verls():
 def test_every_verl_leaf_is_known(release):
     """Each leaf at each of verl's defaults: never 'unknown'; a verl-only key at its default is accepted,
     at another value refused with its reason."""
-    unknown, refused_at_default = [], []
+    unknown, refused_at_default, null_unread = [], [], []
     for key, defaults in verl_leaves(release).items():
         ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES
                 or moved_from(key) is not None)
@@ -102,8 +102,45 @@ def test_every_verl_leaf_is_known(release):
                     unknown.append(str(err))
                 elif not ours:
                     refused_at_default.append(str(err))
+                elif value is None and ("got None" in str(err) or "\n" in str(err) or "set " not in str(err)):
+                    null_unread.append(str(err))     # a null megarl implements: verl's meaning, or what to set
     assert not unknown, unknown[:5]
     assert not refused_at_default, refused_at_default[:5]
+    assert not null_unread, null_unread[:5]
+
+
+def test_verl_null_defaults_mean_what_verl_means():
+    """data.seed=null: verl shuffles with torch.Generator()'s built-in seed, one fixed order every run;
+    ppo_micro_batch_size_per_gpu=null: micro-batches cut by tokens only (verl asks use_dynamic_bsz)."""
+    import torch
+    from megarl.data.loader import ResumableSampler
+    assert torch.Generator().initial_seed() == torch.Generator().initial_seed()     # verl's null: fixed
+    seeded = load_config(None, ["data.seed=null"])
+    assert seeded.data.seed == load_config(None).data.seed
+    orders = [ResumableSampler(32, 8, True, load_config(None, ["data.seed=null"]).data.seed).order(0)
+              for _ in range(2)]
+    assert list(orders[0]) == list(orders[1]) != list(range(32))
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    cfg = load_config(None, [f"{micro}=null", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "algorithm.adv_estimator=gae"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu is None and cfg.critic.use_dynamic_bsz
+    for extra, key, words in (
+            ([], micro, "actor_rollout_ref.actor.use_dynamic_bsz=true"),
+            (["actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"],
+             "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz=true"),
+            (["actor_rollout_ref.actor.use_dynamic_bsz=true", "algorithm.adv_estimator=gae",
+              "critic.use_dynamic_bsz=false"], "critic.ppo_micro_batch_size_per_gpu", "critic.use_dynamic_bsz=true"),
+            (["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=null", f"{micro}=4"],
+             "reward_model.micro_batch_size_per_gpu", "e.g. 4")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{micro}=null", *extra])
+        assert err.value.key == key and words in str(err.value) and "\n" not in str(err.value)
+    # with its own row count a row-cut pass runs beside token-budget ones
+    cfg = load_config(None, [f"{micro}=null", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                             "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu=8"])
+    assert cfg.actor.log_prob_micro_batch_size_per_gpu == 8
 
 
 @pytest.mark.parametrize("override,expect", [
