@@ -20,7 +20,7 @@ import yaml
 from megarl.config import ConfigError
 from megarl.config.experiment import load_config
 from megarl.config.experiment import ExperimentConfig
-from megarl.config.refused import ALIASES, LEGACY_NULL, REFUSED, moved_from
+from megarl.config.refused import ALIASES, LEGACY_NULL, REFUSED, RENAMED, moved_from
 from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_defaults
 
 HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
@@ -89,7 +89,7 @@ def test_every_verl_leaf_is_known(release):
     at another value refused with its reason."""
     unknown, refused_at_default, null_unread = [], [], []
     for key, defaults in verl_leaves(release).items():
-        ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES
+        ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES or key in RENAMED
                 or moved_from(key) is not None)
         assert ours or key in verl_defaults(), f"{key}: neither megarl's nor in verl_keys"
         if not ours:
@@ -237,13 +237,8 @@ def test_verl_recipe_keys_that_megarl_does_are_accepted():
 
 
 @pytest.mark.parametrize("override,alternative", [
-    ("reward.reward_model.enable=true", "set reward_model.enable instead"),
-    ("reward.reward_model.model_path=/models/rm", "set reward_model.model.path instead"),
-    ("reward.reward_manager.name=batch", "set reward_model.reward_manager instead"),
-    ("reward.num_workers=4", "set reward_model.num_workers instead"),
-    ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "set actor_rollout_ref.actor.router_replay.mode"),
-    ("actor_rollout_ref.ref.megatron.router_replay.mode=R2", "set actor_rollout_ref.ref.router_replay.mode"),
     ("reward.reward_model.rollout.tensor_model_parallel_size=4", "reward_model.model.path"),
+    ("critic.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.router_replay.mode"),
     ("distillation.enabled=true", "distillation from a teacher model is not implemented"),
     ("trainer.use_v1=false", "async_training"),
     ("actor_rollout_ref.rollout.disaggregation.enabled=true", "actor_rollout_ref.rollout.placement=disaggregated"),
@@ -274,6 +269,28 @@ def test_verl_091_custom_reward_function_spelling_is_read_as_megarls(tmp_path):
     # verl 0.9.1's null under the old spelling means "not set": the new spelling's value stands
     cfg = load_config(None, ["custom_reward_function.name=null", "reward.custom_reward_function.name=fn"])
     assert cfg.custom_reward_function.name == "fn"
+
+
+def test_verl_091_moved_keys_are_read_as_megarls(tmp_path):
+    """verl 0.9.1's spelling of a key megarl has is read as megarl's key; both set must agree."""
+    cfg = load_config(None, ["reward.num_workers=4", "reward.reward_manager.name=batch",
+                             "reward.reward_model.enable=false",
+                             "actor_rollout_ref.actor.megatron.router_replay.mode=R2"])
+    assert (cfg.reward_model.num_workers, cfg.reward_model.reward_manager) == (4, "batch")
+    assert cfg.actor.router_replay.mode == "R2"
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "cfg.yaml").write_text("reward:\n  reward_model:\n    enable: false\n    model_path: rm\n")
+    assert load_config(str(tmp_path / "cfg.yaml")).reward_model.model["path"] == str(tmp_path / "rm")
+    # 0.9.1's null model_path is "not set"; verl 0.7's spelling beside it stands
+    assert load_config(None, ["reward.reward_model.model_path=null", "reward_model.model.path=/m"]
+                       ).reward_model.model["path"] == "/m"
+    # verl 0.9.1's whole reward tree at its defaults, with verl 0.7's keys at their placeholder nulls
+    cfg = load_config(None, ["reward.num_workers=8", "reward_model.num_workers=null",
+                             "reward.reward_manager.name=naive", "reward_model.reward_manager=null"])
+    assert (cfg.reward_model.num_workers, cfg.reward_model.reward_manager) == (8, "naive")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["reward.num_workers=4", "reward_model.num_workers=2"])
+    assert err.value.key == "reward.num_workers" and "reward_model.num_workers=2" in str(err.value)
 
 
 @needs_verl
