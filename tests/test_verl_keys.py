@@ -25,7 +25,7 @@ from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_def
 
 HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
 sys.path.insert(0, HERE)
-from make_defaults import INSTALL, installed_verl, table, verl_leaves  # noqa: E402
+from make_defaults import INSTALL, engine_only_values, installed_verl, table, verl_leaves  # noqa: E402
 
 ROOTS = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
 NO_VERL = f"verl 0.9.1 is not installed, and its key trees come from the installed package: {INSTALL}"
@@ -72,6 +72,31 @@ def test_installed_trees_are_verl_091s():
     assert {"reward.reward_model.enable", "distillation.enabled", "trainer.use_v1",
             "actor_rollout_ref.actor.megatron.router_replay.mode"} <= set(leaves)
     assert "reward_manager.name" not in leaves          # moved to reward.reward_manager.name
+    # its torchtitan and VeOmni engines' trees (model_engine=torchtitan / veomni) are walked too
+    assert len(leaves) > 1300         # 1331 with them
+    assert {"actor_rollout_ref.actor.torchtitan.attn_type", "critic.veomni.fsdp_size",
+            "actor_rollout_ref.ref.optim.name"} <= set(leaves)
+
+
+@needs_verl
+def test_verl_091_engine_trees_values_are_refused_in_one_line():
+    """strategy=torchtitan, optim.lr_scheduler_type=cosine and the other values only the torchtitan / VeOmni
+    trees give a leaf of the FSDP and megatron trees ask for another engine: one line each, or megarl's
+    own meaning (optim.optimizer=adamw)."""
+    values = engine_only_values()
+    assert {"actor_rollout_ref.actor.strategy", "critic.optim.lr_scheduler_type"} <= set(values)
+    for key, defaults in values.items():
+        for value in defaults:
+            try:
+                load_config(None, [f"{key}={_yaml_value(value)}"])
+            except ConfigError as err:
+                assert err.key == key, str(err)
+                assert "\n" not in str(err) and "unknown key" not in str(err), str(err)
+            else:
+                assert megarl_implements(key, ExperimentConfig), f"{key}={value!r} accepted but not megarl's"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["actor_rollout_ref.actor.torchtitan.tensor_parallel_size=2"])
+    assert "actor_rollout_ref.actor.megatron" in str(err.value) and "torchtitan" in str(err.value)
 
 
 @needs_verl

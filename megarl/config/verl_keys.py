@@ -59,9 +59,20 @@ _DISTILL = ("distillation from a teacher model is not implemented; megarl trains
 _V1 = ("megarl has one trainer, not verl's v1/legacy choice; overlap generation with training through "
        "actor_rollout_ref.rollout.placement=disaggregated and async_training.* (max_staleness); remove the key")
 
+_ENGINE = ("megarl trains with megatron-core, not verl's {} engine (model_engine={}); set the layout and offload "
+           "under <role>.megatron; remove the key")
+
 # (glob over the dotted key, why the default is harmless and what to use instead). First match wins.
 RULES: list[tuple[str, str]] = [
     ("*._target_", "verl's Hydra class target; megarl builds its typed config itself; remove the key"),
+    ("*.torchtitan.*", _ENGINE.format("torchtitan", "torchtitan")), ("*.veomni.*", _ENGINE.format("VeOmni", "veomni")),
+    ("actor_rollout_ref.ref.optim.*", "the reference model is frozen: it has no optimizer; remove the key"),
+    ("*.optim.name", "set <role>.optim.optimizer (adam or adamw) instead"),
+    ("*.optim.decay_type", "set <role>.optim.lr_decay_style (constant, linear, cosine) instead"),
+    ("*.optim.lr_decay_ratio", "megarl decays over all the remaining steps; set <role>.optim.lr_decay_style"),
+    ("*.optim.lr_start", "megarl's warm-up starts from 0; remove the key"),
+    ("*.optim.lr_min", "set <role>.optim.min_lr instead"),
+    ("*.optim.min_lr_factor", "set <role>.optim.min_lr (an absolute rate) instead"),
     ("*fsdp_config.*", _OFFLOAD), ("critic.fsdp.*", _OFFLOAD),
     ("*.strategy", "megarl trains with megatron-core only; remove the key or set megatron"),
     ("*.use_torch_compile", "megarl's roles run megatron-core's own kernels, not torch.compile; remove the key"),
