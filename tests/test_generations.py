@@ -111,6 +111,15 @@ def test_val_generations_pick_is_verls(tmp_path):
     log.log_generations(4, picked["_val_generations"])
     rows = [json.loads(line) for line in open(tmp_path / "run" / "val_generations.jsonl")]
     assert [(r["input"], r["output"], r["score"]) for r in rows] == logged[0] and rows[0]["step"] == 4
+    # a run resumed from step 4's checkpoint logs steps 5.. again: the lines of 6 and 8 go, 4's stay
+    for step in (6, 8):
+        log.log(step, {"val/accuracy": 0.5}, print_line=False)
+        log.log_generations(step, picked["_val_generations"])
+    with open(tmp_path / "run" / "val_generations.jsonl", "a") as f:
+        f.write('{"step": 8, "input": "cut sho')                 # a kill in the middle of a write
+    MetricsLogger(str(tmp_path / "run"), ["console"], "p", "e").truncate_after(4)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "val_generations.jsonl")]
+    assert {r["step"] for r in rows} == {4} and len(rows) == len(logged[0])
 
 
 def verl_val_oracle():

@@ -38,8 +38,10 @@ def test_ppo_with_critic_kl_and_a_flaky_reward_in_a_ray_pool(addition_model_dir,
                           "reward_model.launch_reward_fn_async=true", "reward_model.num_workers=2",
                           "reward_model.timeout_s=2", "reward_model.failure_score=0.0",
                           "custom_reward_function.path=tests/assets/flaky_reward.py",
-                          # token-budget micro-batches for every pass (actor, reference, critic), packed
+                          # token-budget micro-batches for every pass (actor, reference, critic), packed;
+                          # the row count at verl's null (token budgets only)
                           "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=48"))
     assert code == 0, out[-4000:]
     rows = read_metrics(str(tmp_path / "ppo"))

@@ -20,12 +20,12 @@ import yaml
 from megarl.config import ConfigError
 from megarl.config.experiment import load_config
 from megarl.config.experiment import ExperimentConfig
-from megarl.config.refused import ALIASES, LEGACY_NULL, REFUSED, moved_from
+from megarl.config.refused import ALIASES, LEGACY_NULL, REFUSED, RENAMED, moved_from
 from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_defaults
 
 HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
 sys.path.insert(0, HERE)
-from make_defaults import INSTALL, installed_verl, table, verl_leaves  # noqa: E402
+from make_defaults import INSTALL, engine_only_values, installed_verl, table, verl_leaves  # noqa: E402
 
 ROOTS = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
 NO_VERL = f"verl 0.9.1 is not installed, and its key trees come from the installed package: {INSTALL}"
@@ -72,6 +72,31 @@ def test_installed_trees_are_verl_091s():
     assert {"reward.reward_model.enable", "distillation.enabled", "trainer.use_v1",
             "actor_rollout_ref.actor.megatron.router_replay.mode"} <= set(leaves)
     assert "reward_manager.name" not in leaves          # moved to reward.reward_manager.name
+    # its torchtitan and VeOmni engines' trees (model_engine=torchtitan / veomni) are walked too
+    assert len(leaves) > 1300         # 1331 with them
+    assert {"actor_rollout_ref.actor.torchtitan.attn_type", "critic.veomni.fsdp_size",
+            "actor_rollout_ref.ref.optim.name"} <= set(leaves)
+
+
+@needs_verl
+def test_verl_091_engine_trees_values_are_refused_in_one_line():
+    """strategy=torchtitan, optim.lr_scheduler_type=cosine and the other values only the torchtitan / VeOmni
+    trees give a leaf of the FSDP and megatron trees ask for another engine: one line each, or megarl's
+    own meaning (optim.optimizer=adamw)."""
+    values = engine_only_values()
+    assert {"actor_rollout_ref.actor.strategy", "critic.optim.lr_scheduler_type"} <= set(values)
+    for key, defaults in values.items():
+        for value in defaults:
+            try:
+                load_config(None, [f"{key}={_yaml_value(value)}"])
+            except ConfigError as err:
+                assert err.key == key, str(err)
+                assert "\n" not in str(err) and "unknown key" not in str(err), str(err)
+            else:
+                assert megarl_implements(key, ExperimentConfig), f"{key}={value!r} accepted but not megarl's"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["actor_rollout_ref.actor.torchtitan.tensor_parallel_size=2"])
+    assert "actor_rollout_ref.actor.megatron" in str(err.value) and "torchtitan" in str(err.value)
 
 
 @needs_verl
@@ -87,9 +112,9 @@ def test_defaults_table_is_verls():
 def test_every_verl_leaf_is_known(release):
     """Each leaf at each of verl's defaults: never 'unknown'; a verl-only key at its default is accepted,
     at another value refused with its reason."""
-    unknown, refused_at_default = [], []
+    unknown, refused_at_default, null_unread = [], [], []
     for key, defaults in verl_leaves(release).items():
-        ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES
+        ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES or key in RENAMED
                 or moved_from(key) is not None)
         assert ours or key in verl_defaults(), f"{key}: neither megarl's nor in verl_keys"
         if not ours:
@@ -102,8 +127,45 @@ def test_every_verl_leaf_is_known(release):
                     unknown.append(str(err))
                 elif not ours:
                     refused_at_default.append(str(err))
+                elif value is None and ("got None" in str(err) or "\n" in str(err) or "set " not in str(err)):
+                    null_unread.append(str(err))     # a null megarl implements: verl's meaning, or what to set
     assert not unknown, unknown[:5]
     assert not refused_at_default, refused_at_default[:5]
+    assert not null_unread, null_unread[:5]
+
+
+def test_verl_null_defaults_mean_what_verl_means():
+    """data.seed=null: verl shuffles with torch.Generator()'s built-in seed, one fixed order every run;
+    ppo_micro_batch_size_per_gpu=null: micro-batches cut by tokens only (verl asks use_dynamic_bsz)."""
+    import torch
+    from megarl.data.loader import ResumableSampler
+    assert torch.Generator().initial_seed() == torch.Generator().initial_seed()     # verl's null: fixed
+    seeded = load_config(None, ["data.seed=null"])
+    assert seeded.data.seed == load_config(None).data.seed
+    orders = [ResumableSampler(32, 8, True, load_config(None, ["data.seed=null"]).data.seed).order(0)
+              for _ in range(2)]
+    assert list(orders[0]) == list(orders[1]) != list(range(32))
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    cfg = load_config(None, [f"{micro}=null", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "algorithm.adv_estimator=gae"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu is None and cfg.critic.use_dynamic_bsz
+    for extra, key, words in (
+            ([], micro, "actor_rollout_ref.actor.use_dynamic_bsz=true"),
+            (["actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"],
+             "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz=true"),
+            (["actor_rollout_ref.actor.use_dynamic_bsz=true", "algorithm.adv_estimator=gae",
+              "critic.use_dynamic_bsz=false"], "critic.ppo_micro_batch_size_per_gpu", "critic.use_dynamic_bsz=true"),
+            (["reward_model.enable=true", "reward_model.micro_batch_size_per_gpu=null", f"{micro}=4"],
+             "reward_model.micro_batch_size_per_gpu", "e.g. 4")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{micro}=null", *extra])
+        assert err.value.key == key and words in str(err.value) and "\n" not in str(err.value)
+    # with its own row count a row-cut pass runs beside token-budget ones
+    cfg = load_config(None, [f"{micro}=null", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                             "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu=8"])
+    assert cfg.actor.log_prob_micro_batch_size_per_gpu == 8
 
 
 @pytest.mark.parametrize("override,expect", [
@@ -200,13 +262,8 @@ def test_verl_recipe_keys_that_megarl_does_are_accepted():
 
 
 @pytest.mark.parametrize("override,alternative", [
-    ("reward.reward_model.enable=true", "set reward_model.enable instead"),
-    ("reward.reward_model.model_path=/models/rm", "set reward_model.model.path instead"),
-    ("reward.reward_manager.name=batch", "set reward_model.reward_manager instead"),
-    ("reward.num_workers=4", "set reward_model.num_workers instead"),
-    ("actor_rollout_ref.actor.megatron.router_replay.mode=R3", "set actor_rollout_ref.actor.router_replay.mode"),
-    ("actor_rollout_ref.ref.megatron.router_replay.mode=R2", "set actor_rollout_ref.ref.router_replay.mode"),
     ("reward.reward_model.rollout.tensor_model_parallel_size=4", "reward_model.model.path"),
+    ("critic.megatron.router_replay.mode=R3", "actor_rollout_ref.actor.router_replay.mode"),
     ("distillation.enabled=true", "distillation from a teacher model is not implemented"),
     ("trainer.use_v1=false", "async_training"),
     ("actor_rollout_ref.rollout.disaggregation.enabled=true", "actor_rollout_ref.rollout.placement=disaggregated"),
@@ -237,6 +294,28 @@ def test_verl_091_custom_reward_function_spelling_is_read_as_megarls(tmp_path):
     # verl 0.9.1's null under the old spelling means "not set": the new spelling's value stands
     cfg = load_config(None, ["custom_reward_function.name=null", "reward.custom_reward_function.name=fn"])
     assert cfg.custom_reward_function.name == "fn"
+
+
+def test_verl_091_moved_keys_are_read_as_megarls(tmp_path):
+    """verl 0.9.1's spelling of a key megarl has is read as megarl's key; both set must agree."""
+    cfg = load_config(None, ["reward.num_workers=4", "reward.reward_manager.name=batch",
+                             "reward.reward_model.enable=false",
+                             "actor_rollout_ref.actor.megatron.router_replay.mode=R2"])
+    assert (cfg.reward_model.num_workers, cfg.reward_model.reward_manager) == (4, "batch")
+    assert cfg.actor.router_replay.mode == "R2"
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "cfg.yaml").write_text("reward:\n  reward_model:\n    enable: false\n    model_path: rm\n")
+    assert load_config(str(tmp_path / "cfg.yaml")).reward_model.model["path"] == str(tmp_path / "rm")
+    # 0.9.1's null model_path is "not set"; verl 0.7's spelling beside it stands
+    assert load_config(None, ["reward.reward_model.model_path=null", "reward_model.model.path=/m"]
+                       ).reward_model.model["path"] == "/m"
+    # verl 0.9.1's whole reward tree at its defaults, with verl 0.7's keys at their placeholder nulls
+    cfg = load_config(None, ["reward.num_workers=8", "reward_model.num_workers=null",
+                             "reward.reward_manager.name=naive", "reward_model.reward_manager=null"])
+    assert (cfg.reward_model.num_workers, cfg.reward_model.reward_manager) == (8, "naive")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["reward.num_workers=4", "reward_model.num_workers=2"])
+    assert err.value.key == "reward.num_workers" and "reward_model.num_workers=2" in str(err.value)
 
 
 @needs_verl

@@ -28,7 +28,7 @@ INPUT_PATH_KEYS = (
     "data.train_files", "data.val_files", "data.custom_cls.path",
     "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
     "critic.model.path", "critic.model.tokenizer_path",
-    "reward_model.model.path", "reward_model.model.tokenizer_path",
+    "reward_model.model.path", "reward_model.model.tokenizer_path", "reward.reward_model.model_path",
     "custom_reward_function.path", "reward.custom_reward_function.path",    # verl 0.9.1's spelling of it
     "actor_rollout_ref.rollout.tools", "actor_rollout_ref.rollout.interactions",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path",
@@ -40,7 +40,7 @@ INPUT_PATH_KEYS = (
 # Keys that may name a module instead of a file: resolved only when they look like a file path.
 # Keys that may hold a hub id (ORG/NAME), which megarl refuses with the download command.
 HUB_ID_OR_DIR = {"actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
-                 "critic.model.tokenizer_path", "reward_model.model.path"}
+                 "critic.model.tokenizer_path", "reward_model.model.path", "reward.reward_model.model_path"}
 MODULE_OR_FILE = {"custom_reward_function.path", "reward.custom_reward_function.path",
                   "actor_rollout_ref.rollout.custom_cls_path", "data.custom_cls.path"}
 

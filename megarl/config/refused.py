@@ -97,6 +97,41 @@ MOVED: dict[str, str] = {
 }
 
 
+# Single keys verl 0.9.1 moved, which megarl reads under verl 0.7's name: 0.9.1 key -> megarl key. A null
+# there (0.9.1's default model_path) is "not set"; a key set both ways must agree.
+RENAMED: dict[str, str] = {
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.num_workers": "reward_model.num_workers",
+    "actor_rollout_ref.actor.megatron.router_replay.mode": "actor_rollout_ref.actor.router_replay.mode",
+    "actor_rollout_ref.ref.megatron.router_replay.mode": "actor_rollout_ref.ref.router_replay.mode",
+}
+
+
+def rename_keys(raw: dict) -> dict:
+    """`raw` with each RENAMED verl 0.9.1 key under megarl's name."""
+    for src, dst in RENAMED.items():
+        present, value = _get(raw, src)
+        if not present:
+            continue
+        del _parent(raw, src)[src.rsplit(".", 1)[1]]
+        _prune(raw, src.rsplit(".", 1)[0])
+        if value is None:
+            continue
+        node = raw
+        for part in dst.split(".")[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"is {node!r}, not a section; {src} is read as {dst}", dst.rsplit(".", 1)[0])
+        leaf = dst.rsplit(".", 1)[1]
+        if node.get(leaf) is not None and node[leaf] != value:
+            raise ConfigError(f"{value!r} disagrees with {dst}={node[leaf]!r}; {src} is read as {dst}, "
+                              "set one of them", src)
+        node[leaf] = value
+    return raw
+
+
 # verl 0.9.1 keeps verl 0.7's reward keys (megarl's spelling) with null defaults meaning "not set here, read
 # reward.*" (verl/trainer/config/legacy_reward_impl.yaml); megarl reads such a null as the key left out, so
 # its own default applies, which is verl's reward.* default but for num_workers (megarl's pool of 2).

@@ -58,11 +58,21 @@ _DISTILL = ("distillation from a teacher model is not implemented; megarl trains
             "(custom_reward_function, reward_model); remove the key")
 _V1 = ("megarl has one trainer, not verl's v1/legacy choice; overlap generation with training through "
        "actor_rollout_ref.rollout.placement=disaggregated and async_training.* (max_staleness); remove the key")
-_RM_091 = "verl 0.9.1's spelling of a key megarl reads under verl 0.7's name; set {} instead"
+
+_ENGINE = ("megarl trains with megatron-core, not verl's {} engine (model_engine={}); set the layout and offload "
+           "under <role>.megatron; remove the key")
 
 # (glob over the dotted key, why the default is harmless and what to use instead). First match wins.
 RULES: list[tuple[str, str]] = [
     ("*._target_", "verl's Hydra class target; megarl builds its typed config itself; remove the key"),
+    ("*.torchtitan.*", _ENGINE.format("torchtitan", "torchtitan")), ("*.veomni.*", _ENGINE.format("VeOmni", "veomni")),
+    ("actor_rollout_ref.ref.optim.*", "the reference model is frozen: it has no optimizer; remove the key"),
+    ("*.optim.name", "set <role>.optim.optimizer (adam or adamw) instead"),
+    ("*.optim.decay_type", "set <role>.optim.lr_decay_style (constant, linear, cosine) instead"),
+    ("*.optim.lr_decay_ratio", "megarl decays over all the remaining steps; set <role>.optim.lr_decay_style"),
+    ("*.optim.lr_start", "megarl's warm-up starts from 0; remove the key"),
+    ("*.optim.lr_min", "set <role>.optim.min_lr instead"),
+    ("*.optim.min_lr_factor", "set <role>.optim.min_lr (an absolute rate) instead"),
     ("*fsdp_config.*", _OFFLOAD), ("critic.fsdp.*", _OFFLOAD),
     ("*.strategy", "megarl trains with megatron-core only; remove the key or set megatron"),
     ("*.use_torch_compile", "megarl's roles run megatron-core's own kernels, not torch.compile; remove the key"),
@@ -86,7 +96,6 @@ RULES: list[tuple[str, str]] = [
     # verl 0.9.1 moved route replay under <role>.megatron; megarl keeps verl 0.7's place (the critic has none)
     ("critic.megatron.router_replay.mode", "megarl replays routes for the actor and reference only "
                                            "(actor_rollout_ref.actor.router_replay.mode); remove the key"),
-    ("*.megatron.router_replay.mode", _RM_091.format("<role>.router_replay.mode")),
     ("*.qat.*", "quantization-aware training is not supported: megarl trains in bf16 on GPU, fp32 on CPU; "
                 "remove the key"),
     ("actor_rollout_ref.rollout.qat", "quantization-aware training is not supported; remove the key"),
@@ -218,12 +227,8 @@ RULES: list[tuple[str, str]] = [
     ("reward_model.sandbox_fusion.*", "sandboxed code execution is not built in; score code in "
                                       "custom_reward_function.path"),
     ("*sandbox_fusion.*", "sandboxed code execution is not built in; score code in custom_reward_function.path"),
-    # verl 0.9.1 gathered the reward keys under reward.; megarl reads verl 0.7's names (reward.custom_reward_function
-    # is read as custom_reward_function, refused.py MOVED)
-    ("reward.reward_model.enable", _RM_091.format("reward_model.enable")),
-    ("reward.reward_model.model_path", _RM_091.format("reward_model.model.path")),
-    ("reward.reward_manager.name", _RM_091.format("reward_model.reward_manager")),
-    ("reward.num_workers", _RM_091.format("reward_model.num_workers")),
+    # verl 0.9.1 gathered the reward keys under reward.; megarl reads its spelling of the keys megarl has as verl
+    # 0.7's names (refused.py MOVED and RENAMED)
     ("reward.reward_manager.*", "set reward_model.reward_manager to naive, batch, or a class path "
                                 "(pkg.module:Class or file.py:Class) instead"),
     ("reward.reward_model.*", _RM_POOL),

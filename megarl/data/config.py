@@ -25,7 +25,9 @@ class DataConfig(Section):
     truncation: Literal["error", "left", "right", "middle"] = "error"
     filter_overlong_prompts: bool = True
     shuffle: bool = True
-    seed: int = 1
+    # null is verl's default: its shuffle then draws from torch.Generator()'s fixed built-in seed, the
+    # same order every run. megarl reads null the same way, as its own fixed default seed, 1.
+    seed: int | None = 1
     # Malformed rows are skipped and reported with their line numbers; above this fraction
     # of a file the load stops with an error instead.
     max_bad_row_fraction: float = 0.05
@@ -42,6 +44,8 @@ class DataConfig(Section):
             self.train_files = [self.train_files]
         if isinstance(self.val_files, str):
             self.val_files = [self.val_files]
+        if self.seed is None:
+            self.seed = 1
         require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
         require(self.max_response_length >= 1, "max_response_length", "must be >= 1")
         require(self.train_batch_size >= 1, "train_batch_size", "must be >= 1")

@@ -19,7 +19,7 @@ class CustomRewardFunctionConfig(Section):
 class RewardModelConfig(Section):
     enable: bool = False                   # score with a model (critic backbone + score head)
     model: dict[str, Any] = field(default_factory=dict)  # {path, tokenizer_path}
-    micro_batch_size_per_gpu: int = 4
+    micro_batch_size_per_gpu: int | None = 4  # null (verl 0.7's default): needed only when enable is true
     # naive: one call per sample; batch: one call for the whole batch; or
     # "pkg.module:Class" / "file.py:Class", a manager called with the batch (as verl calls its managers).
     reward_manager: str = "naive"
@@ -51,5 +51,7 @@ class RewardModelConfig(Section):
         require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
         require(self.batch_deadline_s is None or self.batch_deadline_s > 0, "batch_deadline_s", "must be > 0 seconds")
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
+        require(not self.enable or self.micro_batch_size_per_gpu is not None, "micro_batch_size_per_gpu",
+                "null (verl 0.7's default) gives the reward model no micro batch; set a number of sequences (e.g. 4)")
         require(0 <= self.max_failure_fraction <= 1, "max_failure_fraction", "must be within [0, 1]")
 

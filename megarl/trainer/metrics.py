@@ -118,23 +118,28 @@ class MetricsLogger:
             os.close(fd)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after `step` (a resumed run logs them again), and a line cut short
-        by a kill during its write (with a notice)."""
-        if not self.enabled or not os.path.exists(self.path):
+        """Drop records of steps after `step` (a resumed run logs them again) from metrics.jsonl and
+        val_generations.jsonl, and a line cut short by a kill during its write (with a notice)."""
+        if not self.enabled:
             return
+        for path in (self.path, os.path.join(os.path.dirname(self.path), "val_generations.jsonl")):
+            if os.path.exists(path):
+                self._keep_until(path, step)
+
+    def _keep_until(self, path: str, step: int) -> None:
         lines = []
-        with open(self.path) as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for number, line in enumerate(f, 1):
                 record = _parse(line)
                 if record is None:
-                    self.info(f"megarl: dropped line {number} of {self.path}: not a complete JSON record "
+                    self.info(f"megarl: dropped line {number} of {path}: not a complete JSON record "
                               f"(a write cut short by a kill): {line.strip()[:80]!r}")
                 elif line.strip() and record.get("step", 0) <= step:
                     lines.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(lines)
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
 
     def info(self, text: str) -> None:
         if self.enabled:

@@ -156,7 +156,9 @@ class RouterReplayConfig(Section):
 class ActorConfig(Section):
     strategy: Literal["megatron"] = "megatron"
     ppo_mini_batch_size: int = 16          # prompts per optimiser step (x n responses each)
-    ppo_micro_batch_size_per_gpu: int = 4  # sequences per forward/backward on one data-parallel rank
+    # sequences per forward/backward on one data-parallel rank; null (verl's default) leaves every
+    # micro-batch to the token budget, so it needs use_dynamic_bsz=true (verl asks the same)
+    ppo_micro_batch_size_per_gpu: int | None = 4
     ppo_micro_batch_size: int | None = None  # verl's deprecated global form; per_gpu wins
     ppo_epochs: int = 1
     shuffle: bool = False
@@ -186,7 +188,12 @@ class ActorConfig(Section):
 
     def __post_init__(self):
         require(self.ppo_mini_batch_size >= 1, "ppo_mini_batch_size", "must be >= 1")
-        require(self.ppo_micro_batch_size_per_gpu >= 1, "ppo_micro_batch_size_per_gpu", "must be >= 1")
+        if self.ppo_micro_batch_size_per_gpu is None:
+            require(self.use_dynamic_bsz, "ppo_micro_batch_size_per_gpu",
+                    "null (verl's default) cuts micro-batches by tokens only, which needs "
+                    "actor_rollout_ref.actor.use_dynamic_bsz=true; set that, or a number of sequences (e.g. 4)")
+        else:
+            require(self.ppo_micro_batch_size_per_gpu >= 1, "ppo_micro_batch_size_per_gpu", "must be >= 1")
         require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         require(self.ppo_max_token_len_per_gpu >= 1, "ppo_max_token_len_per_gpu", "must be >= 1")
         require(self.clip_ratio > 0, "clip_ratio", "must be > 0")

@@ -62,14 +62,36 @@ def _vpp_micro(seqs: int, dp: int, pp: int) -> int | None:
     return next((m for m in range(seqs // (dp * pp), 0, -1) if seqs % (m * dp * pp) == 0), None)
 
 
+def _check_row_micro_batches(cfg) -> None:
+    """The actor's micro batch at null (verl's default) cuts by tokens only: every pass that cuts by
+    rows instead needs a row count of its own."""
+    ro, ref, crit, actor = cfg.rollout, cfg.actor_rollout_ref.ref, cfg.critic, cfg.actor
+    if actor.ppo_micro_batch_size_per_gpu is not None:
+        return
+    passes = [("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", ro.log_prob_use_dynamic_bsz,
+               actor.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu"),
+              ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", ref.log_prob_use_dynamic_bsz,
+               ref.log_prob_micro_batch_size_per_gpu, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")]
+    if crit.enable:
+        passes.append(("critic.use_dynamic_bsz", crit.use_dynamic_bsz, crit.ppo_micro_batch_size_per_gpu,
+                       "critic.ppo_micro_batch_size_per_gpu"))
+    for switch, dynamic, micro, micro_key in passes:
+        if not dynamic and micro is None:
+            raise ConfigError(f"{switch}=false cuts by rows, but actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
+                              f"is null (token budgets only); set {switch}=true or {micro_key}", micro_key)
+
+
 def check_mini_batches(cfg) -> None:
     """A mini batch splits into whole micro-batches over DP (a multiple of PP under VPP)."""
+    _check_row_micro_batches(cfg)
     actor, crit, n, dp = cfg.actor, cfg.critic, cfg.rollout.n, cfg.data_parallel_size()
     for role, sec in (("actor_rollout_ref.actor", actor), ("critic", crit)):
         if role == "critic" and not crit.enable:
             continue
         mini, micro = sec.ppo_mini_batch_size, sec.ppo_micro_batch_size_per_gpu
         seqs = mini * n
+        if micro is None:            # token budgets only (use_dynamic_bsz): the mini batch splits over DP
+            micro = 1
         if seqs % (micro * dp):
             raise ConfigError(
                 f"a mini batch holds ppo_mini_batch_size x rollout.n = {mini} x {n} = {seqs} sequences, "

@@ -21,7 +21,8 @@ from megarl.workers.outputs import value_outputs
 class CriticWorker(EngineShardView, RoleMemory):
     def __init__(self, critic: CriticConfig, rollout_n: int = 1, dtype: str = "auto",
                  log_prob_micro_batch_size: int | None = None):
-        if critic.ppo_mini_batch_size is None or critic.ppo_micro_batch_size_per_gpu is None:
+        if critic.ppo_mini_batch_size is None or (critic.ppo_micro_batch_size_per_gpu is None
+                                                  and not critic.use_dynamic_bsz):
             raise ValueError("critic.ppo_mini_batch_size and ppo_micro_batch_size_per_gpu are unset; build the "
                              "critic from an ExperimentConfig (which copies the actor's) or set them")
         self.cfg = critic

@@ -4,7 +4,8 @@
     python tests/assets/verl/make_defaults.py      (from the repository root)
 
 Input: two releases of verl's own Hydra composition of ppo_trainer.yaml / ppo_megatron_trainer.yaml
-(_generated_ppo_trainer.yaml, _generated_ppo_megatron_trainer.yaml):
+(_generated_ppo_trainer.yaml, _generated_ppo_megatron_trainer.yaml; 0.9.1 also ships its torchtitan and
+VeOmni engines' trees, _generated_ppo_{torchtitan,veomni}_trainer.yaml, walked too):
 - v0.7.0: stored under config/ here with every file their defaults lists include, copied unchanged
   from verl v0.7.0 (commit f9c855f7cf04d603c9546bc01776c74806a879c1, Apache-2.0, see LICENSE);
 - 0.9.1: read from the installed verl package (verl/trainer/config/), which ships them. verl's
@@ -23,6 +24,8 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TREES = ("_generated_ppo_trainer.yaml", "_generated_ppo_megatron_trainer.yaml")
+# 0.9.1 also composes its torchtitan and VeOmni engines (model_engine=torchtitan / veomni)
+ENGINE_TREES = {"0.7.0": (), "0.9.1": ("_generated_ppo_torchtitan_trainer.yaml", "_generated_ppo_veomni_trainer.yaml")}
 RELEASES = ("0.7.0", "0.9.1")
 INSTALL = "pip install --no-deps verl==0.9.1"
 
@@ -49,8 +52,7 @@ def tree_dir(release: str) -> str:
     return found
 
 
-def verl_leaves(release: str = "0.7.0") -> dict[str, list]:
-    """dotted key -> distinct defaults across one release's two composed trees (an empty mapping is a leaf)."""
+def _walk_trees(release: str, trees: tuple[str, ...]) -> dict[str, list]:
     out: dict[str, list] = {}
 
     def walk(node, prefix):
@@ -61,10 +63,27 @@ def verl_leaves(release: str = "0.7.0") -> dict[str, list]:
             elif value not in out.setdefault(key, []):
                 out[key].append(value)
 
-    for tree in TREES:
+    for tree in trees:
         with open(os.path.join(tree_dir(release), tree)) as f:
             walk(yaml.safe_load(f), "")
     return out
+
+
+def verl_leaves(release: str = "0.7.0") -> dict[str, list]:
+    """dotted key -> distinct defaults across one release's composed trees (an empty mapping is a leaf).
+    A leaf the torchtitan / VeOmni trees add comes with their defaults; a leaf the FSDP and megatron
+    trees hold keeps theirs only (strategy=torchtitan asks for another engine: engine_only_values)."""
+    out = _walk_trees(release, TREES)
+    for key, values in _walk_trees(release, ENGINE_TREES[release]).items():
+        out.setdefault(key, values)
+    return out
+
+
+def engine_only_values(release: str = "0.9.1") -> dict[str, list]:
+    """key -> the defaults only the torchtitan / VeOmni trees give a leaf the other trees hold too."""
+    main, engines = _walk_trees(release, TREES), _walk_trees(release, ENGINE_TREES[release])
+    out = {k: [v for v in values if v not in main[k]] for k, values in engines.items() if k in main}
+    return {k: v for k, v in out.items() if v}
 
 
 def all_leaves() -> dict[str, list]:
