@@ -221,3 +221,64 @@ def test_rollout_ranks_sample_with_rollout_seed(tiny):
     by_rollout_seed = responses("trainer.seed=1", "actor_rollout_ref.rollout.seed=5")
     assert torch.equal(by_rollout_seed, responses("trainer.seed=5"))
     assert not torch.equal(by_rollout_seed, responses("trainer.seed=1"))
+
+
+class _TrainerSide:
+    """The trainer's half of the bridge, played by the test: it takes every hand-off and, as a
+    trainer slower than the engine, never signals an update ahead of time; an update becomes
+    available when the engine blocks for it. The engine's weights stay those of version 0 (the
+    sync carries no tensors here): the schedule and the version labels are what is under test."""
+
+    def __init__(self, start):
+        self.start, self.payloads = start, []
+
+    def broadcast_object(self, payload, src):
+        if payload is None:
+            return self.start            # send_start
+        self.payloads.append(payload)
+        return payload
+
+    def arrived(self, version):
+        return False
+
+    def take(self, version):
+        return version
+
+    def sync(self):
+        return {}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_rollout_stream_runs_k_batches_ahead(tiny, k):
+    """The rollout ranks' loop (RolloutWorker._run) on a real native engine and a real prompt
+    loader: batch t starts under version max(0, t-1-k), so it is trained at staleness min(t-1, k);
+    the buffer holds k-1 finished batches at each hand-off; max_staleness=0 regenerates."""
+    import dataclasses
+
+    from megarl.algos.staleness import sample_staleness
+    from megarl.data.loader import PromptLoader
+    from megarl.trainer.rollout_stream import Period
+
+    total = 5
+    w = _rollout_worker(_native_engine(tiny), [f"async_training.max_staleness={k}", "trainer.test_freq=-1"])
+    loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 4)], 3, seed=2)
+    side = _TrainerSide({"step": 0, "loader": loader.sampler.state_dict(), "inflight": False})
+    w.ranks = dataclasses.replace(w.ranks, world_group=side, handoff_group=side, n_trainers=1)
+    w.p = dataclasses.replace(w.p, train_loader=loader, weight_sync=side, total_steps=total)
+    w.signal, w.total, w.depth, w.val, w.period = side, total, max(1, k), {}, Period()
+    from collections import deque
+    w.buffer = deque()
+    w._run()
+    assert len(side.payloads) == total + 1 and side.payloads[-1]["batch"] is None
+    for t, payload in enumerate(side.payloads[:-1], start=1):
+        b = payload["batch"]
+        stale = sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1)
+        assert (stale == min(t - 1, max(k, 1) if k else 0)).all(), (t, stale)
+        assert payload["loader"]["batch"] == t                # the data position after batch t
+        m = b.meta_info["async_metrics"]
+        assert m["regenerated_groups"] == (3.0 if k == 0 and t > 1 else 0.0)
+        assert m["dropped_tokens"] == (float(m["dropped_tokens"]) if k == 0 else 0.0)
+        if 1 < t < total:
+            assert m["buffer_ready"] == max(k, 1) - 1
+        assert 0.0 <= m["engine_idle_fraction"] <= 1.0
+    assert w.version == total

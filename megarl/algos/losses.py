@@ -61,6 +61,8 @@ class ClipParams:
     clip_low: float = 0.2                  # ratio may fall to 1 - clip_low
     clip_high: float = 0.2                 # ratio may rise to 1 + clip_high (DAPO's clip-higher: larger)
     clip_c: float | None = 3.0             # dual-clip bound for negative advantages; None = off
+    behav_imp_weight_cap: float | None = None   # decoupled_ppo: pi_prox / pi_behav above it leaves the loss
+    m2_threshold: float | None = None      # m2po: the second-moment bound (None: 0.04)
 
 
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
@@ -68,6 +70,7 @@ register_policy_loss = POLICY_LOSSES.register
 
 
 def get_policy_loss(name: str):
+    import megarl.algos.decoupled  # noqa: F401  (registers decoupled_ppo and m2po, which build on _ppo_clip)
     return POLICY_LOSSES.get(name)
 
 
