@@ -203,6 +203,7 @@ def test_stale_groups_are_regenerated_or_dropped(tiny):
     batch.batch["response_mask"][3, 0] = 1
     kept, m = w.enforce_staleness(batch, prompts, t=4)
     assert m["stale_groups"] == 1 and m["regenerated_groups"] == 1 and len(kept) == 6
+    assert m["dropped_tokens"] == float(batch.batch["response_mask"][2:4].sum())     # group "b", both samples
     assert sorted(kept.non_tensor_batch["uid"].tolist()) == ["a", "a", "b", "b", "c", "c"]
     assert (kept.batch["token_versions"][kept.batch["response_mask"] > 0] == 3).all()
     w.acfg = dataclasses.replace(w.acfg, stale_samples="drop")
@@ -248,18 +249,18 @@ class _TrainerSide:
         return {}
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_rollout_stream_runs_k_batches_ahead(tiny, k):
+def test_rollout_stream_runs_k_batches_ahead(tiny):
     """The rollout ranks' loop (RolloutWorker._run) on a real native engine and a real prompt
-    loader: batch t starts under version max(0, t-1-k), so it is trained at staleness min(t-1, k);
-    the buffer holds k-1 finished batches at each hand-off; max_staleness=0 regenerates."""
+    loader, at max_staleness k=2: batch t starts under version max(0, t-1-k), so it is trained at
+    staleness min(t-1, k), and the buffer holds k-1 finished batches at each hand-off. (k=1 is
+    the end-to-end test's schedule, k=0's regeneration test_stale_groups_are_regenerated_or_dropped.)"""
     import dataclasses
 
     from megarl.algos.staleness import sample_staleness
     from megarl.data.loader import PromptLoader
     from megarl.trainer.rollout_stream import Period
 
-    total = 5
+    total, k = 4, 2
     w = _rollout_worker(_native_engine(tiny), [f"async_training.max_staleness={k}", "trainer.test_freq=-1"])
     loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 4)], 3, seed=2)
     side = _TrainerSide({"step": 0, "loader": loader.sampler.state_dict(), "inflight": False})
@@ -273,12 +274,11 @@ def test_rollout_stream_runs_k_batches_ahead(tiny, k):
     for t, payload in enumerate(side.payloads[:-1], start=1):
         b = payload["batch"]
         stale = sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1)
-        assert (stale == min(t - 1, max(k, 1) if k else 0)).all(), (t, stale)
+        assert (stale == min(t - 1, k)).all(), (t, stale)
         assert payload["loader"]["batch"] == t                # the data position after batch t
         m = b.meta_info["async_metrics"]
-        assert m["regenerated_groups"] == (3.0 if k == 0 and t > 1 else 0.0)
-        assert m["dropped_tokens"] == (float(m["dropped_tokens"]) if k == 0 else 0.0)
+        assert m["regenerated_groups"] == 0.0 and m["dropped_tokens"] == 0.0
         if 1 < t < total:
-            assert m["buffer_ready"] == max(k, 1) - 1
+            assert m["buffer_ready"] == k - 1
         assert 0.0 <= m["engine_idle_fraction"] <= 1.0
     assert w.version == total

@@ -11,8 +11,6 @@ One sequence of 4 tokens, eps 0.2, dual clip 3, token-mean:
     (log w)^2 =  0    0.480  0.480  4.324   -> tau 0.35 removes token 3 (mean of the rest 0.32);
                                                tau 0.04 removes tokens 1-3 as well (0.24 > 0.04)
 """
-import math
-
 import pytest
 import torch
 
@@ -79,6 +77,5 @@ def test_decoupled_through_the_actor_loss_and_its_config_checks():
     with pytest.raises(ConfigError, match="m2_threshold.*m2po only"):
         load_config(None, [f"{key}.loss_mode=decoupled_ppo", f"{key}.m2_threshold=0.1"])
     with pytest.raises(ConfigError, match="rollout_correction.rollout_is"):
-        make_actor_loss_fn(load_config(None, [f"{key}.loss_mode=m2po", "algorithm.rollout_correction.rollout_is=token"]))
-    assert math.isclose(load_config(None, [f"{key}.loss_mode=m2po"]).actor_rollout_ref.actor.policy_loss.m2_threshold
-                        or 0.04, 0.04)
+        make_actor_loss_fn(load_config(None, [f"{key}.loss_mode=m2po",
+                                              "algorithm.rollout_correction.rollout_is=token"]))

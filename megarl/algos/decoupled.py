@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algos.losses import Aggregator, ClipParams, _ppo_clip, register_policy_loss
+from megarl.algos.losses import Aggregator, ClipParams, ppo_clip_objective, register_policy_loss
 from megarl.algos.tensor_ops import masked_mean
 
 M2_THRESHOLD = 0.04
@@ -53,7 +53,7 @@ def _decoupled(prox_log_prob, log_prob, advantages, mask, params: ClipParams, ag
     log_w = (prox_log_prob - behav_log_prob.to(prox_log_prob.device)).detach().clamp(-20.0, 20.0)
     keep = keep_fn(log_w) & (mask > 0)
     weights = torch.where(keep, log_w.exp(), torch.zeros_like(log_w))          # [b, R]
-    loss, metrics = _ppo_clip(prox_log_prob, log_prob, advantages, mask, params, agg, weights, dual=True)
+    loss, metrics = ppo_clip_objective(prox_log_prob, log_prob, advantages, mask, params, agg, weights, dual=True)
     metrics["actor/behav_imp_weight_mean"] = masked_mean(weights, mask)
     metrics["actor/behav_masked_fraction"] = masked_mean((~keep).float(), mask)
     metrics["actor/behav_kl"] = masked_mean(-log_w, mask)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+import megarl.algos.decoupled  # noqa: F401  (registers the decoupled_ppo and m2po policy losses)
 from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss, value_loss
 from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights, rollout_mismatch_metrics

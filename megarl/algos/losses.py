@@ -70,11 +70,10 @@ register_policy_loss = POLICY_LOSSES.register
 
 
 def get_policy_loss(name: str):
-    import megarl.algos.decoupled  # noqa: F401  (registers decoupled_ppo and m2po, which build on _ppo_clip)
     return POLICY_LOSSES.get(name)
 
 
-def _ppo_clip(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg: Aggregator,
+def ppo_clip_objective(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg: Aggregator,
               is_weights=None, dual: bool = True) -> tuple[torch.Tensor, dict]:
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)                    # [b, R]
     ratio = log_ratio.exp()
@@ -102,14 +101,14 @@ def ppo_dual_clip_loss(old_log_prob, log_prob, advantages, mask, params: ClipPar
                        is_weights=None) -> tuple[torch.Tensor, dict]:
     """PPO clip with separate low/high bounds plus the dual-clip bound `clip_c` for A < 0.
     This is what verl calls `vanilla`; `dual_clip` names the same loss explicitly."""
-    return _ppo_clip(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=True)
+    return ppo_clip_objective(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=True)
 
 
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg: Aggregator,
                   is_weights=None) -> tuple[torch.Tensor, dict]:
     """The original PPO clip objective, without the dual-clip bound."""
-    return _ppo_clip(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=False)
+    return ppo_clip_objective(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=False)
 
 
 @register_policy_loss("gspo")
