@@ -25,6 +25,7 @@ run regenerates the rest of the buffer under the resumed version).
 from __future__ import annotations
 
 from megarl.algos.staleness import staleness_metrics
+from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 from megarl.trainer import checkpointing
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
@@ -39,13 +40,15 @@ class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg, ranks, parts, logger):
         super().__init__(cfg, ranks, parts, logger)
         self.next_batch: DataProto | None = None    # handed over, not trained on yet
+        self.ahead: list = []                       # at a save: the rollout buffer's finished batches after it
         self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         self.val_results: dict[int, dict] = {}
 
     def fit(self) -> None:
         self.resume()
         send_start(self.ranks, {"step": self.step, "loader": self.p.train_loader.sampler.state_dict(),
-                                "inflight": self.next_batch is not None} if self.ranks.is_main else None)
+                                "inflight": self.next_batch is not None, "ahead": self.ahead}
+                   if self.ranks.is_main else None)
         self.extra.update(self.p.weight_sync.sync())   # version self.step to the engine
         if self.next_batch is None:
             self.receive()
@@ -79,6 +82,7 @@ class AsyncRLTrainer(RLTrainer):
         """The next batch (None after the last step) and the validation results that came with it."""
         payload = handoff(self.ranks, None)
         self.next_batch = payload["batch"]
+        self.ahead = payload.get("ahead", [])
         self.val_results.update(payload["val"])
         self.p.train_loader.sampler.load_state_dict(payload["loader"])   # saved with the in-flight batch
 
@@ -86,7 +90,7 @@ class AsyncRLTrainer(RLTrainer):
         return self.val_results.pop(self.step, {})    # run by the rollout ranks on this version
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "inflight_batch": self.next_batch}
+        return {**super().state_dict(), "inflight_batch": self.next_batch, "buffer_ahead": self.ahead}
 
     def _resume(self) -> None:
         super()._resume()
@@ -94,6 +98,12 @@ class AsyncRLTrainer(RLTrainer):
         if path is not None:
             state = checkpointing.read_trainer_state(path)   # verified by super()._resume()
             self.next_batch = state.get("inflight_batch")
+            self.ahead = state.get("buffer_ahead", [])
+            k = self.cfg.async_training.max_staleness
+            if len(self.ahead) >= max(1, k):
+                raise ConfigError(f"the checkpoint holds {len(self.ahead)} batch(es) generated ahead, more than "
+                                  f"max_staleness={k} allows; resume with max_staleness >= {len(self.ahead) + 1}",
+                                  "async_training.max_staleness")
 
 
 __all__ = ["AsyncRLTrainer", "RolloutWorker"]

@@ -44,9 +44,9 @@ from megarl.trainer.validation import validate
 class Pending:
     """A batch of the buffer: being generated (batch is None) or finished, not handed over yet."""
     t: int
-    prompts: DataProto
+    prompts: DataProto | None             # None for a batch restored from a checkpoint
     loader: dict                          # the data position after its prompts
-    version: int                          # the engine's version when its generation started
+    version: int                          # the engine's version when its generation started (-1: restored)
     gen: ChunkedGeneration | None = None  # partial rollouts: this rank's share, advanced chunk by chunk
     mine: DataProto | None = None
     batch: DataProto | None = None
@@ -97,7 +97,9 @@ class RolloutWorker:
         if start["step"] == 0 and self.cfg.trainer.val_before_train:
             self._validate(0)
         self.handed = start["step"] + int(start["inflight"])    # the last batch the trainer received
-        self.next_t = self.handed + 1
+        for i, (batch, loader) in enumerate(start.get("ahead", [])):    # the checkpoint's finished batches
+            self.buffer.append(Pending(self.handed + 1 + i, None, loader, -1, batch=batch))
+        self.next_t = self.handed + 1 + len(self.buffer)
         self.period = Period()
         while self.handed <= self.total:                          # hand-off total+1 is the closing None
             self.serve()
@@ -155,14 +157,27 @@ class RolloutWorker:
         if h <= self.total:
             job = self.buffer.popleft()
             batch, extra = self.enforce_staleness(job.batch, job.prompts, h)
-            extra["buffer_ready"] = float(sum(j.batch is not None for j in self.buffer))
+            extra["buffer_ready"] = float(len(self._finished()))
             extra["engine_idle_fraction"] = self.period.idle_fraction()
             batch.meta_info["async_metrics"] = extra
             batch.meta_info["rollout_timing"] = self.period.timing()
             payload.update(batch=batch, loader=job.loader)
+            if self._checkpoint_follows(h - 1):
+                # the finished batches behind it go into the trainer's checkpoint, with the data
+                # position after the last of them; the one in flight is regenerated on resume
+                ahead = [(j.batch, j.loader) for j in self._finished()]
+                payload.update(ahead=ahead, loader=ahead[-1][1] if ahead else job.loader)
         if self.ranks.rank == 0:
             handoff(self.ranks, payload)
         self.val, self.handed, self.period = {}, h, Period()
+
+    def _finished(self) -> list[Pending]:
+        return [j for j in self.buffer if j.batch is not None]
+
+    def _checkpoint_follows(self, step: int) -> bool:
+        """The trainer saves after `step` (fit.py's save_freq rule)."""
+        tr = self.cfg.trainer
+        return self.depth > 1 and tr.save_freq > 0 and (step % tr.save_freq == 0 or step == self.total)
 
     # -- generation with versions -------------------------------------------------------------------
     def _sampling(self, t: int, stream: int = 0):
