@@ -78,7 +78,9 @@ def longtail_extra(out: str) -> tuple[str, list[str]]:
     kw = "actor_rollout_ref.model.bootstrap_kwargs"
     return os.path.join(out, "model-longtail"), [
         f"data.train_files={os.path.abspath(train)}", f"data.val_files={os.path.abspath(val)}",
-        "data.max_prompt_length=32", "data.max_response_length=16", f"{kw}.eval_rows=128",
+        # a partial rollout's continuation is prompt + response so far: the engine's limit covers both
+        "data.max_prompt_length=32", "data.max_response_length=16", "actor_rollout_ref.rollout.prompt_length=48",
+        f"{kw}.eval_rows=128",
         *(f"{kw}.{k}={v}" for k, v in LONGTAIL.items())]
 
 
