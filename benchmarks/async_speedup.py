@@ -4,6 +4,7 @@ quickstart's addition task: same model, steps, seed and batch for the three.
     python benchmarks/async_speedup.py [--steps 30] [--test-freq 10] [--rounds 2] [--out runs/bench/async]
     python benchmarks/async_speedup.py --model-only --gen 1.2 --train 0.9 --sync 0.05   # the 64-GPU model
     python benchmarks/async_speedup.py --smoke --out /tmp/async_smoke   # CI: 2 modes x 3 steps, a 20-step model
+    python benchmarks/async_speedup.py --longtail --steps 16 --test-freq 16 --rounds 1 --out runs/bench/longtail
 
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
     sync      rollout.placement=colocated, actor TP 2 (the quickstart's layout); each step
@@ -12,6 +13,7 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
               to tell the overlap's gain from the layout's
     one_step  placement=disaggregated: rank 0 trains (TP 1), rank 1 generates batch k+1 meanwhile
     partial   the same with async_training.partial_rollout=true (chunks of 4 tokens)
+    stream_k2, stream_k4   partial, generating up to 2 (4) batches ahead: max_staleness=2 (4)
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
 and draws accuracy against wall time (accuracy_vs_time.png in --out).
@@ -58,6 +60,28 @@ MODES = {
                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
                 "async_training.partial_rollout=true", "async_training.partial_chunk_tokens=4"],
 }
+# Streaming: the rollout rank generates up to k batches ahead (staleness <= k), updates landing
+# between chunks of 4 tokens.
+for _k in (2, 4):
+    MODES[f"stream_k{_k}"] = [*MODES["partial"], f"async_training.max_staleness={_k}"]
+
+# --longtail: addition where 1 problem in 10 has two 12-digit operands (answers of 13-14 tokens
+# against a limit of 16) and the rest 1-2 digits (2-4 tokens): every batch waits on a few long
+# responses. Data and model are built under --out.
+LONGTAIL = dict(long_digits=12, long_fraction=0.1)
+LONGTAIL_MODES = ["sync", "one_step", "stream_k2", "stream_k4"]
+
+
+def longtail_extra(out: str) -> tuple[str, list[str]]:
+    from megarl.examples.addition.task import AdditionTask, write_dataset
+    train, val = write_dataset(os.path.join(out, "data"), AdditionTask(**LONGTAIL), n_val=128)
+    kw = "actor_rollout_ref.model.bootstrap_kwargs"
+    return os.path.join(out, "model-longtail"), [
+        f"data.train_files={os.path.abspath(train)}", f"data.val_files={os.path.abspath(val)}",
+        # a partial rollout's continuation is prompt + response so far: the engine's limit covers both
+        "data.max_prompt_length=32", "data.max_response_length=16", "actor_rollout_ref.rollout.prompt_length=48",
+        f"{kw}.eval_rows=128",
+        *(f"{kw}.{k}={v}" for k, v in LONGTAIL.items())]
 
 
 # --smoke (CI): two modes, three small steps, one round, a model warm-started for 20 steps in --out
@@ -79,6 +103,8 @@ def run_mode(name: str, args, round_: int = 0) -> tuple[list[dict], float, dict]
            f"trainer.test_freq={args.test_freq}", "trainer.save_freq=-1", "trainer.resume_mode=disable",
            "algorithm.filter_groups.enable=false", f"actor_rollout_ref.model.path={args.model}",
            f"trainer.seed={args.seed}", "trainer.plot_reward_curve=false", *MODES[name], *args.extra]
+    if args.model_bootstrap:
+        cmd.append("actor_rollout_ref.model.bootstrap=megarl.examples.addition:bootstrap")
     start = time.time()
     with ProcessPeaks() as peaks:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -97,6 +123,10 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     phases = {}
     for key in ("gen", "old_log_prob", "update_actor", "sync", "wait_rollout", "rollout_gen", "rollout_wait_update"):
         got = [r[f"timing_s/{key}"] for r in steps if f"timing_s/{key}" in r]
+        if got:
+            phases[key] = statistics.median(got)
+    for key in ("engine_idle_fraction", "buffer_ready"):
+        got = [r[f"async/{key}"] for r in steps if f"async/{key}" in r]
         if got:
             phases[key] = statistics.median(got)
     stale = [r["async/staleness_mean"] for r in rows if "async/staleness_mean" in r]
@@ -155,7 +185,15 @@ def main() -> None:
     ap.add_argument("--train", type=float)
     ap.add_argument("--sync", type=float, default=0.0)
     ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE} and {SMOKE_EXTRA}")
+    ap.add_argument("--longtail", action="store_true",
+                    help=f"the long-tailed task ({LONGTAIL}), modes {' '.join(LONGTAIL_MODES)} unless --modes")
     args = ap.parse_args()
+    args.model_bootstrap = False
+    if args.longtail:
+        model, extra = longtail_extra(args.out)
+        if "--modes" not in sys.argv:
+            args.modes = LONGTAIL_MODES
+        vars(args).update(model=model, extra=extra + args.extra, model_bootstrap=True)
     if args.smoke:
         vars(args).update(SMOKE, model=os.path.join(args.out, "model"), extra=SMOKE_EXTRA + args.extra)
     if args.model_only:
@@ -180,18 +218,19 @@ def main() -> None:
         summary[name]["step_s_per_round"] = [x["step_s"] for x in per_round]
         summary[name]["final_val_per_round"] = [x["val"].get(args.steps) for x in per_round]
         summary[name]["peak_resident_mb"] = {k: max(p.get(k, 0) for _, _, p in rs) for k in sorted(rs[0][2])}
-    base = summary.get("sync")
+    base, one_step = summary.get("sync"), summary.get("one_step")
     print(f"{args.steps} steps x {args.rounds} round(s), modes alternated; {os.cpu_count()} CPU cores, load "
           f"average {os.getloadavg()[0]:.1f} at the end (shared machine: timings are noisy); steps/h from the median "
           "over rounds of each run's median "
           "step time (validation steps left out)")
-    print(f"{'mode':10s} {'steps/h':>8s} {'speedup':>8s} {'staleness':>9s} {'mixed':>6s}  val accuracy by step | "
-          "median phase seconds")
+    print(f"{'mode':10s} {'steps/h':>8s} {'speedup':>8s} {'vs 1-step':>9s} {'staleness':>9s} {'mixed':>6s}  "
+          "val accuracy by step | median phase seconds")
     for name, s in summary.items():
         speed = f"{s['steps_per_hour'] / base['steps_per_hour']:.2f}x" if base else "-"
+        over = f"{s['steps_per_hour'] / one_step['steps_per_hour']:.2f}x" if one_step else "-"
         val = " ".join(f"{k}:{v:.3f}" for k, v in sorted(s["val"].items()))
         phases = " ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
-        print(f"{name:10s} {s['steps_per_hour']:8.0f} {speed:>8s} {s['staleness_mean']:9.2f} "
+        print(f"{name:10s} {s['steps_per_hour']:8.0f} {speed:>8s} {over:>9s} {s['staleness_mean']:9.2f} "
               f"{s['mixed_version_fraction']:6.2f}  {val} | {phases}")
         print(f"{'':10s} step seconds per round {' '.join(f'{x:.2f}' for x in s['step_s_per_round'])}; "
               f"final accuracy per round {' '.join(f'{x:.3f}' for x in s['final_val_per_round'] if x is not None)}; "

@@ -2,6 +2,7 @@
 hand-computed numbers, and partial (chunked) generation on the native engine against
 transformers as the oracle, with a weight update between two chunks."""
 import math
+import pickle
 
 import pytest
 import torch
@@ -203,6 +204,7 @@ def test_stale_groups_are_regenerated_or_dropped(tiny):
     batch.batch["response_mask"][3, 0] = 1
     kept, m = w.enforce_staleness(batch, prompts, t=4)
     assert m["stale_groups"] == 1 and m["regenerated_groups"] == 1 and len(kept) == 6
+    assert m["dropped_tokens"] == float(batch.batch["response_mask"][2:4].sum())     # group "b", both samples
     assert sorted(kept.non_tensor_batch["uid"].tolist()) == ["a", "a", "b", "b", "c", "c"]
     assert (kept.batch["token_versions"][kept.batch["response_mask"] > 0] == 3).all()
     w.acfg = dataclasses.replace(w.acfg, stale_samples="drop")
@@ -221,3 +223,81 @@ def test_rollout_ranks_sample_with_rollout_seed(tiny):
     by_rollout_seed = responses("trainer.seed=1", "actor_rollout_ref.rollout.seed=5")
     assert torch.equal(by_rollout_seed, responses("trainer.seed=5"))
     assert not torch.equal(by_rollout_seed, responses("trainer.seed=1"))
+
+
+class _TrainerSide:
+    """The trainer's half of the bridge, played by the test: it takes every hand-off and, as a
+    trainer slower than the engine, never signals an update ahead of time; an update becomes
+    available when the engine blocks for it. The engine's weights stay those of version 0 (the
+    sync carries no tensors here): the schedule and the version labels are what is under test."""
+
+    def __init__(self, start):
+        self.start, self.payloads = start, []
+
+    def broadcast_object(self, payload, src):
+        if payload is None:
+            return self.start            # send_start
+        self.payloads.append(pickle.loads(pickle.dumps(payload)))     # a copy, as the wire makes one
+        return payload
+
+    def arrived(self, version):
+        return False
+
+    def take(self, version):
+        return version
+
+    def sync(self):
+        return {}
+
+
+def _stream_worker(engine, k, total, start, loader_state=None):
+    import dataclasses
+    from collections import deque
+
+    from megarl.data.loader import PromptLoader
+    from megarl.trainer.rollout_stream import Period
+    w = _rollout_worker(engine, [f"async_training.max_staleness={k}", "trainer.test_freq=-1", "trainer.save_freq=2"])
+    loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 6)], 3, seed=2)
+    start = {"step": 0, "inflight": False, "loader": loader.sampler.state_dict(), **start}
+    side = _TrainerSide(start)
+    w.ranks = dataclasses.replace(w.ranks, world_group=side, handoff_group=side, n_trainers=1)
+    w.p = dataclasses.replace(w.p, train_loader=loader, weight_sync=side, total_steps=total)
+    w.signal, w.total, w.depth, w.val, w.period, w.buffer = side, total, max(1, k), {}, Period(), deque()
+    w._run()
+    return w, side.payloads
+
+
+def test_rollout_stream_runs_k_batches_ahead_and_resumes_its_buffer(tiny):
+    """The rollout ranks' loop (RolloutWorker._run) on a real native engine and a real prompt
+    loader, at max_staleness k=2: batch t starts under version max(0, t-1-k), so it is trained at
+    staleness min(t-1, k), and the buffer holds k-1 finished batches at each hand-off. At a save
+    step (save_freq=2) the hand-off also carries the finished batches behind it; a worker resumed
+    from them hands over exactly what the unkilled one did. (k=1 is the end-to-end test's
+    schedule, k=0's regeneration test_stale_groups_are_regenerated_or_dropped.)"""
+    from megarl.algos.staleness import sample_staleness
+
+    engine, total, k = _native_engine(tiny), 5, 2
+    w, payloads = _stream_worker(engine, k, total, {})
+    assert len(payloads) == total + 1 and payloads[-1]["batch"] is None and w.version == total
+    for t, payload in enumerate(payloads[:-1], start=1):
+        b = payload["batch"]
+        stale = sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1)
+        assert (stale == min(t - 1, k)).all(), (t, stale)
+        m = b.meta_info["async_metrics"]
+        assert m["regenerated_groups"] == 0.0 and m["dropped_tokens"] == 0.0
+        if 1 < t < total:
+            assert m["buffer_ready"] == k - 1
+        assert 0.0 <= m["engine_idle_fraction"] <= 1.0
+        # the data position after the batch, or after the finished batches behind it at a save step
+        assert payload["loader"]["batch"] == t + len(payload.get("ahead", []))
+    assert "ahead" not in payloads[1] and [a[1]["batch"] for a in payloads[2]["ahead"]] == [4]
+
+    # Resume after step 2's checkpoint: handed batch 3, batch 4 ahead, the data position after 4.
+    ahead = payloads[2]["ahead"]
+    _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": ahead,
+                                                   "loader": payloads[2]["loader"]})
+    assert len(resumed) == 3 and resumed[-1]["batch"] is None
+    for a, b in zip(payloads[3:5], resumed[:2]):
+        for key in ("responses", "token_versions", "rollout_log_probs"):
+            assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), key
+        assert a["loader"] == b["loader"]

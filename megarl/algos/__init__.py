@@ -2,6 +2,8 @@
 
     advantages.py          gae, grpo, drgrpo, rloo, reinforce_plus_plus(_baseline), remax, grpo_passk
     losses.py              policy losses (vanilla/dual_clip, ppo_clip, gspo), aggregation, value loss
+    decoupled.py           decoupled_ppo and m2po: a proximal policy apart from the behaviour policy
+    staleness.py           weight versions of sampled tokens: staleness, its bound, its histogram
     kl.py                  KL estimators k1/k2/k3/abs, KL-in-reward with fixed/adaptive controllers
     loss_fn.py             make_actor_loss_fn / make_critic_loss_fn for the Megatron workers
     dapo.py                dynamic sampling and overlong reward shaping

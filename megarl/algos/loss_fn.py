@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+import megarl.algos.decoupled  # noqa: F401  (registers the decoupled_ppo and m2po policy losses)
 from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss, value_loss
 from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights, rollout_mismatch_metrics
@@ -47,7 +48,12 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
     policy_loss = get_policy_loss(actor.policy_loss.loss_mode)
     params = ClipParams(clip_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
                         clip_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
-                        clip_c=actor.clip_ratio_c)
+                        clip_c=actor.clip_ratio_c, behav_imp_weight_cap=actor.policy_loss.behav_imp_weight_cap,
+                        m2_threshold=actor.policy_loss.m2_threshold)
+    decoupled = getattr(policy_loss, "needs_behaviour_log_probs", False)
+    if decoupled and algo.rollout_correction.rollout_is is not None:
+        raise ConfigError(f"loss_mode={actor.policy_loss.loss_mode} already weights tokens by pi_prox / pi_behav; "
+                          "remove algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is")
     if actor.use_kl_loss:
         _check_kl_type(actor.kl_loss_type, "actor_rollout_ref.actor.kl_loss_type")
     correction = algo.rollout_correction
@@ -70,13 +76,20 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
                                  "rollout_log_probs; the rollout engine must return log-probs")
             weights = rollout_is_weights(old, b["rollout_log_probs"], mask, correction.rollout_is,
                                          correction.rollout_is_threshold)
-        pg_loss, metrics = policy_loss(old, log_prob, b["advantages"], mask, params, agg, is_weights=weights)
+        behav = {}
+        if decoupled:
+            if "rollout_log_probs" not in b:
+                raise ValueError(f"loss_mode={actor.policy_loss.loss_mode} needs the batch's rollout_log_probs "
+                                 "(the behaviour policy); the rollout engine must return log-probs")
+            behav = {"behav_log_prob": b["rollout_log_probs"]}
+        pg_loss, metrics = policy_loss(old, log_prob, b["advantages"], mask, params, agg, is_weights=weights, **behav)
         loss = pg_loss
         if weights is not None:
             metrics["rollout_corr/rollout_is_mean"] = masked_mean(weights, mask)
             if correction.rollout_is in MASKING:
                 metrics["rollout_corr/masked_token_fraction"] = torch.tensor(masked_token_fraction(weights, mask))
-        metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights)
+        metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights,
+                                          **behav)
         if probe:
             metrics.update(rollout_mismatch_metrics(log_prob.detach(), b["rollout_log_probs"].to(log_prob.device),
                                                     mask))
@@ -102,9 +115,9 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
 
 
 @torch.no_grad()
-def _local(policy_loss, old, log_prob, adv, mask, params, agg, weights) -> torch.Tensor:
+def _local(policy_loss, old, log_prob, adv, mask, params, agg, weights, **behav) -> torch.Tensor:
     """The micro-batch's own policy loss value (for the metric), independent of global counts."""
-    value, _ = policy_loss(old, log_prob.detach(), adv, mask, params, agg.local(), is_weights=weights)
+    value, _ = policy_loss(old, log_prob.detach(), adv, mask, params, agg.local(), is_weights=weights, **behav)
     return value
 
 

@@ -61,6 +61,8 @@ class ClipParams:
     clip_low: float = 0.2                  # ratio may fall to 1 - clip_low
     clip_high: float = 0.2                 # ratio may rise to 1 + clip_high (DAPO's clip-higher: larger)
     clip_c: float | None = 3.0             # dual-clip bound for negative advantages; None = off
+    behav_imp_weight_cap: float | None = None   # decoupled_ppo: pi_prox / pi_behav above it leaves the loss
+    m2_threshold: float | None = None      # m2po: the second-moment bound (None: 0.04)
 
 
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
@@ -71,7 +73,7 @@ def get_policy_loss(name: str):
     return POLICY_LOSSES.get(name)
 
 
-def _ppo_clip(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg: Aggregator,
+def ppo_clip_objective(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg: Aggregator,
               is_weights=None, dual: bool = True) -> tuple[torch.Tensor, dict]:
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)                    # [b, R]
     ratio = log_ratio.exp()
@@ -99,14 +101,14 @@ def ppo_dual_clip_loss(old_log_prob, log_prob, advantages, mask, params: ClipPar
                        is_weights=None) -> tuple[torch.Tensor, dict]:
     """PPO clip with separate low/high bounds plus the dual-clip bound `clip_c` for A < 0.
     This is what verl calls `vanilla`; `dual_clip` names the same loss explicitly."""
-    return _ppo_clip(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=True)
+    return ppo_clip_objective(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=True)
 
 
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg: Aggregator,
                   is_weights=None) -> tuple[torch.Tensor, dict]:
     """The original PPO clip objective, without the dual-clip bound."""
-    return _ppo_clip(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=False)
+    return ppo_clip_objective(old_log_prob, log_prob, advantages, mask, params, agg, is_weights, dual=False)
 
 
 @register_policy_loss("gspo")

@@ -84,11 +84,11 @@ class TrainerConfig(Section):
 @dataclass
 class AsyncTrainingConfig(Section):
     """`async_training.*`: used with `actor_rollout_ref.rollout.placement=disaggregated`, where the
-    engine on its own ranks generates batch k+1 while the trainer updates on batch k
+    engine on its own ranks generates ahead while the trainer updates on batch k
     (megarl/trainer/fit_async.py). Names after verl's fully-async recipe where it has one."""
     # A sample is stale when its oldest token was sampled more than this many policy versions
-    # before the weights the trainer updates (AReaL's max_head_offpolicyness). One-step off-policy
-    # produces staleness <= 1.
+    # before the weights the trainer updates (AReaL's max_head_offpolicyness). The rollout ranks
+    # generate up to max(1, max_staleness) batches ahead (megarl/trainer/rollout_stream.py).
     max_staleness: int = 1
     stale_samples: Literal["regenerate", "drop"] = "regenerate"  # drop: whole prompt groups leave the batch
     # verl's key: a weight update interrupts generation between token chunks; unfinished responses

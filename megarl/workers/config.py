@@ -138,6 +138,18 @@ class OptimConfig(Section):
 @dataclass
 class PolicyLossConfig(Section):
     loss_mode: str = "vanilla"  # a name in megarl.algos's policy-loss registry (vanilla, dual_clip, gspo, ...)
+    # decoupled_ppo (AReaL's key): tokens whose pi_prox / pi_behav exceeds it leave the loss; None keeps all
+    behav_imp_weight_cap: float | None = None
+    m2_threshold: float | None = None    # m2po: bound on the mean (log pi_prox / pi_behav)^2; None: 0.04
+
+    def __post_init__(self):
+        require(self.behav_imp_weight_cap is None or self.loss_mode == "decoupled_ppo", "behav_imp_weight_cap",
+                "is read by loss_mode=decoupled_ppo only; set that loss or remove the key")
+        require(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1, "behav_imp_weight_cap",
+                "must be > 1 (a weight of 1 is on-policy)")
+        require(self.m2_threshold is None or self.loss_mode == "m2po", "m2_threshold",
+                "is read by loss_mode=m2po only; set that loss or remove the key")
+        require(self.m2_threshold is None or self.m2_threshold > 0, "m2_threshold", "must be > 0")
 
 
 @dataclass

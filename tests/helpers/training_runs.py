@@ -12,7 +12,7 @@ import psutil
 # clocks and memory readings differ between any two runs
 VOLATILE = re.compile(r"^(time|timing_s/|timing_per_token_ms/"
                       r"|perf/(throughput|time_per_step|mfu/|max_memory_|cpu_memory_)|reward/latency_s"
-                      r"|weight_sync/(seconds|gb_per_s|peak_extra_mb)|memory/)")
+                      r"|weight_sync/(seconds|gb_per_s|peak_extra_mb)|memory/|async/(engine_idle_fraction|buffer_ready))")
 
 
 def overrides(model_dir, run_dir, *extra):

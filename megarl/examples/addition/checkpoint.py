@@ -32,6 +32,7 @@ DEFAULT_LR = 1e-3
 
 def bootstrap(model_dir: str, config=None, *, warm_start_steps: int = DEFAULT_WARM_START_STEPS, seed: int = 0,
               min_digits: int = AdditionTask.min_digits, max_digits: int = AdditionTask.max_digits,
+              long_digits: int = 0, long_fraction: float = 0.0,
               batch_size: int = 64, lr: float = DEFAULT_LR, eval_rows: int = 512, num_threads: int = 1,
               overwrite: bool = False, verbose: bool = True, **model_overrides) -> str:
     """Build and warm-start the model into `model_dir` unless it already holds a checkpoint.
@@ -49,15 +50,14 @@ def bootstrap(model_dir: str, config=None, *, warm_start_steps: int = DEFAULT_WA
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        return _build(model_dir, warm_start_steps, seed, min_digits, max_digits, batch_size, lr, eval_rows,
-                      verbose, model_overrides)
+        task = AdditionTask(min_digits, max_digits, long_digits, long_fraction)
+        return _build(model_dir, warm_start_steps, seed, task, batch_size, lr, eval_rows, verbose, model_overrides)
     finally:
         torch.set_num_threads(previous)
 
 
-def _build(model_dir, warm_start_steps, seed, min_digits, max_digits, batch_size, lr, eval_rows, verbose,
+def _build(model_dir, warm_start_steps, seed, task: AdditionTask, batch_size, lr, eval_rows, verbose,
            model_overrides) -> str:
-    task = AdditionTask(min_digits, max_digits)
     tok = build_tokenizer()
     model = build_model(tok, seed=seed, **model_overrides)
     val = held_out(task, eval_rows)

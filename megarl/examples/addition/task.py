@@ -21,16 +21,25 @@ DATA_SOURCE = "addition"
 @dataclass(frozen=True)
 class AdditionTask:
     """Operands have `min_digits`..`max_digits` digits each (uniform in the digit count first,
-    so short and long numbers are equally common)."""
+    so short and long numbers are equally common).
+
+    The long-tailed variant (`long_fraction` > 0): that share of problems has two `long_digits`
+    operands instead, so most answers are a few tokens and a few are near the response limit, the
+    shape that makes a batch wait on its longest responses (benchmarks/async_speedup.py --longtail)."""
     min_digits: int = 1
     max_digits: int = 2
+    long_digits: int = 0
+    long_fraction: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        if not 0.0 <= self.long_fraction < 1.0 or (self.long_fraction > 0 and self.long_digits <= self.max_digits):
+            raise ValueError(f"need 0 <= long_fraction < 1 and, when it is > 0, long_digits > max_digits; got "
+                             f"long_fraction={self.long_fraction}, long_digits={self.long_digits}")
 
-    def operand(self, rng: random.Random) -> int:
-        digits = rng.randint(self.min_digits, self.max_digits)
+    def operand(self, rng: random.Random, digits: int | None = None) -> int:
+        digits = rng.randint(self.min_digits, self.max_digits) if digits is None else digits
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return rng.randint(low, 10 ** digits - 1)
 
@@ -38,15 +47,17 @@ class AdditionTask:
         """An endless deterministic stream of (a, b), skipping `exclude`."""
         rng = random.Random(seed)
         while True:
-            pair = (self.operand(rng), self.operand(rng))
+            # the draw for the tail happens only when there is one, so the short task's stream is unchanged
+            long = self.long_digits if self.long_fraction and rng.random() < self.long_fraction else None
+            pair = (self.operand(rng, long), self.operand(rng, long))
             if pair not in exclude:
                 yield pair
 
     def max_prompt_chars(self) -> int:
-        return 2 * self.max_digits + 2
+        return 2 * max(self.max_digits, self.long_digits) + 2
 
     def max_answer_chars(self) -> int:
-        return self.max_digits + 1
+        return max(self.max_digits, self.long_digits) + 1
 
 
 def prompt_text(a: int, b: int) -> str:
@@ -113,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
     parser.add_argument("--train", type=int, default=3000)
     parser.add_argument("--val", type=int, default=512)
+    parser.add_argument("--long-digits", type=int, default=0)
+    parser.add_argument("--long-fraction", type=float, default=0.0)
     args = parser.parse_args(argv)
-    paths = write_dataset(args.out, AdditionTask(args.min_digits, args.max_digits), args.train, args.val)
+    task = AdditionTask(args.min_digits, args.max_digits, args.long_digits, args.long_fraction)
+    paths = write_dataset(args.out, task, args.train, args.val)
     print("wrote", *paths)
 
 

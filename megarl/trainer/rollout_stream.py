@@ -1,0 +1,260 @@
+"""The loop on the rollout ranks of a disaggregated run: generate ahead into a bounded buffer,
+take weight updates between generations (or between chunks), hand the oldest finished batch over.
+
+    RolloutWorker(cfg, ranks, parts, logger).run()
+
+Batch t is trained by the trainer holding version t-1. With k = async_training.max_staleness
+(depth max(1, k)), generation of batch t may start once the engine holds version >= t-1-depth, so
+at most `depth` batches are generated (or being generated) ahead of the one the trainer needs,
+and no sample is more than k versions old when it is trained on. One generation is in flight at
+a time; the rest of the buffer is finished batches waiting for their hand-off.
+
+    loop: hand batch h over       when the engine holds version h-1 and batch h is finished
+          or start batch t        when no generation is in flight and version >= t-1-depth
+          or advance the one in flight (a whole batch, or one chunk with partial_rollout),
+             taking an update when the trainer has signalled one
+          or wait for the next update (the buffer is full)
+
+At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
+hand t over. Hand-off h happens right after update h-1, as the trainer expects (it syncs
+version h-1, then receives batch h).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.algos.staleness import stale_rows
+from megarl.protocol import DataProto
+from megarl.rollout.base import pack_completions
+from megarl.rollout.partial import ChunkedGeneration
+from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
+from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
+from megarl.trainer.generation import generate, sampling_seed, shard_rows
+from megarl.trainer.validation import validate
+
+
+@dataclass
+class Pending:
+    """A batch of the buffer: being generated (batch is None) or finished, not handed over yet."""
+    t: int
+    prompts: DataProto | None             # None for a batch restored from a checkpoint
+    loader: dict                          # the data position after its prompts
+    version: int                          # the engine's version when its generation started (-1: restored)
+    gen: ChunkedGeneration | None = None  # partial rollouts: this rank's share, advanced chunk by chunk
+    mine: DataProto | None = None
+    batch: DataProto | None = None
+
+
+@dataclass
+class Period:
+    """What the engine did between two hand-offs (logged with the second)."""
+    began: float = field(default_factory=time.perf_counter)
+    gen: float = 0.0
+    wait_update: float = 0.0
+    sync: float = 0.0
+
+    def timing(self) -> dict[str, float]:
+        return {"gen": self.gen, "wait_update": self.wait_update, "sync": self.sync}
+
+    def idle_fraction(self) -> float:
+        return self.wait_update / max(time.perf_counter() - self.began, 1e-9)
+
+
+class RolloutWorker:
+    def __init__(self, cfg, ranks, parts, logger):
+        self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
+        self.acfg = cfg.async_training
+        self.depth = max(1, self.acfg.max_staleness)
+        self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
+        eos = [parts.tokenizer.eos_token_id]
+        self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
+        self.version = 0
+        self.val: dict[int, dict] = {}
+        self.total = parts.total_steps
+        self.period = Period()
+        self.buffer: deque[Pending] = deque()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:
+            print(f"megarl: rollout rank {self.ranks.global_rank} failed: {type(err).__name__}: {err}",
+                  file=sys.stderr, flush=True)
+            raise
+
+    def _run(self) -> None:
+        start = send_start(self.ranks, None)
+        self.p.train_loader.sampler.load_state_dict(start["loader"])
+        self.version = start["step"]
+        self.p.weight_sync.sync()
+        if start["step"] == 0 and self.cfg.trainer.val_before_train:
+            self._validate(0)
+        self.handed = start["step"] + int(start["inflight"])    # the last batch the trainer received
+        for i, (batch, loader) in enumerate(start.get("ahead", [])):    # the checkpoint's finished batches
+            self.buffer.append(Pending(self.handed + 1 + i, None, loader, -1, batch=batch))
+        self.next_t = self.handed + 1 + len(self.buffer)
+        self.period = Period()
+        while self.handed <= self.total:                          # hand-off total+1 is the closing None
+            self.serve()
+
+    def serve(self) -> None:
+        """One move of the loop (module docstring)."""
+        h = self.handed + 1
+        head = self.buffer[0] if self.buffer else None
+        if self.version >= h - 1 and (h > self.total or (head is not None and head.batch is not None)):
+            return self.hand_over()
+        live = self.buffer[-1] if self.buffer and self.buffer[-1].batch is None else None
+        if live is None and self.next_t <= self.total and self.version >= self.next_t - 1 - self.depth:
+            live = self.start(self.next_t)
+        if live is None:
+            return self._take_update()           # the buffer is full: wait for the trainer
+        self.advance(live)
+
+    # -- the buffer ----------------------------------------------------------------------------------
+    def start(self, t: int) -> Pending:
+        prompts = self.p.train_loader.next_batch()
+        job = Pending(t, prompts, self.p.train_loader.sampler.state_dict(), self.version)
+        if self.acfg.partial_rollout:
+            r = self.ranks
+            sampling = self._sampling(t)
+            job.mine = prompts[shard_rows(len(prompts), r.rollout_dp, r.rollout_dp_rank)]
+            job.gen = ChunkedGeneration([list(p) for p in job.mine.non_tensor_batch["prompt_token_ids"]],
+                                        sampling.with_(seed=step_seed(sampling.seed or 0, 0, r.rollout_dp_rank)),
+                                        self.acfg.partial_chunk_tokens)
+        self.buffer.append(job)
+        self.next_t = t + 1
+        return job
+
+    def advance(self, job: Pending) -> None:
+        """The in-flight batch: all of it, or (partial rollouts) one chunk in lock-step over the
+        rollout ranks, so every rank joins a weight sync at the same boundary."""
+        began = time.perf_counter()
+        if job.gen is None:
+            job.batch = self.generate(job.prompts, job.t)
+            self.period.gen += time.perf_counter() - began
+            if self._poll(0.0)[1]:
+                self._take_update()
+            return
+        if not job.gen.done:
+            job.gen.step(self.p.rollout, self.version)
+        self.period.gen += time.perf_counter() - began
+        live, arrived = self._poll(float(not job.gen.done))
+        if arrived:
+            self._take_update()                  # interrupts every unfinished sequence here
+        if not live:
+            job.batch = self._finish_partial(job)
+
+    def hand_over(self) -> None:
+        h = self.handed + 1
+        payload = {"batch": None, "val": self.val, "loader": self.p.train_loader.sampler.state_dict()}
+        if h <= self.total:
+            job = self.buffer.popleft()
+            batch, extra = self.enforce_staleness(job.batch, job.prompts, h)
+            extra["buffer_ready"] = float(len(self._finished()))
+            extra["engine_idle_fraction"] = self.period.idle_fraction()
+            batch.meta_info["async_metrics"] = extra
+            batch.meta_info["rollout_timing"] = self.period.timing()
+            payload.update(batch=batch, loader=job.loader)
+            if self._checkpoint_follows(h - 1):
+                # the finished batches behind it go into the trainer's checkpoint, with the data
+                # position after the last of them; the one in flight is regenerated on resume
+                ahead = [(j.batch, j.loader) for j in self._finished()]
+                payload.update(ahead=ahead, loader=ahead[-1][1] if ahead else job.loader)
+        if self.ranks.rank == 0:
+            handoff(self.ranks, payload)
+        self.val, self.handed, self.period = {}, h, Period()
+
+    def _finished(self) -> list[Pending]:
+        return [j for j in self.buffer if j.batch is not None]
+
+    def _checkpoint_follows(self, step: int) -> bool:
+        """The trainer saves after `step` (fit.py's save_freq rule)."""
+        tr = self.cfg.trainer
+        return self.depth > 1 and tr.save_freq > 0 and (step % tr.save_freq == 0 or step == self.total)
+
+    # -- generation with versions -------------------------------------------------------------------
+    def _sampling(self, t: int, stream: int = 0):
+        return self.sampling.with_(seed=step_seed(sampling_seed(self.cfg), t, stream))
+
+    def generate(self, prompts: DataProto, t: int, stream: int = 0) -> DataProto:
+        """The whole batch under the current weights, every token tagged with their version."""
+        batch = generate(self.p.rollout, prompts, self._sampling(t, stream), self.ranks, self.p.pad_token_id)
+        tv = torch.full_like(batch.batch["responses"], -1)
+        tv[batch.batch["response_mask"] > 0] = self.version
+        tv[:, 0] = self.version        # an empty response keeps the version it started under
+        batch.batch["token_versions"] = tv
+        return batch
+
+    def _finish_partial(self, job: Pending) -> DataProto:
+        r, out = self.ranks, None
+        if len(job.mine):
+            groups, versions = job.gen.completions()
+            out = pack_completions(job.mine, groups, self.p.pad_token_id)
+            tv = torch.full_like(out.batch["responses"], -1)
+            for i, v in enumerate(versions):
+                tv[i, :len(v)] = torch.tensor(v, dtype=torch.long)
+                if not v:
+                    tv[i, 0] = job.version
+            out.batch["token_versions"] = tv
+        if r.world == 1:
+            return out
+        gathered: list = [None] * r.world
+        dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None, group=r.group)
+        return DataProto.concat([g for g in gathered if g is not None])
+
+    def _poll(self, live: float) -> tuple[bool, bool]:
+        """(any rank still generating, the trainer has signalled the next version), agreed by all
+        rollout ranks."""
+        flags = torch.tensor([live, float(self.signal.arrived(self.version + 1))], device=self.ranks.device)
+        if self.ranks.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ranks.group)
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
+    # -- weight updates, validation, staleness ---------------------------------------------------
+    def _take_update(self) -> None:
+        start = time.perf_counter()
+        version = self.signal.take(self.version + 1)
+        self.period.wait_update += time.perf_counter() - start
+        start = time.perf_counter()
+        self.p.weight_sync.sync()
+        self.period.sync += time.perf_counter() - start
+        self.version = version
+        tr = self.cfg.trainer
+        if tr.test_freq > 0 and (version % tr.test_freq == 0 or version == self.total):
+            self._validate(version)
+
+    def _validate(self, version: int) -> None:
+        if self.p.val_loader is None:
+            return
+        sampling = self.val_sampling.with_(seed=step_seed(sampling_seed(self.cfg), 0, stream=1))
+        self.val[version] = validate(self.p, self.ranks, sampling, self.cfg.trainer, version)
+
+    def enforce_staleness(self, batch: DataProto, prompts: DataProto, t: int) -> tuple[DataProto, dict]:
+        """Samples more than max_staleness versions behind version t-1 (the weights batch t is
+        trained from): whole prompt groups regenerated under the current weights, or dropped.
+        `dropped_tokens` counts the response tokens so thrown away (generated, never trained on)."""
+        n, N = self.cfg.rollout.n, self.acfg.max_staleness
+        stale = stale_rows(batch.batch["token_versions"], batch.batch["response_mask"], t - 1, N)
+        groups = stale.view(-1, n).any(-1).numpy()
+        rows = np.repeat(groups, n)
+        metrics = {"stale_groups": float(groups.sum()), "regenerated_groups": 0.0, "dropped_groups": 0.0,
+                   "dropped_tokens": float(batch.batch["response_mask"][torch.from_numpy(rows)].sum())}
+        if not groups.any():
+            return batch, metrics
+        kept = batch[(~rows).nonzero()[0]]
+        if self.acfg.stale_samples == "drop":
+            metrics["dropped_groups"] = float(groups.sum())
+            if not len(kept):
+                raise RuntimeError(f"every sample of batch {t} is more than async_training.max_staleness={N} "
+                                   "versions old; raise it or set stale_samples=regenerate")
+            return kept, metrics
+        fresh = self.generate(prompts[groups.nonzero()[0]], t, stream=2)
+        metrics["regenerated_groups"] = float(groups.sum())
+        return DataProto.concat([kept, fresh]) if len(kept) else fresh, metrics
