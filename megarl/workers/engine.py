@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.models import lora  # noqa: F401  (registers the "lora" model converter)
 from megarl.models.converters import build_model_converters
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, state
