@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from megarl.config.errors import ConfigError
 from megarl.models.tiny import make_tiny_hf
+from megarl.workers.actor import converter_config
 from megarl.workers.config import ModelConfig
 from tests.distributed import run_ranks
 from tests.helpers.megatron_roles import TEMP, diff, make_actor, make_batch, policy_loss
@@ -140,6 +141,6 @@ def test_lora_keys_refused_in_one_line():
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="lora_rank"):
         ModelConfig(path="x", lora_rank=4, lora_dropout=1.0)
-    assert ModelConfig(path="x", lora_rank=2, target_modules=["linear_qkv", "o_proj"]).converter_config()["lora"] == {
+    assert converter_config(ModelConfig(path="x", lora_rank=2, target_modules=["linear_qkv", "o_proj"]))["lora"] == {
         "rank": 2, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}
-    assert "lora" not in ModelConfig(path="x").converter_config()
+    assert "lora" not in converter_config(ModelConfig(path="x"))

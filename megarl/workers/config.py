@@ -65,22 +65,11 @@ class ModelConfig(Section):
             require("lora" not in self.converters, "converters",
                     "names lora as well as lora_rank > 0; configure LoRA through lora_rank / lora_alpha only")
             try:
-                self.lora_options().check()
+                LoraOptions(self.lora_rank, float(self.lora_alpha), parse_targets(self.target_modules),
+                            float(self.lora_dropout)).check()
             except ValueError as err:
                 require(False, "target_modules" if "target_modules" in str(err) else "lora_rank", str(err))
 
-    def lora_options(self) -> LoraOptions:
-        return LoraOptions(self.lora_rank, float(self.lora_alpha), parse_targets(self.target_modules),
-                           float(self.lora_dropout))
-
-    def converter_config(self) -> dict[str, dict[str, Any]]:
-        """`converters` as name -> options, with the `lora` converter added when lora_rank > 0."""
-        named = dict(self.converters) if isinstance(self.converters, dict) else {n: {} for n in self.converters}
-        if self.lora_rank:
-            o = self.lora_options()
-            named["lora"] = {"rank": o.rank, "alpha": o.alpha, "target_modules": list(o.target_modules),
-                             "dropout": o.dropout}
-        return named
 
 
 @dataclass
