@@ -5,15 +5,19 @@ adapters on every linear (fused QKV and gate/up included) and checks, per layout
   - fresh adapters (B = 0) give the base's logits exactly, and only adapter parameters require
     gradients or sit in the optimizer; an update moves the adapters and leaves the base bit-equal;
   - the reference is the actor's own base (adapters off): its log-probs are the base model's;
-  - what a weight sync reads (ShardSource) is W + scale B A, against PEFT's fp32 merge.
+  - what a weight sync reads (ShardSource) is W + scale B A, against PEFT's fp32 merge;
+  - at TP2 a checkpoint resumes the adapters and optimizer exactly, is refused by a run without
+    LoRA, and exports a merged HF model and a PEFT adapter directory that give the actor's logits.
 
     python -m pytest -q tests/test_lora.py
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -57,7 +61,7 @@ def peft_reference(path: str, data, out: str) -> dict:
     return {"logits": logits.detach(), "grads": grads, "merged": merged, "base_logits": base_logits}
 
 
-def check_lora(rank, world, path: str, adapter_file: str, ref: dict):
+def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: str):
     from safetensors.torch import load_file
 
     from megarl.checkpoint_engine.source import ShardSource
@@ -114,14 +118,52 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict):
         out[(tp, pp)] = r
         del actor, refw, src
         state.destroy_model_parallel()
+    out["checkpoint"] = check_resume(rank, path, tensors, data, ckpt_dir)
     return out
+
+
+def check_resume(rank, path: str, tensors: dict, data, ckpt_dir: str) -> dict:
+    """At TP2: a saved actor's adapters and optimizer resume exactly; the checkpoint exports."""
+    import sys
+
+    from megarl.models import lora
+    from megarl.parallel import state
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from checkpoints_tools.megatron_to_hf import export
+
+    ids, r = data.batch["input_ids"], {}
+    a = make_actor(path, 2, tp=2, lora=LORA)
+    lora.load_peft(a.engine.models, tensors)
+    a.update_policy(data, policy_loss, TEMP)
+    a.engine.save_checkpoint(ckpt_dir)
+    r["saved_logits"] = a.engine.logits(ids, 2)
+    a.update_policy(data, policy_loss, TEMP)
+    after = a.engine.logits(ids, 2)
+    del a
+    state.destroy_model_parallel()
+    b = make_actor(path, 2, tp=2, lora=LORA)
+    b.engine.load_checkpoint(ckpt_dir)
+    r["resumed_exact"] = torch.equal(b.engine.logits(ids, 2), r["saved_logits"])
+    b.update_policy(data, policy_loss, TEMP)
+    r["step_after_resume_exact"] = torch.equal(b.engine.logits(ids, 2), after)
+    del b
+    state.destroy_model_parallel()
+    try:
+        make_actor(path, 2, tp=2).engine.load_checkpoint(ckpt_dir)
+    except ValueError as err:
+        r["no_lora_refused"] = str(err)
+    state.destroy_model_parallel()
+    out = os.path.join(os.path.dirname(ckpt_dir), f"export{rank}")
+    export(ckpt_dir, os.path.join(out, "merged"), "float32", os.path.join(out, "adapter"))
+    r["export"] = out
+    return r
 
 
 def test_lora_matches_peft_at_tp2_and_pp2(tmp_path):
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2", tokenizer=False, num_hidden_layers=2)
     data = make_batch(AutoModelForCausalLM.from_pretrained(path).config.vocab_size)
     ref = peft_reference(path, data, str(tmp_path / "adapter.safetensors"))
-    results = run_ranks(2, check_lora, (path, str(tmp_path / "adapter.safetensors"), ref))
+    results = run_ranks(2, check_lora, (path, str(tmp_path / "adapter.safetensors"), ref, str(tmp_path / "ckpt")))
     for layout in LAYOUTS:
         names = set().union(*(res[layout]["grad_names"] for res in results))
         assert names == set(ref["grads"]), layout           # every PEFT adapter, across the stages
@@ -133,6 +175,17 @@ def test_lora_matches_peft_at_tp2_and_pp2(tmp_path):
             assert r["ref_is_base"] and r["ref_differs_from_actor"], layout
             assert r["merged_names"] > 0 and r["merge"] <= 1e-6, (layout, r["merge"])
             assert r["base_unchanged"] and r["adapters_moved"], layout
+    ck = results[0]["checkpoint"]
+    assert ck["resumed_exact"] and ck["step_after_resume_exact"]
+    assert "saved with LoRA {'rank': 4" in ck["no_lora_refused"] and "\n" not in ck["no_lora_refused"]
+    # the exports: a merged HF model, and a PEFT adapter directory PEFT loads on the base
+    ids = data.batch["input_ids"]
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(ck["export"], "merged"), dtype=torch.float32)(ids)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base, os.path.join(ck["export"], "adapter"))(ids)
+    assert diff(merged.logits, ck["saved_logits"]) <= TOL
+    assert diff(peft.logits, ck["saved_logits"]) <= TOL
 
 
 def test_lora_keys_refused_in_one_line():

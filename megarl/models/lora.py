@@ -34,7 +34,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
 from megarl.models.converters import Converter, register_converter
-from megarl.models.lora_options import HF_PLACE, LINEARS, SUFFIX, LoraOptions, parse_targets
+from megarl.models.lora_options import LINEARS, SUFFIX, LoraOptions, parse_targets, peft_key
 
 class LoraAdapter(nn.Module):
     """The adapters of one megatron linear (one A/B pair per targeted HF projection)."""
@@ -239,10 +239,8 @@ def lora(options: dict) -> Converter:
 
 
 # -- PEFT's names: load and export ------------------------------------------------------------------
-def peft_key(adapter: LoraAdapter, part: str, which: str) -> str:
-    """The key PEFT's get_peft_model_state_dict gives this tensor (which: "A" or "B")."""
-    place = HF_PLACE[LINEARS[adapter.kind][0]]
-    return f"base_model.model.model.layers.{adapter.layer - 1}.{place}.{part}.lora_{which}.weight"
+def _peft_key(adapter: LoraAdapter, part: str, which: str) -> str:
+    return peft_key(adapter.layer - 1, adapter.kind, part, which)
 
 
 def _split_dim(adapter: LoraAdapter, which: str) -> int | None:
@@ -259,7 +257,7 @@ def load_peft(chunks: list[nn.Module], tensors) -> None:
             tp, rank = a.tp_group.size(), a.tp_group.rank()
             for part in a.parts:
                 for which in ("A", "B"):
-                    full = tensors[peft_key(a, part, which)]
+                    full = tensors[_peft_key(a, part, which)]
                     dim = _split_dim(a, which)
                     mine = full if dim is None else full.chunk(tp, dim)[rank]
                     getattr(a, which)(part).copy_(mine)
@@ -277,4 +275,4 @@ def peft_tensors(chunks: list[nn.Module], value=lambda p: p.detach()):
                     got = [torch.empty_like(mine) for _ in range(tp)]
                     dist.all_gather(got, mine, group=a.tp_group)
                     mine = torch.cat(got, dim)
-                yield peft_key(a, part, which), mine
+                yield _peft_key(a, part, which), mine

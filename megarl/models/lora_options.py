@@ -55,3 +55,43 @@ def parse_targets(targets) -> tuple[str, ...]:
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter's name is a LoRA adapter's (`...linear_qkv_lora.A_q_proj`)."""
     return any(f".{kind}{SUFFIX}." in name or name.startswith(kind + SUFFIX + ".") for kind in LINEARS)
+
+
+# -- a checkpoint's adapters, whole (checkpoints_tools/megatron_to_hf.py) ----------------------------
+def peft_key(layer: int, kind: str, part: str, which: str) -> str:
+    """PEFT's key (get_peft_model_state_dict) of one adapter tensor; `layer` counts from 0."""
+    return f"base_model.model.model.layers.{layer}.{HF_PLACE[LINEARS[kind][0]]}.{part}.lora_{which}.weight"
+
+
+def checkpoint_adapters(tensors: dict) -> dict:
+    """{PEFT key: tensor} from a megatron checkpoint's whole tensors (layers stacked on axis 0, as
+    megarl.workers.checkpoint.plain_tensors reads them): every TP split is already whole there."""
+    out = {}
+    for key, value in tensors.items():
+        if not key.startswith("decoder.layers.") or not is_adapter_name(key):
+            continue
+        where, module, leaf = key[len("decoder.layers."):].split(".")
+        which, part = leaf.split("_", 1)
+        for n in range(value.shape[0]):
+            out[peft_key(n, module[: -len(SUFFIX)], part, which)] = value[n]
+    return out
+
+
+def merge_into_hf(hf: list, adapters: dict, scale: float) -> list:
+    """HF (name, tensor) pairs with W + scale * B @ A for every adapted projection (in fp32, back
+    to W's dtype): PEFT's merge_and_unload on whole tensors."""
+    out = []
+    for name, w in hf:
+        a = adapters.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        if a is not None and name.endswith(".weight"):
+            b = adapters[f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight"]
+            w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        out.append((name, w))
+    return out
+
+
+def peft_config(opts: dict, base_model: str | None) -> dict:
+    """PEFT's adapter_config.json for a megarl LoRA (the converter's options)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(opts["rank"]), "lora_alpha": opts["alpha"],
+            "lora_dropout": opts.get("dropout", 0.0), "target_modules": list(opts["target_modules"]),
+            "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": base_model}

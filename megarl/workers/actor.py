@@ -41,7 +41,7 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         recompute=model.enable_gradient_checkpointing,
         transformer_overrides={**recompute_overrides(model.gradient_checkpointing_kwargs),
                                **mc.override_transformer_config},
-        converters=model.converter_config(),
+        converters=converter_config(model),
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.
         packing=model.use_remove_padding and mc.context_parallel_size == 1,
