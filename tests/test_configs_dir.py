@@ -25,6 +25,7 @@ NEEDS_A_DOWNLOAD = {"grpo_gsm8k_qwen2.5_7b.yaml", "ppo_gsm8k_qwen2.5_7b.yaml"}
 CHECK_ONLY = {"quickstart_vllm.yaml"}
 # The tiny configs run here; bootstrap_kwargs shrink only the warm start (the model's shape stays).
 TINY = {"grpo_moe_tiny.yaml": {"warm_start_steps": 5}, "quickstart_ppo.yaml": {"warm_start_steps": 5},
+        "quickstart_lora.yaml": {"warm_start_steps": 5},
         "verl_gsm8k_tiny.yaml": {"warm_start_steps": 5}, "tool_use.yaml": {"steps": 5}}
 
 
