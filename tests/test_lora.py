@@ -5,7 +5,8 @@ adapters on every linear (fused QKV and gate/up included) and checks, per layout
   - fresh adapters (B = 0) give the base's logits exactly, and only adapter parameters require
     gradients or sit in the optimizer; an update moves the adapters and leaves the base bit-equal;
   - the reference is the actor's own base (adapters off): its log-probs are the base model's;
-  - what a weight sync reads (ShardSource) is W + scale B A, against PEFT's fp32 merge;
+  - what a weight sync reads (ShardSource) is W + scale B A, against PEFT's fp32 merge, and after a
+    colocated sync the native engine's sampled log-probs are the adapted actor's;
   - at TP2 a checkpoint resumes the adapters and optimizer exactly, is refused by a run without
     LoRA, and exports a merged HF model and a PEFT adapter directory that give the actor's logits.
 
@@ -64,7 +65,10 @@ def peft_reference(path: str, data, out: str) -> dict:
 def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: str):
     from safetensors.torch import load_file
 
+    from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.checkpoint_engine.source import ShardSource
+    from megarl.config.experiment import load_config
+    from tests.helpers.checkpoint_engine import native_engine, rollout_groups, rollout_vs_actor
     from megarl.models import lora
     from megarl.models.convert import assemble, hf_slices
     from megarl.parallel import state
@@ -90,6 +94,17 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: s
         r["only_adapters_train"] = bool(adapters) and trainable == adapters and in_optim <= adapters
         lora.load_peft(eng.models, tensors)
         r["logits"] = diff(eng.logits(ids, 2), ref["logits"])
+        # a colocated sync to the native engine: it samples with the adapted policy's log-probs
+        group = rollout_groups(1)
+        engine = native_engine(path, group)
+        cfg = load_config(None, [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=2",
+                                 f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+                                 f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.train_batch_size=4",
+                                 "actor_rollout_ref.model.lora_rank=4"])
+        build_checkpoint_engine(cfg, actor, engine, group).sync()
+        r["sync_logprob"] = rollout_vs_actor(engine, actor)[0]
+        del engine
         eng.accumulate(data, 2, actor._process(TEMP, True, True), policy_loss)
         got = dict(lora.peft_tensors(eng.models, lambda p: p.main_grad))
         r["grad_names"] = set(got)
@@ -108,6 +123,7 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: s
             worst = max(worst, diff(src.params[name], assemble(name, pieces, actor.spec, src.tp_rank, tp)))
             merged_names += 1
         r["merge"], r["merged_names"] = worst, merged_names
+        r["hf_export"] = max(diff(t, ref["merged"][n]) for n, t in eng.hf_tensors())
         # one update moves the adapters only
         before = {n: p.detach().clone() for n, p in eng.named_global_parameters()}
         adapters_before = [p.detach().clone() for a in lora.adapters(eng.models) for p in a.parameters()]
@@ -174,6 +190,7 @@ def test_lora_matches_peft_at_tp2_and_pp2(tmp_path):
             assert r["logits"] <= TOL and r["grad"] <= TOL, (layout, r["logits"], r["grad"])
             assert r["ref_is_base"] and r["ref_differs_from_actor"], layout
             assert r["merged_names"] > 0 and r["merge"] <= 1e-6, (layout, r["merge"])
+            assert r["sync_logprob"] <= TOL and r["hf_export"] <= 1e-6, (layout, r["sync_logprob"], r["hf_export"])
             assert r["base_unchanged"] and r["adapters_moved"], layout
     ck = results[0]["checkpoint"]
     assert ck["resumed_exact"] and ck["step_after_resume_exact"]

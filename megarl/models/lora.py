@@ -36,6 +36,7 @@ from torch import nn
 from megarl.models.converters import Converter, register_converter
 from megarl.models.lora_options import LINEARS, SUFFIX, LoraOptions, parse_targets, peft_key
 
+
 class LoraAdapter(nn.Module):
     """The adapters of one megatron linear (one A/B pair per targeted HF projection)."""
 
@@ -189,6 +190,16 @@ def merged_weights(chunk: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
             w = chunk.get_submodule(parent + mod.kind).weight
             out[f"{parent}{mod.kind}.weight"] = functools.partial(_merge, w, mod)
     return out
+
+
+def merged_value(chunks: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """param -> what an HF export holds for it: W + scale B A for an adapted weight, else the
+    parameter itself (detached)."""
+    merged = {}
+    for chunk in chunks:
+        for name, fn in merged_weights(chunk).items():
+            merged[id(chunk.get_parameter(name))] = fn
+    return lambda p: merged[id(p)]() if id(p) in merged else p.detach()
 
 
 def _merge(w: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
