@@ -7,6 +7,12 @@ of megarl/models/convert.py. The output has config.json, safetensors and the tok
 kept in the checkpoint's `hf/` folder, and loads with transformers. A critic checkpoint becomes a
 *ForSequenceClassification model (one label). The dtype defaults to the source HF checkpoint's,
 so HF -> megatron -> HF is bit-exact.
+
+A checkpoint of a LoRA run (actor_rollout_ref.model.lora_rank > 0) becomes the merged model
+(W + alpha/r B A, PEFT's merge_and_unload); `--peft-adapter DIR` also writes the adapters alone
+as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) for the base model:
+
+    python checkpoints_tools/megatron_to_hf.py --ckpt ckpt/global_step_50/actor --out merged --peft-adapter adapter
 """
 from __future__ import annotations
 
@@ -18,12 +24,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: str, out: str, dtype: str | None = None) -> None:
+def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | None = None) -> None:
     import torch
     import torch.distributed as dist
 
     from megarl.models.convert import checkpoint_to_hf
     from megarl.models.hf_checkpoint import save_hf
+    from megarl.models.lora_options import checkpoint_adapters, is_adapter_name, merge_into_hf
     from megarl.models.spec import ModelSpec
     from megarl.workers.checkpoint import HF_DIR, plain_tensors, read_meta
 
@@ -43,8 +50,30 @@ def export(ckpt: str, out: str, dtype: str | None = None) -> None:
                       id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     target = getattr(torch, dtype or meta["hf_dtype"])
     config["dtype"] = str(target).replace("torch.", "")
-    tensors = checkpoint_to_hf(plain_tensors(ckpt), spec, head)
+    whole = plain_tensors(ckpt)
+    lora = meta.get("lora")
+    if peft_adapter and not lora:
+        raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without lora_rank); drop --peft-adapter")
+    adapters = checkpoint_adapters(whole)
+    tensors = checkpoint_to_hf({k: v for k, v in whole.items() if not is_adapter_name(k)}, spec, head)
+    if lora:
+        tensors = merge_into_hf(tensors, adapters, lora["alpha"] / lora["rank"])
     save_hf(out, ((n, t.to(target)) for n, t in tensors), config, aux_from=os.path.join(ckpt, HF_DIR))
+    if peft_adapter:
+        _save_peft(peft_adapter, adapters, lora, target)
+
+
+def _save_peft(out: str, adapters: dict, lora: dict, dtype) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from megarl.models.lora_options import peft_config
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(lora, None), f, indent=2)
+    save_file({k: v.to(dtype).contiguous() for k, v in adapters.items()},
+              os.path.join(out, "adapter_model.safetensors"))
 
 
 def check_sealed(ckpt: str) -> None:
@@ -67,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="HF directory to write")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="tensor dtype (default: the source HF checkpoint's)")
+    ap.add_argument("--peft-adapter", default=None,
+                    help="a LoRA checkpoint: also write its adapters as a PEFT adapter directory here")
     a = ap.parse_args(argv)
     try:
-        export(os.path.abspath(a.ckpt), os.path.abspath(a.out), a.dtype)
+        export(os.path.abspath(a.ckpt), os.path.abspath(a.out), a.dtype,
+               os.path.abspath(a.peft_adapter) if a.peft_adapter else None)
     except ValueError as err:
         print(f"megatron_to_hf: {err}", file=sys.stderr)
         return 2

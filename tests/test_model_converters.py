@@ -59,8 +59,8 @@ def test_converters_in_config_order_and_refusals():
     assert order == ["b", "a1"]
     build_model_converters(None).convert([nn.Linear(1, 1)])          # none configured: a no-op
     assert build_model_converters([]).steps == ()
-    with pytest.raises(ValueError, match="unknown converter\\(s\\) lora; registered: .*test_a") as err:
-        build_model_converters(["lora"])
+    with pytest.raises(ValueError, match="unknown converter\\(s\\) qlora; registered: .*test_a") as err:
+        build_model_converters(["qlora"])
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="already registered"):
         register_converter(FREEZE)(freeze_embeddings)

@@ -124,6 +124,7 @@ class ExperimentConfig(Section):
                                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")
             self.actor.log_prob_micro_batch_size_per_gpu = ro.log_prob_micro_batch_size_per_gpu
         ref = self.actor_rollout_ref.ref
+        self._check_lora(ref, crit)
         if ref.megatron is None:
             ref.megatron = copy.deepcopy(self.actor.megatron)
         if ref.log_prob_micro_batch_size_per_gpu is None:
@@ -142,6 +143,21 @@ class ExperimentConfig(Section):
                               f"{self.trainer.collective_timeout_s:g}s: the other ranks, waiting for the rewards, "
                               "would time out first; lower it or raise the collective timeout",
                               "reward_model.batch_deadline_s")
+
+    def _check_lora(self, ref, crit) -> None:
+        """With LoRA the reference is the actor's frozen base (its shards, adapters off): what would
+        give it weights or a layout of its own is refused, as is LoRA on the critic."""
+        if crit.model.lora_rank:
+            raise ConfigError("LoRA trains the actor only: a frozen critic backbone would leave its value head "
+                              "alone to learn; set it to 0", "critic.model.lora_rank")
+        if not self.model.lora_rank:
+            return
+        if ref.megatron is not None:
+            raise ConfigError("with LoRA the reference is the actor's frozen base on the actor's layout; remove "
+                              "the reference's own megatron section", "actor_rollout_ref.ref.megatron")
+        if ref.param_offload:
+            raise ConfigError("with LoRA the reference holds no weights of its own (it is the actor with adapters "
+                              "off); remove the key", "actor_rollout_ref.ref.param_offload")
 
     def _fill_token_budgets(self) -> None:
         """verl's defaults: every pass takes the actor's dynamic-batch switch and token budget."""

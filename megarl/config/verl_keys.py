@@ -34,7 +34,8 @@ _OFFLOAD = f"{_MEGATRON}; set the layout and offload under <role>.megatron (para
 _KERNELS = ("megarl runs megatron-core's own kernels "
             "(packed sequences via actor_rollout_ref.model.use_remove_padding); remove the key")
 _MM = "megarl trains text models only (no images or video); remove the key"
-_LORA = "LoRA is not supported: megarl trains every weight of the model; remove the key"
+_LORA = ("megarl's LoRA reads actor_rollout_ref.model.lora_rank, lora_alpha, target_modules and lora_dropout "
+         "(docs/lora.md); set those instead")
 _PROFILE = ("megarl has no profiler hooks; run the trainer under nsys or torch.profiler yourself (metrics.jsonl "
             "carries each step's phase timings); remove the key")
 _RM_POOL = ("megarl's reward model runs on the trainer ranks' own megatron layout (reward_model.enable, "
@@ -77,8 +78,7 @@ RULES: list[tuple[str, str]] = [
     ("*.strategy", "megarl trains with megatron-core only; remove the key or set megatron"),
     ("*.use_torch_compile", "megarl's roles run megatron-core's own kernels, not torch.compile; remove the key"),
     ("*profiler.*", _PROFILE), ("global_profiler.*", _PROFILE),
-    ("*.lora.*", _LORA), ("*.lora_rank", _LORA), ("*.lora_alpha", _LORA), ("*.target_modules", _LORA),
-    ("*.exclude_modules", _LORA), ("*.lora_adapter_path", _LORA),
+    ("*.lora.*", _LORA), ("*.exclude_modules", _LORA), ("*.lora_adapter_path", _LORA),
     ("*.megatron.use_dist_checkpointing", _MCORE_CKPT), ("*.megatron.dist_checkpointing_prefix", _MCORE_CKPT),
     ("*.megatron.use_mbridge", _MCORE_CKPT), ("*.megatron.vanilla_mbridge", _MCORE_CKPT),
     ("*.megatron.override_ddp_config", "megarl sets megatron's DDP options from the layout; tune the model through "

@@ -131,8 +131,8 @@ def build_roles(cfg, shared: Shared) -> dict:
     """The megatron roles, each from the run's resolved config (its own optimizer step count)."""
     run_cfg = cfg.resolved(shared.total_steps)
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    roles = dict(actor=ActorWorker.from_config(run_cfg),
-                 ref=ReferenceWorker.from_config(run_cfg) if needs_ref else None,
+    actor = ActorWorker.from_config(run_cfg)
+    roles = dict(actor=actor, ref=ReferenceWorker.from_config(run_cfg, actor) if needs_ref else None,
                  critic=CriticWorker.from_config(run_cfg) if cfg.critic.enable else None, reward_model=None)
     if cfg.reward_model.enable:
         roles["reward_model"] = RewardModelWorker.from_config(run_cfg)

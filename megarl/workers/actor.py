@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.models.lora_options import parse_targets
 from megarl.models.routing_replay import KEY as ROUTES
 from megarl.parallel import state
 from megarl.protocol import DataProto
@@ -40,13 +41,24 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         recompute=model.enable_gradient_checkpointing,
         transformer_overrides={**recompute_overrides(model.gradient_checkpointing_kwargs),
                                **mc.override_transformer_config},
-        converters=model.converters,
+        converters=converter_config(model),
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.
         packing=model.use_remove_padding and mc.context_parallel_size == 1,
         # MoE routing replay (actor / reference router_replay.mode; the critic routes itself)
         routing_replay=getattr(getattr(role_cfg, "router_replay", None), "mode", "disabled") != "disabled",
         seed=mc.seed, role=role)
+
+
+def converter_config(model: ModelConfig) -> dict[str, dict]:
+    """model.converters as name -> options, with the `lora` converter (megarl/models/lora.py) added
+    when lora_rank > 0."""
+    named = dict(model.converters) if isinstance(model.converters, dict) else {n: {} for n in model.converters}
+    if model.lora_rank:
+        named["lora"] = {"rank": model.lora_rank, "alpha": float(model.lora_alpha),
+                         "target_modules": list(parse_targets(model.target_modules)),
+                         "dropout": float(model.lora_dropout)}
+    return named
 
 
 def _distributed_optimizer(mc) -> bool:

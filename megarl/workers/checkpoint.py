@@ -56,7 +56,14 @@ def _meta(engine) -> dict:
     spec = engine.spec
     return {"hf_config": spec.hf_config, "head": engine.es.head, "padded_vocab": spec.padded_vocab(engine.layout.tp),
             "sched_step": engine.sched_step, "hf_dtype": str(engine.hf_dtype).replace("torch.", ""),
-            "saved_layout": [engine.layout.tp, engine.layout.pp], "saved_cp_vpp": [engine.layout.cp, engine.layout.vpp]}
+            "saved_layout": [engine.layout.tp, engine.layout.pp], "saved_cp_vpp": [engine.layout.cp, engine.layout.vpp],
+            "lora": _lora(engine)}
+
+
+def _lora(engine) -> dict | None:
+    """The LoRA converter's options (rank, alpha, targets, dropout), or None without LoRA."""
+    conv = engine.es.converters
+    return dict(conv["lora"]) if isinstance(conv, dict) and "lora" in conv else None
 
 
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
@@ -83,6 +90,9 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     if meta["padded_vocab"] != pv:
         raise ValueError(f"{path}: padded vocabulary {meta['padded_vocab']} differs from {pv} at TP={engine.layout.tp} "
                          "(saved with a TP that is not a power of two); load it with the TP it was saved with")
+    if meta.get("lora") != _lora(engine):
+        raise ValueError(f"{path}: saved with LoRA {meta.get('lora')}, this role has {_lora(engine)}; set "
+                         "actor_rollout_ref.model.lora_rank / lora_alpha / target_modules as at the save")
     engine.onload()
     model_sd = _model_state(engine)
     sd = dict(model_sd)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.config.typed import Section, require
+from megarl.models.lora_options import LoraOptions, parse_targets
 
 
 CHECKPOINT_KWARGS = {"activations_checkpoint_granularity": "recompute_granularity",
@@ -46,13 +47,29 @@ class ModelConfig(Section):
     # Model converters (megarl/models/converters.py) run on the loaded chunks before DDP and the
     # optimizer wrap them: a list of registered names, or name -> options. Empty: none.
     converters: list[str] | dict[str, dict[str, Any]] = field(default_factory=list)
-
+    # LoRA (verl's keys; megarl/models/lora.py, docs/lora.md): lora_rank > 0 freezes the base and
+    # trains rank-r adapters on `target_modules` ("all-linear", or HF names q_proj ... down_proj,
+    # or megatron's linear_qkv ... linear_fc2); scale lora_alpha / lora_rank, as PEFT's.
+    lora_rank: int = 0
+    lora_alpha: float = 16
+    target_modules: str | list[str] = "all-linear"
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         unknown = sorted(set(self.gradient_checkpointing_kwargs) - set(CHECKPOINT_KWARGS) - {"use_reentrant"})
         require(not unknown, f"gradient_checkpointing_kwargs.{unknown[0] if unknown else ''}",
                 f"unknown key; use {', '.join(CHECKPOINT_KWARGS)} or <role>.megatron.override_transformer_config."
                 "recompute_granularity / recompute_method / recompute_num_layers")
+        require(self.lora_rank >= 0, "lora_rank", f"must be >= 0 (got {self.lora_rank}); 0 turns LoRA off")
+        if self.lora_rank:
+            require("lora" not in self.converters, "converters",
+                    "names lora as well as lora_rank > 0; configure LoRA through lora_rank / lora_alpha only")
+            try:
+                LoraOptions(self.lora_rank, float(self.lora_alpha), parse_targets(self.target_modules),
+                            float(self.lora_dropout)).check()
+            except ValueError as err:
+                require(False, "target_modules" if "target_modules" in str(err) else "lora_rank", str(err))
+
 
 
 @dataclass

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.models import lora  # also registers the "lora" model converter
 from megarl.models.converters import build_model_converters
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, state
@@ -144,9 +145,9 @@ class MegatronEngine(cpu_compat.Boundary):
     def hf_tensors(self):
         """(HF name, full tensor) for this pipeline stage, TP shards all-gathered (every TP rank
         yields the same; at TP=1 some are views of the live weights). A simple exporter; the
-        checkpoint engine plans its own transfers."""
+        checkpoint engine plans its own transfers. With LoRA: the merged weights."""
         self.onload()
-        return self.shards.export(lambda p: p.detach())
+        return self.shards.export(lora.merged_value(self.models))
 
     def hf_grads(self):
         """(HF name, full accumulated gradient) for this stage, like hf_tensors (checks and debugging)."""

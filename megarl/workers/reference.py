@@ -3,11 +3,18 @@
     ref = ReferenceWorker.from_config(cfg)
     ref_log_prob = ref.compute_ref_log_prob(batch, temperature=1.0)     # [B, R]
 
+With LoRA (model.lora_rank > 0) the reference is the actor's own frozen base: its log-probs come
+from the actor's shards with every adapter off (`ReferenceWorker.base_of(actor, ...)`), so no
+second copy of the weights is built.
+
 With ref.param_offload (or ref.megatron.param_offload) the weights wait in pinned host memory
 between calls; on CPU they are there already, so the flag changes nothing (one warning says so).
 """
 from __future__ import annotations
 
+import contextlib
+
+from megarl.models import lora
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
@@ -31,7 +38,18 @@ class ReferenceWorker:
             self.engine.offload(**self.offload_kw)
 
     @classmethod
-    def from_config(cls, cfg) -> "ReferenceWorker":
+    def base_of(cls, actor, ref: RefConfig, micro_batch_size: int = 4) -> "ReferenceWorker":
+        """The LoRA actor's base model as the reference: the actor's engine, adapters disabled while
+        it runs (its weights are the actor's, so ref.param_offload has nothing of its own to move)."""
+        self = cls.__new__(cls)
+        self.cfg, self.engine, self.offload_kw = ref, actor.engine, {}
+        self.micro = ref.log_prob_micro_batch_size_per_gpu or micro_batch_size
+        return self
+
+    @classmethod
+    def from_config(cls, cfg, actor=None) -> "ReferenceWorker":
+        if cfg.model.lora_rank:    # megarl/config/experiment.py refuses a layout or offload of its own
+            return cls.base_of(actor, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu)
         return cls(cfg.model, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.dtype)
 
     def compute_ref_log_prob(self, data: DataProto, temperature: float = 1.0):
@@ -43,11 +61,14 @@ class ReferenceWorker:
                                     temperature, False)
 
         budget = self.cfg.log_prob_max_token_len_per_gpu if self.cfg.log_prob_use_dynamic_bsz else None
+        base = lora.disabled(eng.models) if eng.es.converters and "lora" in eng.es.converters \
+            else contextlib.nullcontext()
         try:
             # R3: the reference replays the rollout's routes too (RefConfig.router_replay says why)
             routes = "replay" if self.cfg.router_replay.mode == "R3" else None
-            return eng.forward_rows(data, self.micro, process, ("log_probs",), max_tokens=budget,
-                                    routes=routes)["log_probs"]
+            with base:
+                return eng.forward_rows(data, self.micro, process, ("log_probs",), max_tokens=budget,
+                                        routes=routes)["log_probs"]
         finally:
             if self.offload_kw:
                 eng.offload(**self.offload_kw)

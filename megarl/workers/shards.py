@@ -22,6 +22,7 @@ from megarl.models import mcore
 from megarl.models.build import build_gpt, transformer_config
 from megarl.models.convert import assemble, expert_of, hf_slices, megatron_names, megatron_to_hf, to_global, to_local
 from megarl.models.hf_checkpoint import HFCheckpoint
+from megarl.models.lora_options import is_adapter_name
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat, state
 from megarl.workers.logprob import hidden_to_head
@@ -94,10 +95,12 @@ class Shards(cpu_compat.Boundary):
             yield from m.parameters()
 
     def named_global_parameters(self):
-        """(global megatron name, parameter) over every chunk of this rank."""
+        """(global megatron name, parameter) over every chunk of this rank: the model's own, not a
+        LoRA adapter's (megarl/models/lora.py names and exports those)."""
         for m, off in zip(self.models, self.offsets):
             for local, p in m.named_parameters():
-                yield to_global(local, off, self.expert_offset), p
+                if not is_adapter_name(local):
+                    yield to_global(local, off, self.expert_offset), p
 
     def head_weight(self) -> torch.Tensor:
         """This TP rank's vocabulary rows of the LM head (the embedding when tied), last stage."""

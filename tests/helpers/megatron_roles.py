@@ -98,7 +98,8 @@ def hf_critic_reference(path: str, data: DataProto) -> dict:
 
 
 def make_actor(path: str, micro: int, *, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
-               sp: bool | None = None, ep: int = 1, override: dict | None = None, **optim) -> ActorWorker:
+               sp: bool | None = None, ep: int = 1, override: dict | None = None, lora: dict | None = None,
+               **optim) -> ActorWorker:
     """An ActorWorker at layout TP x CP x PP (VPP, SP, EP), mini-batch 8, lr 1e-3 unless `optim` says."""
     mc = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp, expert_model_parallel_size=ep)
@@ -106,7 +107,7 @@ def make_actor(path: str, micro: int, *, tp: int = 1, pp: int = 1, cp: int = 1, 
     cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, megatron=mc, entropy_coeff=0.01,
                       optim=OptimConfig(**{"lr": 1e-3, **optim}))
     state.init_distributed()   # the rank set-up; the engine starts no process group
-    return ActorWorker(ModelConfig(path=path, override_config=dict(override or {})), cfg)
+    return ActorWorker(ModelConfig(path=path, override_config=dict(override or {}), **(lora or {})), cfg)
 
 
 def grad_errors(engine, ref_grads) -> tuple[float, set]:
