@@ -42,6 +42,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 # Aliases share one node, so a few hundred bytes of nested anchors ("billion laughs") stand for
 # billions of values once anything walks or copies them; configs hold a few thousand at most.
 MAX_NODES = 200_000
+MAX_BYTES = 2 << 20
 MAX_DEPTH = 100
 
 
@@ -107,6 +108,10 @@ def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError(f"config bases form a cycle ({chain}); remove one '{BASE_KEY}:' entry")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}; check the --config path")
+    size = os.path.getsize(path)
+    if size > MAX_BYTES:     # a config holds keys; YAML parses about 1 MB a second, so a huge one is a mistake
+        raise ConfigError(f"{path}: {size / 2**20:.1f} MiB is over the {MAX_BYTES >> 20} MiB a config file may hold "
+                          "(verl's largest composed tree is under 0.1 MiB); put data in data.train_files, not here")
     try:
         with open(path) as f:
             data = load_yaml_text(f, path) or {}

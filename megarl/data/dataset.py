@@ -39,6 +39,8 @@ def check_prompt(prompt: Any, key: str) -> str | None:
     for j, m in enumerate(prompt):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
             return f"'{key}'[{j}] must be {{role: {'/'.join(sorted(ROLES))}, content: str}}"
+    if not any(m["content"].strip() for m in prompt):     # judged before the chat template renders it
+        return f"empty '{key}' (every message's content is empty)"
     return None
 
 

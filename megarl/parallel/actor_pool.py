@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.parallel.ray_auth import ray_token_auth
+from megarl.parallel.ray_auth import private_temp_dir, ray_token_auth
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ def ensure_ray(num_cpus: int) -> None:
     # Workers must import megarl and the user's modules as the driver does.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [root, os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True,
+    # _temp_dir is ray.init's documented keyword for the sessions' root (Ray 2.60's worker.py)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, _temp_dir=private_temp_dir(),
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}})
 
 

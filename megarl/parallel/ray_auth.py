@@ -1,6 +1,7 @@
 """Ray's token authentication for a Ray that megarl starts (the reward and tool pools).
 
     warning = ray_token_auth()      # before ray.init(); None, or one line saying auth stays off
+    ray.init(..., _temp_dir=private_temp_dir())     # Ray's sessions in a directory only this user enters
 
 Read from Ray 2.60's own source (ray/_private/authentication/authentication_token_setup.py,
 ray/_private/worker.py): RAY_AUTH_MODE=token makes every Ray server demand a token, taken from
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
+import tempfile
 
 
 def ray_token_auth() -> str | None:
@@ -40,3 +43,20 @@ def ray_token_auth() -> str | None:
     setup._enable_token_auth()
     AuthenticationTokenLoader.instance().reset_cache()
     return None
+
+
+def private_temp_dir() -> str:
+    """The root of Ray's session directories for a Ray megarl starts: <private>/ray, where <private> is
+    /tmp/megarl-ray-<uid>, mode 0700. Ray's default, /tmp/ray, is world-writable, and its session_*
+    directories (sockets, the workers' logs) readable by every user; Ray makes whatever root it is
+    given mode 0777 too, so the 0700 is on the directory above it. A <private> that exists but is not
+    this user's own 0700 directory (another user made it first, or a link) is passed over for a fresh one."""
+    base = os.path.join(tempfile.gettempdir(), f"megarl-ray-{os.getuid()}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(base)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o700:
+        base = tempfile.mkdtemp(prefix="megarl-ray-")     # 0700 by construction
+    return os.path.join(base, "ray")

@@ -293,7 +293,8 @@ def load(path: str, roles: dict, rank: int, world: int) -> dict:
     if state.get("world") == world:     # the same world: the resume is bitwise only with every stream
         if not os.path.isfile(rng_file):
             raise _damaged(path, os.path.relpath(rng_file, path), "is missing")
-        set_rng_state(_reading(path, rng_file, lambda: verified_io.load_plain(rng_file)))
+        set_rng_state(_reading(path, rng_file,
+                               lambda: verified_io.load_sealed(path, os.path.relpath(rng_file, path))))
     return state
 
 
@@ -311,7 +312,7 @@ def rng_notice(state: dict, world: int) -> str | None:
 def read_trainer_state(path: str) -> dict:
     """trainer_state.pt of a step that load() has verified."""
     state_file = os.path.join(path, "trainer_state.pt")
-    return _reading(path, state_file, lambda: verified_io.load_plain(state_file))
+    return _reading(path, state_file, lambda: verified_io.load_sealed(path, "trainer_state.pt"))
 
 
 def _damaged(step_path: str, rel: str, why: str) -> ConfigError:

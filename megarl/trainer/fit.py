@@ -30,6 +30,7 @@ from megarl.trainer.bypass import resolve_bypass
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import broadcast_object, generate, sampling_seed
 from megarl.trainer.generations import SAMPLES_KEY, dump_rollout
+from megarl.trainer.out_of_memory import as_out_of_memory
 from megarl.trainer.memory import PhaseMemory
 from megarl.trainer.metrics import jsonable
 from megarl.trainer.mfu import MFUMeter
@@ -262,7 +263,10 @@ class RLTrainer:
         absent roles are not reported."""
         start = time.perf_counter()
         with self.memory.phase(name if enabled else None):
-            yield
+            try:
+                yield
+            except (MemoryError, RuntimeError) as err:   # out of memory: named with its phase (one line)
+                raise as_out_of_memory(name, err) from err
         if enabled:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 

@@ -14,6 +14,7 @@ from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_part
 from megarl.trainer.fit import BadStepLimit, RLTrainer
 from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
 from megarl.trainer.metrics import MetricsLogger, MetricsWriteError
+from megarl.trainer.out_of_memory import as_out_of_memory, is_out_of_memory
 from megarl.trainer.parts import build_parts, write_run_dir
 from megarl.trainer.plot import plot_after_run
 from megarl.parallel.shared_storage import check_shared_dir
@@ -74,7 +75,12 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     except BadStepLimit as err:
         print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         return 3
-    except RuntimeError as err:
+    except (MemoryError, RuntimeError) as err:
+        if is_out_of_memory(err):      # one line: which phase, what to lower (start-up where no step ran)
+            line = f"rank {rank}: {as_out_of_memory('start-up', err)}"
+            print(f"megarl: stopped: {line}", file=sys.stderr, flush=True)
+            tell_launcher(RuntimeError(line))
+            return 5
         if not _collective_timed_out(err):
             raise
         # One line instead of torch's trace: the cause is a peer (stopped, hung or far slower), not this rank.

@@ -5,6 +5,7 @@ SHA-256 manifest, and read without running code.
     save_plain(obj, path) / load_plain(path)        # megarl.storage.plain_state: data only, weights-only unpickler
     seal(step_dir)                                  # collective: 0600/0700, fsync, write manifest.json
     verify(step_dir)                                # collective: refuse the step before anything is read
+    load_sealed(step_dir, "trainer_state.pt")       # megarl's own files: hashed and loaded from one read
 
 Megatron's distributed checkpoints hold a pickled `.metadata` and pickled byte items that torch's
 reader unpickles; they cannot be read any other way. So a resume first checks every file of the
@@ -16,6 +17,7 @@ large checkpoint is spread (about 1 GB/s per core with OpenSSL's SHA-256).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import stat
@@ -188,3 +190,22 @@ def verify(step_dir: str, group=None) -> None:
     if found:
         rel, problem = min(found)
         raise Refused(f"{rel} {problem}")
+
+
+def load_sealed(step_dir: str, rel: str):
+    """A megarl file (load_plain's format) of a step verify() accepted, read once through one descriptor
+    (no symlink followed), hashed, and loaded from those same bytes: nothing can swap the file between
+    its check and its load. Megatron's own files are read by torch's checkpoint reader, by path, after
+    verify() (docs/security.md says what that leaves)."""
+    path = os.path.join(step_dir, rel)
+    with open(os.path.join(step_dir, MANIFEST)) as f:
+        digest = (json.load(f).get("sha256") or {}).get(rel)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    if digest is None or hashlib.sha256(data).hexdigest() != digest:
+        raise Refused(f"{rel} differs from the SHA-256 digest in the manifest (changed after the step was checked)")
+    return load_plain(io.BytesIO(data))

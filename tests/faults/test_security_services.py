@@ -47,13 +47,22 @@ def test_the_ray_pool_requires_its_token(tmp_path):
         import os, sys, ray
         from megarl.parallel.actor_pool import ensure_ray
         ensure_ray(1)
-        print(ray.get_runtime_context().gcs_address, os.environ["RAY_AUTH_TOKEN"], flush=True)
+        session = ray._private.worker._global_node.get_session_dir_path()   # where Ray put this run's files
+        print(ray.get_runtime_context().gcs_address, os.environ["RAY_AUTH_TOKEN"], session, flush=True)
         sys.stdin.read()
-    """)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    """)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "pool.err", "w"), text=True)
     try:
-        gcs, token = pool.stdout.readline().split()
+        line = pool.stdout.readline()
+        assert line, (tmp_path / "pool.err").read_text()[-3000:]
+        gcs, token, session = line.split()
         assert len(token) == 64
         assert not (home / ".ray").exists()                  # the run's token lives in its processes only
+        # Ray's sessions (sockets, worker logs) sit in a directory only this user can enter, not /tmp/ray
+        from megarl.parallel.ray_auth import private_temp_dir
+        root = private_temp_dir()
+        assert os.path.dirname(session) == root and os.path.isdir(session), (session, root)
+        private = os.path.dirname(root)                   # Ray makes its root 0777; the one above is 0700
+        assert os.stat(private).st_mode & 0o777 == 0o700 and os.stat(private).st_uid == os.getuid()
 
         def client(**extra):
             out = subprocess.run([sys.executable, "-c", GCS_CLIENT, gcs], capture_output=True, text=True, timeout=60,
@@ -65,6 +74,23 @@ def test_the_ray_pool_requires_its_token(tmp_path):
     finally:
         pool.stdin.close()
         pool.wait(timeout=60)
+
+
+def test_rays_private_directory_is_not_taken_from_another_user(tmp_path, monkeypatch):
+    """A /tmp/megarl-ray-<uid> that is not this user's 0700 directory (made first by someone else, left
+    open, or a link) is passed over for a fresh private one."""
+    from megarl.parallel.ray_auth import private_temp_dir
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)           # tempfile reads TMPDIR again
+    first = os.path.dirname(private_temp_dir())
+    assert first == str(tmp_path / f"megarl-ray-{os.getuid()}") and os.stat(first).st_mode & 0o777 == 0o700
+    os.chmod(first, 0o777)                                    # left open: not used
+    other = os.path.dirname(private_temp_dir())
+    assert other != first and os.stat(other).st_mode & 0o777 == 0o700
+    os.rmdir(first)
+    os.symlink(str(tmp_path), first)                          # a link: not followed
+    assert os.path.dirname(private_temp_dir()) not in (first, str(tmp_path))
 
 
 def test_megarl_stores_listen_on_loopback_only():
