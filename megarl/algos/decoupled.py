@@ -78,5 +78,6 @@ def m2po_loss(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg:
                       lambda log_w: second_moment_keep(log_w, mask, tau))
 
 
-decoupled_ppo_loss.needs_behaviour_log_probs = True
-m2po_loss.needs_behaviour_log_probs = True
+# the actor's loss function (algos/loss_fn.py) reads this mark to pass the behaviour log-probs
+for _loss in (decoupled_ppo_loss, m2po_loss):
+    setattr(_loss, "needs_behaviour_log_probs", True)
