@@ -1,6 +1,7 @@
 """Runs shared by the fault suite's files (each launch costs ~10-20 s on 2 cores).
 
-`sync_chain` / `async_chain`: an uninterrupted reference run, then one run directory taken through
+`sync_reference` / `async_reference`: an uninterrupted run of STEPS steps.
+`sync_chain` / `async_chain`: that reference run, and one run directory taken through
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
 rank 0 there, megarl/trainer/faults.py), a torn last line in metrics.jsonl, and a final resume.
 """
@@ -18,10 +19,15 @@ KILL_POINTS = [("pause@step:3", 2), ("pause@save:4", 2), ("pause@sync:5", 4)]
 TORN = '{"step": 5, "critic/score/mean": 0.5, "actor/pg_l'
 
 
-def _chain(model_dir, root, make_args) -> dict:
-    ref_dir, run_dir = root / "reference", root / "killed"
-    rc, ref_out = Launch(make_args(model_dir, ref_dir, STEPS)).finish()
-    assert rc == 0, ref_out[-3000:]
+def _reference(model_dir, root, make_args) -> dict:
+    ref_dir = root / "reference"
+    rc, out = Launch(make_args(model_dir, ref_dir, STEPS)).finish()
+    assert rc == 0, out[-3000:]
+    return {"dir": ref_dir, "out": out}
+
+
+def _chain(model_dir, root, make_args, reference) -> dict:
+    run_dir = root / "killed"
     kills = []
     for fault, resumes_from in KILL_POINTS:
         launch = Launch(make_args(model_dir, run_dir, STEPS), fault=fault)
@@ -34,14 +40,27 @@ def _chain(model_dir, root, make_args) -> dict:
     with open(run_dir / "metrics.jsonl", "a") as f:   # a kill in the middle of a metrics write
         f.write(TORN)
     rc, final_out = Launch(make_args(model_dir, run_dir, STEPS)).finish()
-    return {"ref": ref_dir, "run": run_dir, "ref_out": ref_out, "kills": kills, "rc": rc, "out": final_out}
+    return {"ref": reference["dir"], "run": run_dir, "ref_out": reference["out"], "kills": kills, "rc": rc,
+            "out": final_out}
+
+
+# The uninterrupted runs, trained once and only read by every test that compares with or copies
+# them (the chains below, the stop signal, damaged and hostile checkpoints): saves at steps 2, 4, 5.
+@pytest.fixture(scope="session")
+def sync_reference(addition_model_dir, tmp_path_factory):
+    return _reference(addition_model_dir, tmp_path_factory.mktemp("sync_reference"), overrides)
 
 
 @pytest.fixture(scope="session")
-def sync_chain(addition_model_dir, tmp_path_factory):
-    return _chain(addition_model_dir, tmp_path_factory.mktemp("sync_chain"), overrides)
+def async_reference(addition_model_dir, tmp_path_factory):
+    return _reference(addition_model_dir, tmp_path_factory.mktemp("async_reference"), async_overrides)
 
 
 @pytest.fixture(scope="session")
-def async_chain(addition_model_dir, tmp_path_factory):
-    return _chain(addition_model_dir, tmp_path_factory.mktemp("async_chain"), async_overrides)
+def sync_chain(addition_model_dir, sync_reference, tmp_path_factory):
+    return _chain(addition_model_dir, tmp_path_factory.mktemp("sync_chain"), overrides, sync_reference)
+
+
+@pytest.fixture(scope="session")
+def async_chain(addition_model_dir, async_reference, tmp_path_factory):
+    return _chain(addition_model_dir, tmp_path_factory.mktemp("async_chain"), async_overrides, async_reference)

@@ -76,9 +76,9 @@ def _try_each(rank, world, model_dir, run_dir, step_dir):
 
 
 @pytest.mark.timeout(900)
-def test_every_checkpoint_file_damaged(sync_chain, addition_model_dir, tmp_path):
+def test_every_checkpoint_file_damaged(sync_reference, addition_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(sync_chain["ref"] / "global_step_4", run_dir / "global_step_4")
+    shutil.copytree(sync_reference["dir"] / "global_step_4", run_dir / "global_step_4")
     (run_dir / "latest_checkpointed_iteration.txt").write_text("4")
     step_dir = str(run_dir / "global_step_4")
     assert sorted(READ) == sorted(os.path.relpath(os.path.join(b, f), step_dir) for b, _, fs in os.walk(step_dir)
@@ -95,9 +95,9 @@ def test_every_checkpoint_file_damaged(sync_chain, addition_model_dir, tmp_path)
 
 
 @pytest.mark.timeout(300)
-def test_truncated_shard_is_one_line_at_the_command_line(sync_chain, addition_model_dir, tmp_path):
+def test_truncated_shard_is_one_line_at_the_command_line(sync_reference, addition_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(sync_chain["ref"], run_dir, ignore=shutil.ignore_patterns("logs", ".megarl.lock"))
+    shutil.copytree(sync_reference["dir"], run_dir, ignore=shutil.ignore_patterns("logs", ".megarl.lock"))
     shard = run_dir / f"global_step_{STEPS}" / "actor" / "__1_0.distcp"
     os.truncate(shard, 1000)
     before = _digests(run_dir)

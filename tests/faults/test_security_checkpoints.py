@@ -25,6 +25,7 @@ import torch
 
 from megarl.config import ConfigError
 from megarl.trainer import checkpointing, verified_io
+from tests.faults.runs import overrides
 
 STEP = 2
 
@@ -49,19 +50,6 @@ def write_hostile(path: str, marker: str) -> None:
     os.chmod(path, 0o600)
 
 
-def overrides(model_dir, run_dir, steps, *extra):
-    return [f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={run_dir}",
-            f"trainer.total_training_steps={steps}", f"trainer.save_freq={STEP}", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", "data.train_batch_size=8",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
-            "algorithm.filter_groups.enable=false", "trainer.plot_reward_curve=false", *extra]
-
-
-ASYNC = ("trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.placement=disaggregated",
-         "actor_rollout_ref.rollout.disaggregated_ranks=1")
-
-
 def train(args, timeout=600) -> tuple[int, str]:
     out = subprocess.run([sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml", *args],
                          capture_output=True, text=True, timeout=timeout)
@@ -69,17 +57,10 @@ def train(args, timeout=600) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(addition_model_dir, tmp_path_factory):
-    """One real sync run and one real async run, each saving global_step_2 (the async one runs a
-    step further, so its step 2 carries the in-flight batch)."""
-    root = tmp_path_factory.mktemp("security")
-    got = {}
-    for name, steps, extra in (("sync", STEP, ()), ("async", STEP + 1, ASYNC)):
-        run_dir = root / name
-        rc, out = train(overrides(addition_model_dir, run_dir, steps, *extra))
-        assert rc == 0, out[-3000:]
-        got[name] = run_dir
-    return got
+def runs(sync_reference, async_reference):
+    """A real sync run and a real async run (the fault suite's reference runs, conftest.py), each
+    saving global_step_2 and training on past it, so the async one's step 2 carries the in-flight batch."""
+    return {"sync": sync_reference["dir"], "async": async_reference["dir"]}
 
 
 def step_files(step_dir) -> list[str]:
@@ -213,7 +194,7 @@ def test_megarl_train_refuses_a_hostile_step_naming_the_file(runs, addition_mode
         latest = os.path.basename(checkpointing.latest_step_dir(str(run_dir)))   # what auto-resume picks
         marker = str(tmp_path / f"marker-{name}")
         write_hostile(str(run_dir / latest / rel), marker)
-        rc, out = train(overrides(addition_model_dir, run_dir, STEP + 2, *extra))
+        rc, out = train(overrides(addition_model_dir, run_dir, int(latest.rsplit("_", 1)[1]) + 2, *extra))
         assert rc != 0 and not os.path.exists(marker), out[-3000:]
         # (How a rank's error reaches the console, torchrun's report included, is the launcher's.)
         assert re.search(rf"cannot resume from {latest}: {re.escape(rel)} (differs|has \d+ bytes|is truncated)", out), \

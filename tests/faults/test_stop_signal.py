@@ -1,6 +1,6 @@
 """SIGTERM to `megarl-train` (what Slurm sends at preemption and at the time limit): the ranks finish
 the step they are in, save it, say so in one line and exit 143; the same command resumes there and
-ends bitwise (CPU fp32) as the run that was never stopped (the sync chain's reference, conftest.py).
+ends bitwise (CPU fp32) as the run that was never stopped (the sync reference run, conftest.py).
 A step that does not end within trainer.stop_grace_s: exit 143 and one line saying nothing was saved."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.helpers.training_runs import stable, step_digests
 
 
 @pytest.mark.timeout(900)
-def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_chain, addition_model_dir, tmp_path):
+def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_reference, addition_model_dir, tmp_path):
     run_dir = tmp_path / "stopped"
     launch = Launch(overrides(addition_model_dir, run_dir, STEPS))
     try:
@@ -45,12 +45,13 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_c
 
     rc, out = Launch(overrides(addition_model_dir, run_dir, STEPS)).finish()
     assert rc == 0 and f"at step {step}" in out, out[-3000:]
-    ref = {r["step"]: r for r in read_metrics(str(sync_chain["ref"]))}
+    ref = {r["step"]: r for r in read_metrics(str(sync_reference["dir"]))}
     got = {r["step"]: r for r in read_metrics(str(run_dir))}
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in got:
         assert stable(got[s]) == stable(ref[s]), s
-    assert step_digests(run_dir / f"global_step_{STEPS}") == step_digests(sync_chain["ref"] / f"global_step_{STEPS}")
+    last = f"global_step_{STEPS}"
+    assert step_digests(run_dir / last) == step_digests(sync_reference["dir"] / last)
 
 
 def _stuck_after_sigterm(stderr_path):
