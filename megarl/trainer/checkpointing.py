@@ -27,6 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+# The classes a trainer state holds (DataProto, SamplingParams) register with storage/plain_state.py
+# where they are defined: importing them here lets any reader of a step decode them.
+import megarl.protocol  # noqa: F401
+import megarl.rollout.base  # noqa: F401
 from megarl.config import ConfigError
 from megarl.trainer import verified_io
 from megarl.trainer.faults import fault_point
