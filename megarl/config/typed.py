@@ -9,12 +9,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 from megarl.config.errors import ConfigError
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config class's resolved field types. Resolving the string annotations is most of what a
+    load costs, and a class's annotations do not change while the process runs."""
+    return typing.get_type_hints(cls)
+
 
 _MISSING = dataclasses.MISSING
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.I)
@@ -144,7 +153,7 @@ def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
 def build(cls: type, raw: dict | None, prefix: str = "") -> Any:
     """Construct dataclass `cls` from a mapping, checking keys, types and the class's own rules."""
     raw = dict(raw or {})
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for name, value in raw.items():
@@ -179,7 +188,7 @@ def to_dict(obj: Any) -> Any:
 def all_keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted key a dataclass tree accepts (for 'did you mean' across sections)."""
     out = []
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         out.append(key)
@@ -205,7 +214,7 @@ def defaults_of(cls: type) -> dict:
 def open_keys(cls: type, prefix: str = "") -> list[str]:
     """Dotted keys whose values are free-form mappings (anything below them is accepted)."""
     out = []
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
