@@ -82,6 +82,12 @@ def test_async_mode_and_placement_rules():
     cfg = load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=3",
                              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true"])
     assert cfg.train_world_size == 2 and cfg.async_training.max_staleness == 1
+    # a resumed chunk's prompt is prompt + response so far: the engine's prompt length holds both
+    assert cfg.rollout.prompt_length == cfg.data.max_prompt_length + cfg.data.max_response_length
+    with pytest.raises(ConfigError, match=r"rollout.prompt_length: .* cannot hold a resumed chunk's prompt"):
+        load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=3",
+                           "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+                           f"actor_rollout_ref.rollout.prompt_length={cfg.data.max_prompt_length}"])
 
 
 def test_base_and_override_order(tmp_path):

@@ -101,6 +101,8 @@ class ExperimentConfig(Section):
         ro, data = self.rollout, self.data
         if ro.prompt_length is None:
             ro.prompt_length = data.max_prompt_length
+            if self.async_training.partial_rollout:    # a chunk's prompt is the prompt + the response so far
+                ro.prompt_length += data.max_response_length
         if ro.response_length is None:
             ro.response_length = data.max_response_length
         if self.critic.enable is None:
@@ -210,7 +212,7 @@ RULES = (algo_rules.check_group_size, algo_rules.check_critic_on, algo_rules.che
          rollout_rules.check_engine_ranks, rollout_rules.check_process_ray,
          rollout_rules.check_disaggregated_layout,
          rollout_rules.check_async_loop_features, rollout_rules.check_sync_backend, rollout_rules.check_delta_sync,
-         rollout_rules.check_disaggregated_only_keys,
+         rollout_rules.check_disaggregated_only_keys, rollout_rules.check_partial_rollout_room,
          worker_rules.check_layout_divides_ranks, worker_rules.check_one_layout, rollout_rules.check_rollout_tp,
          worker_rules.check_train_batch, worker_rules.check_mini_batches, rollout_rules.check_max_model_len,
          worker_rules.check_token_budgets, worker_rules.check_routing_replay)

@@ -100,6 +100,17 @@ def check_disaggregated_only_keys(cfg) -> None:
                           "synchronous)", "async_training.partial_rollout")
 
 
+def check_partial_rollout_room(cfg) -> None:
+    """A partial rollout resumes a response as prompt + its tokens so far (megarl/rollout/partial.py):
+    the engine's prompt length must hold both, or a long response stops the run mid-step."""
+    need = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.async_training.partial_rollout and cfg.rollout.prompt_length < need:
+        raise ConfigError(f"{cfg.rollout.prompt_length} tokens cannot hold a resumed chunk's prompt "
+                          f"(data.max_prompt_length + data.max_response_length = {need}) with "
+                          f"async_training.partial_rollout=true; set it to {need} or leave it unset",
+                          "actor_rollout_ref.rollout.prompt_length")
+
+
 def check_rollout_tp(cfg) -> None:
     ro = cfg.rollout
     rollout_ranks = ro.disaggregated_ranks if _disaggregated(cfg) else cfg.trainer.world_size
