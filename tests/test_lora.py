@@ -6,7 +6,8 @@ adapters on every linear (fused QKV and gate/up included) and checks, per layout
     gradients or sit in the optimizer; an update moves the adapters and leaves the base bit-equal;
   - the reference is the actor's own base (adapters off): its log-probs are the base model's;
   - what a weight sync reads (ShardSource) is W + scale B A, against PEFT's fp32 merge, and after a
-    colocated sync the native engine's sampled log-probs are the adapted actor's;
+    colocated sync the native engine's sampled log-probs are the adapted actor's, and a delta
+    sync after an update (disk transport) reads back as the merged export bit for bit;
   - at TP2 a checkpoint resumes the adapters and optimizer exactly, is refused by a run without
     LoRA, and exports a merged HF model and a PEFT adapter directory that give the actor's logits.
 
@@ -68,7 +69,8 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: s
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.checkpoint_engine.source import ShardSource
     from megarl.config.experiment import load_config
-    from tests.helpers.checkpoint_engine import native_engine, rollout_groups, rollout_vs_actor
+    from megarl.checkpoint_engine.disk_delta import read_weights
+    from tests.helpers.checkpoint_engine import full_export, native_engine, rollout_groups, rollout_vs_actor
     from megarl.models import lora
     from megarl.models.convert import assemble, hf_slices
     from megarl.parallel import state
@@ -131,8 +133,27 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: s
         r["base_unchanged"] = all(torch.equal(before[n], p) for n, p in eng.named_global_parameters())
         r["adapters_moved"] = any(not torch.equal(b, p) for b, p in
                                   zip(adapters_before, [p for a in lora.adapters(eng.models) for p in a.parameters()]))
+        # delta sync on top (disk transport): an anchor, one more update, a delta holding the merged
+        # rows that changed; the chain read back equals the merged export bit for bit
+        disk_dir = f"{ckpt_dir}-weights-{tp}x{pp}"
+        dcfg = load_config(None, [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=2",
+                                  f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+                                  f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.train_batch_size=4",
+                                  "actor_rollout_ref.model.lora_rank=4",
+                                  "actor_rollout_ref.rollout.checkpoint_engine.backend=disk",
+                                  f"actor_rollout_ref.rollout.checkpoint_engine.disk_dir={disk_dir}",
+                                  "actor_rollout_ref.rollout.checkpoint_engine.delta=on"])
+        disk = build_checkpoint_engine(dcfg, actor)
+        first = disk.sync()
+        actor.update_policy(data, policy_loss, TEMP)
+        second = disk.sync()
+        expected = full_export(actor)
+        got = read_weights(disk_dir)
+        r["delta"] = (first["weight_sync/anchor"], second["weight_sync/anchor"], sorted(got) == sorted(expected),
+                      all(torch.equal(got[n], expected[n].to(got[n].dtype)) for n in expected if n in got))
         out[(tp, pp)] = r
-        del actor, refw, src
+        del actor, refw, src, disk
         state.destroy_model_parallel()
     out["checkpoint"] = check_resume(rank, path, tensors, data, ckpt_dir)
     return out
@@ -192,6 +213,7 @@ def test_lora_matches_peft_at_tp2_and_pp2(tmp_path):
             assert r["merged_names"] > 0 and r["merge"] <= 1e-6, (layout, r["merge"])
             assert r["sync_logprob"] <= TOL and r["hf_export"] <= 1e-6, (layout, r["sync_logprob"], r["hf_export"])
             assert r["base_unchanged"] and r["adapters_moved"], layout
+            assert r["delta"] == (1.0, 0.0, True, True), (layout, r["delta"])
     ck = results[0]["checkpoint"]
     assert ck["resumed_exact"] and ck["step_after_resume_exact"]
     assert "saved with LoRA {'rank': 4" in ck["no_lora_refused"] and "\n" not in ck["no_lora_refused"]
