@@ -31,6 +31,7 @@ def run(path: str, a, rank: int, data) -> dict:
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, ModelConfig, OptimConfig
     cfg = ActorConfig(ppo_mini_batch_size=a.batch, ppo_micro_batch_size_per_gpu=a.micro, optim=OptimConfig(lr=1e-6))
+    state.init_distributed()   # the rank set-up: the engine starts no process group
     actor = ActorWorker(ModelConfig(path=path, lora_rank=rank, lora_alpha=2 * max(rank, 1)), cfg)
     eng = actor.engine
     up = lambda: actor.update_policy(data, loss_fn)  # noqa: E731

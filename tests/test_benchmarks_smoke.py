@@ -104,6 +104,11 @@ def test_single_process_benchmarks_smoke():
                for s in ("off", "full_uniform_1", "selective_core_attn"))
     out = run("benchmarks/multiturn_batching.py", "--smoke")
     assert "same tokens in both arms: True" in out and "batched / sequential speed-up" in out and PEAK.search(out)
+    out = run("benchmarks/lora_memory.py", "--smoke")      # full fine-tuning vs LoRA on one model and batch
+    rows = {m.group(1): [int(x.replace(",", "")) for x in m.group(2, 3)]
+            for m in re.finditer(r"^(full|LoRA r=\d+) +([\d,]+) +([\d,]+) ", out, re.M)}
+    assert set(rows) == {"full", "LoRA r=8"}, out
+    assert rows["full"][0] == rows["full"][1] and 0 < rows["LoRA r=8"][1] < rows["full"][1] / 5, rows
 
 
 @pytest.mark.timeout(900)
