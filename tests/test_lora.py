@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from megarl.config.errors import ConfigError
+from megarl.config.experiment import load_config
 from megarl.models.tiny import make_tiny_hf
 from megarl.workers.actor import converter_config
 from megarl.workers.config import ModelConfig
@@ -236,3 +237,18 @@ def test_lora_keys_refused_in_one_line():
     assert converter_config(ModelConfig(path="x", lora_rank=2, target_modules=["linear_qkv", "o_proj"]))["lora"] == {
         "rank": 2, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}
     assert "lora" not in converter_config(ModelConfig(path="x"))
+
+
+def test_lora_combinations_refused_in_one_line(tmp_path):
+    on = ["actor_rollout_ref.model.lora_rank=4"]
+    cfg = load_config(None, on)
+    (tmp_path / "c.yaml").write_text(cfg.to_yaml())
+    assert load_config(str(tmp_path / "c.yaml")).model.lora_rank == 4        # a run's written config reloads
+    for extra, key in ((["actor_rollout_ref.ref.param_offload=true"], "actor_rollout_ref.ref.param_offload"),
+                       (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
+                        "actor_rollout_ref.ref.megatron"),
+                       (["critic.model.lora_rank=4"], "critic.model.lora_rank"),
+                       (["actor_rollout_ref.model.lora.rank=8"], "actor_rollout_ref.model.lora.rank")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, on + extra)
+        assert str(err.value).startswith(key + ":") and "\n" not in str(err.value), err.value

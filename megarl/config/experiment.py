@@ -154,7 +154,7 @@ class ExperimentConfig(Section):
                               "alone to learn; set it to 0", "critic.model.lora_rank")
         if not self.model.lora_rank:
             return
-        if ref.megatron is not None:
+        if ref.megatron is not None and ref.megatron != self.actor.megatron:   # a written config holds a copy
             raise ConfigError("with LoRA the reference is the actor's frozen base on the actor's layout; remove "
                               "the reference's own megatron section", "actor_rollout_ref.ref.megatron")
         if ref.param_offload:
