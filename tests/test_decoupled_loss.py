@@ -69,7 +69,8 @@ def test_decoupled_through_the_actor_loss_and_its_config_checks():
     b = DataProto({"response_mask": MASK, "old_log_probs": PROX, "rollout_log_probs": BEHAV, "advantages": ADV,
                    "response_lens": MASK.sum(-1)})
     loss, metrics = fn({"log_probs": THETA.clone().requires_grad_(True)}, b)
-    assert float(loss) == pytest.approx(-0.75, abs=1e-6) and float(metrics["actor/pg_loss"]) == pytest.approx(-0.75)
+    assert float(loss.detach()) == pytest.approx(-0.75, abs=1e-6)
+    assert float(metrics["actor/pg_loss"]) == pytest.approx(-0.75)
     with pytest.raises(ValueError, match="rollout_log_probs"):
         fn({"log_probs": THETA}, DataProto({k: v for k, v in b.batch.items() if k != "rollout_log_probs"}))
     with pytest.raises(ConfigError, match="behav_imp_weight_cap.*decoupled_ppo only"):
