@@ -29,7 +29,7 @@ from megarl.models.tiny import make_tiny_hf
 from megarl.workers.actor import converter_config
 from megarl.workers.config import ModelConfig
 from tests.distributed import run_ranks
-from tests.helpers.megatron_roles import TEMP, diff, make_actor, make_batch, policy_loss
+from tests.helpers.megatron_roles import TEMP, diff, hf_policy_backward, make_actor, make_batch, policy_loss
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
 LAYOUTS = [(2, 1), (1, 2)]   # (TP, PP) on 2 ranks
@@ -49,14 +49,7 @@ def peft_reference(path: str, data, out: str) -> dict:
     save_file(adapters, out)
     ids = data.batch["input_ids"]
     logits = pm(ids).logits
-    R = data.batch["responses"].shape[1]
-    pos = (data.batch["prompt_lens"][:, None] - 1 + torch.arange(R)).clamp(max=ids.shape[1] - 1)
-    lsm = (logits / TEMP).gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).log_softmax(-1)
-    mask = data.batch["response_mask"]
-    lp = lsm.gather(-1, data.batch["responses"][..., None]).squeeze(-1) * mask
-    ent = -(lsm.exp() * lsm).sum(-1) * mask
-    data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
-    policy_loss({"log_probs": lp, "entropy": ent}, data)[0].backward()
+    hf_policy_backward(logits, data)
     grads = {n.replace(".default", ""): p.grad.clone() for n, p in pm.named_parameters() if "lora_" in n}
     with torch.no_grad():
         base_logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits

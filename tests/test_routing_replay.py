@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from megarl.models import routing_replay as rr
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
-from tests.helpers.megatron_roles import TEMP, TOL, make_batch, policy_loss
+from tests.helpers.megatron_roles import TEMP, TOL, hf_policy_backward, make_batch, policy_loss
 
 E, K, LAYERS = 4, 2, 4
 # (TP, PP, EP, full activation recompute); DP 2, micro-batches of 2 rows. Under PP2 with recompute,
@@ -66,14 +66,7 @@ def hf_reference(path: str, data, forced: torch.Tensor | None = None) -> dict:
     ids = data.batch["input_ids"]
     B, S = ids.shape
     logits = model(ids).logits
-    R = data.batch["responses"].shape[1]
-    pos = (data.batch["prompt_lens"][:, None] - 1 + torch.arange(R)).clamp(max=S - 1)
-    lsm = (logits / TEMP).gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).log_softmax(-1)
-    mask = data.batch["response_mask"]
-    lp = lsm.gather(-1, data.batch["responses"][..., None]).squeeze(-1) * mask
-    ent = -(lsm.exp() * lsm).sum(-1) * mask
-    data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
-    policy_loss({"log_probs": lp, "entropy": ent}, data)[0].backward()
+    lp, _ = hf_policy_backward(logits, data)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     routes = torch.stack([s.reshape(B, S, -1) for s in seen], dim=2)
     return {"log_probs": lp.detach(), "grads": _per_expert(grads), "routes": routes}

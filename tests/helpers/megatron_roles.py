@@ -57,12 +57,11 @@ def _positions(data: DataProto, R: int, S: int) -> torch.Tensor:
     return (data.batch["prompt_lens"][:, None] - 1 + torch.arange(R)).clamp(max=S - 1)
 
 
-def hf_actor_reference(path: str, data: DataProto) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = data.batch["input_ids"]
-    logits = model(ids).logits
-    R = data.batch["responses"].shape[1]
-    picked = (logits / TEMP).gather(1, _positions(data, R, ids.shape[1])[..., None].expand(-1, -1, logits.shape[-1]))
+def hf_policy_backward(logits: torch.Tensor, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+    """The response tokens' log-probs and entropies from an HF model's full-sequence `logits` at
+    TEMP, after backpropagating policy_loss through them (the oracle side of the parity tests)."""
+    R, S = data.batch["responses"].shape[1], logits.shape[1]
+    picked = (logits / TEMP).gather(1, _positions(data, R, S)[..., None].expand(-1, -1, logits.shape[-1]))
     lsm = picked.log_softmax(-1)
     mask = data.batch["response_mask"]
     lp = lsm.gather(-1, data.batch["responses"][..., None]).squeeze(-1) * mask
@@ -70,6 +69,13 @@ def hf_actor_reference(path: str, data: DataProto) -> dict:
     data.meta_info.update(global_tokens=float(mask.sum()), global_micro_batches=1)
     loss, _ = policy_loss({"log_probs": lp, "entropy": ent}, data)
     loss.backward()
+    return lp, ent
+
+
+def hf_actor_reference(path: str, data: DataProto) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    logits = model(data.batch["input_ids"]).logits
+    lp, ent = hf_policy_backward(logits, data)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
