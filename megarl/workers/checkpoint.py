@@ -14,17 +14,15 @@ so `checkpoints_tools/megatron_to_hf.py` can write a complete HF directory. The 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
+import queue
 import shutil
-from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
-from megarl.parallel.supervise import die_with_parent_kill
 from megarl.workers.optim import prime_for_load
 
 try:    # the async writer's module; a megatron-core without it has no helper process to bind
@@ -75,7 +73,7 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    megatron_writer_dies_with_rank()      # megatron's writer helper must not outlive this rank
+    megatron_results_queue_in_process()
     dist_checkpointing.save(sd, path, content_metadata=OPTIM_METADATA)
     if dist.get_rank() == 0:  # after megatron's save, which wants an empty directory
         _write_hf_aux(path, engine)
@@ -149,15 +147,15 @@ def plain_tensors(path: str) -> dict[str, torch.Tensor]:
     return dict(dist_checkpointing.load(wanted, path, validate_access_integrity=False))
 
 
-def megatron_writer_dies_with_rank() -> None:
-    """Start megatron's checkpoint-results helper process ourselves, with a parent-death signal.
-    megatron-core (0.16, dist_checkpointing/strategies/filesystem_async.py) starts it on a rank's
-    first save as a spawned multiprocessing Manager that nothing stops when the rank is killed: it
-    then lives on (~275 MB) holding the launcher's output pipe. Call before the first save."""
+def megatron_results_queue_in_process() -> None:
+    """Give megatron's checkpoint writer a queue in this process. megatron-core (0.16,
+    dist_checkpointing/strategies/filesystem_async.py) otherwise makes one on a rank's first save
+    through a spawned multiprocessing Manager: a process that re-imports the launching module (3-4 s
+    of a 2-core machine on every run's first save), and that nothing stops when the rank is killed
+    (it lived on, ~275 MB, holding the launcher's output pipe). megarl saves synchronously: the
+    writer's results are put and read in the rank's own process (its forked bucket writers report
+    through a queue of their own), so a plain queue serves and no helper process exists."""
     fa = filesystem_async
-    if fa is None or getattr(fa, "_results_queue", "absent") is not None:   # made already, or a megatron without it
+    if fa is None or getattr(fa, "_results_queue", "absent") is not None:   # set already, or a megatron without it
         return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent_kill)
-    fa._results_queue = manager.Queue()
-    fa._megarl_manager = manager            # kept alive as long as the module
+    fa._results_queue = queue.Queue()
