@@ -94,11 +94,6 @@ def _reap() -> None:
             return
 
 
-def die_with_parent_kill() -> None:
-    """SIGKILL when the process that started us dies (an initializer for helper processes)."""
-    _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-
-
 FALLOC_FL_KEEP_SIZE = 1
 RESERVE = 1 << 20     # bytes of disk kept allocated ahead of a log's end
 
