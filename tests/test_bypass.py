@@ -107,20 +107,23 @@ def test_the_loss_measures_the_mismatch_on_the_first_mini_batch_only():
 def test_skipping_the_pass_trains_exactly_as_computing_it(addition_model_dir, tmp_path):
     """Same seeds, two steps of two mini-batches each (so the second mini-batch runs on updated
     weights against the old policy's log-probs); one run skips the pass (null: on here), one computes it."""
-    runs = {}
+    # Two one-process runs side by side: each keeps one core of a 2-core machine busy.
+    procs = {}
     for name, extra in (("skip", []), ("pass", [f"{KEY}=false"])):
-        out_dir = tmp_path / name
-        code, out = finish(train([f"actor_rollout_ref.model.path={addition_model_dir}",
-                                  f"trainer.default_local_dir={out_dir}",
-                                  "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                                  "trainer.n_gpus_per_node=1",
-                                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                                  "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
-                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                                  "algorithm.filter_groups.enable=false", *extra]))
+        procs[name] = train([f"actor_rollout_ref.model.path={addition_model_dir}",
+                              f"trainer.default_local_dir={tmp_path / name}",
+                              "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                              "trainer.n_gpus_per_node=1",
+                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                              "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                              "algorithm.filter_groups.enable=false", *extra])
+    runs = {}
+    for name, proc in procs.items():
+        code, out = finish(proc)
         assert code == 0, out[-3000:]
-        runs[name] = (read_metrics(str(out_dir))[1:], out)
+        runs[name] = (read_metrics(str(tmp_path / name))[1:], out)
     (skip, skip_out), (full, full_out) = runs["skip"], runs["pass"]
     assert "bypass on: built-in engine at fp32" in skip_out and "bypass off (bypass_mode=false)" in full_out
     for a, b in zip(skip, full):

@@ -7,9 +7,9 @@ Three mechanisms, each for a hole the others leave (Linux; elsewhere only the la
 waiting applies):
 - PR_SET_PDEATHSIG on this process (SIGTERM when the shell script above it dies, even by kill -9)
   and on its child (torchrun or the single rank; SIGTERM when this process dies). torchrun turns a
-  SIGTERM into a killpg of every rank's process group, which holds megatron's checkpoint helpers.
-- PR_SET_CHILD_SUBREAPER: a process orphaned under the tree (megatron's checkpoint writer after
-  its rank was SIGKILLed) is re-parented here instead of to init, so it can still be found.
+  SIGTERM into a killpg of every rank's process group, which holds the processes a rank forks.
+- PR_SET_CHILD_SUBREAPER: a process orphaned under the tree (a checkpoint writer a rank forked,
+  after that rank was SIGKILLed) is re-parented here instead of to init, so it can still be found.
 - When the child exits (or this process is told to stop), every process still below this one is
   sent SIGTERM, then SIGKILL after a grace period; the output pipe is read with a timeout, so a
   leftover holder of its write end cannot keep the launcher (and the run-directory lock) forever.

@@ -1,7 +1,7 @@
 """Launching, pausing and killing real runs for the fault suite.
 
 Every process of a launched run carries MEGARL_FAULT_TAG in its environment (torchrun, the
-ranks and megatron's helpers inherit it), so "no process of the run is left" is checked by
+ranks and whatever they fork inherit it), so "no process of the run is left" is checked by
 scanning every process on the machine, orphans re-parented to init included.
 """
 from __future__ import annotations
