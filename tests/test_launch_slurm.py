@@ -129,39 +129,34 @@ def short_run(addition_model_dir, run_dir, steps):
 
 @pytest.mark.timeout(420)
 def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_model_dir, tmp_path):
+    # The real trainer cancelled mid-run, then the same sbatch again: it continues from its checkpoint
+    # and completes (two jobs; the second is also the quickstart's complete run under Slurm).
     run_dir = tmp_path / "run"
     begin = time.monotonic()
-    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 40), entry=QUICKSTART_ENTRY)
+    pointer, deadline = run_dir / "latest_checkpointed_iteration.txt", time.monotonic() + 240
+    while not pointer.exists():
+        assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
+            cluster.output(job_id)[-3000:]
+        time.sleep(0.2)
+    print(f"\nquickstart submit-to-first-checkpoint {time.monotonic() - begin:.1f}s")
+    cluster.slurm("scancel", job_id)
+    assert cluster.wait(job_id)["JobState"] == "CANCELLED"
+    saved = int(pointer.read_text())
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, saved + 2), entry=QUICKSTART_ENTRY)
     job = cluster.wait(job_id, timeout=300)
-    print(f"\nquickstart submit-to-complete {time.monotonic() - begin:.1f}s")
     out = cluster.output(job_id)
     assert job["JobState"] == "COMPLETED", out[-3000:]
+    assert "resumed from" in out and f"at step {saved}" in out
     assert job["NumTasks"] == "2" and job["NumNodes"] == "1"
-    assert steps_of(run_dir) == [0, 1, 2, 3]                     # validation at 0, then three steps
-    assert all("critic/score/mean" in r for r in read_metrics(str(run_dir))[1:])
+    steps = steps_of(run_dir)
+    assert steps[0] == 0 and set(range(saved + 3)) <= set(steps) and max(steps) == saved + 2   # validation at 0
+    assert all("critic/score/mean" in r for r in read_metrics(str(run_dir)) if r["step"] > 0)
     assert f"job {job_id} (restart 0) on " in out and "task mode, 1 x 2 ranks" in out
     # srun labels lines by task; in a clean run only rank 0 speaks (rank 1 used to print only warnings)
     assert "0: megarl: ranks: 2" in out and "\n1: " not in out
     assert "megarl: training layout: TP 2 x PP 1 x DP 1" in out
     assert f"megarl: job {job_id} finished" in (run_dir / "logs" / f"slurm-{job_id}.log").read_text()
-
-    # The real trainer cancelled mid-run and submitted again continues from its checkpoint.
-    run2 = tmp_path / "run2"
-    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, 40), entry=QUICKSTART_ENTRY)
-    pointer, deadline = run2 / "latest_checkpointed_iteration.txt", time.monotonic() + 240
-    while not pointer.exists():
-        assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
-            cluster.output(job_id)[-3000:]
-        time.sleep(0.2)
-    cluster.slurm("scancel", job_id)
-    assert cluster.wait(job_id)["JobState"] == "CANCELLED"
-    saved = int(pointer.read_text())
-    job2 = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
-    done = cluster.wait(job2, timeout=300)
-    out2 = cluster.output(job2)
-    assert done["JobState"] == "COMPLETED", out2[-3000:]
-    assert "resumed from" in out2 and f"at step {saved}" in out2
-    assert sorted(set(steps_of(run2)))[-1] == saved + 2
 
 
 @pytest.mark.timeout(300)

@@ -21,6 +21,8 @@ KNOWN_NOISE = (
      "megatron's own default for cuda_graph_scope, not set by the user"),
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, False,
      "megatron's sequence-parallel gathers call torch's older collective names; megarl's own use the new ones"),
+    (r"`load_state_dict` is deprecated and will be removed in future versions", FutureWarning, False,
+     "megatron-core 0.16's checkpoint reader calls torch's older name on every resume; nothing the user sets"),
     (r".*it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning, True, "a CUDA stream setting; meaningless on CPU (on GPUs it is shown)"),
 )
