@@ -250,13 +250,14 @@ class _TrainerSide:
         return {}
 
 
-def _stream_worker(engine, k, total, start, loader_state=None):
+def _stream_worker(engine, k, total, start, extra=()):
     import dataclasses
     from collections import deque
 
     from megarl.data.loader import PromptLoader
     from megarl.trainer.rollout_stream import Period
-    w = _rollout_worker(engine, [f"async_training.max_staleness={k}", "trainer.test_freq=-1", "trainer.save_freq=2"])
+    w = _rollout_worker(engine, [f"async_training.max_staleness={k}", "trainer.test_freq=-1", "trainer.save_freq=2",
+                                 *extra])
     loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 6)], 3, seed=2)
     start = {"step": 0, "inflight": False, "loader": loader.sampler.state_dict(), **start}
     side = _TrainerSide(start)
@@ -296,6 +297,42 @@ def test_rollout_stream_runs_k_batches_ahead_and_resumes_its_buffer(tiny):
     ahead = payloads[2]["ahead"]
     _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": ahead,
                                                    "loader": payloads[2]["loader"]})
+    assert len(resumed) == 3 and resumed[-1]["batch"] is None
+    for a, b in zip(payloads[3:5], resumed[:2]):
+        for key in ("responses", "token_versions", "rollout_log_probs"):
+            assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), key
+        assert a["loader"] == b["loader"]
+
+
+def test_rollout_stream_resumes_a_batch_half_generated(tiny):
+    """The same loop with partial rollouts in chunks of one token, each update taken after the first
+    chunk of the last batch the engine may start (update_at_chunk=1): batch t >= 3 starts under
+    version t-3 and takes update t-2 after its first token. Step 2's hand-off carries batch 4 half
+    generated; a worker resumed from it continues those responses and hands over exactly what the
+    unkilled one did: tokens, log-probs and the version of every token."""
+    from megarl.algos.staleness import sample_staleness
+
+    extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
+             "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+             "async_training.partial_chunk_tokens=1", "async_training.update_at_chunk=1")
+    engine, total, k = _native_engine(tiny), 5, 2
+    w, payloads = _stream_worker(engine, k, total, {}, extra)
+    assert len(payloads) == total + 1 and payloads[-1]["batch"] is None and w.version == total
+    for t, payload in enumerate(payloads[:-1], start=1):
+        b = payload["batch"]
+        tv, mask = b.batch["token_versions"], b.batch["response_mask"]
+        assert (sample_staleness(tv, mask, t - 1) == [0, 1, 2, 2, 2][t - 1]).all(), (t, tv)
+        if t >= 3:
+            assert (tv[:, 0] == t - 3).all() and (tv[:, 1:][mask[:, 1:] > 0] == t - 2).all(), (t, tv)
+    assert (payloads[4]["batch"].batch["response_mask"].sum(-1) > 1).any(), "no response spans two chunks"
+
+    partial = payloads[2]["partial"]
+    seqs = partial["gens"][0]["seqs"]
+    assert payloads[2]["ahead"] == [] and partial["version"] == 1 and partial["chunks"] == 1
+    assert all(s["versions"] == [1] for s in seqs) and any(s["finish"] is None for s in seqs)
+    assert payloads[2]["loader"]["batch"] == 4
+    _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": [], "partial": partial,
+                                                   "loader": payloads[2]["loader"]}, extra)
     assert len(resumed) == 3 and resumed[-1]["batch"] is None
     for a, b in zip(payloads[3:5], resumed[:2]):
         for key in ("responses", "token_versions", "rollout_log_probs"):

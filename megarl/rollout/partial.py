@@ -96,6 +96,19 @@ class ChunkedGeneration:
             s.finish = "length"                  # the engine's own context limit ended it
         return len(c.token_ids)
 
+    def state_dict(self) -> dict:
+        """Plain data (a checkpoint's): the responses so far, their log-probs and versions. Sampling
+        and chunk size come back from config; each chunk's seed is a function of its index."""
+        return {"chunks_done": self.chunks_done,
+                "seqs": [{"prompt": s.prompt, "tokens": s.tokens, "log_probs": s.log_probs, "versions": s.versions,
+                          "finish": s.finish, "routes": s.routes} for s in self.seqs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["seqs"]) != len(self.seqs):
+            raise ValueError(f"the saved generation has {len(state['seqs'])} sequences, this one {len(self.seqs)}")
+        self.chunks_done = state["chunks_done"]
+        self.seqs = [_Seq(**{k: list(v) if isinstance(v, list) else v for k, v in s.items()}) for s in state["seqs"]]
+
     def completions(self) -> tuple[list[list[Completion]], list[list[int]]]:
         if not self.done:
             raise RuntimeError("completions() before every sequence finished; call step() until done")

@@ -95,9 +95,17 @@ class AsyncTrainingConfig(Section):
     # keep their tokens and continue under the new weights (each token records its version).
     partial_rollout: bool = False
     partial_chunk_tokens: int = 4          # tokens per chunk: how often generation checks for an update
+    # 0: an update lands at the first chunk boundary after the trainer signals it, where timing puts it.
+    # N >= 1 (partial_rollout): the engine takes update v+1 after the N-th chunk of the last batch it
+    # may start under v, waiting for the trainer there if need be, so two runs of one config (and a
+    # run resumed from a checkpoint) repeat bitwise; the engine may wait where it could generate.
+    update_at_chunk: int = 0
 
     def __post_init__(self):
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: every batch is regenerated on-policy)")
         require(not (self.max_staleness == 0 and self.stale_samples == "drop"), "stale_samples",
                 "drop with max_staleness=0 drops every one-step-off-policy batch; use regenerate or max_staleness >= 1")
         require(self.partial_chunk_tokens >= 1, "partial_chunk_tokens", "must be >= 1")
+        require(self.update_at_chunk >= 0, "update_at_chunk", "must be >= 0 (0: wherever the update arrives)")
+        require(self.update_at_chunk == 0 or self.partial_rollout, "update_at_chunk",
+                "places updates between chunks; set async_training.partial_rollout=true or update_at_chunk=0")

@@ -11,8 +11,9 @@ of guessing with sleeps. Nothing happens unless MEGARL_FAULT is set.
 Points: `step` (after the updates, before the weight sync), `sync` (the weight sync: the trainer
 has begun it, the other side is inside it), `save` (the role checkpoints and RNG files are in
 global_step_N.tmp; trainer_state.pt, the rename and the pointer are not written yet), `record`
-(step N's checkpoint is complete, its metrics record not yet logged). The rank is the global rank
-(0 when not given).
+(step N's checkpoint is complete, its metrics record not yet logged), `stream` (a rollout rank
+of the disaggregated stream, after a chunk of batch N: responses of N are half done while
+finished batches wait in its buffer). The rank is the global rank (0 when not given).
 """
 from __future__ import annotations
 

@@ -18,9 +18,11 @@ depth is max(1, max_staleness), so the bound holds by construction for k >= 1 an
 Exact resume: the hand-off of batch k+1 happens before step k's checkpoint, which stores it
 (the "in-flight batch") with the data position after its prompts. A resumed run trains on it
 and the rollout side generates k+2 under version k, as the unkilled run did at depth 1, so every
-later step repeats exactly. Timing decides, in any two runs: where a sync lands between chunks
-(partial rollouts), and at depth > 1 which version each buffered batch started under (a resumed
-run regenerates the rest of the buffer under the resumed version).
+later step repeats exactly. At depth > 1 the checkpoint also holds the rest of the buffer: its
+finished batches and the batch in flight with its responses so far, which the resumed engine
+continues under version k. Timing decides, in any two runs, where a sync lands between chunks
+(partial rollouts) and, at depth > 1, which version each batch starts under, unless
+async_training.update_at_chunk fixes both; then a resumed run repeats bitwise at any depth.
 """
 from __future__ import annotations
 
@@ -41,13 +43,15 @@ class AsyncRLTrainer(RLTrainer):
         super().__init__(cfg, ranks, parts, logger)
         self.next_batch: DataProto | None = None    # handed over, not trained on yet
         self.ahead: list = []                       # at a save: the rollout buffer's finished batches after it
+        self.partial: dict | None = None            # and the batch it was generating, responses so far
         self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         self.val_results: dict[int, dict] = {}
 
     def fit(self) -> None:
         self.resume()
         send_start(self.ranks, {"step": self.step, "loader": self.p.train_loader.sampler.state_dict(),
-                                "inflight": self.next_batch is not None, "ahead": self.ahead}
+                                "inflight": self.next_batch is not None, "ahead": self.ahead,
+                                "partial": self.partial}
                    if self.ranks.is_main else None)
         self.extra.update(self.p.weight_sync.sync())   # version self.step to the engine
         if self.next_batch is None:
@@ -83,6 +87,7 @@ class AsyncRLTrainer(RLTrainer):
         payload = handoff(self.ranks, None)
         self.next_batch = payload["batch"]
         self.ahead = payload.get("ahead", [])
+        self.partial = payload.get("partial")
         self.val_results.update(payload["val"])
         self.p.train_loader.sampler.load_state_dict(payload["loader"])   # saved with the in-flight batch
 
@@ -90,7 +95,8 @@ class AsyncRLTrainer(RLTrainer):
         return self.val_results.pop(self.step, {})    # run by the rollout ranks on this version
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "inflight_batch": self.next_batch, "buffer_ahead": self.ahead}
+        return {**super().state_dict(), "inflight_batch": self.next_batch, "buffer_ahead": self.ahead,
+                "buffer_partial": self.partial}
 
     def _resume(self) -> None:
         super()._resume()
@@ -99,11 +105,15 @@ class AsyncRLTrainer(RLTrainer):
             state = checkpointing.read_trainer_state(path)   # verified by super()._resume()
             self.next_batch = state.get("inflight_batch")
             self.ahead = state.get("buffer_ahead", [])
-            k = self.cfg.async_training.max_staleness
-            if len(self.ahead) >= max(1, k):
-                raise ConfigError(f"the checkpoint holds {len(self.ahead)} batch(es) generated ahead, more than "
-                                  f"max_staleness={k} allows; resume with max_staleness >= {len(self.ahead) + 1}",
+            self.partial = state.get("buffer_partial")
+            k, held = self.cfg.async_training.max_staleness, len(self.ahead) + int(self.partial is not None)
+            if held >= max(1, k):
+                raise ConfigError(f"the checkpoint holds {held} batch(es) generated ahead, more than "
+                                  f"max_staleness={k} allows; resume with max_staleness >= {held + 1}",
                                   "async_training.max_staleness")
+            if self.partial is not None and not self.cfg.async_training.partial_rollout:
+                raise ConfigError("the checkpoint holds a batch generated in chunks, half done; resume with "
+                                  "async_training.partial_rollout=true", "async_training.partial_rollout")
 
 
 __all__ = ["AsyncRLTrainer", "RolloutWorker"]

@@ -12,7 +12,8 @@ a time; the rest of the buffer is finished batches waiting for their hand-off.
     loop: hand batch h over       when the engine holds version h-1 and batch h is finished
           or start batch t        when no generation is in flight and version >= t-1-depth
           or advance the one in flight (a whole batch, or one chunk with partial_rollout),
-             taking an update when the trainer has signalled one
+             taking an update when the trainer has signalled one (with update_at_chunk=N: after
+             chunk N of batch version+1+depth, the last one the engine may start, waiting for it)
           or wait for the next update (the buffer is full)
 
 At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
@@ -31,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos.staleness import stale_rows
+from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 from megarl.rollout.base import pack_completions
 from megarl.rollout.partial import ChunkedGeneration
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
+from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import generate, sampling_seed, shard_rows
 from megarl.trainer.validation import validate
 
@@ -48,6 +51,7 @@ class Pending:
     loader: dict                          # the data position after its prompts
     version: int                          # the engine's version when its generation started (-1: restored)
     gen: ChunkedGeneration | None = None  # partial rollouts: this rank's share, advanced chunk by chunk
+    chunks: int = 0                       # chunks advanced, counted alike on every rollout rank
     mine: DataProto | None = None
     batch: DataProto | None = None
 
@@ -99,6 +103,8 @@ class RolloutWorker:
         self.handed = start["step"] + int(start["inflight"])    # the last batch the trainer received
         for i, (batch, loader) in enumerate(start.get("ahead", [])):    # the checkpoint's finished batches
             self.buffer.append(Pending(self.handed + 1 + i, None, loader, -1, batch=batch))
+        if start.get("partial") is not None:                             # and the one it was generating
+            self.buffer.append(self._restore(self.handed + 1 + len(self.buffer), start["partial"]))
         self.next_t = self.handed + 1 + len(self.buffer)
         self.period = Period()
         while self.handed <= self.total:                          # hand-off total+1 is the closing None
@@ -122,15 +128,18 @@ class RolloutWorker:
         prompts = self.p.train_loader.next_batch()
         job = Pending(t, prompts, self.p.train_loader.sampler.state_dict(), self.version)
         if self.acfg.partial_rollout:
-            r = self.ranks
-            sampling = self._sampling(t)
-            job.mine = prompts[shard_rows(len(prompts), r.rollout_dp, r.rollout_dp_rank)]
-            job.gen = ChunkedGeneration([list(p) for p in job.mine.non_tensor_batch["prompt_token_ids"]],
-                                        sampling.with_(seed=step_seed(sampling.seed or 0, 0, r.rollout_dp_rank)),
-                                        self.acfg.partial_chunk_tokens)
+            self._chunked(job)
         self.buffer.append(job)
         self.next_t = t + 1
         return job
+
+    def _chunked(self, job: Pending) -> None:
+        r = self.ranks
+        sampling = self._sampling(job.t)
+        job.mine = job.prompts[shard_rows(len(job.prompts), r.rollout_dp, r.rollout_dp_rank)]
+        job.gen = ChunkedGeneration([list(p) for p in job.mine.non_tensor_batch["prompt_token_ids"]],
+                                    sampling.with_(seed=step_seed(sampling.seed or 0, 0, r.rollout_dp_rank)),
+                                    self.acfg.partial_chunk_tokens)
 
     def advance(self, job: Pending) -> None:
         """The in-flight batch: all of it, or (partial rollouts) one chunk in lock-step over the
@@ -144,8 +153,15 @@ class RolloutWorker:
             return
         if not job.gen.done:
             job.gen.step(self.p.rollout, self.version)
+        job.chunks += 1
         self.period.gen += time.perf_counter() - began
         live, arrived = self._poll(float(not job.gen.done))
+        if live and self._finished():
+            # finished batches wait in the buffer while responses are half done (the kill drills' point)
+            fault_point("stream", job.t, self.ranks.global_rank)
+        if self.acfg.update_at_chunk:
+            # the update is taken here or not at all, whenever the trainer's signal came
+            arrived = job.chunks == self.acfg.update_at_chunk and job.t == self.version + 1 + self.depth
         if arrived:
             self._take_update()                  # interrupts every unfinished sequence here
         if not live:
@@ -163,13 +179,38 @@ class RolloutWorker:
             batch.meta_info["rollout_timing"] = self.period.timing()
             payload.update(batch=batch, loader=job.loader)
             if self._checkpoint_follows(h - 1):
-                # the finished batches behind it go into the trainer's checkpoint, with the data
-                # position after the last of them; the one in flight is regenerated on resume
+                # the finished batches behind it go into the trainer's checkpoint, and the one in
+                # flight with its responses so far, with the data position after the last of them
                 ahead = [(j.batch, j.loader) for j in self._finished()]
-                payload.update(ahead=ahead, loader=ahead[-1][1] if ahead else job.loader)
+                live = self.buffer[-1] if self.buffer and self.buffer[-1].batch is None else None
+                payload.update(ahead=ahead, partial=self._partial_state(live),
+                               loader=self.buffer[-1].loader if self.buffer else job.loader)
         if self.ranks.rank == 0:
             handoff(self.ranks, payload)
         self.val, self.handed, self.period = {}, h, Period()
+
+    def _partial_state(self, job: Pending | None) -> dict | None:
+        """The batch in flight as plain data: its prompts and every rollout DP rank's responses so far."""
+        if job is None:
+            return None
+        r, gens = self.ranks, [job.gen.state_dict()]
+        if r.world > 1:
+            shares: list = [None] * r.world
+            dist.all_gather_object(shares, (r.rollout_dp_rank, gens[0]) if r.rollout_tp_rank == 0 else None,
+                                   group=r.group)
+            gens = [gen for _, gen in sorted((s for s in shares if s is not None), key=lambda s: s[0])]
+        return {"prompts": job.prompts, "loader": job.loader, "version": job.version, "chunks": job.chunks,
+                "gens": gens}
+
+    def _restore(self, t: int, state: dict) -> Pending:
+        if len(state["gens"]) != self.ranks.rollout_dp:
+            raise ConfigError(f"the checkpoint's batch in flight was generated over {len(state['gens'])} rollout "
+                              f"DP ranks, this run has {self.ranks.rollout_dp}; resume with as many rollout ranks",
+                              "actor_rollout_ref.rollout.disaggregated_ranks")
+        job = Pending(t, state["prompts"], state["loader"], state["version"], chunks=state["chunks"])
+        self._chunked(job)
+        job.gen.load_state_dict(state["gens"][self.ranks.rollout_dp_rank])
+        return job
 
     def _finished(self) -> list[Pending]:
         return [j for j in self.buffer if j.batch is not None]

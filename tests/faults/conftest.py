@@ -4,10 +4,13 @@
 `sync_chain` / `async_chain`: that reference run, and one run directory taken through
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
 rank 0 there, megarl/trainer/faults.py), a torn last line in metrics.jsonl, and a final resume.
+The async chain's first kill parks the rollout rank instead, inside its stream: batch 4 finished
+in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness 2, chunks of 1).
 """
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -16,6 +19,7 @@ from tests.faults.runs import Launch, async_overrides, lock_is_free, overrides
 STEPS = 5
 # (fault point, the checkpoint the next launch resumes from)
 KILL_POINTS = [("pause@step:3", 2), ("pause@save:4", 2), ("pause@sync:5", 4)]
+ASYNC_KILL_POINTS = [("pause@stream:5:2", 2), *KILL_POINTS[1:]]
 TORN = '{"step": 5, "critic/score/mean": 0.5, "actor/pg_l'
 
 
@@ -26,14 +30,20 @@ def _reference(model_dir, root, make_args) -> dict:
     return {"dir": ref_dir, "out": out}
 
 
-def _chain(model_dir, root, make_args, reference) -> dict:
+def _chain(model_dir, root, make_args, reference, kill_points=KILL_POINTS) -> dict:
     run_dir = root / "killed"
     kills = []
-    for fault, resumes_from in KILL_POINTS:
+    for fault, resumes_from in kill_points:
         launch = Launch(make_args(model_dir, run_dir, STEPS), fault=fault)
         launch.wait_paused()
+        reached = open(launch.marker).read().strip()
+        # A rollout rank parked in its stream leaves the trainer free to finish the save before it.
+        pointer, deadline = run_dir / "latest_checkpointed_iteration.txt", time.monotonic() + 120
+        while not (pointer.is_file() and pointer.read_text().strip() == str(resumes_from)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         launch.kill_group()
-        kills.append({"fault": fault, "out": launch.out, "left": launch.left_after(10),
+        kills.append({"fault": fault, "reached": reached, "out": launch.out, "left": launch.left_after(10),
                       "lock_free": lock_is_free(run_dir), "resumes_from": resumes_from,
                       "pointer": (run_dir / "latest_checkpointed_iteration.txt").read_text().strip(),
                       "dirs": sorted(os.listdir(run_dir))})
@@ -63,4 +73,5 @@ def sync_chain(addition_model_dir, sync_reference, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def async_chain(addition_model_dir, async_reference, tmp_path_factory):
-    return _chain(addition_model_dir, tmp_path_factory.mktemp("async_chain"), async_overrides, async_reference)
+    return _chain(addition_model_dir, tmp_path_factory.mktemp("async_chain"), async_overrides, async_reference,
+                  ASYNC_KILL_POINTS)

@@ -1,7 +1,9 @@
 """SIGKILL of a whole run at a step, a save and a weight sync (sync and async trainers): each
 resume continues bitwise (CPU fp32) as the run that was never killed, metrics and weights."""
 import pytest
+import torch
 
+from megarl.trainer import checkpointing
 from megarl.trainer.metrics import read_metrics
 from tests.faults.conftest import STEPS
 from tests.helpers.training_runs import stable, step_digests
@@ -38,4 +40,24 @@ def test_sync_trainer_survives_every_kill_point(sync_chain):
 
 @pytest.mark.timeout(900)
 def test_async_trainer_survives_every_kill_point(async_chain):
+    """Two batches ahead, updates landing after the first one-token chunk (tests/faults/runs.py)."""
     check_chain(async_chain)
+    # The first kill met the rollout rank in its stream, batch 4 finished and batch 5 half generated.
+    assert async_chain["kills"][0]["reached"].startswith("stream:5:2:"), async_chain["kills"][0]["reached"]
+    # Step 2's checkpoint, which both later kills resumed from: batch 3 handed over, batch 4 in flight,
+    # one token per response sampled under version 1, the update to version 2 taken after that chunk.
+    # The killed run's first launch wrote the same one as the reference run.
+    saved = [checkpointing.read_trainer_state(str(root / "global_step_2"))
+             for root in (async_chain["ref"], async_chain["run"])]
+    partial = saved[0]["buffer_partial"]
+    assert saved[0]["buffer_ahead"] == [] and partial["version"] == 1 and partial["chunks"] == 1
+    seqs = partial["gens"][0]["seqs"]
+    assert len(seqs) == 32 and all(s["tokens"] and s["versions"] == [1] for s in seqs)
+    assert any(s["finish"] is None for s in seqs), "no response was left half done"
+    assert partial["gens"] == saved[1]["buffer_partial"]["gens"]
+    assert torch.equal(saved[0]["inflight_batch"].batch["responses"], saved[1]["inflight_batch"].batch["responses"])
+    # Batch t trains at version t-1; from batch 3 on, its oldest tokens are 2 versions old and
+    # responses span the versions before and after the update.
+    ref = {r["step"]: r for r in read_metrics(str(async_chain["ref"]))}
+    assert [ref[t]["async/staleness_max"] for t in range(1, STEPS + 1)] == [0, 1, 2, 2, 2]
+    assert all(ref[t]["async/mixed_version_fraction"] > 0 for t in range(3, STEPS + 1))
