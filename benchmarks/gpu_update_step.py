@@ -68,7 +68,7 @@ def _timed(device, fn):
 def measure(rank: int, world: int, path: str, a) -> dict:
     """Runs on one spawned rank (megarl.parallel.local_ranks.run_local)."""
     from megarl.checkpoint_engine import build_checkpoint_engine
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.models.flops import forward_flops, training_flops
     from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm

@@ -189,7 +189,7 @@ def rank_main(rank, world, path, a):
     import torch.distributed as dist
 
     from megarl.algos.loss_fn import make_actor_loss_fn
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     torch.set_num_threads(a.threads)

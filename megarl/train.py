@@ -16,7 +16,7 @@ import sys
 import time
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig
+from megarl.experiment import ExperimentConfig
 from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise

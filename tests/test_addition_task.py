@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.data.dataset import RLDataset
 from megarl.examples.addition.model import build_model, build_tokenizer
 from megarl.examples.addition.task import AdditionTask, split_problems, write_dataset

@@ -8,7 +8,7 @@ import torch
 from megarl.algos.advantages import ADV_ESTIMATORS, compute_advantage, get_adv_estimator
 from megarl.algos.config import ADV_ESTIMATORS as CONFIG_NAMES, GROUP_ESTIMATORS, AlgorithmConfig
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.protocol import DataProto
 
 

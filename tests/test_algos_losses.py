@@ -7,7 +7,7 @@ import torch
 from megarl.algos.loss_fn import make_actor_loss_fn, make_critic_loss_fn, mean_metrics
 from megarl.algos.losses import Aggregator, ClipParams, agg_loss, get_policy_loss, value_loss
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.protocol import DataProto
 
 LOG = math.log

@@ -30,10 +30,6 @@ LAUNCHER = ("megarl", "megarl.train", "megarl.launcher.preflight")
 # Lazy on purpose as well: configs name the examples' packages (`megarl.examples.addition:bootstrap`).
 LAZY_BOUNDARIES = {("megarl.examples.addition", "megarl.examples.addition.checkpoint"),
                    ("megarl.examples.tool_use", "megarl.examples.tool_use.model")}
-# The config machinery every component's own config section builds on (megarl/<pkg>/config.py);
-# megarl.config's experiment tree sits above those sections.
-CONFIG_BASE = ("megarl.config.errors", "megarl.config.typed", "megarl.config.loader", "megarl.config.paths",
-               "megarl.config.dtypes", "megarl.config.plugins")
 # Underscore names that are not private API in the sense meant here, each for its reason.
 PRIVATE_ALLOWED = {
     # an ATen operator looked up by getattr with a public fallback (attend_matmul) where absent:
@@ -145,12 +141,11 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def package_of(module: str) -> str:
-    if module in CONFIG_BASE:
-        return "megarl.config.base"
     parts = module.split(".")
     if len(parts) > 1 and os.path.isdir(os.path.join(ROOT, "megarl", parts[1])):
         if parts[-1] in ("config", "config_checks") and parts[1] != "config":
-            # the sections the experiment config is built from, and the components' own checks on them
+            # the sections megarl/experiment.py composes, and the components' own checks on them: below
+            # the composition root, which their packages' other modules may import
             return "megarl.<component>.config"
         return ".".join(parts[:2])
     return module

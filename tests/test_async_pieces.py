@@ -41,7 +41,7 @@ def test_masked_is_and_icepop_by_hand():
 
 def test_icepop_in_the_actor_loss_removes_masked_tokens():
     from megarl.algos.loss_fn import make_actor_loss_fn
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.protocol import DataProto
     cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=icepop",
                              "algorithm.rollout_correction.rollout_is_threshold=3", "algorithm.adv_estimator=grpo",
@@ -161,7 +161,7 @@ def _native_engine(path):
 
 def _rollout_worker(engine, overrides):
     """A RolloutWorker of one rollout rank (no torch.distributed), on a real native engine."""
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.parallel.state import Layout
     from megarl.rollout.sampling import train_sampling
     from megarl.trainer.fit_async import RolloutWorker

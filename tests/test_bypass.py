@@ -16,7 +16,7 @@ import torch
 
 from megarl.algos.loss_fn import make_actor_loss_fn
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.protocol import DataProto
 from megarl.trainer.bypass import Bypass, resolve_bypass
 from megarl.trainer.metrics import read_metrics

@@ -31,7 +31,7 @@ def test_a_missing_codec_package_is_one_line_where_the_sync_is_built(codec, modu
     the package, before any rank syncs."""
     from megarl.checkpoint_engine.delta_sync import DeltaOptions
     from megarl.config import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     DeltaOptions(codec=codec)                                  # installed: the test extras take megarl[compress]
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ValueError) as built:
@@ -139,7 +139,7 @@ def narrow_to_count(p, shape, want) -> int:
 
 def test_delta_config_keys():
     from megarl.config.errors import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     base = ["actor_rollout_ref.model.path=/nonexistent", "trainer.n_gpus_per_node=4"]
     with pytest.raises(ConfigError, match="delta.*distributed or disk transport"):
         load_config(None, base + ["actor_rollout_ref.rollout.checkpoint_engine.delta=on"])

@@ -11,7 +11,7 @@ from megarl.checkpoint_engine import build_checkpoint_engine
 from megarl.checkpoint_engine.config import register, transport, transport_names
 from megarl.checkpoint_engine.transport import BuildParts, Transport
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from tests.helpers.python_child import prints
 
 CE = "actor_rollout_ref.rollout.checkpoint_engine"

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig, load_config
+from megarl.experiment import ExperimentConfig, load_config
 from megarl.config.loader import parse_override
 
 SEED_OVERRIDES = ["actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.n=5",

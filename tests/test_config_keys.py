@@ -17,7 +17,7 @@ import typing
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig, load_config
+from megarl.experiment import ExperimentConfig, load_config
 from megarl.config.refused import ALIASES, ALREADY, REFUSED
 from megarl.config.typed import all_keys
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import megarl.train as train_mod
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

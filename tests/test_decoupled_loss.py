@@ -60,7 +60,7 @@ def test_m2po_by_hand():
 
 def test_decoupled_through_the_actor_loss_and_its_config_checks():
     from megarl.algos.loss_fn import make_actor_loss_fn
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.protocol import DataProto
     key = "actor_rollout_ref.actor.policy_loss"
     base = ["actor_rollout_ref.actor.loss_agg_mode=token-mean", "actor_rollout_ref.actor.clip_ratio_c=3"]

@@ -16,7 +16,7 @@ def check_placement(rank, world, path):
     from megarl.checkpoint_engine import WeightSyncError
     from megarl.checkpoint_engine.distributed import DisaggregatedReceiver, DisaggregatedSender
     from megarl.checkpoint_engine.source import ShardSource
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.base import SamplingParams
     from megarl.trainer.ranks import destroy, setup_ranks

@@ -18,7 +18,7 @@ import torch
 from megarl import engines
 from megarl.launcher import preflight
 from megarl.config.errors import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.engines import EngineInfo
 from megarl.rollout.base import BaseRollout
 from megarl.rollout.build_args import BuildRequest

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.reward.manager import build_reward_manager
 from megarl.trainer.generations import decode, dump_validation, pick_for_log, write_jsonl
 from megarl.trainer.metrics import MetricsLogger

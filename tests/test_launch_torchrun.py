@@ -12,7 +12,7 @@ import time
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.trainer.launch_env import check_launch, rank_env, shell_assignments
 from megarl.trainer.metrics import read_metrics
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from megarl.config.errors import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.models.tiny import make_tiny_hf
 from megarl.workers.actor import converter_config
 from megarl.workers.config import ModelConfig
@@ -62,7 +62,7 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: s
 
     from megarl.checkpoint_engine import build_checkpoint_engine
     from megarl.checkpoint_engine.source import ShardSource
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.checkpoint_engine.disk_delta import read_weights
     from tests.helpers.checkpoint_engine import full_export, native_engine, rollout_groups, rollout_vs_actor
     from megarl.models import lora

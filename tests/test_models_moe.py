@@ -265,7 +265,7 @@ def test_specs_and_refusals(tmp_path):
 def test_config_refuses_bad_expert_layouts_before_building(tmp_path):
     """One line naming the key and a layout that works, from the experiment config (no rank starts)."""
     import json
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.config.errors import ConfigError
     path = make_tiny_hf(str(tmp_path / "m"), "qwen3_moe", tokenizer=False, num_hidden_layers=2)
     hf = json.load(open(f"{path}/config.json"))

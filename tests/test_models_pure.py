@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.config import ConfigError
-from megarl.config.experiment import build_config
+from megarl.experiment import build_config
 from megarl.models.convert import (EMBED, OUTPUT, checkpoint_to_hf, hf_shapes, hf_slices, hf_to_megatron,
                                    megatron_names, megatron_to_hf, rank_plan, shard_shape, to_global, to_local,
                                    tp_dim)

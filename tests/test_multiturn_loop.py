@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import build_config, load_config
+from megarl.experiment import build_config, load_config
 from megarl.examples.tool_use.model import build_tokenizer, call_text
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import MultiTurnConfig, RolloutConfig

@@ -174,7 +174,7 @@ def test_lean_log_prob_peak_memory_is_at_least_2x_lower_at_152k_vocab():
 # -- config ---------------------------------------------------------------------------------------------------
 def test_token_budget_keys_take_the_actors_and_refuse_a_budget_below_the_longest_sequence():
     from megarl.config import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     cfg = load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
                              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"])
     ro, ref = cfg.rollout, cfg.actor_rollout_ref.ref

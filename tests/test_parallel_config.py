@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 
 A = "actor_rollout_ref.actor"
 BASE = ["trainer.n_gpus_per_node=4", "data.train_batch_size=8", f"{A}.ppo_mini_batch_size=4",

@@ -58,7 +58,7 @@ def test_the_launcher_side_loads_no_torch():
     take): importing the front door and loading and checking a config import no torch, whichever
     engine and transport the config names."""
     code = ("import sys, megarl.train, megarl.launcher.vars, megarl.launcher.preflight;"
-            "from megarl.config.experiment import load_config;"
+            "from megarl.experiment import load_config;"
             "load_config(None, []);"
             "load_config(None, ['actor_rollout_ref.rollout.checkpoint_engine.backend=disk',"
             " 'actor_rollout_ref.rollout.checkpoint_engine.disk_dir=/tmp/w',"

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.reward.manager import RewardFailure, build_reward_manager
 from tests.helpers.reward import rollout_batch, tokenizer
 

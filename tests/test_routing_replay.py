@@ -311,7 +311,7 @@ def test_route_layouts_round_trip():
 ])
 def test_config_refusals(overrides, message):
     from megarl.config.errors import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
 
@@ -319,7 +319,7 @@ def test_config_refusals(overrides, message):
 def test_dense_model_refused(tmp_path):
     import json
     from megarl.config.errors import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     dense = make_tiny_hf(str(tmp_path / "dense"), "qwen3", tokenizer=False)
     moe = make_tiny_hf(str(tmp_path / "moe"), "qwen3_moe", tokenizer=False)
     keys = ["actor_rollout_ref.actor.router_replay.mode=R2"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.trainer import checkpointing as ck
 
 

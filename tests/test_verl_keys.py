@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
-from megarl.config.experiment import ExperimentConfig
+from megarl.experiment import load_config
+from megarl.experiment import ExperimentConfig
 from megarl.config.refused import ALIASES, LEGACY_NULL, REFUSED, RENAMED, moved_from
 from megarl.config.verl_keys import RULES, megarl_implements, rule_for, verl_defaults
 

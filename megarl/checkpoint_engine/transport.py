@@ -17,7 +17,7 @@ if TYPE_CHECKING:       # annotations only
     import torch
     import torch.distributed as dist
 
-    from megarl.config.experiment import ExperimentConfig
+    from megarl.experiment import ExperimentConfig
     from megarl.rollout.base import RolloutEngine
     from megarl.workers.actor import ActorWorker
 

@@ -1,10 +1,9 @@
-"""Typed experiment configuration: YAML with bases, dotted overrides, one-line errors.
+"""The config toolkit: typed sections, YAML with bases, dotted overrides, one-line errors.
 
-    from megarl.config.experiment import load_config, ExperimentConfig
+    from megarl.experiment import load_config, ExperimentConfig    # the composed experiment tree
 
-The experiment tree lives in megarl.config.experiment, not here: component configs
-(`megarl/<component>/config.py`) import `megarl.config.typed`, which runs this file first, and the
-experiment module imports those components, so importing it here would be a circle.
+Every component's own section (`megarl/<component>/config.py`) builds on this package, which imports
+no other part of megarl; megarl/experiment.py, the composition root, sits above those sections.
 """
 from megarl.config.errors import ConfigError
 

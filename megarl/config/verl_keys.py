@@ -3,7 +3,7 @@
 A verl command line or YAML carries over as written: every leaf of verl's composed
 ppo_trainer.yaml / ppo_megatron_trainer.yaml (release v0.7.0, stored with all their included files
 under tests/assets/verl/, and release 0.9.1, read from the installed verl package) is one of
-- a megarl key (megarl implements it; megarl/config/experiment.py and the component configs),
+- a megarl key (megarl implements it; megarl/experiment.py and the component configs),
 - a key in megarl/config/refused.py (accepted at verl's default, an alias of a megarl key, or under a
   verl section read as megarl's, MOVED),
 - a key here: its verl defaults are in verl_defaults.yaml (next to this file, written by
@@ -294,7 +294,7 @@ def _same(value: Any, default: Any) -> bool:
 @functools.lru_cache(maxsize=2)
 def _megarl_tree(root: type) -> tuple[frozenset, frozenset, tuple]:
     """(typed leaves, typed sections, free-form mapping keys) of megarl's config class `root`
-    (ExperimentConfig, passed in: config/experiment.py imports this module)."""
+    (ExperimentConfig, passed in: megarl/experiment.py imports this module)."""
     keys = set(all_keys(root))
     sections = {k.rsplit(".", 1)[0] for k in keys if "." in k}
     # A free-form key that refused.py accepts only empty (verl's actor.checkpoint) is looked into.

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig
+from megarl.experiment import ExperimentConfig
 from megarl.parallel.shared_storage import check_shared_dir
 from megarl.trainer.launch_env import rank_env
 from megarl.launcher.cli import load_checked, parse_args

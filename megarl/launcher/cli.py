@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megarl.config.experiment import ExperimentConfig, load_config, read_hf_config
+from megarl.experiment import ExperimentConfig, load_config, read_hf_config
 from megarl.launcher.preflight import node_checks, preflight
 
 

@@ -1,6 +1,6 @@
 """Rules the rollout side sets across config sections: where the engine runs
 (rollout.placement) and what each placement supports, its TP, its lengths. Each is a small
-check that ExperimentConfig runs once when built (megarl/config/experiment.py RULES,
+check that ExperimentConfig runs once when built (megarl/experiment.py RULES,
 MODEL_RULES); `cfg` is the ExperimentConfig.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig
+from megarl.experiment import ExperimentConfig
 
 # Slack given to a launcher on top of the collective timeout: a rank that outlives its peers
 # by more than this is stuck, not slow (every rank ends at the same final collective).

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from megarl.algos.kl import make_kl_controller
 from megarl.checkpoint_engine import WeightSync, build_checkpoint_engine
 from megarl.config import ConfigError
-from megarl.config.experiment import read_hf_config
+from megarl.experiment import read_hf_config
 from megarl.config.model_path import model_path_state
 from megarl.data.build import build_loaders
 from megarl.config.plugins import load_object

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig
+from megarl.experiment import ExperimentConfig
 from megarl.parallel import state
 from megarl.parallel.bridge import Bridge, job_store
 from megarl.trainer.launch_env import rank_env

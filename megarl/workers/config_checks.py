@@ -1,6 +1,6 @@
 """Rules the megatron roles set across config sections: the layout against the ranks and the
 model, one layout for every role, mini/micro batches, token budgets. Each is a small check
-that ExperimentConfig runs once when built (megarl/config/experiment.py RULES, MODEL_RULES);
+that ExperimentConfig runs once when built (megarl/experiment.py RULES, MODEL_RULES);
 `cfg` is the ExperimentConfig.
 """
 from __future__ import annotations

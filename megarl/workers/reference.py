@@ -48,7 +48,7 @@ class ReferenceWorker:
 
     @classmethod
     def from_config(cls, cfg, actor=None) -> "ReferenceWorker":
-        if cfg.model.lora_rank:    # megarl/config/experiment.py refuses a layout or offload of its own
+        if cfg.model.lora_rank:    # megarl/experiment.py refuses a layout or offload of its own
             return cls.base_of(actor, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu)
         return cls(cfg.model, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.dtype)
 

@@ -35,7 +35,7 @@ def _try_each(rank, world, model_dir, run_dir, step_dir):
     import torch.distributed as dist
 
     from megarl.config import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.trainer import checkpointing
     from megarl.trainer.ranks import setup_ranks
     from megarl.workers.actor import ActorWorker

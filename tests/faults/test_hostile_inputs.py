@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.config.loader import read_yaml
 from megarl.data.reading import read_rows
 from megarl.models.hf_checkpoint import HFCheckpoint

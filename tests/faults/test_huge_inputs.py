@@ -13,7 +13,7 @@ import time
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.data.config import DataConfig
 from megarl.data.dataset import RLDataset
 from tests.helpers.reward import text_tokenizer

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.reward.loading import RewardFnSpec
 from megarl.reward.settings import RewardSettings
 from megarl.reward.manager import RewardFailure, RewardManager, build_reward_manager

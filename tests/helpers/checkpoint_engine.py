@@ -7,7 +7,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
 

@@ -151,7 +151,7 @@ def check_weight_sync(rank: int, world: int, path: str, want_device: str) -> dic
     bounded and reported, as the trainer logs it each step in rollout_corr/*)."""
     from megarl.algos.rollout_correction import rollout_mismatch_metrics
     from megarl.checkpoint_engine import build_checkpoint_engine
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     from megarl.protocol import DataProto
     from megarl.rollout.base import SamplingParams
     from tests.helpers.checkpoint_engine import PROMPTS, TEMP, engine_mismatch, full_export, native_engine

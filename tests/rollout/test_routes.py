@@ -123,7 +123,7 @@ def test_pack_routes_rules():
 
 def test_r3_refused_where_no_engine_records():
     from megarl.config.errors import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     r3 = ["actor_rollout_ref.actor.router_replay.mode=R3",
           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
     for name, words in (("hf", "transformers' generate"),):

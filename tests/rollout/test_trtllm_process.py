@@ -136,7 +136,7 @@ def test_trtllm_check_reads_the_wheels_torch_pin(monkeypatch):
 def test_the_config_refuses_megarls_ray_pools_beside_trtllm():
     """Known before any engine starts: the engine declares that it runs Ray in the rank's process."""
     from megarl.config.errors import ConfigError
-    from megarl.config.experiment import load_config
+    from megarl.experiment import load_config
     trt = ["actor_rollout_ref.rollout.name=trtllm"]
     with pytest.raises(ConfigError, match="reward_model.launch_reward_fn_async") as err:
         load_config(None, trt + ["reward_model.launch_reward_fn_async=true"])

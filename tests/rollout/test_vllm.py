@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from megarl.config.errors import ConfigError
-from megarl.config.experiment import load_config
+from megarl.experiment import load_config
 from megarl.rollout.config import RolloutConfig
 from tests.rollout import conformance
 
@@ -72,7 +72,7 @@ def test_cuda_graphs_are_refused():
 
 
 def test_small_heads_are_refused_naming_the_limit(tmp_path):
-    from megarl.config.experiment import ExperimentConfig  # noqa: F401 - the rules run on load
+    from megarl.experiment import ExperimentConfig  # noqa: F401 - the rules run on load
     from megarl.models.tiny import make_tiny_hf
     small = make_tiny_hf(str(tmp_path / "h32"), "qwen2", hidden_size=128, num_attention_heads=4,
                          num_key_value_heads=2)

@@ -96,7 +96,7 @@ def all_leaves() -> dict[str, list]:
 
 
 def table() -> dict:
-    from megarl.config.experiment import ExperimentConfig
+    from megarl.experiment import ExperimentConfig
     from megarl.config.verl_keys import VERL_RELEASE, megarl_implements
     from megarl.config.refused import moved_from
     keys = {k: v for k, v in all_leaves().items()
