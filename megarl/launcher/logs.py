@@ -23,6 +23,8 @@ KNOWN_NOISE = (
      "megatron's sequence-parallel gathers call torch's older collective names; megarl's own use the new ones"),
     (r"`load_state_dict` is deprecated and will be removed in future versions", FutureWarning, False,
      "megatron-core 0.16's checkpoint reader calls torch's older name on every resume; nothing the user sets"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning, False,
+     "megatron-core 0.16 reads its checkpoints through torch's ShardedTensor on every resume"),
     (r".*it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning, True, "a CUDA stream setting; meaningless on CPU (on GPUs it is shown)"),
 )
