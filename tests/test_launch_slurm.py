@@ -12,6 +12,7 @@ failure-injection and requeue tests run megarl.launcher.check (MEGARL_ENTRY), a 
 job that takes megarl-train's arguments plus knobs for slow steps and failing ranks.
 """
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -128,7 +129,8 @@ def short_run(addition_model_dir, run_dir, steps):
 
 
 @pytest.mark.timeout(420)
-def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_model_dir, tmp_path):
+def test_quickstart_sbatch_trains_then_saves_on_the_time_limit_signal_and_resumes(cluster, addition_model_dir,
+                                                                                  tmp_path):
     run_dir = tmp_path / "run"
     begin = time.monotonic()
     job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 3), entry=QUICKSTART_ENTRY)
@@ -145,23 +147,38 @@ def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_m
     assert "megarl: training layout: TP 2 x PP 1 x DP 1" in out
     assert f"megarl: job {job_id} finished" in (run_dir / "logs" / f"slurm-{job_id}.log").read_text()
 
-    # The real trainer cancelled mid-run and submitted again continues from its checkpoint.
+    # Near its time limit Slurm sends the batch shell USR1 (the script's --signal=B:USR1@300); job.sh
+    # requeues the job, and Slurm's requeue sends every task (a rank each) SIGTERM, SIGKILL KillWait
+    # (5 s here) later. The ranks finish their step, save it, print one line and exit 143; the requeued
+    # job, the same command, resumes there. USR1 goes by hand (scancel --batch, as slurmctld sends it):
+    # a time limit is at least a minute, and Slurm may signal up to a minute early.
     run2 = tmp_path / "run2"
-    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, 40), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, 8), entry=QUICKSTART_ENTRY)
     pointer, deadline = run2 / "latest_checkpointed_iteration.txt", time.monotonic() + 240
     while not pointer.exists():
         assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
             cluster.output(job_id)[-3000:]
         time.sleep(0.2)
-    cluster.slurm("scancel", job_id)
-    assert cluster.wait(job_id)["JobState"] == "CANCELLED"
-    saved = int(pointer.read_text())
-    job2 = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run2, saved + 2), entry=QUICKSTART_ENTRY)
-    done = cluster.wait(job2, timeout=300)
-    out2 = cluster.output(job2)
+    signalled = time.monotonic()
+    cluster.slurm("scancel", "--batch", "--signal=USR1", job_id)
+    cluster.wait(job_id, until=lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1")
+    out = cluster.output(job_id)
+    print(f"signal to requeued {time.monotonic() - signalled:.1f}s")
+    stop = re.search(r"megarl: stopped by SIGTERM after step (\d+) of 8; saved (\S+); the same command resumes there",
+                     out)
+    assert stop and "is near its time limit; requeueing it" in out, out[-3000:]
+    saved = int(stop.group(1))
+    assert stop.group(2) == str(run2 / f"global_step_{saved}") and int(pointer.read_text()) == saved, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    # Slurm holds a requeued job ~2 min; release it (the old credential's revocation has 1 s granularity).
+    time.sleep(2)
+    cluster.slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    done = cluster.wait(job_id, timeout=300)
+    out2 = cluster.output(job_id)
     assert done["JobState"] == "COMPLETED", out2[-3000:]
-    assert "resumed from" in out2 and f"at step {saved}" in out2
-    assert sorted(set(steps_of(run2)))[-1] == saved + 2
+    assert f"job {job_id} (restart 1)" in out2, out2[-3000:]
+    assert f"resumed from {run2 / f'global_step_{saved}'} at step {saved}" in out2, out2[-3000:]
+    assert sorted(set(steps_of(run2)))[-1] == 8
 
 
 @pytest.mark.timeout(300)
