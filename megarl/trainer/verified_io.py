@@ -201,8 +201,8 @@ def verify(step_dir: str, group=None) -> dict[str, str]:
 def load_sealed(step_dir: str, rel: str):
     """A megarl file (load_plain's format) of a step verify() accepted, read once through one descriptor
     (no symlink followed), hashed, and loaded from those same bytes: nothing can swap the file between
-    its check and its load. Megatron's own files are read by torch's checkpoint reader, by path, after
-    verify() (docs/security.md says what that leaves)."""
+    its check and its load. Megatron's own files are read by torch's checkpoint reader, by path:
+    staging.megatron_source decides whether that path is the step or a checked private copy."""
     path = os.path.join(step_dir, rel)
     with open(os.path.join(step_dir, MANIFEST)) as f:
         digest = (json.load(f).get("sha256") or {}).get(rel)
