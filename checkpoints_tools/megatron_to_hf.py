@@ -17,6 +17,7 @@ as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -39,28 +40,29 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    check_sealed(ckpt)
-    meta = read_meta(ckpt)
-    config = dict(meta["hf_config"])
-    spec = ModelSpec.from_hf_config(config)
-    head = meta["head"]
-    if head == "value":
-        family = {"llama": "Llama", "qwen2": "Qwen2"}[spec.family]
-        config.update(architectures=[f"{family}ForSequenceClassification"], num_labels=1,
-                      id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    target = getattr(torch, dtype or meta["hf_dtype"])
-    config["dtype"] = str(target).replace("torch.", "")
-    whole = plain_tensors(ckpt)
-    lora = meta.get("lora")
-    if peft_adapter and not lora:
-        raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without lora_rank); drop --peft-adapter")
-    adapters = checkpoint_adapters(whole)
-    tensors = checkpoint_to_hf({k: v for k, v in whole.items() if not is_adapter_name(k)}, spec, head)
-    if lora:
-        tensors = merge_into_hf(tensors, adapters, lora["alpha"] / lora["rank"])
-    save_hf(out, ((n, t.to(target)) for n, t in tensors), config, aux_from=os.path.join(ckpt, HF_DIR))
-    if peft_adapter:
-        _save_peft(peft_adapter, adapters, lora, target)
+    with sealed_source(ckpt) as src:   # the checked bytes: in place, or a private copy (staging.py)
+        meta = read_meta(src)
+        config = dict(meta["hf_config"])
+        spec = ModelSpec.from_hf_config(config)
+        head = meta["head"]
+        if head == "value":
+            family = {"llama": "Llama", "qwen2": "Qwen2"}[spec.family]
+            config.update(architectures=[f"{family}ForSequenceClassification"], num_labels=1,
+                          id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        target = getattr(torch, dtype or meta["hf_dtype"])
+        config["dtype"] = str(target).replace("torch.", "")
+        whole = plain_tensors(src)
+        lora = meta.get("lora")
+        if peft_adapter and not lora:
+            raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without lora_rank); drop --peft-adapter")
+        adapters = checkpoint_adapters(whole)
+        tensors = checkpoint_to_hf({k: v for k, v in whole.items() if not is_adapter_name(k)}, spec, head)
+        if lora:
+            tensors = merge_into_hf(tensors, adapters, lora["alpha"] / lora["rank"])
+        save_hf(out, ((n, t.to(target)) for n, t in tensors), config,
+                aux_from=os.path.join(src, HF_DIR))
+        if peft_adapter:
+            _save_peft(peft_adapter, adapters, lora, target)
 
 
 def _save_peft(out: str, adapters: dict, lora: dict, dtype) -> None:
@@ -76,18 +78,24 @@ def _save_peft(out: str, adapters: dict, lora: dict, dtype) -> None:
               os.path.join(out, "adapter_model.safetensors"))
 
 
-def check_sealed(ckpt: str) -> None:
+@contextlib.contextmanager
+def sealed_source(ckpt: str):
     """A role directory of a step megarl saved (global_step_N/actor) is checked against the step's
     manifest first, as a resume checks it: torch's reader unpickles `.metadata`, so a file changed
-    since the save is refused before it is read (verified_io.Refused)."""
-    from megarl.trainer import verified_io
-    for step in (ckpt, os.path.dirname(ckpt)):
-        if os.path.isfile(os.path.join(step, verified_io.MANIFEST)):
-            try:
-                verified_io.verify(step)
-            except verified_io.Refused as err:
-                raise ValueError(f"refused {step}: {err}") from None
-            return
+    since the save is refused before it is read (verified_io.Refused). Yields the directory to read:
+    `ckpt`, or its checked private copy where another user could change the path to it
+    (megarl/trainer/staging.py). A checkpoint outside a sealed step is read where it is."""
+    from megarl.trainer import staging, verified_io
+    step = os.path.dirname(ckpt)
+    if not os.path.isfile(os.path.join(step, verified_io.MANIFEST)):
+        yield ckpt
+        return
+    try:
+        digests = verified_io.verify(step)
+        with staging.megatron_source(step, digests, [os.path.basename(ckpt)], say=print) as src:
+            yield os.path.join(src, os.path.basename(ckpt))
+    except verified_io.Refused as err:
+        raise ValueError(f"refused {step}: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,11 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(models):
     shutil.copytree(ckpt, os.path.join(step, "actor"))
     os.chmod(os.path.dirname(step), 0o700)
     verified_io.seal(step)
+    # Under a parent any user may write, the tool converts a checked private copy, saying so.
+    os.chmod(models["root"], 0o777)
+    got = run("checkpoints_tools/megatron_to_hf.py", "--ckpt", os.path.join(step, "actor"), "--out", back + "1")
+    assert got.returncode == 0 and "megatron loads a private copy" in got.stdout, got.stdout + got.stderr[-3000:]
+    assert_same_tensors(src, back + "1")
     with open(os.path.join(step, "actor", ".metadata"), "ab") as f:
         f.write(b"\x80")
     got = run("checkpoints_tools/megatron_to_hf.py", "--ckpt", os.path.join(step, "actor"), "--out", back + "2")

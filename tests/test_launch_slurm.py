@@ -12,6 +12,7 @@ failure-injection and requeue tests run megarl.launcher.check (MEGARL_ENTRY), a 
 job that takes megarl-train's arguments plus knobs for slow steps and failing ranks.
 """
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -128,34 +129,50 @@ def short_run(addition_model_dir, run_dir, steps):
 
 
 @pytest.mark.timeout(420)
-def test_quickstart_sbatch_trains_then_resumes_after_scancel(cluster, addition_model_dir, tmp_path):
-    # The real trainer cancelled mid-run, then the same sbatch again: it continues from its checkpoint
-    # and completes (two jobs; the second is also the quickstart's complete run under Slurm).
+def test_quickstart_sbatch_trains_then_saves_on_the_time_limit_signal_and_resumes(cluster, addition_model_dir,
+                                                                                  tmp_path):
+    # Near its time limit Slurm sends the batch shell USR1 (the script's --signal=B:USR1@300); job.sh
+    # requeues the job, and Slurm's requeue sends every task (a rank each) SIGTERM, SIGKILL KillWait
+    # (5 s here) later. The ranks finish their step, save it, print one line and exit 143; the requeued
+    # job, the same command, resumes there and completes. USR1 goes by hand (scancel --batch, as
+    # slurmctld sends it): a time limit is at least a minute, and Slurm may signal up to a minute early.
     run_dir = tmp_path / "run"
     begin = time.monotonic()
-    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 40), entry=QUICKSTART_ENTRY)
+    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 8), entry=QUICKSTART_ENTRY)
     pointer, deadline = run_dir / "latest_checkpointed_iteration.txt", time.monotonic() + 240
     while not pointer.exists():
         assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
             cluster.output(job_id)[-3000:]
         time.sleep(0.2)
     print(f"\nquickstart submit-to-first-checkpoint {time.monotonic() - begin:.1f}s")
-    cluster.slurm("scancel", job_id)
-    assert cluster.wait(job_id)["JobState"] == "CANCELLED"
-    saved = int(pointer.read_text())
-    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, saved + 2), entry=QUICKSTART_ENTRY)
+    signalled = time.monotonic()
+    cluster.slurm("scancel", "--batch", "--signal=USR1", job_id)
+    cluster.wait(job_id, until=lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1")
+    out = cluster.output(job_id)
+    print(f"signal to requeued {time.monotonic() - signalled:.1f}s")
+    stop = re.search(r"megarl: stopped by SIGTERM after step (\d+) of 8; saved (\S+); the same command resumes there",
+                     out)
+    assert stop and "is near its time limit; requeueing it" in out, out[-3000:]
+    saved = int(stop.group(1))
+    assert stop.group(2) == str(run_dir / f"global_step_{saved}") and int(pointer.read_text()) == saved, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    # Slurm holds a requeued job ~2 min; release it (the old credential's revocation has 1 s granularity).
+    time.sleep(2)
+    cluster.slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
     job = cluster.wait(job_id, timeout=300)
     out = cluster.output(job_id)
     assert job["JobState"] == "COMPLETED", out[-3000:]
-    assert "resumed from" in out and f"at step {saved}" in out
+    assert f"resumed from {run_dir / f'global_step_{saved}'} at step {saved}" in out, out[-3000:]
     assert job["NumTasks"] == "2" and job["NumNodes"] == "1"
     steps = steps_of(run_dir)
-    assert steps[0] == 0 and set(range(saved + 3)) <= set(steps) and max(steps) == saved + 2   # validation at 0
+    assert steps[0] == 0 and set(range(9)) <= set(steps) and max(steps) == 8        # validation at 0
     assert all("critic/score/mean" in r for r in read_metrics(str(run_dir)) if r["step"] > 0)
-    assert f"job {job_id} (restart 0) on " in out and "task mode, 1 x 2 ranks" in out
-    # srun labels lines by task; in a clean run only rank 0 speaks (rank 1 used to print only warnings)
-    assert "0: megarl: ranks: 2" in out and "\n1: " not in out
-    assert "megarl: training layout: TP 2 x PP 1 x DP 1" in out
+    assert f"job {job_id} (restart 1) on " in out and "task mode, 1 x 2 ranks" in out
+    # srun labels lines by task; in a clean run only rank 0 speaks (rank 1 used to print only warnings);
+    # the resumed part of the output is read: a resume once made rank 1 print megatron's deprecations
+    resumed = out[out.index(f"job {job_id} (restart 1) on "):]
+    assert "0: megarl: ranks: 2" in resumed and "\n1: " not in resumed, resumed[-3000:]
+    assert "megarl: training layout: TP 2 x PP 1 x DP 1" in resumed
     assert f"megarl: job {job_id} finished" in (run_dir / "logs" / f"slurm-{job_id}.log").read_text()
 
 

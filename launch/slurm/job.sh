@@ -133,10 +133,19 @@ on_usr1() {
     scontrol requeue "$SLURM_JOB_ID"
 }
 trap on_usr1 USR1
+# Slurm's requeue, scancel and the time limit send SIGTERM to this shell as well as to the ranks,
+# SIGKILL KillWait seconds later. The ranks use that time to finish their step and save; this shell
+# and the copy of their output (tee) wait for them, so the ranks' last line reaches the log (before,
+# tee died at once and the line was lost).
+on_term() {
+    signalled=1
+}
+trap on_term TERM
 
 # In the background so the trap can run; the subshell ends only after tee has written the last
-# line, so the log is complete when the failure is looked up in it.
-{ "${cmd[@]}" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"; } &
+# line, so the log is complete when the failure is looked up in it. It ignores SIGTERM (srun sets
+# its own handlers; the ranks are slurmstepd's children, not this shell's).
+{ trap '' TERM; "${cmd[@]}" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"; } &
 step=$!
 while :; do
     rc=0

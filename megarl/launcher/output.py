@@ -1,13 +1,37 @@
-"""The launcher's copy of its ranks' output: once a rank reports a config error, or that a stop signal
-stopped the run, the console keeps that one line and stops there (torchrun's tracebacks about the
-stopped ranks go to the log only).
+"""The launcher's copy of its ranks' output: once a rank reports a config error, that it ran out of
+memory, or that a stop signal stopped the run, the console keeps that one line and stops there
+(torchrun's tracebacks about the stopped ranks go to the log only).
 
     echo = RankOutput(sys.stdout.buffer); echo.write(chunk) ...; code = echo.exit_code(proc.wait())
 """
 from __future__ import annotations
 
+import re
+import resource
+
 MARK = b"config error: "
 STOPPED = b"megarl: stopped by SIG"     # the ranks' line after a SIGTERM / SIGUSR1 (megarl/trainer/stopping.py)
+OOM = re.compile(rb"^megarl: stopped: rank \d+: ran out of memory")    # megarl/trainer/run.py's line
+OOM_EXIT_CODE = 5
+# A rank that runs out of memory outside Python ends without megarl's line: native code aborts the
+# process (Rust's allocator in HF tokenizers, a C++ std::bad_alloc), or an import fails to map a
+# library. These are their own words on the rank's stderr; the innermost megarl frame of the
+# fatal-error dump that follows says where.
+NATIVE_OOM = re.compile(rb"^(memory allocation of \d+ bytes failed"
+                        rb"|terminate called after throwing an instance of 'std::bad_alloc'"
+                        rb"|MemoryError\b.*"
+                        rb"|ImportError: .*failed to map segment from shared object.*)$")
+FRAME = re.compile(rb'File "[^"]*/(megarl/[^"]+)", line (\d+)')
+
+
+def limit_note() -> str:
+    """' under an address-space limit of N GiB (ulimit -v)' where one is set: the ranks inherit this
+    process's limit. (The ranks' own line words it the same way, megarl/trainer/out_of_memory.py;
+    this module imports no megarl, so the launcher's copy starts before torch loads.)"""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return f" under an address-space limit of {soft / 2**30:.1f} GiB (ulimit -v)"
 
 
 class RankOutput:
@@ -15,27 +39,42 @@ class RankOutput:
         self.console, self.log_path = console, log_path
         self.pending = b""
         self.error_line: bytes | None = None
+        self.native: bytes | None = None      # a native out-of-memory line, then where
+        self.where: bytes | None = None
 
     def write(self, chunk: bytes) -> None:
-        if self.error_line is not None:
-            return
         self.pending += chunk
         *lines, self.pending = self.pending.split(b"\n")
         for line in lines:
+            if self.native is not None and self.where is None and (m := FRAME.search(line)):
+                self.where = m.group(1) + b":" + m.group(2)
+            if self.error_line is not None or self.native is not None:
+                continue
+            if NATIVE_OOM.match(line.strip()):
+                self.native = line.strip()
+                continue
             self.console.write(line + b"\n")
-            if line.startswith(b"megarl: ") and MARK in line or line.startswith(STOPPED):
+            if line.startswith(b"megarl: ") and MARK in line or line.startswith(STOPPED) or OOM.match(line):
                 self.error_line = line
-                break
         self.console.flush()
 
     def exit_code(self, code: int) -> int:
-        """The ranks' exit code, or 2 (a config error) once one reported its line."""
+        """The ranks' exit code; 2 once one reported a config error, 5 once one ran out of memory."""
+        where = f"; the ranks' full output is in {self.log_path}" if self.log_path else ""
+        if self.native is not None and self.error_line is None and code:
+            at = f", at {self.where.decode()}" if self.where else ""
+            self.console.write(f"megarl: stopped: a rank ran out of memory in native code ({self.native.decode()}{at})"
+                               f"{limit_note()}; give the run more memory, or lower what a rank holds (the data, the "
+                               f"model's size per rank: tensor_model_parallel_size){where}\n".encode())
+            self.console.flush()
+            return OOM_EXIT_CODE
         if self.error_line is None or self.error_line.startswith(STOPPED):
-            if self.pending and self.error_line is None:
+            if self.pending and self.error_line is None and self.native is None:
                 self.console.write(self.pending)
                 self.console.flush()
             return code
-        where = f"; the ranks' full output is in {self.log_path}" if self.log_path else ""
         self.console.write(f"megarl: stopped the ranks{where}\n".encode())
         self.console.flush()
+        if OOM.match(self.error_line):
+            return OOM_EXIT_CODE if code else code
         return 2 if code else code

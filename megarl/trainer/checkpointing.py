@@ -32,7 +32,7 @@ import torch.distributed as dist
 import megarl.protocol  # noqa: F401
 import megarl.rollout.base  # noqa: F401
 from megarl.config import ConfigError
-from megarl.trainer import verified_io
+from megarl.trainer import staging, verified_io
 from megarl.trainer.faults import fault_point
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -274,24 +274,28 @@ def resume_dir(cfg) -> str | None:
     return latest_step_dir(tr.default_local_dir)
 
 
-def load(path: str, roles: dict, rank: int, world: int) -> dict:
+def load(path: str, roles: dict, rank: int, world: int, say=None) -> dict:
     """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. Collective.
     Nothing is read before verified_io.verify accepts the whole step (owner, mode, manifest
-    digests). A file that fails either way is one line naming the step, the file and the fix."""
+    digests); megatron then reads only bytes that were checked (staging.megatron_source, which
+    tells `say` whether it loaded in place or from a private copy). A file that fails either way
+    is one line naming the step, the file and the fix."""
     try:
-        verified_io.verify(path)
+        digests = verified_io.verify(path)
+        with staging.megatron_source(path, digests, list(roles), say) as src:
+            for name, worker in roles.items():
+                sub = os.path.join(path, name)
+                if not os.path.isdir(sub):
+                    raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with "
+                                      "the same roles or start fresh (trainer.resume_mode=disable)",
+                                      "trainer.resume_mode")
+                _reading(path, sub, lambda: worker.load_checkpoint(os.path.join(src, name)))
     except verified_io.Refused as err:
         raise ConfigError(f"cannot resume from {os.path.basename(os.path.normpath(path))}: {err}; megarl loads no "
                           "checkpoint file it cannot vouch for. If you trust it, fix its owner/mode; otherwise start "
                           "over with trainer.resume_mode=disable, or pick an earlier step with trainer.resume_mode="
                           "resume_path trainer.resume_from_path=<run dir>/global_step_N",
                           "trainer.resume_mode") from None
-    for name, worker in roles.items():
-        sub = os.path.join(path, name)
-        if not os.path.isdir(sub):
-            raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with the same "
-                              "roles or start fresh (trainer.resume_mode=disable)", "trainer.resume_mode")
-        _reading(path, sub, lambda: worker.load_checkpoint(sub))
     state = read_trainer_state(path)
     rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
     if state.get("world") == world:     # the same world: the resume is bitwise only with every stream

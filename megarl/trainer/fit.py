@@ -370,7 +370,8 @@ class RLTrainer:
             if self.ranks.is_main:
                 self.log.truncate_after(-1)   # a fresh start: records of an earlier run here are stale
             return
-        state = checkpointing.load(path, self.p.trainable_roles(), self.ranks.rank, self.ranks.world)
+        state = checkpointing.load(path, self.p.trainable_roles(), self.ranks.rank, self.ranks.world,
+                                   say=self.log.info if self.ranks.is_main else None)
         self.step, self.bad_steps = state["step"], state["bad_steps"]
         self.p.train_loader.sampler.load_state_dict(state["train_loader"])
         self.p.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -61,15 +61,15 @@ def _digest(path: str, sync: bool = False) -> str:
     return h.hexdigest()
 
 
-def _rank_world(group) -> tuple[int, int]:
+def rank_world(group) -> tuple[int, int]:
     """This rank's share of the files: over `group` (the default group when None), else alone."""
     if dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def _gather(obj, group) -> list:
-    rank, world = _rank_world(group)
+def gather(obj, group) -> list:
+    rank, world = rank_world(group)
     if world == 1:
         return [obj]
     out = [None] * world
@@ -89,7 +89,7 @@ def seal(step_dir: str, group=None) -> None:
     """Collective, after every rank wrote its files: files 0600 and directories 0700, each file
     fsynced and hashed by one rank, then rank 0 writes manifest.json (durably). A rank whose
     share fails still reaches the gather, so every rank raises the same SealError."""
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     files = _files(step_dir)
     mine = {}
     try:
@@ -99,7 +99,7 @@ def seal(step_dir: str, group=None) -> None:
             mine[rel] = (_digest(path, sync=True), os.path.getsize(path))
     except OSError as err:
         mine = {"": (err.errno, err.strerror or str(err), err.filename)}
-    parts = _gather(mine, group)
+    parts = gather(mine, group)
     for r, part in enumerate(parts):
         if "" in part:
             raise SealError(*part[""], failed_rank=r)
@@ -114,7 +114,7 @@ def seal(step_dir: str, group=None) -> None:
             fsync_dir(dirpath)
 
 
-def _check_owner(st: os.stat_result) -> str | None:
+def check_owner(st: os.stat_result) -> str | None:
     if st.st_uid != os.geteuid():
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
@@ -122,14 +122,15 @@ def _check_owner(st: os.stat_result) -> str | None:
     return None
 
 
-def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
-    """(file, problem) for the first thing wrong with `step_dir`, or None."""
+def _problems(step_dir: str, rank: int, world: int, listed_out: dict) -> tuple[str, str] | None:
+    """(file, problem) for the first thing wrong with `step_dir`, or None; the manifest's digests go
+    into `listed_out`."""
     root = os.path.dirname(step_dir)
     if os.path.islink(step_dir):        # its files would be checked wherever it points
         return f"({step_dir})", f"is a symbolic link (to {os.path.realpath(step_dir)}); a step directory is read " \
                                 "only where it was saved"
     for path, what in ((root, "the run directory "), (step_dir, "")):
-        bad = _check_owner(os.stat(path))
+        bad = check_owner(os.stat(path))
         if bad:
             return f"({what}{path})", bad
     manifest_path = os.path.join(step_dir, MANIFEST)
@@ -144,7 +145,7 @@ def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
                 return rel, "is a symbolic link"
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 return rel, "is not a regular file"
-            bad = _check_owner(st)
+            bad = check_owner(st)
             if bad:
                 return rel, bad
     try:
@@ -175,28 +176,33 @@ def _problems(step_dir: str, rank: int, world: int) -> tuple[str, str] | None:
     for rel in files[rank::world]:
         if _digest(os.path.join(step_dir, rel)) != listed[rel]:
             return rel, "differs from the SHA-256 digest in the manifest (changed after the save)"
+    listed_out.update(listed)
     return None
 
 
-def verify(step_dir: str, group=None) -> None:
-    """Collective: raise Refused (the same one line on every rank) unless the whole step checks out."""
+def verify(step_dir: str, group=None) -> dict[str, str]:
+    """Collective: raise Refused (the same one line on every rank) unless the whole step checks out.
+    Returns the digests checked (relative path -> SHA-256), which a later copy is checked against
+    (megarl/trainer/staging.py): a manifest swapped after this call is never read."""
     step_dir = os.path.abspath(step_dir)
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
+    listed: dict[str, str] = {}
     try:
-        mine = _problems(step_dir, rank, world)
+        mine = _problems(step_dir, rank, world, listed)
     except OSError as err:
         mine = (os.path.basename(err.filename or step_dir), f"cannot be checked ({err.strerror})")
-    found = [p for p in _gather(mine, group) if p is not None]
+    found = [p for p in gather(mine, group) if p is not None]
     if found:
         rel, problem = min(found)
         raise Refused(f"{rel} {problem}")
+    return listed
 
 
 def load_sealed(step_dir: str, rel: str):
     """A megarl file (load_plain's format) of a step verify() accepted, read once through one descriptor
     (no symlink followed), hashed, and loaded from those same bytes: nothing can swap the file between
-    its check and its load. Megatron's own files are read by torch's checkpoint reader, by path, after
-    verify() (docs/security.md says what that leaves)."""
+    its check and its load. Megatron's own files are read by torch's checkpoint reader, by path:
+    staging.megatron_source decides whether that path is the step or a checked private copy."""
     path = os.path.join(step_dir, rel)
     with open(os.path.join(step_dir, MANIFEST)) as f:
         digest = (json.load(f).get("sha256") or {}).get(rel)

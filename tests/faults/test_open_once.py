@@ -1,6 +1,7 @@
 """A checkpoint file megarl reads is hashed and loaded from the same bytes, read once through one
 descriptor: a file swapped after verify() checked the step (the window a resume used to leave open,
-24-340 ms on a loaded machine) is refused, never loaded. In-process, on a step sealed here (~1 s).
+24-340 ms on a loaded machine) is refused, never loaded. In-process, on a step sealed here (~1 s);
+megatron's own files on a real two-rank megatron checkpoint (one spawn of 2 gloo ranks).
 """
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from megarl.config import ConfigError
-from megarl.trainer import checkpointing, verified_io
+from megarl.parallel import cpu_compat
+from megarl.trainer import checkpointing, staging, verified_io
+from megarl.workers.checkpoint import megatron_results_queue_in_process
+from tests.distributed import run_ranks
 
 
 def sealed_step(tmp_path):
@@ -44,3 +48,96 @@ def test_a_file_swapped_after_the_check_is_refused_at_its_load(tmp_path):
     os.symlink(os.path.join(step, "trainer_state.pt"), os.path.join(step, "rng", "rank_0.pt"))
     with pytest.raises(OSError):
         verified_io.load_sealed(step, "rng/rank_0.pt")
+
+
+class OneTensor(cpu_compat.Boundary):
+    """A role whose state is one (world, 4) tensor, a row per rank, saved and loaded by megatron's
+    dist_checkpointing (torch_dist: a pickled `.metadata` and a `.distcp` per rank). `before_load`
+    runs after megarl checked the step and before megatron reads it: where an attacker strikes. A
+    cpu_compat.Boundary, as megarl's engine is: megatron's save calls CUDA functions on CPU."""
+
+    def __init__(self, rank, world, value, before_load=None):
+        self.rank, self.world, self.before_load = rank, world, before_load
+        self.w = torch.full((1, 4), float(value + rank))
+
+    def sharded(self):
+        from megatron.core.dist_checkpointing import ShardedTensor
+        return {"w": ShardedTensor.from_rank_offsets("w", self.w, (0, self.rank, self.world))}
+
+    def save_checkpoint(self, path):
+        from megatron.core import dist_checkpointing
+        if self.rank == 0:
+            os.makedirs(path)
+        torch.distributed.barrier()
+        megatron_results_queue_in_process()
+        dist_checkpointing.save(self.sharded(), path)
+
+    def load_checkpoint(self, path):
+        from megatron.core import dist_checkpointing
+        if self.before_load:
+            self.before_load()
+        self.w = dist_checkpointing.load(self.sharded(), path)["w"]
+
+
+def _swap_megatron_files(rank, world, root):
+    """Two ranks save a real step (1.0, 2.0) and, elsewhere, another valid one (9.0, 10.0). Resuming
+    from the first, megatron's `.metadata` and `.distcp` files are replaced by the other's after
+    megarl's check and before megatron's read: in a run directory whose parent only this user can
+    write (loaded in place: the swap needs this user, who could rewrite the manifest anyway), then
+    in one whose parent anyone may write (a private checked copy is loaded: the swap is never read),
+    then, open again, with the swap before the copy (refused)."""
+    import shutil
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    other = os.path.join(root, "other")
+    checkpointing.save(other, 2, {"actor": OneTensor(rank, world, 9)}, {"step": 2, "world": world}, rank, None)
+    theirs = os.path.join(other, "global_step_2", "actor")
+    out = {}
+    for case, mode in (("private", 0o700), ("open", 0o777), ("before the copy", 0o777)):
+        parent = os.path.join(root, case.replace(" ", "_"))
+        if rank == 0:
+            os.makedirs(parent)
+            os.chmod(parent, mode)             # not 0700 by umask: a parent open to every user
+        dist.barrier()
+        run = os.path.join(parent, "run")
+        checkpointing.save(run, 2, {"actor": OneTensor(rank, world, 1)}, {"step": 2, "world": world}, rank, None)
+        step = os.path.join(run, "global_step_2", "actor")
+
+        def swap():
+            if rank == 0:
+                for name in os.listdir(theirs):
+                    if name == ".metadata" or name.endswith(".distcp"):
+                        shutil.copy(os.path.join(theirs, name), os.path.join(step, name + ".new"))
+                        os.replace(os.path.join(step, name + ".new"), os.path.join(step, name))
+            dist.barrier()
+        said = []
+        role = OneTensor(rank, world, 0, before_load=None if case == "before the copy" else swap)
+        if case == "before the copy":        # between verify() and the copy: the copy refuses it
+            digests = verified_io.verify(os.path.dirname(step))
+            swap()
+            try:
+                with staging.megatron_source(os.path.dirname(step), digests, ["actor"]):
+                    out[case] = "loaded"
+            except verified_io.Refused as err:
+                out[case] = str(err)
+            continue
+        checkpointing.load(os.path.dirname(step), {"actor": role}, rank, world, say=said.append)
+        out[case] = (role.w.flatten().tolist(), said)
+    return out
+
+
+def test_megatron_files_swapped_after_the_check_are_never_read(tmp_path):
+    results = run_ranks(2, _swap_megatron_files, (str(tmp_path),))
+    for rank, out in enumerate(results):
+        # open to others: the checked copy is what megatron reads; the swapped bytes are never read
+        assert out["open"][0] == [1.0 + rank] * 4, out["open"]
+        said = out["open"][1]
+        assert len(said) == 1 and "is writable by group and others (mode 777)" in said[0], said
+        assert "private copy" in said[0], said
+        # the control: loading in place, megatron reads what the path names when it reads (the swap)
+        assert out["private"][0] == [9.0 + rank] * 4, out["private"]
+        said = out["private"][1]
+        assert len(said) == 1 and "in place: only you can change them" in said[0], said
+        assert out["before the copy"].startswith("actor/.metadata differs from the SHA-256 digest"), out
+    assert not [n for n in os.listdir("/tmp") if n.startswith("megarl-load-global_step_2")]   # copies removed

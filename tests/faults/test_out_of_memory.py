@@ -2,7 +2,10 @@
 
 One subprocess under a real address-space limit (`ulimit -v`: RLIMIT_AS just above what the process
 holds) allocates through torch's CPU allocator and through Python inside the trainer's own phase
-wrapper (RLTrainer.timed), and prints the line megarl/trainer/run.py prints.
+wrapper (RLTrainer.timed), and prints the line megarl/trainer/run.py prints. Then the whole command
+path: `megarl-train` (launcher, torchrun, two ranks) under `ulimit -v`, one launch of one step that
+saves nothing, gives one line at the command line and exit code 5; and the launcher's reading of
+the two ways a rank can end out of memory (megarl's line, or native code aborting), in this process.
 """
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ import os
 import subprocess
 import sys
 import textwrap
+
+from megarl.launcher.output import RankOutput
+from tests.faults.runs import overrides
 
 CHILD = textwrap.dedent("""
     import resource, types
@@ -49,3 +55,47 @@ def test_out_of_memory_under_ulimit_v_is_one_line_naming_phase_and_fix():
     assert start.startswith("ran out of memory during start-up (") and "tensor_model_parallel_size" in start
     for line in lines:
         assert "GiB (ulimit -v)" in line and "\n" not in line and "Traceback" not in line
+
+
+def console_of(chunks: list[bytes], code: int) -> tuple[int, list[str]]:
+    import io
+    console = io.BytesIO()
+    echo = RankOutput(console, "run/logs/megarl-1.log")
+    for chunk in chunks:
+        echo.write(chunk)
+    return echo.exit_code(code), console.getvalue().decode().splitlines()
+
+
+def test_the_launcher_ends_on_a_ranks_out_of_memory_line_with_exit_code_5():
+    line = ("megarl: stopped: rank 1: ran out of memory during gen (can't allocate memory) under an address-space "
+            "limit of 1.9 GiB (ulimit -v); lower data.train_batch_size")
+    code, lines = console_of([b"step 1/2 | reward 0.5\n", line.encode() + b"\nTraceback (most recent call last):\n",
+                              b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"], 1)
+    assert code == 5 and lines == ["step 1/2 | reward 0.5", line,
+                                   "megarl: stopped the ranks; the ranks' full output is in run/logs/megarl-1.log"]
+    # native code that aborts the rank (HF tokenizers' Rust allocator): its words and the innermost megarl frame
+    dump = [b"memory allocation of 48 bytes failed\n", b"Fatal Python error: Aborted\n\nThread 0x7f (most recent call",
+            b' first):\n  File "/venv/transformers/tokenization_utils_base.py", line 2553 in __call__\n',
+            b'  File "/src/megarl/data/dataset.py", line 156 in _load\n  File "/src/megarl/train.py", line 1\n',
+            b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"]
+    code, lines = console_of([b"megarl: ranks: 2\n", *dump], 1)
+    assert code == 5 and len(lines) == 2 and lines[0] == "megarl: ranks: 2", lines
+    assert lines[1].startswith("megarl: stopped: a rank ran out of memory in native code (memory allocation of 48 "
+                               "bytes failed, at megarl/data/dataset.py:156)"), lines
+    assert lines[1].endswith("the ranks' full output is in run/logs/megarl-1.log"), lines
+
+
+def test_megarl_train_under_ulimit_v_stops_in_one_line_with_exit_code_5(addition_model_dir, tmp_path):
+    """The quickstart's ranks peak near 2.2 GiB of address space on CPU, the launcher under 0.9 GiB
+    and torchrun under 0.75 GiB (VmPeak, 2 ranks): under 1.9 GiB only the ranks run out."""
+    import shlex
+    args = overrides(addition_model_dir, tmp_path / "run", 1, "trainer.save_freq=-1")
+    cmd = (f"ulimit -v {1900 * 1024} && exec {shlex.quote(sys.executable)} -m megarl.train --config "
+           f"configs/quickstart.yaml {' '.join(shlex.quote(str(a)) for a in args)}")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    console = out.stdout + out.stderr
+    memory = [line for line in console.splitlines() if "ran out of memory" in line]
+    assert out.returncode == 5, console[-3000:]
+    assert len(memory) == 1 and "under an address-space limit of 1.9 GiB (ulimit -v)" in memory[0], console[-3000:]
+    assert "Traceback" not in console and "Fatal Python error" not in console, console[-3000:]
