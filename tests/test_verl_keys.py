@@ -112,7 +112,7 @@ def test_defaults_table_is_verls():
 def test_every_verl_leaf_is_known(release):
     """Each leaf at each of verl's defaults: never 'unknown'; a verl-only key at its default is accepted,
     at another value refused with its reason."""
-    unknown, refused_at_default, null_unread = [], [], []
+    unknown, refused_at_default, null_unread, unresolved = [], [], [], []
     for key, defaults in verl_leaves(release).items():
         ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES or key in RENAMED
                 or moved_from(key) is not None)
@@ -127,11 +127,41 @@ def test_every_verl_leaf_is_known(release):
                     unknown.append(str(err))
                 elif not ours:
                     refused_at_default.append(str(err))
+                elif isinstance(value, str) and "${" in value:
+                    unresolved.append(str(err))        # verl's own reference, written alone, must resolve
                 elif value is None and ("got None" in str(err) or "\n" in str(err) or "set " not in str(err)):
                     null_unread.append(str(err))     # a null megarl implements: verl's meaning, or what to set
     assert not unknown, unknown[:5]
     assert not refused_at_default, refused_at_default[:5]
     assert not null_unread, null_unread[:5]
+    assert not unresolved, unresolved[:5]
+
+
+def test_verl_reference_defaults_mean_what_verl_means():
+    """verl writes some defaults as references: `${.key}` (a key of the same section),
+    `${oc.select:key,{}}` (a default in braces), and a reference to a verl key megarl drops at its
+    default. Written alone, each reads what verl reads."""
+    critic = "critic.forward_max_token_len_per_gpu=${.ppo_max_token_len_per_gpu}"
+    cfg = load_config(None, [critic, "critic.ppo_max_token_len_per_gpu=3000"])
+    assert cfg.critic.forward_max_token_len_per_gpu == 3000
+    # the critic's budget left at its default follows the actor's, and the forward budget follows it
+    cfg = load_config(None, [critic, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=5000"])
+    assert cfg.critic.forward_max_token_len_per_gpu == cfg.critic.ppo_max_token_len_per_gpu == 5000
+    ref = ("actor_rollout_ref.ref.megatron.override_transformer_config="
+           "${oc.select:actor_rollout_ref.actor.megatron.override_transformer_config,{}}")
+    actor_override = "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full"
+    assert load_config(None, [ref]).actor_rollout_ref.ref.megatron.override_transformer_config == {}
+    assert load_config(None, [ref, actor_override]).actor_rollout_ref.ref.megatron.override_transformer_config == {
+        "recompute_granularity": "full"}
+    fused = "reward_model.model.use_fused_kernels=${actor_rollout_ref.model.use_fused_kernels}"
+    assert load_config(None, [fused]).reward_model.model == {"use_fused_kernels": False}
+    # a reference inside a longer string, braces in its default, and one up a section
+    cfg = load_config(None, ["trainer.experiment_name=run-${oc.select:trainer.not_a_key,{a}}-x",
+                             "trainer.project_name=${..trainer.experiment_name}"])
+    assert (cfg.trainer.experiment_name, cfg.trainer.project_name) == ("run-{'a': None}-x",) * 2
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["critic.forward_max_token_len_per_gpu=${.no_such_budget}"])
+    assert "${critic.no_such_budget}, which is not set" in str(err.value)
 
 
 def test_verl_null_defaults_mean_what_verl_means():
