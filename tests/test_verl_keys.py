@@ -164,6 +164,20 @@ def test_verl_reference_defaults_mean_what_verl_means():
     assert "${critic.no_such_budget}, which is not set" in str(err.value)
 
 
+def test_a_reference_megatron_key_leaves_the_others_at_the_actors():
+    """verl defaults each of the reference's megatron keys to the actor's value; setting one (verl's
+    scripts set ref.megatron.param_offload) keeps the actor's layout and overrides for the rest."""
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2",
+                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                             "actor_rollout_ref.actor.megatron.seed=7",
+                             "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+                             "actor_rollout_ref.ref.megatron.param_offload=true"])
+    ref = cfg.actor_rollout_ref.ref.megatron
+    assert (ref.tensor_model_parallel_size, ref.seed, ref.param_offload) == (2, 7, True)
+    assert ref.override_transformer_config == {"recompute_granularity": "full"}
+    assert not cfg.actor.megatron.param_offload
+
+
 def test_verl_null_defaults_mean_what_verl_means():
     """data.seed=null: verl shuffles with torch.Generator()'s built-in seed, one fixed order every run;
     ppo_micro_batch_size_per_gpu=null: micro-batches cut by tokens only (verl asks use_dynamic_bsz)."""
