@@ -27,7 +27,7 @@ from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused, drop_legacy_nulls, move_sections, rename_keys
 from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, freeze, key_like, not_a_key, open_keys,
                                  to_dict)
-from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys
+from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys, verl_default
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -282,7 +282,7 @@ def build_config(raw: dict) -> ExperimentConfig:
     raw = drop_legacy_nulls(raw)                  # verl 0.9.1's null for "not set" (megarl/config/refused.py)
     raw = strip_verl_keys(raw, ExperimentConfig)  # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
-    merged = _ref_follows_actor(resolve(deep_merge(defaults_of(ExperimentConfig), raw)))
+    merged = _ref_follows_actor(resolve(deep_merge(defaults_of(ExperimentConfig), raw), verl_default))
     check_refused(merged)
     return build(ExperimentConfig, merged)
 

@@ -3,7 +3,7 @@ inside string values (`oc.select` as OmegaConf reads it, for configs copied from
 value where the key is set, null included, else the default, typed as YAML reads it, else null).
 As in OmegaConf, `${.key}` names a key of the same section (`${..key}` one section up), and a
 default may hold braces (`${oc.select:a.b,{}}`). A reference to a verl key megarl does not keep
-(megarl/config/verl_keys.py) reads verl's default for it: that key can hold no other value.
+reads verl's default for it (the `unset` the caller passes): that key can hold no other value.
 
 Resolved once on the merged plain dict, before typing, so every component sees final values
 (e.g. `default_local_dir: runs/${trainer.experiment_name}` or `${env:SLURM_JOB_ID,local}`).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -49,11 +49,8 @@ def _absolute(ref: str, where: str) -> str:
     return ".".join([*section, ref[dots:]])
 
 
-def _verl_default(dotted: str) -> Any:
-    """verl's default of a verl key megarl drops at that default, or _UNSET (none, or only references)."""
-    from megarl.config.verl_keys import verl_defaults      # verl_keys imports config modules that import this
-    plain = [d for d in verl_defaults().get(dotted, []) if not (isinstance(d, str) and "${" in d)]
-    return plain[0] if plain else _UNSET
+def _no_default(dotted: str) -> tuple[bool, Any]:
+    return False, None
 
 
 def _find(root: dict, dotted: str) -> Any:
@@ -66,10 +63,11 @@ def _find(root: dict, dotted: str) -> Any:
     return node
 
 
-def _lookup(root: dict, dotted: str, where: str) -> Any:
+def _lookup(root: dict, dotted: str, where: str, unset: Callable[[str], tuple[bool, Any]]) -> Any:
     node = _find(root, dotted)
     if node is _UNSET:
-        node = _verl_default(dotted)
+        known, value = unset(dotted)
+        node = value if known else _UNSET
     if node is _UNSET:
         raise ConfigError(f"refers to ${{{dotted}}}, which is not set; set it or remove the reference", where)
     return node
@@ -80,7 +78,9 @@ def _lookup(root: dict, dotted: str, where: str) -> Any:
 MAX_CHARS = 1_000_000
 
 
-def resolve(root: dict) -> dict:
+def resolve(root: dict, unset: Callable[[str], tuple[bool, Any]] = _no_default) -> dict:
+    """`root` with every reference replaced. `unset(key)` -> (known, value) for a key `root` lacks
+    (megarl/config/verl_keys.py verl_default: verl's default of a key megarl drops)."""
     done: dict[str, Any] = {}             # each referenced key resolves once, however often it is used
 
     def value_of(text: str, where: str, stack: tuple[str, ...]) -> Any:
@@ -96,14 +96,14 @@ def resolve(root: dict) -> dict:
             if ref.startswith("oc.select:"):
                 key, comma, default = ref[len("oc.select:"):].partition(",")
                 key = _absolute(key.strip(), where)
-                if _find(root, key) is _UNSET and _verl_default(key) is _UNSET:
+                if _find(root, key) is _UNSET and not unset(key)[0]:
                     return yaml.safe_load(default) if comma and default.strip() else None
                 ref = key
             ref = _absolute(ref, where)
             if ref in stack:
                 raise ConfigError(f"references form a cycle: {' -> '.join((*stack, ref))}", where)
             if ref not in done:
-                target = _lookup(root, ref, where)
+                target = _lookup(root, ref, where, unset)
                 done[ref] = walk(target, ref, (*stack, ref)) if isinstance(target, str) else target
             return done[ref]
 
