@@ -27,6 +27,9 @@ HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
 sys.path.insert(0, HERE)
 from make_defaults import INSTALL, engine_only_values, installed_verl, table, verl_leaves  # noqa: E402
 
+from tests.helpers.verl_scripts import SCRIPTS, classify, key_of, megarl_overrides  # noqa: E402
+from tests.helpers.verl_scripts import table as verl_scripts_table  # noqa: E402
+
 ROOTS = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
 NO_VERL = f"verl 0.9.1 is not installed, and its key trees come from the installed package: {INSTALL}"
 needs_verl = pytest.mark.skipif(installed_verl() is None, reason=NO_VERL)
@@ -412,3 +415,26 @@ def test_verl_091_naive_checkpoint_engine_is_megarls_colocated_transport():
         load_config(None, [f"{key}=naive", "actor_rollout_ref.rollout.placement=disaggregated",
                            "actor_rollout_ref.rollout.disaggregated_ranks=1", "trainer.n_gpus_per_node=2"])
     assert err.value.key == key and "backend=auto or distributed" in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_verl_scripts_overrides_are_each_known(name):
+    """Six of verl's example scripts (tests/helpers/verl_scripts.py), with only docs/verl.md's changes
+    (model, data, sizes, engine name), loaded through megarl's config in this process: no override
+    is unknown or fails badly; each refusal is one line naming megarl's key or the fix."""
+    overrides, changed = megarl_overrides(name)
+    assert set(changed) <= {key_of(o) for o in overrides}
+    classes = classify(overrides)
+    assert set(classes) == set(overrides)
+    bad = {o: c for o, c in classes.items() if c not in ("implemented", "accepted at verl's default", "refused")}
+    assert not bad, bad
+    for text in (o for o, c in classes.items() if c == "refused"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [text])
+        assert err.value.key == key_of(text) and "\n" not in str(err.value)
+        assert any(w in str(err.value) for w in ("set ", "remove", "use ")), str(err.value)
+
+
+def test_docs_hold_the_verl_scripts_table():
+    """docs/verl.md's table is what `python -m tests.helpers.verl_scripts` prints today."""
+    assert verl_scripts_table() in open("docs/verl.md").read()
