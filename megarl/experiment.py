@@ -27,7 +27,7 @@ from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import check_refused, drop_legacy_nulls, move_sections, rename_keys
 from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, freeze, key_like, not_a_key, open_keys,
                                  to_dict)
-from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys
+from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys, verl_default
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
@@ -258,13 +258,31 @@ def check_known_keys(raw: dict) -> None:
         raise ConfigError(f"unknown key; did you mean '{hint}'?" if hint else "unknown key", path)
 
 
+# The reference's megatron keys that verl defaults to the actor's (`${oc.select:actor_rollout_ref.actor.megatron.
+# <key>,...}` in its trees): a reference section that sets a few keys keeps the actor's value for the others.
+REF_FOLLOWS_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size", "param_offload", "seed", "override_transformer_config")
+
+
+def _ref_follows_actor(merged: dict) -> dict:
+    arr = merged.get("actor_rollout_ref")
+    ref = arr.get("ref") if isinstance(arr, dict) else None
+    actor = (arr.get("actor") or {}).get("megatron") if isinstance(arr, dict) else None
+    if isinstance(ref, dict) and isinstance(ref.get("megatron"), dict) and isinstance(actor, dict):
+        for key in REF_FOLLOWS_ACTOR:
+            if key not in ref["megatron"] and key in actor:
+                ref["megatron"][key] = copy.deepcopy(actor[key])
+    return merged
+
+
 def build_config(raw: dict) -> ExperimentConfig:
     raw = move_sections(copy.deepcopy(raw))       # verl's other spellings (megarl/config/refused.py MOVED)
     raw = rename_keys(raw)                        # verl 0.9.1's moved keys (megarl/config/refused.py RENAMED)
     raw = drop_legacy_nulls(raw)                  # verl 0.9.1's null for "not set" (megarl/config/refused.py)
     raw = strip_verl_keys(raw, ExperimentConfig)  # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
-    merged = resolve(deep_merge(defaults_of(ExperimentConfig), raw))
+    merged = _ref_follows_actor(resolve(deep_merge(defaults_of(ExperimentConfig), raw), verl_default))
     check_refused(merged)
     return build(ExperimentConfig, merged)
 

@@ -82,7 +82,7 @@ def test_lists_name_real_keys():
 
 @pytest.mark.parametrize("key", sorted(ALREADY))
 def test_already_done_key_is_accepted_at_every_value(key):
-    for value in ("true", "false"):
+    for value in {"actor_rollout_ref.rollout.mode": ("sync", "async")}.get(key, ("true", "false")):
         load_config(None, [f"{key}={value}"])
 
 
@@ -150,7 +150,7 @@ def test_the_issue_command_line_is_refused_not_ignored():
                             ("actor_rollout_ref.rollout.max_model_len=8", "is less than prompt"),
                             ("actor_rollout_ref.rollout.over_sample_rate=0.1", "filter_groups"),
                             ("actor_rollout_ref.actor.use_torch_compile=true", "torch.compile"),
-                            ("data.dataloader_num_workers=8", "loader workers")]:
+                            ("data.dataloader_num_workers=4", "loader workers")]:
         with pytest.raises(ConfigError) as err:
             load_config("configs/quickstart.yaml", [override])
         assert words in str(err.value), override

@@ -194,8 +194,10 @@ def test_bad_checkpoints_are_refused_before_allocation(tiny, tmp_path):
         read_spec(EngineSpec(tiny, tp=4, pp=1))
     with pytest.raises(ValueError, match="PP=3 must divide num_hidden_layers=4"):
         read_spec(EngineSpec(tiny, tp=1, pp=3))
-    with pytest.raises(ValueError, match="needs a `score` head"):
-        read_spec(EngineSpec(tiny, head="value", head_from_checkpoint=True))
+    with pytest.raises(ValueError, match="needs a `score` head.*use critic.model.init_from=actor"):
+        read_spec(EngineSpec(tiny, head="value", head_from_checkpoint=True, role="critic"))
+    with pytest.raises(ValueError, match="reward_model needs a `score` head.*give reward_model.model.path a reward"):
+        read_spec(EngineSpec(tiny, head="value", head_from_checkpoint=True, role="reward_model"))
     assert resolve_dtype("auto", True) == torch.float32  # this machine has no CUDA
     with pytest.raises(ConfigError, match="dtype=bfloat16 needs CUDA"):
         resolve_dtype("bfloat16", True)

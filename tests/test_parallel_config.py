@@ -27,13 +27,13 @@ def refused(*extra) -> ConfigError:
     return err.value
 
 
-def test_sequence_parallel_defaults_on_with_tp_and_refuses_tp1():
+def test_sequence_parallel_defaults_on_with_tp_and_is_off_at_tp1():
     assert cfg(f"{A}.megatron.tensor_model_parallel_size=2").actor.megatron.sequence_parallel_on is True
     assert cfg().actor.megatron.sequence_parallel_on is False
     assert cfg(f"{A}.megatron.tensor_model_parallel_size=2",
                f"{A}.megatron.sequence_parallel=false").actor.megatron.sequence_parallel_on is False
-    err = refused(f"{A}.megatron.sequence_parallel=true")
-    assert err.key.endswith("sequence_parallel") and "tensor_model_parallel_size > 1" in str(err)
+    # verl's default is true at every TP; at TP 1 verl turns it off (no TP group to split over), as megarl does
+    assert cfg(f"{A}.megatron.sequence_parallel=true").actor.megatron.sequence_parallel_on is False
 
 
 def test_context_and_virtual_pipeline_layout_rules():

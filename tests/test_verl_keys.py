@@ -27,6 +27,9 @@ HERE = os.path.join(os.path.dirname(__file__), "assets", "verl")
 sys.path.insert(0, HERE)
 from make_defaults import INSTALL, engine_only_values, installed_verl, table, verl_leaves  # noqa: E402
 
+from tests.helpers.verl_scripts import SCRIPTS, classify, key_of, megarl_overrides  # noqa: E402
+from tests.helpers.verl_scripts import table as verl_scripts_table  # noqa: E402
+
 ROOTS = ("ppo_trainer.yaml", "ppo_megatron_trainer.yaml")
 NO_VERL = f"verl 0.9.1 is not installed, and its key trees come from the installed package: {INSTALL}"
 needs_verl = pytest.mark.skipif(installed_verl() is None, reason=NO_VERL)
@@ -108,11 +111,24 @@ def test_defaults_table_is_verls():
     assert stored == table()
 
 
+# megarl keys that refuse a verl default written alone, and why: the value needs other keys set with it
+# (sizes against the default batch and ranks), or asks for what megarl does not do, in one line naming its way.
+OWN_KEY_REFUSES_VERL_DEFAULT = {
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "256 exceeds megarl's default data.train_batch_size",
+    "trainer.n_gpus_per_node": "8 ranks split megarl's default mini batch below one row a rank",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "2 exceeds megarl's default single rank",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "null asks use_dynamic_bsz=true (the line says so)",
+    "actor_rollout_ref.actor.strategy": "fsdp: megarl trains with megatron-core only",
+    "critic.strategy": "fsdp: megarl trains with megatron-core only",
+    "actor_rollout_ref.actor.use_torch_compile": "true: megarl runs megatron-core's kernels, not torch.compile",
+}
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_every_verl_leaf_is_known(release):
     """Each leaf at each of verl's defaults: never 'unknown'; a verl-only key at its default is accepted,
     at another value refused with its reason."""
-    unknown, refused_at_default, null_unread = [], [], []
+    unknown, refused_at_default, null_unread, unresolved = [], [], [], []
     for key, defaults in verl_leaves(release).items():
         ours = (megarl_implements(key, ExperimentConfig) or key in REFUSED or key in ALIASES or key in RENAMED
                 or moved_from(key) is not None)
@@ -127,11 +143,57 @@ def test_every_verl_leaf_is_known(release):
                     unknown.append(str(err))
                 elif not ours:
                     refused_at_default.append(str(err))
+                elif isinstance(value, str) and "${" in value:
+                    unresolved.append(str(err))        # verl's own reference, written alone, must resolve
+                elif value is not None and key not in OWN_KEY_REFUSES_VERL_DEFAULT:
+                    refused_at_default.append(str(err))  # a megarl key takes verl's default with verl's meaning
                 elif value is None and ("got None" in str(err) or "\n" in str(err) or "set " not in str(err)):
                     null_unread.append(str(err))     # a null megarl implements: verl's meaning, or what to set
     assert not unknown, unknown[:5]
     assert not refused_at_default, refused_at_default[:5]
     assert not null_unread, null_unread[:5]
+    assert not unresolved, unresolved[:5]
+
+
+def test_verl_reference_defaults_mean_what_verl_means():
+    """verl writes some defaults as references: `${.key}` (a key of the same section),
+    `${oc.select:key,{}}` (a default in braces), and a reference to a verl key megarl drops at its
+    default. Written alone, each reads what verl reads."""
+    critic = "critic.forward_max_token_len_per_gpu=${.ppo_max_token_len_per_gpu}"
+    cfg = load_config(None, [critic, "critic.ppo_max_token_len_per_gpu=3000"])
+    assert cfg.critic.forward_max_token_len_per_gpu == 3000
+    # the critic's budget left at its default follows the actor's, and the forward budget follows it
+    cfg = load_config(None, [critic, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=5000"])
+    assert cfg.critic.forward_max_token_len_per_gpu == cfg.critic.ppo_max_token_len_per_gpu == 5000
+    ref = ("actor_rollout_ref.ref.megatron.override_transformer_config="
+           "${oc.select:actor_rollout_ref.actor.megatron.override_transformer_config,{}}")
+    actor_override = "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full"
+    assert load_config(None, [ref]).actor_rollout_ref.ref.megatron.override_transformer_config == {}
+    assert load_config(None, [ref, actor_override]).actor_rollout_ref.ref.megatron.override_transformer_config == {
+        "recompute_granularity": "full"}
+    fused = "reward_model.model.use_fused_kernels=${actor_rollout_ref.model.use_fused_kernels}"
+    assert load_config(None, [fused]).reward_model.model == {"use_fused_kernels": False}
+    # a reference inside a longer string, braces in its default, and one up a section
+    cfg = load_config(None, ["trainer.experiment_name=run-${oc.select:trainer.not_a_key,{a}}-x",
+                             "trainer.project_name=${..trainer.experiment_name}"])
+    assert (cfg.trainer.experiment_name, cfg.trainer.project_name) == ("run-{'a': None}-x",) * 2
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["critic.forward_max_token_len_per_gpu=${.no_such_budget}"])
+    assert "${critic.no_such_budget}, which is not set" in str(err.value)
+
+
+def test_a_reference_megatron_key_leaves_the_others_at_the_actors():
+    """verl defaults each of the reference's megatron keys to the actor's value; setting one (verl's
+    scripts set ref.megatron.param_offload) keeps the actor's layout and overrides for the rest."""
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2",
+                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                             "actor_rollout_ref.actor.megatron.seed=7",
+                             "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+                             "actor_rollout_ref.ref.megatron.param_offload=true"])
+    ref = cfg.actor_rollout_ref.ref.megatron
+    assert (ref.tensor_model_parallel_size, ref.seed, ref.param_offload) == (2, 7, True)
+    assert ref.override_transformer_config == {"recompute_granularity": "full"}
+    assert not cfg.actor.megatron.param_offload
 
 
 def test_verl_null_defaults_mean_what_verl_means():
@@ -353,3 +415,26 @@ def test_verl_091_naive_checkpoint_engine_is_megarls_colocated_transport():
         load_config(None, [f"{key}=naive", "actor_rollout_ref.rollout.placement=disaggregated",
                            "actor_rollout_ref.rollout.disaggregated_ranks=1", "trainer.n_gpus_per_node=2"])
     assert err.value.key == key and "backend=auto or distributed" in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_verl_scripts_overrides_are_each_known(name):
+    """Six of verl's example scripts (tests/helpers/verl_scripts.py), with only docs/verl.md's changes
+    (model, data, sizes, engine name), loaded through megarl's config in this process: no override
+    is unknown or fails badly; each refusal is one line naming megarl's key or the fix."""
+    overrides, changed = megarl_overrides(name)
+    assert set(changed) <= {key_of(o) for o in overrides}
+    classes = classify(overrides)
+    assert set(classes) == set(overrides)
+    bad = {o: c for o, c in classes.items() if c not in ("implemented", "accepted at verl's default", "refused")}
+    assert not bad, bad
+    for text in (o for o, c in classes.items() if c == "refused"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [text])
+        assert err.value.key == key_of(text) and "\n" not in str(err.value)
+        assert any(w in str(err.value) for w in ("set ", "remove", "use ")), str(err.value)
+
+
+def test_docs_hold_the_verl_scripts_table():
+    """docs/verl.md's table is what `python -m tests.helpers.verl_scripts` prints today."""
+    assert verl_scripts_table() in open("docs/verl.md").read()

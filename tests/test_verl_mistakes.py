@@ -150,6 +150,11 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
      "model.safetensors says tensor lm_head.weight of shape [32, 256] (F32) takes 8192 bytes, not 32768"),
     ("weight file linked to a secret", ["actor_rollout_ref.model.path=@linked"],
      "model.safetensors is not a safetensors file (no header of a valid length)"),
+    # verl's run_qwen2-7b_rm.sh with a causal LM as the reward model: the ranks used to stop on it with a traceback
+    ("reward model without a score head", ["reward_model.enable=true", "reward_model.model.path=@model"],
+     "Qwen2ForCausalLM, which has no `score` head; give an HF *ForSequenceClassification checkpoint"),
+    ("critic from a path without a score head", ["algorithm.adv_estimator=gae", "critic.model.init_from=path",
+                                                 "critic.model.path=@model"], "set critic.model.init_from=actor"),
     ("run directory writable by its group", ["trainer.default_local_dir=@open_run"],
      "open_run is writable by group (mode 775), so no resume would trust its checkpoints; chmod 700"),
 ]

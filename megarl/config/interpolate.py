@@ -1,6 +1,9 @@
 """`${section.key}`, `${oc.select:section.key,default}` and `${env:NAME,default}` references
 inside string values (`oc.select` as OmegaConf reads it, for configs copied from verl: the key's
 value where the key is set, null included, else the default, typed as YAML reads it, else null).
+As in OmegaConf, `${.key}` names a key of the same section (`${..key}` one section up), and a
+default may hold braces (`${oc.select:a.b,{}}`). A reference to a verl key megarl does not keep
+reads verl's default for it (the `unset` the caller passes): that key can hold no other value.
 
 Resolved once on the merged plain dict, before typing, so every component sees final values
 (e.g. `default_local_dir: runs/${trainer.experiment_name}` or `${env:SLURM_JOB_ID,local}`).
@@ -9,17 +12,45 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from megarl.config.errors import ConfigError
 from megarl.config.paths import PathInFile
 
-_REF = re.compile(r"\$\{([^}]+)\}")
-
-
 _UNSET = object()
+
+
+def _references(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, body) of each top-level `${...}` in `text`, braces inside a body balanced,
+    so that verl's `${oc.select:key,{}}` is one reference with the default `{}`."""
+    out, i = [], text.find("${")
+    while i >= 0:
+        depth, j = 0, i + 1
+        while j < len(text):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        if depth:                       # no closing brace: the rest is text, as OmegaConf would not read it
+            break
+        out.append((i, j + 1, text[i + 2:j]))
+        i = text.find("${", j + 1)
+    return out
+
+
+def _absolute(ref: str, where: str) -> str:
+    """`.key` -> a key beside `where`; `..key` -> one section up (OmegaConf's relative references)."""
+    if not ref.startswith("."):
+        return ref
+    dots = len(ref) - len(ref.lstrip("."))
+    section = re.sub(r"\[\d+\]", "", where).split(".")[:-dots]
+    return ".".join([*section, ref[dots:]])
+
+
+def _no_default(dotted: str) -> tuple[bool, Any]:
+    return False, None
 
 
 def _find(root: dict, dotted: str) -> Any:
@@ -32,8 +63,11 @@ def _find(root: dict, dotted: str) -> Any:
     return node
 
 
-def _lookup(root: dict, dotted: str, where: str) -> Any:
+def _lookup(root: dict, dotted: str, where: str, unset: Callable[[str], tuple[bool, Any]]) -> Any:
     node = _find(root, dotted)
+    if node is _UNSET:
+        known, value = unset(dotted)
+        node = value if known else _UNSET
     if node is _UNSET:
         raise ConfigError(f"refers to ${{{dotted}}}, which is not set; set it or remove the reference", where)
     return node
@@ -44,7 +78,9 @@ def _lookup(root: dict, dotted: str, where: str) -> Any:
 MAX_CHARS = 1_000_000
 
 
-def resolve(root: dict) -> dict:
+def resolve(root: dict, unset: Callable[[str], tuple[bool, Any]] = _no_default) -> dict:
+    """`root` with every reference replaced. `unset(key)` -> (known, value) for a key `root` lacks
+    (megarl/config/verl_keys.py verl_default: verl's default of a key megarl drops)."""
     done: dict[str, Any] = {}             # each referenced key resolves once, however often it is used
 
     def value_of(text: str, where: str, stack: tuple[str, ...]) -> Any:
@@ -59,21 +95,26 @@ def resolve(root: dict) -> dict:
                 return got if got is not None else default.strip()
             if ref.startswith("oc.select:"):
                 key, comma, default = ref[len("oc.select:"):].partition(",")
-                key = key.strip()
-                if _find(root, key) is _UNSET:
+                key = _absolute(key.strip(), where)
+                if _find(root, key) is _UNSET and not unset(key)[0]:
                     return yaml.safe_load(default) if comma and default.strip() else None
                 ref = key
+            ref = _absolute(ref, where)
             if ref in stack:
                 raise ConfigError(f"references form a cycle: {' -> '.join((*stack, ref))}", where)
             if ref not in done:
-                target = _lookup(root, ref, where)
+                target = _lookup(root, ref, where, unset)
                 done[ref] = walk(target, ref, (*stack, ref)) if isinstance(target, str) else target
             return done[ref]
 
-        whole = _REF.fullmatch(text)
-        if whole:  # a lone reference keeps the referenced value's type
-            return one(whole.group(1))
-        out = _REF.sub(lambda m: str(one(m.group(1))), text)
+        refs = _references(text)
+        if len(refs) == 1 and refs[0][:2] == (0, len(text)):   # a lone reference keeps the value's type
+            return one(refs[0][2])
+        out, last = [], 0
+        for start, end, body in refs:
+            out += [text[last:start], str(one(body))]
+            last = end
+        out = "".join([*out, text[last:]])
         if len(out) > MAX_CHARS:
             raise ConfigError(f"references expand to over {MAX_CHARS} characters; reference fewer values, "
                               "or fewer values that are themselves built of references", where)

@@ -22,8 +22,8 @@ ROLES = ("actor_rollout_ref.actor", "critic")
 
 # dotted key -> (accepted values, the rest of the one-line error)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "data.dataloader_num_workers": (
-        (0,), "megarl tokenizes the whole dataset once at start, so batches need no loader workers; remove the key"),
+    "data.dataloader_num_workers": (      # 8: verl's default
+        (0, 8), "megarl tokenizes the whole dataset once at start, so batches need no loader workers; remove the key"),
     "data.gen_batch_size": (
         (None,), "megarl's dynamic sampling (algorithm.filter_groups.enable) generates data.train_batch_size prompts "
                  "a round and draws more rounds, up to algorithm.filter_groups.max_num_gen_batches, until "
@@ -72,6 +72,9 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 # verl keys whose every value megarl honours already: what megarl always does is what they ask for
 # (their false asks for less, which megarl's batches carry unused). key -> what megarl does.
 ALREADY: dict[str, str] = {
+    "actor_rollout_ref.rollout.mode": "verl's PPO trainer, sync or async (its default: agent-loop servers), waits for "
+                                      "every generation of a step before training on it; so does megarl (for "
+                                      "overlap, actor_rollout_ref.rollout.placement=disaggregated)",
     "data.return_raw_chat": "megarl always keeps each row's chat messages (raw_prompt) with the batch: the "
                             "multi-turn loop, tools and custom rollouts read them",
 }

@@ -261,6 +261,13 @@ def _verl_sections() -> frozenset[str]:
     return frozenset(".".join(k.split(".")[:i]) for k in verl_defaults() for i in range(1, k.count(".") + 1))
 
 
+def verl_default(key: str) -> tuple[bool, Any]:
+    """(True, verl's default) for a verl key megarl drops at its default, else (False, None). A `${...}`
+    reference to such a key reads this: the key can hold no other value."""
+    plain = [d for d in verl_defaults().get(key, []) if not (isinstance(d, str) and "${" in d)]
+    return (True, plain[0]) if plain else (False, None)
+
+
 def rule_for(key: str) -> str | None:
     """The reason for `key`, with `<role>` made the key's own role (actor_rollout_ref.actor, critic, ...)."""
     why = next((why for pattern, why in RULES if fnmatch.fnmatchcase(key, pattern)), None)

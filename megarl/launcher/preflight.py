@@ -32,7 +32,8 @@ from megarl.config.plugins import get_attr, import_path, load_class, load_object
 from megarl.launcher.diskspace import check_free_space
 from megarl.storage.durable import make_private_dir
 from megarl.engines import EngineInfo, default_name, resolve
-from megarl.launcher.preflight_run import check_architecture, check_columns, check_loggers, tokenizer_available
+from megarl.launcher.preflight_run import (check_architecture, check_columns, check_loggers, check_score_head,
+                                           tokenizer_available)
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
 
@@ -190,11 +191,16 @@ def check_model_paths(cfg) -> None:
             and not os.path.isfile(os.path.join(crit.model.path or "", "config.json"))):
         raise ConfigError(f"{crit.model.path} holds no config.json; critic.model.init_from=path needs an HF "
                           "checkpoint (or use init_from=actor)", "critic.model.path")
+    if crit.enable and crit.model.init_from == "path":
+        check_score_head(crit.model.path, "critic.model.path", ", or set critic.model.init_from=actor (the actor's "
+                                                               "backbone with a new value head)")
     if cfg.reward_model.enable:
         rm_path = (cfg.reward_model.model or {}).get("path")
         if not rm_path or not os.path.isfile(os.path.join(rm_path, "config.json")):
             raise ConfigError(f"{rm_path} holds no config.json; reward_model.enable=true needs reward_model.model.path "
                               "set to an HF checkpoint with a score head", "reward_model.model.path")
+        check_score_head(rm_path, "reward_model.model.path", " (a reward model, e.g. verl's "
+                                                             "FsfairX-LLaMA3-RM-v0.1)")
     if cfg.trainer.resume_mode == "resume_path" and not os.path.isdir(cfg.trainer.resume_from_path):
         raise ConfigError(f"{cfg.trainer.resume_from_path} is not a directory; give a global_step_N directory",
                           "trainer.resume_from_path")

@@ -28,6 +28,22 @@ def check_architecture(hf_config: dict, where: str) -> None:
         raise ConfigError(f"{where}: {err}", "actor_rollout_ref.model.path") from None
 
 
+def check_score_head(path: str, key: str, instead: str) -> None:
+    """A model read with its `score` head (the reward model, a critic with init_from=path) must have
+    one with one label; the ranks would stop on it only after starting (reading the same config.json)."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    try:
+        spec = ModelSpec.from_hf_config(hf)
+    except ValueError as err:
+        raise ConfigError(f"{path}: {err}", key) from None
+    if spec.head != "score":
+        raise ConfigError(f"{path} holds {spec.architecture}, which has no `score` head; give an HF "
+                          f"*ForSequenceClassification checkpoint with one label{instead}", key)
+    if spec.num_labels != 1:
+        raise ConfigError(f"{path}: its score head has {spec.num_labels} labels; a scalar score needs 1", key)
+
+
 def check_loggers(cfg) -> None:
     for name in cfg.trainer.logger:
         package = LOGGER_PACKAGES.get(name)

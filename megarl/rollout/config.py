@@ -158,7 +158,7 @@ class RolloutConfig(Section):
     # custom (a user's BaseRollout subclass from custom_cls_path / custom_cls_name), or any other
     # declared in megarl/engines/; vllm and sglang are declared and refused with the reason.
     name: str = "native"
-    mode: Literal["async", "sync"] = "sync"
+    mode: Literal["async", "sync"] = "sync"   # both: the step waits for its generations (refused.py ALREADY)
     custom_cls_path: str | None = None
     custom_cls_name: str | None = None
 
@@ -249,9 +249,6 @@ class RolloutConfig(Section):
             self.multi_turn.enable = True
             if self.multi_turn.tool_config_path is None:
                 self.multi_turn.tool_config_path = self.tools
-        require(self.mode == "sync", "mode",
-                "async is verl's agent-loop server mode, which megarl does not have; generation overlaps "
-                "training with placement=disaggregated (async_training.*); set mode=sync")
         require(self.placement == "colocated" or self.disaggregated_ranks >= 1, "disaggregated_ranks",
                 "placement=disaggregated needs disaggregated_ranks >= 1 (ranks given to the engine)")
 

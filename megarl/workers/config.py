@@ -104,17 +104,15 @@ class MegatronConfig(Section):
         require(vpp in (None, 1) or self.pipeline_model_parallel_size > 1, "virtual_pipeline_model_parallel_size",
                 f"{vpp} needs pipeline_model_parallel_size > 1 (chunks interleave over pipeline stages); "
                 "set it to null, or use e.g. pipeline_model_parallel_size=2 with it")
-        require(not (self.sequence_parallel and self.tensor_model_parallel_size == 1), "sequence_parallel",
-                "true needs tensor_model_parallel_size > 1 (it splits the sequence over TP ranks); set it to "
-                "null (on whenever TP > 1) or raise tensor_model_parallel_size")
         require(self.expert_tensor_parallel_size is None or
                 self.expert_tensor_parallel_size == self.tensor_model_parallel_size, "expert_tensor_parallel_size",
                 "must equal tensor_model_parallel_size (megarl shards experts over the TP group); leave it null")
 
     @property
     def sequence_parallel_on(self) -> bool:
-        """`sequence_parallel`, with null meaning on exactly when TP > 1."""
-        if self.sequence_parallel is None:
+        """`sequence_parallel`, with null meaning on exactly when TP > 1. true at TP 1 is off, as verl reads
+        its own default (true): there is no TP group to split the sequence over."""
+        if self.sequence_parallel is None or self.tensor_model_parallel_size == 1:
             return self.tensor_model_parallel_size > 1
         return bool(self.sequence_parallel)
 

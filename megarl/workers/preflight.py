@@ -71,9 +71,10 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
         ckpt = HFCheckpoint(es.model_path)
         spec = ModelSpec.from_hf_config({**ckpt.config, **es.override_config})
         if es.head == "value" and es.head_from_checkpoint and spec.head != "score":
-            raise ValueError(f"{es.model_path}: critic init from this checkpoint needs a `score` head "
-                             f"(a *ForSequenceClassification model); {spec.architecture} has none — "
-                             "use critic.model.init_from=actor")
+            fix = ("give reward_model.model.path a reward model" if es.role == "reward_model"
+                   else "use critic.model.init_from=actor")
+            raise ValueError(f"{es.model_path}: the {es.role} needs a `score` head from this checkpoint "
+                             f"(a *ForSequenceClassification model); {spec.architecture} has none: {fix}")
         if es.head == "value" and es.head_from_checkpoint and spec.num_labels != 1:
             raise ValueError(f"{es.model_path}: score head has {spec.num_labels} labels; a value head needs 1")
         if es.head == "lm" and spec.head != "lm":
