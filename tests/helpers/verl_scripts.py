@@ -24,7 +24,7 @@ import shlex
 import yaml
 
 from megarl.config import ConfigError
-from megarl.config.experiment import ExperimentConfig, load_config
+from megarl.experiment import ExperimentConfig, load_config
 from megarl.config.refused import ALIASES, RENAMED, moved_from
 from megarl.config.verl_keys import megarl_implements
 
