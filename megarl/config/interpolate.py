@@ -110,11 +110,12 @@ def resolve(root: dict, unset: Callable[[str], tuple[bool, Any]] = _no_default) 
         refs = _references(text)
         if len(refs) == 1 and refs[0][:2] == (0, len(text)):   # a lone reference keeps the value's type
             return one(refs[0][2])
-        out, last = [], 0
+        pieces: list[str] = []
+        last = 0
         for start, end, body in refs:
-            out += [text[last:start], str(one(body))]
+            pieces += [text[last:start], str(one(body))]
             last = end
-        out = "".join([*out, text[last:]])
+        out = "".join([*pieces, text[last:]])
         if len(out) > MAX_CHARS:
             raise ConfigError(f"references expand to over {MAX_CHARS} characters; reference fewer values, "
                               "or fewer values that are themselves built of references", where)
