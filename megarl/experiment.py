@@ -30,6 +30,7 @@ from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, 
 from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys, verl_default
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
+from megarl.reward import config_checks as reward_rules
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from megarl.rollout import config_checks as rollout_rules
 from megarl.rollout.config import RolloutConfig
@@ -215,7 +216,7 @@ RULES = (algo_rules.check_group_size, algo_rules.check_critic_on, algo_rules.che
          rollout_rules.check_disaggregated_only_keys, rollout_rules.check_partial_rollout_room,
          worker_rules.check_layout_divides_ranks, worker_rules.check_one_layout, rollout_rules.check_rollout_tp,
          worker_rules.check_train_batch, worker_rules.check_mini_batches, rollout_rules.check_max_model_len,
-         worker_rules.check_token_budgets, worker_rules.check_routing_replay)
+         worker_rules.check_token_budgets, worker_rules.check_routing_replay, reward_rules.check_reward_model_keys)
 MODEL_RULES = (worker_rules.check_model_layout, rollout_rules.check_model_positions, worker_rules.check_model_spec,
                rollout_rules.check_model_rollout_tp, rollout_rules.check_model_head_dim,
                worker_rules.check_routing_replay_model)

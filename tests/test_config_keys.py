@@ -154,3 +154,45 @@ def test_the_issue_command_line_is_refused_not_ignored():
         with pytest.raises(ConfigError) as err:
             load_config("configs/quickstart.yaml", [override])
         assert words in str(err.value), override
+
+
+RM_MODEL_CASES = [  # (override under reward_model.model, the words of its one line, or None: accepted)
+    ("input_tokenizer=${actor_rollout_ref.model.path}", None),     # verl's default
+    ("input_tokenizer=null", None),
+    ("use_fused_kernels=false", None), ("trust_remote_code=null", None), ("fsdp_config.param_offload=false", None),
+    ("input_tokenizer=/etc", "can only be the actor's model path"),
+    ("use_fused_kernels=true", "=true: verl's fused FSDP kernels"),
+    ("trust_remote_code=true", "runs no code from it"),
+    ("fsdp_config.param_offload=true", "an FSDP engine setting"),
+    ("foo=1", "reward_model.model.foo: unknown key; megarl builds the reward model from path"),
+]
+
+
+@pytest.mark.parametrize("override, words", RM_MODEL_CASES, ids=[c[0] for c in RM_MODEL_CASES])
+def test_reward_model_model_keys_act_or_are_refused(override, words):
+    """reward_model.model is verl's free-form model section: a key there is not ignored unseen."""
+    if words is None:
+        load_config("configs/quickstart.yaml", [f"reward_model.model.{override}"])
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/quickstart.yaml", [f"reward_model.model.{override}"])
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_reward_model_model_keys_build_the_reward_model(tmp_path, monkeypatch):
+    """The keys that act reach the reward model's engine (override_config, use_remove_padding: packing)."""
+    from megarl.workers import reward_model
+
+    for name in ("actor", "rm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"vocab_size": 64}')
+    built = []
+    monkeypatch.setattr(reward_model, "MegatronEngine", built.append)
+    cfg = load_config("configs/quickstart.yaml", [
+        "actor_rollout_ref.model.bootstrap=null", f"actor_rollout_ref.model.path={tmp_path / 'actor'}",
+        "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}",
+        "reward_model.model.use_remove_padding=false", "reward_model.model.override_config={rms_norm_eps: 0.001}"])
+    reward_model.RewardModelWorker.from_config(cfg)
+    (spec,) = built
+    assert spec.model_path == str(tmp_path / "rm") and spec.head == "value"
+    assert spec.packing is False and spec.override_config == {"rms_norm_eps": 0.001}

@@ -28,7 +28,8 @@ INPUT_PATH_KEYS = (
     "data.train_files", "data.val_files", "data.custom_cls.path",
     "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
     "critic.model.path", "critic.model.tokenizer_path",
-    "reward_model.model.path", "reward_model.model.tokenizer_path", "reward.reward_model.model_path",
+    "reward_model.model.path", "reward_model.model.tokenizer_path", "reward_model.model.input_tokenizer",
+    "reward.reward_model.model_path",
     "custom_reward_function.path", "reward.custom_reward_function.path",    # verl 0.9.1's spelling of it
     "actor_rollout_ref.rollout.tools", "actor_rollout_ref.rollout.interactions",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path",

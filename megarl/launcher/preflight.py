@@ -332,7 +332,8 @@ def import_external_libs(cfg) -> None:
     """model.external_lib (verl's key): a module imported before any model is built, e.g. one that
     registers a custom architecture with transformers. Run in the launcher and on every rank."""
     for key, lib in (("actor_rollout_ref.model.external_lib", cfg.model.external_lib),
-                     ("critic.model.external_lib", cfg.critic.model.external_lib)):
+                     ("critic.model.external_lib", cfg.critic.model.external_lib),
+                     ("reward_model.model.external_lib", (cfg.reward_model.model or {}).get("external_lib"))):
         if lib:
             try:
                 importlib.import_module(lib)

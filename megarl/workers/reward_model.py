@@ -16,6 +16,7 @@ import torch
 from megarl.config import ConfigError
 from megarl.models.hf_config import find_hf_config as read_hf_config
 from megarl.protocol import DataProto
+from megarl.reward.config_checks import RM_MODEL_KEYS
 from megarl.workers.actor import engine_spec
 from megarl.workers.config import ModelConfig
 from megarl.workers.engine import MegatronEngine
@@ -49,7 +50,8 @@ class RewardModelWorker:
     @classmethod
     def from_config(cls, cfg) -> "RewardModelWorker":
         rm = cfg.reward_model
-        model = ModelConfig(path=rm.model.get("path"), tokenizer_path=rm.model.get("tokenizer_path"))
+        # verl's reward_model.model keys that build a model (megarl/reward/config_checks.py has the others)
+        model = ModelConfig(**{k: v for k, v in rm.model.items() if k in RM_MODEL_KEYS and v is not None})
         actor_hf = read_hf_config(cfg.model.path) or {}
         return cls(model, cfg.actor, actor_hf.get("vocab_size"), rm.micro_batch_size_per_gpu, cfg.actor.dtype)
 
