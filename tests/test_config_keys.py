@@ -196,3 +196,16 @@ def test_reward_model_model_keys_build_the_reward_model(tmp_path, monkeypatch):
     (spec,) = built
     assert spec.model_path == str(tmp_path / "rm") and spec.head == "value"
     assert spec.packing is False and spec.override_config == {"rms_norm_eps": 0.001}
+
+
+def test_every_verl_key_away_from_its_default_is_named_at_once():
+    """verl's run_qwen2-7b_rm.sh sets five reward_model.rollout.* keys: one line names them all, so a
+    user does not remove them one run at a time."""
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/quickstart.yaml", ["reward_model.rollout.name=vllm",
+                                                "reward_model.rollout.gpu_memory_utilization=0.8",
+                                                "reward_model.rollout.response_length=1024"])
+    text = str(err.value)
+    assert text.startswith("reward_model.rollout.name: 'vllm' is not supported") and "\n" not in text
+    assert text.endswith("(also away from verl's defaults: reward_model.rollout.gpu_memory_utilization, "
+                         "reward_model.rollout.response_length)")

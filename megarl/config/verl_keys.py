@@ -321,6 +321,7 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
     """`raw` without the verl-only leaves that sit at verl's default; raise for any other value."""
     table = verl_defaults()
     _, sections, _ = _megarl_tree(root)
+    refused: list[tuple[str, str]] = []      # (key, why): every one is named, not one per attempt
 
     def walk(node: dict, prefix: str) -> dict:
         out = {}
@@ -331,8 +332,8 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
             elif key in table and not (isinstance(value, dict) and value and key in _verl_sections()):
                 if not any(_same(value, d) for d in _accepted(key, table[key])):
                     shown = " or ".join(repr(d) for d in table[key])
-                    raise ConfigError(f"{value!r} is not supported (a verl key megarl accepts only at verl's default "
-                                      f"{shown}): {rule_for(key)}", key)
+                    refused.append((key, f"{value!r} is not supported (a verl key megarl accepts only at verl's "
+                                         f"default {shown}): {rule_for(key)}"))
             elif isinstance(value, dict) and value:
                 kept = walk(value, key)
                 if kept:
@@ -341,7 +342,12 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
                 out[name] = value
         return out
 
-    return walk(raw, "")
+    kept = walk(raw, "")
+    if refused:
+        (key, why), more = refused[0], [k for k, _ in refused[1:]]
+        also = f" (also away from verl's defaults: {', '.join(more)})" if more else ""
+        raise ConfigError(why + also, key)
+    return kept
 
 
 def same_section_hint(path: str, known) -> str | None:
