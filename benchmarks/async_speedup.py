@@ -5,6 +5,7 @@ quickstart's addition task: same model, steps, seed and batch for the three.
     python benchmarks/async_speedup.py --model-only --gen 1.2 --train 0.9 --sync 0.05   # the 64-GPU model
     python benchmarks/async_speedup.py --smoke --out /tmp/async_smoke   # CI: 2 modes x 3 steps, a 20-step model
     python benchmarks/async_speedup.py --longtail --steps 16 --test-freq 16 --rounds 1 --out runs/bench/longtail
+    python benchmarks/async_speedup.py --seeds 1 2 3 --steps 100 --test-freq 50 --out runs/bench/seeds
 
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
     sync      rollout.placement=colocated, actor TP 2 (the quickstart's layout); each step
@@ -64,6 +65,12 @@ MODES = {
 # between chunks of 4 tokens.
 for _k in (2, 4):
     MODES[f"stream_k{_k}"] = [*MODES["partial"], f"async_training.max_staleness={_k}"]
+# The same stream trained with the decoupled PPO loss (AReaL's proximal policy; docs/async.md):
+# the correction for samples up to 4 versions old, against stream_k4's plain clipped loss.
+MODES["stream_k4_decoupled"] = [*MODES["stream_k4"], "actor_rollout_ref.actor.policy_loss.loss_mode=decoupled_ppo",
+                                "actor_rollout_ref.actor.policy_loss.behav_imp_weight_cap=5"]
+# --seeds: held-out accuracy at equal samples, one round per seed (the correction's question)
+SEED_MODES = ["sync", "stream_k4_decoupled", "stream_k4"]
 
 # --longtail: addition where 1 problem in 10 has two 12-digit operands (answers of 13-14 tokens
 # against a limit of 16) and the rest 1-2 digits (2-4 tokens): every batch waits on a few long
@@ -95,14 +102,15 @@ SMOKE_EXTRA = ["actor_rollout_ref.model.bootstrap=megarl.examples.addition:boots
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
 
 
-def run_mode(name: str, args, round_: int = 0) -> tuple[list[dict], float, dict]:
+def run_mode(name: str, args, round_: int = 0, seed: int | None = None) -> tuple[list[dict], float, dict]:
     from megarl.trainer.metrics import read_metrics
     out = os.path.join(args.out, f"{name}_{round_}")
     cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml",
            f"trainer.default_local_dir={out}", f"trainer.total_training_steps={args.steps}",
            f"trainer.test_freq={args.test_freq}", "trainer.save_freq=-1", "trainer.resume_mode=disable",
            "algorithm.filter_groups.enable=false", f"actor_rollout_ref.model.path={args.model}",
-           f"trainer.seed={args.seed}", "trainer.plot_reward_curve=false", *MODES[name], *args.extra]
+           f"trainer.seed={args.seed if seed is None else seed}", "trainer.plot_reward_curve=false", *MODES[name],
+           *args.extra]
     if args.model_bootstrap:
         cmd.append("actor_rollout_ref.model.bootstrap=megarl.examples.addition:bootstrap")
     start = time.time()
@@ -185,6 +193,9 @@ def main() -> None:
     ap.add_argument("--train", type=float)
     ap.add_argument("--sync", type=float, default=0.0)
     ap.add_argument("--smoke", action="store_true", help=f"CI's shape: {SMOKE} and {SMOKE_EXTRA}")
+    ap.add_argument("--seeds", type=int, nargs="+",
+                    help=f"one round per seed (trainer.seed), modes {' '.join(SEED_MODES)} unless --modes; prints "
+                         "each mode's final held-out accuracy per seed, mean and spread")
     ap.add_argument("--longtail", action="store_true",
                     help=f"the long-tailed task ({LONGTAIL}), modes {' '.join(LONGTAIL_MODES)} unless --modes")
     args = ap.parse_args()
@@ -194,6 +205,10 @@ def main() -> None:
         if "--modes" not in sys.argv:
             args.modes = LONGTAIL_MODES
         vars(args).update(model=model, extra=extra + args.extra, model_bootstrap=True)
+    if args.seeds:
+        args.rounds = len(args.seeds)
+        if "--modes" not in sys.argv:
+            args.modes = SEED_MODES
     if args.smoke:
         vars(args).update(SMOKE, model=os.path.join(args.out, "model"), extra=SMOKE_EXTRA + args.extra)
     if args.model_only:
@@ -207,7 +222,7 @@ def main() -> None:
     runs = {name: [] for name in args.modes}
     for k in range(args.rounds):
         for name in args.modes:
-            runs[name].append(run_mode(name, args, k))
+            runs[name].append(run_mode(name, args, k, args.seeds[k] if args.seeds else None))
     results = {name: r[0] for name, r in runs.items()}
     summary = {}
     for name, rs in runs.items():
@@ -235,6 +250,12 @@ def main() -> None:
         print(f"{'':10s} step seconds per round {' '.join(f'{x:.2f}' for x in s['step_s_per_round'])}; "
               f"final accuracy per round {' '.join(f'{x:.3f}' for x in s['final_val_per_round'] if x is not None)}; "
               "peak resident MiB " + ", ".join(f"{k} {v:.0f}" for k, v in s["peak_resident_mb"].items()))
+    if args.seeds:
+        print(f"final held-out accuracy at step {args.steps}, seeds {' '.join(map(str, args.seeds))}:")
+        for name, s in summary.items():
+            got = [x for x in s["final_val_per_round"] if x is not None]
+            spread = f" +- {statistics.stdev(got):.3f} (sample std)" if len(got) > 1 else ""
+            print(f"  {name:20s} {' '.join(f'{x:.3f}' for x in got)}  mean {statistics.mean(got):.3f}{spread}")
     if base:
         p = base["phases"]
         train = p.get("old_log_prob", 0) + p.get("update_actor", 0)

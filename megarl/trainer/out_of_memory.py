@@ -47,8 +47,13 @@ def is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, (MemoryError, OutOfMemory)):
         return True
     name = type(err).__name__
-    return name == "OutOfMemoryError" or (isinstance(err, RuntimeError)
-                                          and any(w in str(err).lower() for w in _WORDS))
+    text = str(err).lower()
+    if isinstance(err, (RuntimeError, OSError)) and "resource temporarily unavailable" in text:
+        # Under an address-space limit a new thread's stack cannot be mapped: pthread_create fails
+        # with EAGAIN, which gloo and torch report in these words (without a limit EAGAIN is about
+        # process counts, not memory).
+        return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    return name == "OutOfMemoryError" or (isinstance(err, RuntimeError) and any(w in text for w in _WORDS))
 
 
 def limit_note() -> str:

@@ -99,3 +99,17 @@ def test_megarl_train_under_ulimit_v_stops_in_one_line_with_exit_code_5(addition
     assert out.returncode == 5, console[-3000:]
     assert len(memory) == 1 and "under an address-space limit of 1.9 GiB (ulimit -v)" in memory[0], console[-3000:]
     assert "Traceback" not in console and "Fatal Python error" not in console, console[-3000:]
+
+
+def test_a_thread_that_cannot_map_its_stack_under_a_limit_is_out_of_memory(monkeypatch):
+    """gloo's process group starts threads; under `ulimit -v` their stacks may not map, and
+    pthread_create's EAGAIN reaches Python as "Resource temporarily unavailable" (seen at start-up
+    where the limit is tight). Without an address-space limit EAGAIN means a process-count limit."""
+    from megarl.trainer import out_of_memory as oom
+    err = RuntimeError("Resource temporarily unavailable")
+    monkeypatch.setattr(oom.resource, "getrlimit", lambda which: (2 << 30, 2 << 30))
+    assert oom.is_out_of_memory(err)
+    assert str(oom.as_out_of_memory("start-up", err)).startswith(
+        "ran out of memory during start-up (Resource temporarily unavailable) under an address-space limit of 2.0 GiB")
+    monkeypatch.setattr(oom.resource, "getrlimit", lambda which: (oom.resource.RLIM_INFINITY,) * 2)
+    assert not oom.is_out_of_memory(err)
