@@ -1,7 +1,6 @@
 """No store a run opens turns a client's write into code: a real 2-rank `megarl-train` run, every
 TCP port its processes listen on tried as a torch key-value store, every key found overwritten with
-a pickle that would create a marker file, and the run must neither run it nor fail (it trains on
-until a SIGTERM stops it as a preemption does: step finished, saved, exit 143); started by
+a pickle that would create a marker file, and the run must neither run it nor fail; started by
 `megarl-train` and by launch/torchrun.sh. (launch/slurm/job.sh's torchrun mode: test_launch_slurm.py.)
 
 torchrun's c10d rendezvous keeps its state pickled (base64) under `torch.rendezvous.<id>` and
@@ -14,8 +13,6 @@ import base64
 import datetime
 import os
 import pickle
-import re
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -95,24 +92,7 @@ def step_logged(run_dir, step: int) -> bool:
     return any(f"step {step}/{STEPS} " in log.read_text(errors="replace") for log in run_dir.glob("logs/*.log"))
 
 
-def last_step(run_dir) -> int:
-    found = [int(m) for log in run_dir.glob("logs/*.log")
-             for m in re.findall(rf"^step (\d+)/{STEPS} ", log.read_text(errors="replace"), re.M)]
-    return max(found, default=0)
-
-
-def supervisor(launch: Launch, script: bool) -> int:
-    """The process that takes a stop signal for the whole run: megarl-train itself, or the supervisor
-    launch/torchrun.sh starts (bash, its parent, would die of the signal without passing it on)."""
-    if not script:
-        return launch.proc.pid
-    for p in run_processes(launch.tag):
-        if "megarl.parallel.supervise" in " ".join(p.cmdline()):
-            return p.pid
-    raise AssertionError("launch/torchrun.sh's supervisor not found")
-
-
-STEPS = 200     # more than the run ever reaches: it is stopped by SIGTERM once the writes had time to act
+STEPS = 60      # long enough to outlast the writes and the 6 s after them
 
 
 @pytest.mark.timeout(600)
@@ -133,16 +113,9 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
         written = poison(launch.tag, marker)
         if written or launch.proc.poll() is not None:
             break
-    poisoned_at = last_step(run_dir)
     time.sleep(6)                             # c10d's agent re-reads its state every 5 s at the latest
-    # The run went on training through the poisoned stores; a graceful stop ends it (the same
-    # signal path as a preemption: finish the step, save, exit 143) instead of waiting out its steps.
-    running = launch.proc.poll() is None
-    if running:
-        os.kill(supervisor(launch, script), signal.SIGTERM)
     rc, out = launch.finish()
     assert written, f"no store found among {sorted(ports)}"
     assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
-    assert running and rc == 143, f"rc {rc} (the run must still be training when stopped):\n{out[-3000:]}"
-    assert re.search(r"^megarl: stopped by SIGTERM after step \d+ of ", out, re.M), out[-3000:]
-    assert last_step(run_dir) > poisoned_at, "no step after the stores were written"
+    assert rc == 0, out[-3000:]
+    assert step_logged(run_dir, STEPS)
