@@ -15,6 +15,7 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
     one_step  placement=disaggregated: rank 0 trains (TP 1), rank 1 generates batch k+1 meanwhile
     partial   the same with async_training.partial_rollout=true (chunks of 4 tokens)
     stream_k2, stream_k4   partial, generating up to 2 (4) batches ahead: max_staleness=2 (4)
+    stream_k4_decoupled    stream_k4 trained with the decoupled PPO loss (--seeds: its accuracy question)
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
 and draws accuracy against wall time (accuracy_vs_time.png in --out).
