@@ -234,3 +234,81 @@ def test_a_fresh_torch_adam_is_primed_for_a_checkpoint_load_without_changing_wha
     prime_for_load(chained)                                             # a stepped optimizer is left alone
     assert float(opt_b.state[b[0]]["step"]) == 5.0
 
+
+
+def _distributed_optimizer_on_cpu(model_params: list[torch.Tensor], init: float | None = None):
+    """megatron-core's DistributedOptimizer load code (its own methods, unchanged) over the
+    attributes they read, at DP 1 with one buffer: its constructor needs CUDA, its loading does not.
+    Main params are the flat fp32 copies megatron keeps; `init` fills them (a fresh run's values)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    class Part:
+        state_dict = DistributedOptimizer.state_dict
+        load_state_dict = DistributedOptimizer.load_state_dict
+        load_parameter_state_from_fully_reshardable = DistributedOptimizer.load_parameter_state_from_fully_reshardable
+        _set_main_param_and_optimizer_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    part = Part()
+    mains = [torch.nn.Parameter(p.detach().float().flatten().clone() if init is None
+                                else torch.full((p.numel(),), init)) for p in model_params]
+    ident = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    part.optimizer = torch.optim.Adam([{"params": mains[:1], "wd_mult": 1.0, "weight_decay": 0.1, **ident},
+                                       {"params": mains[1:], "wd_mult": 0.0, "weight_decay": 0.0, **ident}],
+                                      lr=1e-2, decoupled_weight_decay=True)
+    part.ddp_config = type("DDPConfig", (), {"use_megatron_fsdp": False})()
+    part.config = type("OptimizerConfig", (), {"fp16": False,
+                                               "use_precision_aware_optimizer_no_fp8_or_ds_fp8": False})()
+    part.grad_scaler = None
+    part.model_param_group_index_map = {p: (min(i, 1), max(i - 1, 0)) for i, p in enumerate(model_params)}
+    index, start = {}, 0
+    for p in model_params:
+        index[p] = (start, start + p.numel(), 0)
+        start += p.numel()
+    part.buffers = [type("Buffer", (), {"param_index_map": index})()]
+    part.gbuf_ranges = [{torch.float32: [{"param_map": {p: {"param": Range(0, p.numel())} for p in model_params}}]}]
+    return part, mains
+
+
+def test_a_distributed_optimizer_resume_loads_torch_adam_state_exactly():
+    """On CUDA without Transformer Engine or Apex, megatron-core 0.16's DistributedOptimizer cannot
+    load its own fully_reshardable checkpoint into torch's Adam (KeyError 'step': an H100 run's
+    resume failed so). megarl's load_optimizer loads it: main params, both moments and the step
+    are the saved ones, and training on from there equals training never stopped, bit for bit."""
+    import copy
+
+    from megarl.workers.optim import load_optimizer, prime_for_load
+
+    torch.manual_seed(0)
+    model = [torch.randn(4, 3), torch.randn(5)]
+    ref, ref_mains = _distributed_optimizer_on_cpu(model)
+
+    def step(mains, opt, k):
+        for i, p in enumerate(mains):
+            p.grad = torch.linspace(-1, 1, p.numel()) * 0.1 * (k + 1) * (i + 1)
+        opt.step()
+
+    for k in range(3):
+        step(ref_mains, ref.optimizer, k)
+    saved = copy.deepcopy({**ref.state_dict(), "param_state_sharding_type": "fully_reshardable",
+                           "param_state": {i: {"param": m.detach().view(p.shape),
+                                               "exp_avg": ref.optimizer.state[m]["exp_avg"].view(p.shape),
+                                               "exp_avg_sq": ref.optimizer.state[m]["exp_avg_sq"].view(p.shape)}
+                                           for i, (m, p) in enumerate(zip(ref_mains, model))}})
+    assert all("step" in g for g in saved["optimizer"]["param_groups"])
+
+    plain, _ = _distributed_optimizer_on_cpu(model, init=0.0)      # megatron's own load, primed as megarl primes
+    prime_for_load(plain)
+    with pytest.raises(KeyError, match="step"):
+        plain.load_state_dict(copy.deepcopy(saved))
+
+    fresh, mains = _distributed_optimizer_on_cpu(model, init=0.0)
+    prime_for_load(fresh)
+    load_optimizer(fresh, copy.deepcopy(saved))
+    for m, r in zip(mains, ref_mains):
+        assert torch.equal(m, r)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.optimizer.state[m][key], ref.optimizer.state[r][key]), key
+    for k in range(3, 5):
+        step(ref_mains, ref.optimizer, k)
+        step(mains, fresh.optimizer, k)
+    assert all(torch.equal(m, r) for m, r in zip(mains, ref_mains))

@@ -119,3 +119,38 @@ def test_a_save_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path):
         assert all("the last complete checkpoint is " + str(tmp_path / "global_step_2") in s for s in seen)
         assert "global_step_4" not in listing and "global_step_4.tmp" not in listing, listing
     assert (tmp_path / ck.POINTER).read_text() == "2"
+
+
+class Unloadable(Role):
+    def __init__(self, err):
+        super().__init__()
+        self.err = err
+
+    def load_checkpoint(self, path):
+        raise self.err
+
+
+def test_a_verified_step_that_fails_to_load_is_not_called_damaged(tmp_path):
+    """Every byte a role reads was checked against the manifest first, so a role that cannot load
+    it meets a version or a bug, not damage: the line says the files are intact, the traceback goes
+    to the run's log (ConfigError.detail, printed after the line, which ends the console's copy);
+    a checkpoint that is whole but another role's (LoRA, head, vocabulary) keeps its own fix."""
+    from megarl.workers.checkpoint import CheckpointMismatch
+
+    root = str(tmp_path)
+    ck.save(root, 2, {"actor": Role()}, {"step": 2, "world": 1}, rank=0, keep=2)
+    step = ck.latest_step_dir(root)
+    with pytest.raises(ConfigError) as err:
+        ck.load(step, {"actor": Unloadable(KeyError("step"))}, rank=0, world=1)
+    line = str(err.value)
+    assert "\n" not in line and "damaged" not in line, line
+    assert line.startswith("trainer.resume_mode: cannot resume from global_step_2: actor matches the step's "
+                           "manifest"), line
+    assert "(KeyError: 'step')" in line and "trainer.resume_mode=disable" in line, line
+    assert err.value.detail.startswith("Traceback") and "KeyError: 'step'" in err.value.detail
+    assert "load_checkpoint" in err.value.detail                  # the frame that failed
+    with pytest.raises(ConfigError) as err:
+        ck.load(step, {"actor": Unloadable(CheckpointMismatch("x: saved with LoRA None; set lora_rank"))},
+                rank=0, world=1)
+    assert str(err.value) == ("trainer.resume_mode: cannot resume from global_step_2: actor: x: saved with LoRA "
+                              "None; set lora_rank") and err.value.detail is None

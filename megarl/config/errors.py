@@ -8,6 +8,10 @@ Every message is a single line that names the key and, where one exists, the fix
 class ConfigError(ValueError):
     """A configuration problem, reported as one line: `<dotted.key>: <what is wrong>; <fix>`."""
 
+    # Where the error comes from a failure inside megarl or a library (a traceback): printed after
+    # the one line, which ends the console's copy, so it reaches the run's log only.
+    detail: str | None = None
+
     def __init__(self, message: str, key: str | None = None):
         self.key = key
         self.bare = message

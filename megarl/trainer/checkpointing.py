@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import traceback
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ import megarl.rollout.base  # noqa: F401
 from megarl.config import ConfigError
 from megarl.trainer import staging, verified_io
 from megarl.trainer.faults import fault_point
+from megarl.workers.checkpoint import CheckpointMismatch
 
 POINTER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -289,7 +291,7 @@ def load(path: str, roles: dict, rank: int, world: int, say=None) -> dict:
                     raise ConfigError(f"{path} has no {name}/ checkpoint but this run trains a {name}; resume with "
                                       "the same roles or start fresh (trainer.resume_mode=disable)",
                                       "trainer.resume_mode")
-                _reading(path, sub, lambda: worker.load_checkpoint(os.path.join(src, name)))
+                _reading(path, sub, lambda: worker.load_checkpoint(os.path.join(src, name)), intact=True)
     except verified_io.Refused as err:
         raise ConfigError(f"cannot resume from {os.path.basename(os.path.normpath(path))}: {err}; megarl loads no "
                           "checkpoint file it cannot vouch for. If you trust it, fix its owner/mode; otherwise start "
@@ -329,7 +331,10 @@ def _damaged(step_path: str, rel: str, why: str) -> ConfigError:
                        "resume_path trainer.resume_from_path=<run dir>/global_step_N", "trainer.resume_mode")
 
 
-def _reading(step_path: str, what: str, fn):
+def _reading(step_path: str, what: str, fn, intact: bool = False):
+    """fn(), or one line naming the step, the file and the fix. `intact`: every byte fn reads was
+    checked against the step's manifest, so a failure is no damage but a checkpoint this megarl and
+    megatron-core cannot load (or a bug): the line says so, and the traceback goes to the log."""
     try:
         return fn()
     except ConfigError:
@@ -341,5 +346,16 @@ def _reading(step_path: str, what: str, fn):
         if getattr(err, "failures", None):   # the failing rank's own exception, not torch's wrapper
             inner = next(iter(err.failures.values()))[0]
             first = f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
-        raise _damaged(step_path, os.path.relpath(what, step_path),
-                       f"could not be read ({type(err).__name__}: {first[:300]})") from None
+        rel, why = os.path.relpath(what, step_path), f"({type(err).__name__}: {first[:300]})"
+        if isinstance(err, CheckpointMismatch):
+            raise ConfigError(f"cannot resume from {os.path.basename(step_path)}: {rel}: {first}",
+                              "trainer.resume_mode") from None
+        if not intact:
+            raise _damaged(step_path, rel, f"could not be read {why}") from None
+        refused = ConfigError(f"cannot resume from {os.path.basename(step_path)}: {rel} matches the step's manifest "
+                              f"byte for byte, yet loading it failed {why}: the files are intact, this megarl or "
+                              "megatron-core cannot load them (the traceback follows in the run's log); resume "
+                              "with the versions that saved it, or start over with trainer.resume_mode=disable",
+                              "trainer.resume_mode")
+        refused.detail = "".join(traceback.format_exception(err)).rstrip()
+        raise refused from None

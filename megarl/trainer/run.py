@@ -61,6 +61,8 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
     except ConfigError as err:
         print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
               file=sys.stderr, flush=True)
+        if err.detail:
+            print(err.detail, file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
     except (RewardFailure, CheckpointSaveError, MetricsWriteError) as err:  # a reward, a full disk: one line

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarl.models.hf_checkpoint import AUX_FILES
-from megarl.workers.optim import prime_for_load
+from megarl.workers.optim import load_optimizer, prime_for_load
 
 try:    # the async writer's module; a megatron-core without it has no helper process to bind
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -40,13 +40,18 @@ HF_DIR = "hf"
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that is whole but not this role's (another head, vocabulary padding, LoRA
+    setting or model): the message names what differs and the fix."""
+
+
 def read_meta(path: str) -> dict:
     if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise ValueError(f"{path}: not a megatron distributed checkpoint (no metadata.json)")
+        raise CheckpointMismatch(f"{path}: not a megatron distributed checkpoint (no metadata.json)")
     common = dist_checkpointing.load_common_state_dict(path)
     if META not in common:
-        raise ValueError(f"{path}: a megatron checkpoint without megarl's metadata; convert it with "
-                         "checkpoints_tools/hf_to_megatron.py")
+        raise CheckpointMismatch(f"{path}: a megatron checkpoint without megarl's metadata; convert it with "
+                                 "checkpoints_tools/hf_to_megatron.py")
     return common[META]
 
 
@@ -83,14 +88,16 @@ def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
 def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
     meta = read_meta(path)
     if meta["head"] != engine.es.head:
-        raise ValueError(f"{path}: holds a model with a {meta['head']!r} head; this role needs {engine.es.head!r}")
+        raise CheckpointMismatch(f"{path}: holds a model with a {meta['head']!r} head; this role needs "
+                                 f"{engine.es.head!r}")
     pv = engine.spec.padded_vocab(engine.layout.tp)
     if meta["padded_vocab"] != pv:
-        raise ValueError(f"{path}: padded vocabulary {meta['padded_vocab']} differs from {pv} at TP={engine.layout.tp} "
-                         "(saved with a TP that is not a power of two); load it with the TP it was saved with")
+        raise CheckpointMismatch(f"{path}: padded vocabulary {meta['padded_vocab']} differs from {pv} at "
+                                 f"TP={engine.layout.tp} (saved with a TP that is not a power of two); load it with "
+                                 "the TP it was saved with")
     if meta.get("lora") != _lora(engine):
-        raise ValueError(f"{path}: saved with LoRA {meta.get('lora')}, this role has {_lora(engine)}; set "
-                         "actor_rollout_ref.model.lora_rank / lora_alpha / target_modules as at the save")
+        raise CheckpointMismatch(f"{path}: saved with LoRA {meta.get('lora')}, this role has {_lora(engine)}; set "
+                                 "actor_rollout_ref.model.lora_rank / lora_alpha / target_modules as at the save")
     engine.onload()
     model_sd = _model_state(engine)
     sd = dict(model_sd)
@@ -105,10 +112,10 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
         missing += [k for k in m if not k.endswith("_extra_state")]
         unexpected += u
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
+        raise CheckpointMismatch(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
     if load_optim:
-        engine.optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer(engine.optimizer, loaded["optimizer"])
         engine.update.resume(int(meta["sched_step"]))
 
 

@@ -184,6 +184,39 @@ def prime_for_load(opt) -> None:
             init_adam_state(inner)
 
 
+def load_optimizer(opt, state) -> None:
+    """Load a checkpoint's optimizer state (what dist_checkpointing.load returned for
+    `opt.sharded_state_dict(..., is_loading=True)`) into `opt`.
+
+    megatron-core 0.16's DistributedOptimizer cannot load its own `fully_reshardable` state into
+    torch's Adam (no Transformer Engine or Apex): it gives every parameter's state a `step`
+    from the param groups, then copies each state tensor from the loaded ones, which carry no
+    `step` (`_set_main_param_and_optimizer_states`: KeyError 'step'). So the groups load first,
+    the per-parameter `step`s step aside while the tensors load, and come back after, each its own
+    tensor: megatron hands every parameter one shared `step`, which torch's Adam would then advance
+    once per parameter per update (a wrong bias correction from the first step after a resume)."""
+    if isinstance(opt, CPUAdamW):
+        opt.load_state_dict(state)
+        return
+    parts = _megatron_parts(opt)
+    states = [state] if len(parts) == 1 else [state[k] for k in sorted(state)]
+    for part, st in zip(parts, states):
+        inner = getattr(part, "optimizer", None)
+        if not (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and isinstance(st, dict)
+                and st.get("param_state_sharding_type") == "fully_reshardable"):
+            part.load_state_dict(st)
+            continue
+        part.load_state_dict({k: v for k, v in st.items() if k not in ("param_state", "param_state_sharding_type")})
+        steps = {p: s.pop("step") for p, s in inner.state.items() if "step" in s}
+        try:
+            part.load_parameter_state_from_fully_reshardable(st["param_state"])
+        finally:
+            for p, step in steps.items():
+                inner.state[p]["step"] = step.detach().clone()
+    if len(parts) > 1:
+        opt._synchronize_steps()
+
+
 def build_optimizer(chunks: list[torch.nn.Module], cfg: OptimConfig, dtype: torch.dtype,
                     use_distributed_optimizer: bool = False):
     if not torch.cuda.is_available():
