@@ -9,6 +9,7 @@ peak RSS of the step, model and optimizer-free state included, is what compares 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,12 @@ SHAPES = {"full": dict(model=dict(hidden_size=256, intermediate_size=688, num_hi
 
 
 def one(path: str, setting: str, shape: str) -> None:
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    with socket.socket() as probe:      # a free port: --smoke runs the settings side by side
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from megarl.models.megatron_import import import_megatron
+    import_megatron()
     from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
@@ -76,12 +82,21 @@ def main() -> None:
         path = make_tiny_hf(os.path.join(tmp, "m"), "qwen2", num_attention_heads=4, num_key_value_heads=2,
                             max_position_embeddings=1024, **SHAPES[shape]["model"])
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # One process per setting, so each peak is its own. The full run measures them one at a time;
+        # --smoke only shows that each runs, so its processes run side by side.
+        runs = {}
         for setting in SETTINGS:
-            out = subprocess.run([sys.executable, __file__, path, setting, shape], env=env, capture_output=True,
-                                 text=True)
-            lines = [line for line in out.stdout.splitlines() if line.startswith(setting)]
+            out, err = (open(os.path.join(tmp, f"{setting}.{k}"), "w+") for k in ("out", "err"))
+            runs[setting] = (subprocess.Popen([sys.executable, __file__, path, setting, shape], env=env, stdout=out,
+                                              stderr=err, text=True), out, err)
+            if shape == "full":
+                runs[setting][0].wait()
+        for setting, (proc, out, err) in runs.items():
+            proc.wait()
+            out.seek(0), err.seek(0)
+            lines = [line for line in out.read().splitlines() if line.startswith(setting)]
             if not lines:
-                sys.exit(f"{setting}: failed\n{out.stderr[-2000:]}")
+                sys.exit(f"{setting}: failed\n{err.read()[-2000:]}")
             print(lines[-1])
 
 

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # lazy: torch loads only once the config is accepted
     quiet_known_noise(cpu=cfg.trainer.device == "cpu" or not torch.cuda.is_available())
     from torch.distributed.elastic.multiprocessing.errors import record  # lazy, as torch above
+    from megarl.models.megatron_import import import_megatron  # lazy, as torch above
+    import_megatron()                    # before anything imports megatron: its kernels compile on first use
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
     try:

@@ -21,6 +21,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from megarl.models.megatron_import import import_megatron
 from megarl.storage.plain_state import load_plain, save_plain
 
 SAMPLE_S = 0.1     # how often the parent reads the ranks' resident sets
@@ -37,6 +38,7 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn, args) -> None:
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    import_megatron()       # where fn imports megatron as it runs (benchmarks do): without compiling at import
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         save_plain({"ok": True, "result": fn(rank, world, *args)}, path)
