@@ -1,6 +1,7 @@
 """One command for a GPU machine: run tests/gpu and the GPU benchmarks, write one report.
 
     python benchmarks/gpu_check.py [--out gpu_check_report]        # on a GPU node (~10-20 min on one H100)
+    python benchmarks/gpu_check.py --tests-timeout 300             # a time-boxed node: tests/gpu stops at 300 s
     python benchmarks/gpu_check.py --device cpu --dry-run          # the report's plumbing, on CPU, in ~1 min
 
 Writes <out>/gpu_check.md and <out>/gpu_check.json: the GPU and versions (torch, CUDA,
@@ -19,6 +20,7 @@ import importlib.metadata as md
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -73,20 +75,33 @@ def matmul(device: str, dry: bool) -> dict:
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "tflops": 2 * n**3 / best / 1e12}
 
 
-def run_tests(out: str) -> dict:
+OUTCOME = re.compile(r"^(tests/gpu/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", re.M)
+
+
+def run_tests(out: str, timeout_s: float | None = None) -> dict:
+    """tests/gpu, each test's outcome as it finishes (-v): a run stopped at `timeout_s` (a GPU lent
+    for minutes) still reports what passed and what failed before the stop."""
     figures = os.path.join(out, "tests")
     junit = os.path.join(out, "tests.xml")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/gpu", f"--junitxml={junit}"], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "MEGARL_GPU_REPORT": figures,
-                                                               "PYTHONPATH": ROOT})
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "tests/gpu", f"--junitxml={junit}"]
+    env = {**os.environ, "MEGARL_GPU_REPORT": figures, "PYTHONPATH": ROOT}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout_s)
+        stdout, code = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        stdout = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        code = "timeout"
+    outcomes = dict(OUTCOME.findall(stdout))
+    summary = (stdout.strip().splitlines()[-1] if stdout.strip() and code != "timeout" else
+               f"stopped after {timeout_s:g} s: " + ", ".join(f"{sum(v == k for v in outcomes.values())} {k.lower()}"
+                                                          for k in ("PASSED", "FAILED", "SKIPPED")))
     got = {}
     if os.path.isdir(figures):
         for name in sorted(os.listdir(figures)):
             with open(os.path.join(figures, name)) as f:
                 got[name[:-5]] = json.load(f)
-    return {"returncode": proc.returncode, "summary": summary, "figures": got,
-            "tail": proc.stdout[-4000:] if proc.returncode else ""}
+    return {"returncode": code, "summary": summary, "outcomes": outcomes, "figures": got,
+            "tail": stdout[-4000:] if code else ""}
 
 
 def update_step(device: str, dry: bool, micro: int) -> dict:
@@ -160,6 +175,9 @@ def markdown(rep: dict) -> str:
             lines.append(f"| matmul {r['dtype']} {r['n']}^3 | {r['tflops']:.3g} TFLOP/s |")
         elif s["name"] == "tests":
             lines.append(f"| tests/gpu | {r['summary']} (exit {r['returncode']}) |")
+            for test, outcome in r.get("outcomes", {}).items():
+                if outcome in ("FAILED", "ERROR"):
+                    lines.append(f"| {outcome.lower()} | {test} |")
             for name, fig in r["figures"].items():
                 if "mismatch_max_over_steps" in fig:
                     mm = fig["mismatch_max_over_steps"]
@@ -198,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, no tests/gpu: checks the report plumbing")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--tests-timeout", type=float, default=None,
+                    help="stop tests/gpu after this many seconds (the report keeps each finished test's outcome)")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); run it on a GPU node, "
@@ -209,7 +229,7 @@ def main(argv=None) -> int:
     secs = rep["sections"]
     secs.append(section("matmul", matmul, a.device, a.dry_run))
     if not (a.dry_run or a.skip_tests):
-        secs.append(section("tests", run_tests, a.out))
+        secs.append(section("tests", run_tests, a.out, a.tests_timeout))
     for micro in ((2,) if a.dry_run else (4, 8)):
         secs.append(section(f"update_step_micro{micro}", update_step, a.device, a.dry_run, micro))
     secs.append(section("rollout", rollout, a.device, a.dry_run, a.out))

@@ -312,3 +312,18 @@ def test_a_distributed_optimizer_resume_loads_torch_adam_state_exactly():
         step(ref_mains, ref.optimizer, k)
         step(mains, fresh.optimizer, k)
     assert all(torch.equal(m, r) for m, r in zip(mains, ref_mains))
+
+
+def test_gpu_check_reports_each_test_even_when_its_time_box_ends(tmp_path):
+    """gpu_check's tests section keeps every finished test's outcome (pytest -v), also when
+    --tests-timeout stops tests/gpu: a GPU lent for minutes still says what passed. On CPU every
+    test in tests/gpu skips, each one named."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.gpu_check import run_tests
+
+    done = run_tests(str(tmp_path / "full"))
+    assert done["returncode"] == 0 and done["outcomes"], done
+    assert set(done["outcomes"].values()) == {"SKIPPED"}
+    assert "tests/gpu/test_gpu.py::test_sigkill_then_resume_is_identical" in done["outcomes"]
+    stopped = run_tests(str(tmp_path / "boxed"), timeout_s=0.01)
+    assert stopped["returncode"] == "timeout" and stopped["summary"].startswith("stopped after 0.01 s: "), stopped
