@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -59,23 +60,22 @@ def test_gpu_check_dry_run_with_update_step_and_rollout(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_distributed_benchmarks_smoke():
-    """The two 4-rank benchmarks (one spawn each) and update_profile's TP2 cell."""
-    out = run("benchmarks/weight_sync.py", "--smoke")
+    """The two 4-rank benchmarks (one spawn each), update_profile's TP2 cell and the delta weight
+    sync (real Adam steps, full vs delta over both transports, one spawn), side by side."""
+    sync, step, profile, delta = run_side_by_side(
+        ("benchmarks/weight_sync.py", "--smoke"), ("benchmarks/update_step.py", "--smoke"),
+        ("benchmarks/update_profile.py", "--smoke"), ("benchmarks/weight_sync.py", "--delta", "--smoke"))
+    out = sync
     for layout in ("(1,1) -> 1", "(1,1) -> 2", "(2,2) -> 1", "(2,2) -> 2"):
         assert re.search(re.escape(layout) + r" +[\d.]+ ", out), out
     assert re.search(r"peak resident MiB per rank.*rank 3 \d+", out)
-    out = run("benchmarks/update_step.py", "--smoke")
+    out = step
     assert re.search(r"ratio megarl / transformers: [\d.]+", out) and re.search(r"rank 3 \d+", out)
-    out = run("benchmarks/update_profile.py", "--smoke")      # TP2 (one 2-rank spawn)
+    out = profile      # TP2 (one 2-rank spawn)
     for row in ("model forward", "backward", "grad norm", "collectives", "total", "gloo alone"):
         assert re.search(rf"^{row} +[\d.]+ +[\d.]+$", out, re.M), (row, out)   # wall ms, CPU ms
     assert re.search(r"reduce_scatter_tensor \d+x", out) and re.search(r"rank 1 \d+", out)
-
-
-@pytest.mark.timeout(600)
-def test_delta_weight_sync_benchmark_smoke():
-    """weight_sync.py --delta --smoke: real Adam steps, full vs delta over both transports (one spawn)."""
-    out = run("benchmarks/weight_sync.py", "--delta", "--smoke")
+    out = delta
     assert re.search(r"delta engines bit-identical to full after every step: yes", out), out
     assert re.search(r"\(2,1\) -> 1 +delta +[\d.]+ ", out) and re.search(r"\(1,2\) -> 2 +delta +[\d.]+ ", out), out
     assert "bit-identical read-back: yes" in out and re.search(r"rank 3 \d+", out), out
@@ -91,6 +91,24 @@ def test_weight_sync_over_a_shaped_link_between_two_nodes_smoke():
     out = run("benchmarks/weight_sync_link.py", "--smoke")
     assert "== link 1gbit" in out and "delta engines bit-identical to full after every step: yes" in out, out
     assert re.search(r"\(2,1\) -> 1 +delta +[\d.]+ ", out), out
+
+
+def run_side_by_side(*commands: tuple[str, ...], timeout=600) -> list[str]:
+    """`python <script> <args>` for each command, all at once: the smoke runs check that each
+    benchmark runs and what it prints, not its speed. Their outputs, in order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i, cmd in enumerate(commands):
+            out, err = (open(os.path.join(tmp, f"{i}.{k}"), "w+") for k in ("out", "err"))
+            procs.append((cmd, subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=out, stderr=err, text=True,
+                                                env={**os.environ, "PYTHONPATH": ROOT}), out, err))
+        got = []
+        for cmd, proc, out, err in procs:
+            code = proc.wait(timeout=timeout)
+            out.seek(0), err.seek(0)
+            got.append(out.read())
+            assert code == 0, f"{cmd} exited {code}:\n{got[-1][-3000:]}\n{err.read()[-3000:]}"
+        return got
 
 
 @pytest.mark.timeout(900)
@@ -113,10 +131,11 @@ def test_single_process_benchmarks_smoke():
 
 @pytest.mark.timeout(900)
 def test_launcher_benchmarks_smoke(tmp_path):
-    """The benchmarks that start `python -m megarl.train` / launch/torchrun.sh as users do."""
-    out = run("benchmarks/launch_times.py", "--smoke")
+    """The benchmarks that start `python -m megarl.train` / launch/torchrun.sh as users do, side by side."""
+    out, speedup = run_side_by_side(("benchmarks/launch_times.py", "--smoke"),
+                                    ("benchmarks/async_speedup.py", "--smoke", "--out", str(tmp_path / "async")))
     assert re.search(r"torchrun.sh +SIGKILL .* [1-9]\d*  rank 0 \d+", out), out
-    out = run("benchmarks/async_speedup.py", "--smoke", "--out", str(tmp_path / "async"))
+    out = speedup
     assert re.search(r"^sync +\d+ +1\.00x", out, re.M) and re.search(r"^one_step +\d+ +[\d.]+x", out, re.M)
     assert re.search(r"peak resident MiB rank 0 \d+, rank 1 \d+", out)
     assert os.path.isfile(tmp_path / "async" / "accuracy_vs_time.png")
