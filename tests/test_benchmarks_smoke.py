@@ -103,11 +103,18 @@ def run_side_by_side(*commands: tuple[str, ...], timeout=600) -> list[str]:
             procs.append((cmd, subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=out, stderr=err, text=True,
                                                 env={**os.environ, "PYTHONPATH": ROOT}), out, err))
         got = []
-        for cmd, proc, out, err in procs:
-            code = proc.wait(timeout=timeout)
-            out.seek(0), err.seek(0)
-            got.append(out.read())
-            assert code == 0, f"{cmd} exited {code}:\n{got[-1][-3000:]}\n{err.read()[-3000:]}"
+        try:
+            for cmd, proc, out, err in procs:
+                code = proc.wait(timeout=timeout)
+                out.seek(0), err.seek(0)
+                got.append(out.read())
+                assert code == 0, f"{cmd} exited {code}:\n{got[-1][-3000:]}\n{err.read()[-3000:]}"
+        finally:                    # a failure leaves none of the others running
+            for _, proc, out, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close(), err.close()
         return got
 
 
