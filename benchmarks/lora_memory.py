@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -81,12 +80,11 @@ def main(argv=None) -> list[dict]:
         vars(a).update(SMOKE)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as probe:      # a free port, not a fixed one another run may hold
-        probe.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(probe.getsockname()[1]))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from megarl.parallel.local_ranks import free_port  # after sys.path names this checkout
+    os.environ.setdefault("MASTER_PORT", str(free_port()))    # not a fixed one another run may hold
     from benchmarks.update_memory import make_batch
     from megarl.models.tiny import make_tiny_hf
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,6 @@ peak RSS of the step, model and optimizer-free state included, is what compares 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,10 +32,9 @@ SHAPES = {"full": dict(model=dict(hidden_size=256, intermediate_size=688, num_hi
 
 
 def one(path: str, setting: str, shape: str) -> None:
-    with socket.socket() as probe:      # a free port: --smoke runs the settings side by side
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from megarl.parallel.local_ranks import free_port
+    # a free port: --smoke runs the settings side by side
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from megarl.models.megatron_import import import_megatron
     import_megatron()
     from megarl.parallel import state

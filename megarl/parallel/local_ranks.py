@@ -27,7 +27,7 @@ from megarl.storage.plain_state import load_plain, save_plain
 SAMPLE_S = 0.1     # how often the parent reads the ranks' resident sets
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -86,7 +86,7 @@ def run_local(world: int, fn, args: tuple = ()) -> RankResults:
     """fn's result per rank (with .peak_mb); raises ValueError with the first rank's message when
     a rank refused its input, RuntimeError with tracebacks (or how a rank ended) otherwise."""
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world, join=False,
                                  start_method="spawn")
         pids = [p.pid for p in ctx.processes]
         peaks = [0.0] * world

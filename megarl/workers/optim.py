@@ -202,7 +202,7 @@ def load_optimizer(opt, state) -> None:
     states = [state] if len(parts) == 1 else [state[k] for k in sorted(state)]
     for part, st in zip(parts, states):
         inner = getattr(part, "optimizer", None)
-        if not (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and isinstance(st, dict)
+        if not (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
                 and st.get("param_state_sharding_type") == "fully_reshardable"):
             part.load_state_dict(st)
             continue
