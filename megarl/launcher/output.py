@@ -16,11 +16,16 @@ OOM_EXIT_CODE = 5
 # A rank that runs out of memory outside Python ends without megarl's line: native code aborts the
 # process (Rust's allocator in HF tokenizers, a C++ std::bad_alloc), or an import fails to map a
 # library. These are their own words on the rank's stderr; the innermost megarl frame of the
-# fatal-error dump that follows says where.
-NATIVE_OOM = re.compile(rb"^(memory allocation of \d+ bytes failed"
+# fatal-error dump that follows says where. Searched, not matched whole: two ranks that abort at
+# once share one stderr, and Rust writes its line in pieces ("memory allocation of memory
+# allocation of 6 bytes failed").
+NATIVE_OOM = re.compile(rb"memory allocation of \d+ bytes failed|memory allocation of "
                         rb"|terminate called after throwing an instance of 'std::bad_alloc'"
-                        rb"|MemoryError\b.*"
-                        rb"|ImportError: .*failed to map segment from shared object.*)$")
+                        rb"|^MemoryError\b.*"
+                        rb"|ImportError: .*failed to map segment from shared object.*")
+# Any other abort of a rank under an address-space limit: most likely memory too (a thread's stack
+# that cannot map, an allocation inside a C++ library that throws its own error type).
+ABORTED = b"Fatal Python error: Aborted"
 FRAME = re.compile(rb'File "[^"]*/(megarl/[^"]+)", line (\d+)')
 
 
@@ -32,6 +37,16 @@ def limit_note() -> str:
     if soft == resource.RLIM_INFINITY:
         return ""
     return f" under an address-space limit of {soft / 2**30:.1f} GiB (ulimit -v)"
+
+
+def native_out_of_memory(line: bytes) -> bytes | None:
+    """The words of a native out-of-memory line (b"aborted" for a bare abort under a limit), else None."""
+    if m := NATIVE_OOM.search(line):
+        words = m.group(0).strip()
+        return b"memory allocation failed" if words == b"memory allocation of" else words
+    if ABORTED in line and limit_note():
+        return b"aborted"
+    return None
 
 
 class RankOutput:
@@ -46,12 +61,16 @@ class RankOutput:
         self.pending += chunk
         *lines, self.pending = self.pending.split(b"\n")
         for line in lines:
-            if self.native is not None and self.where is None and (m := FRAME.search(line)):
-                self.where = m.group(1) + b":" + m.group(2)
-            if self.error_line is not None or self.native is not None:
+            if self.native is not None:
+                if self.where is None and (m := FRAME.search(line)):
+                    self.where = m.group(1) + b":" + m.group(2)
+                if self.native == b"aborted":          # the other rank's words may come after
+                    self.native = native_out_of_memory(line.strip()) or self.native
                 continue
-            if NATIVE_OOM.match(line.strip()):
-                self.native = line.strip()
+            if self.error_line is not None:
+                continue
+            if (words := native_out_of_memory(line.strip())) is not None:
+                self.native = words
                 continue
             self.console.write(line + b"\n")
             if line.startswith(b"megarl: ") and MARK in line or line.startswith(STOPPED) or OOM.match(line):
@@ -63,9 +82,11 @@ class RankOutput:
         where = f"; the ranks' full output is in {self.log_path}" if self.log_path else ""
         if self.native is not None and self.error_line is None and code:
             at = f", at {self.where.decode()}" if self.where else ""
-            self.console.write(f"megarl: stopped: a rank ran out of memory in native code ({self.native.decode()}{at})"
-                               f"{limit_note()}; give the run more memory, or lower what a rank holds (the data, the "
-                               f"model's size per rank: tensor_model_parallel_size){where}\n".encode())
+            what = (f"aborted in native code ({at[2:] or 'no megarl frame'}){limit_note()}, most likely out of memory"
+                    if self.native == b"aborted" else
+                    f"ran out of memory in native code ({self.native.decode()}{at}){limit_note()}")
+            self.console.write(f"megarl: stopped: a rank {what}; give the run more memory, or lower what a rank holds "
+                               f"(the data, the model's size per rank: tensor_model_parallel_size){where}\n".encode())
             self.console.flush()
             return OOM_EXIT_CODE
         if self.error_line is None or self.error_line.startswith(STOPPED):

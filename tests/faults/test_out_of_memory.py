@@ -83,6 +83,31 @@ def test_the_launcher_ends_on_a_ranks_out_of_memory_line_with_exit_code_5():
     assert lines[1].startswith("megarl: stopped: a rank ran out of memory in native code (memory allocation of 48 "
                                "bytes failed, at megarl/data/dataset.py:156)"), lines
     assert lines[1].endswith("the ranks' full output is in run/logs/megarl-1.log"), lines
+    # two ranks abort at once on one stderr, and Rust writes its line in pieces (seen under ulimit -v)
+    torn = [b"megarl: ranks: 2\n", b"memory allocation of memory allocation of 6 bytes failed\n",
+            b"skipping backtrace printing to avoid potential recursion\n", b"Fatal Python error: Aborted\n",
+            b'  File "/src/megarl/data/build.py", line 371 in  bytes failed\nbuild_loadersmemory allocation of \n',
+            b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"]
+    code, lines = console_of(torn, 1)
+    assert code == 5 and len(lines) == 2, lines
+    assert lines[1].startswith("megarl: stopped: a rank ran out of memory in native code (memory allocation failed, "
+                               "at megarl/data/build.py:371)"), lines
+
+
+def test_a_bare_abort_is_out_of_memory_only_under_an_address_space_limit(monkeypatch):
+    """An abort with no allocator's words (a C++ library's own error type, a thread stack that cannot
+    map): under `ulimit -v` most likely memory, said as such; without a limit, the rank's own output."""
+    from megarl.launcher import output
+    dump = [b"megarl: ranks: 2\n", b"Fatal Python error: Aborted\n\nThread 0x7f (most recent call first):\n",
+            b'  File "/src/megarl/trainer/fit.py", line 90 in step\n', b"ChildFailedError:\n"]
+    monkeypatch.setattr(output.resource, "getrlimit", lambda which: (2 << 30, 2 << 30))
+    code, lines = console_of(dump, 1)
+    assert code == 5 and len(lines) == 2, lines
+    assert lines[1].startswith("megarl: stopped: a rank aborted in native code (at megarl/trainer/fit.py:90) under "
+                               "an address-space limit of 2.0 GiB (ulimit -v), most likely out of memory; "), lines
+    monkeypatch.setattr(output.resource, "getrlimit", lambda which: (output.resource.RLIM_INFINITY,) * 2)
+    code, lines = console_of(dump, 1)
+    assert code == 1 and "Fatal Python error: Aborted" in lines and "ChildFailedError:" in lines, lines
 
 
 def test_megarl_train_under_ulimit_v_stops_in_one_line_with_exit_code_5(addition_model_dir, tmp_path):
@@ -95,7 +120,7 @@ def test_megarl_train_under_ulimit_v_stops_in_one_line_with_exit_code_5(addition
     out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     console = out.stdout + out.stderr
-    memory = [line for line in console.splitlines() if "ran out of memory" in line]
+    memory = [line for line in console.splitlines() if "out of memory" in line]
     assert out.returncode == 5, console[-3000:]
     assert len(memory) == 1 and "under an address-space limit of 1.9 GiB (ulimit -v)" in memory[0], console[-3000:]
     assert "Traceback" not in console and "Fatal Python error" not in console, console[-3000:]

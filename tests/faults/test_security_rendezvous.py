@@ -13,6 +13,7 @@ import base64
 import datetime
 import os
 import pickle
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,11 +89,13 @@ def poison(tag: str, marker) -> dict:
     return written
 
 
-def step_logged(run_dir, step: int) -> bool:
-    return any(f"step {step}/{STEPS} " in log.read_text(errors="replace") for log in run_dir.glob("logs/*.log"))
+def last_step(run_dir) -> int:
+    steps = [int(m) for log in run_dir.glob("logs/*.log")
+             for m in re.findall(rf"step (\d+)/{STEPS} ", log.read_text(errors="replace"))]
+    return max(steps, default=0)
 
 
-STEPS = 60      # long enough to outlast the writes and the 6 s after them
+STEPS = 60      # long enough to outlast the writes and the steps after them
 
 
 @pytest.mark.timeout(600)
@@ -102,7 +105,7 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
     run_dir = tmp_path / "run"
     launch = Launch(overrides(addition_model_dir, run_dir, STEPS, "trainer.save_freq=-1"), script=script)
     deadline = time.monotonic() + 300
-    while not step_logged(run_dir, 2):           # past start-up, every store open, ~1 s a step from here
+    while last_step(run_dir) < 2:                # past start-up, every store open, ~1 s a step from here
         assert launch.proc.poll() is None, launch.finish()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not reach its first step"
         time.sleep(0.2)
@@ -113,9 +116,19 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
         written = poison(launch.tag, marker)
         if written or launch.proc.poll() is not None:
             break
-    time.sleep(6)                             # c10d's agent re-reads its state every 5 s at the latest
-    rc, out = launch.finish()
     assert written, f"no store found among {sorted(ports)}"
+    # c10d's agent re-reads its state every 5 s at the latest: the run must go on past that, and
+    # three more steps, with nothing run; then it is stopped (the rest of its steps prove nothing).
+    after = last_step(run_dir)
+    time.sleep(6)
+    deadline = time.monotonic() + 120
+    while launch.proc.poll() is None and last_step(run_dir) < after + 3:
+        assert time.monotonic() < deadline, "the run stopped making steps after the writes"
+        time.sleep(0.2)
     assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
-    assert rc == 0, out[-3000:]
-    assert step_logged(run_dir, STEPS)
+    if launch.proc.poll() is None:
+        launch.kill_group()
+    else:                                     # it finished while the writes went on: it must have ended well
+        rc, out = launch.finish()
+        assert rc == 0 and last_step(run_dir) == STEPS, out[-3000:]
+    assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
