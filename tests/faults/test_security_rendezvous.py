@@ -1,6 +1,7 @@
 """No store a run opens turns a client's write into code: a real 2-rank `megarl-train` run, every
 TCP port its processes listen on tried as a torch key-value store, every key found overwritten with
-a pickle that would create a marker file, and the run must neither run it nor fail; started by
+a pickle that would create a marker file, and the run must go on (past c10d's 5 s re-read, three
+more steps) without running it; started by
 `megarl-train` and by launch/torchrun.sh. (launch/slurm/job.sh's torchrun mode: test_launch_slurm.py.)
 
 torchrun's c10d rendezvous keeps its state pickled (base64) under `torch.rendezvous.<id>` and
@@ -10,16 +11,16 @@ launch path uses the static rendezvous instead, whose store holds JSON and plain
 from __future__ import annotations
 
 import base64
-import datetime
+import json
 import os
 import pickle
 import re
+import subprocess
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-import torch.distributed as dist
 
 from tests.faults.runs import Launch, overrides, run_processes
 
@@ -65,28 +66,47 @@ def rendezvous_ids(tag: str) -> set[str]:
     return ids
 
 
+ATTACHER = """
+import base64, datetime, json, os, sys
+from concurrent.futures import ThreadPoolExecutor, wait
+import torch.distributed as dist
+job = json.load(sys.stdin)
+raw, names = base64.b64decode(job["raw"]), set(job["names"])
+def attach(address):
+    try:
+        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=2),
+                              wait_for_workers=False)
+        keys = set(store.list_keys())
+    except Exception:       # gloo's listeners and anything else that is not a store
+        return None
+    for key in keys | names:
+        store.set(key, base64.b64encode(raw) if key.startswith("torch.rendezvous.") else raw)
+    return f"{address[0]}:{address[1]}", sorted(keys | names)
+pool = ThreadPoolExecutor(max(1, len(job["ports"])))
+done, _ = wait([pool.submit(attach, tuple(port)) for port in job["ports"]], timeout=job["attach_s"])
+print(json.dumps(dict(found for future in done if (found := future.result()))), flush=True)
+os._exit(0)
+"""
+
+
 def poison(tag: str, marker) -> dict:
     """Overwrite every key of every store the run listens with: raw pickles, and c10d's base64
-    form under the rendezvous key names. Returns {address: keys written}."""
-    raw = pickle.dumps(_Touch(marker))
-    encoded = base64.b64encode(raw)
-    names = {f"torch.rendezvous.{i}" for i in rendezvous_ids(tag)}
-    def attach(address):
-        try:
-            store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=2),
-                                  wait_for_workers=False)
-            keys = set(store.list_keys())
-        except Exception:       # gloo's listeners and anything else that is not a store
-            return None
-        for key in keys | names:
-            store.set(key, encoded if key.startswith("torch.rendezvous.") else raw)
-        return f"{address[0]}:{address[1]}", sorted(keys | names)
-    # All at once: each port that is not a store costs 5-35 s of connection retries (gloo's
-    # listeners reset the client), and the run, whose stores close with it, goes on meanwhile.
-    ports = sorted(listening_ports(tag))
-    with ThreadPoolExecutor(max(1, len(ports))) as pool:
-        written = dict(found for found in pool.map(attach, ports) if found)
-    return written
+    form under the rendezvous key names. Returns {address: keys written}.
+
+    All ports at once, from a child process that waits ATTACH_S and then exits: a store answers
+    within milliseconds, while a port that is not one (gloo's listeners reset the client) costs
+    ~36 s of torch's own connection retries (the 2 s timeout bounds each try, not the retrying),
+    which the child's exit ends. The caller tries again if no store answered in time."""
+    job = {"raw": base64.b64encode(pickle.dumps(_Touch(marker))).decode(), "attach_s": ATTACH_S,
+           "names": sorted(f"torch.rendezvous.{i}" for i in rendezvous_ids(tag)),
+           "ports": sorted(listening_ports(tag))}
+    out = subprocess.run([sys.executable, "-c", ATTACHER], input=json.dumps(job), capture_output=True,
+                         text=True, timeout=ATTACH_S + 120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+ATTACH_S = 8
 
 
 def last_step(run_dir) -> int:
