@@ -42,5 +42,5 @@ setup(
         # peft: the LoRA oracle (tests/test_lora.py)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1"],
     },
-    entry_points={"console_scripts": ["megarl-train=megarl.train:main"]},
+    entry_points={"console_scripts": ["megarl-train=megarl.train:program"]},
 )

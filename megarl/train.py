@@ -6,7 +6,7 @@
 
 Started without torchrun/srun, it checks everything it can (megarl/launcher/preflight.py: a bad input is one
 line and exit code 2), locks the run directory, then starts trainer.n_gpus_per_node local processes
-(through torch.distributed.run when more than one) and copies their output to <run dir>/logs/.
+(through torchrun, megarl/parallel/torchrun.py, when more than one) and copies their output to <run dir>/logs/.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.launcher.output import RankOutput
 from megarl.launcher.preflight_run import tokenizer_available
-from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent, tell_launcher
+from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent, exit_now, tell_launcher
 from megarl.parallel.supervise import LogCopy, run_tree
 from megarl.launcher.preflight import bootstrap_and_check
 
@@ -44,7 +44,7 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     if nproc > 1:
         # The static rendezvous: its store holds JSON and bytes. --standalone's c10d rendezvous keeps
         # pickled state in a store any local user can write, and unpickles it (docs/security.md).
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=static", "--nnodes=1", "--node-rank=0",
+        cmd = [sys.executable, "-m", "megarl.parallel.torchrun", "--rdzv-backend=static", "--nnodes=1", "--node-rank=0",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--nproc_per_node={nproc}",
                "-m", "megarl.train", *argv]
         # torchrun's banner about OMP_NUM_THREADS appears only when it is unset; launch/torchrun.sh's rule.
@@ -148,5 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
 
 
+def program() -> None:
+    """`megarl-train` and `python -m megarl.train`: main(), then a quick exit (lifecycle.exit_now)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

@@ -163,7 +163,8 @@ def _ranks_of(proc: subprocess.Popen, cmd: list[str]) -> list:
     """The rank processes: torchrun's children, or the child itself when it is the only rank."""
     try:
         child = psutil.Process(proc.pid)
-        return child.children() if "torch.distributed.run" in cmd else [child]
+        torchrun = "torch.distributed.run" in cmd or "megarl.parallel.torchrun" in cmd
+        return child.children() if torchrun else [child]
     except psutil.NoSuchProcess:
         return []
 

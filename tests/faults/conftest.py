@@ -3,7 +3,8 @@
 `sync_reference` / `async_reference`: an uninterrupted run of STEPS steps.
 `sync_chain` / `async_chain`: that reference run, and one run directory taken through
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
-rank 0 there, megarl/trainer/faults.py), a torn last line in metrics.jsonl, and a final resume.
+rank 0 there, megarl/trainer/faults.py; the sync chain also between a step's checkpoint and its
+metrics record), a torn last line in metrics.jsonl, and a final resume.
 The async chain's first kill parks the rollout rank instead, inside its stream: batch 4 finished
 in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness 2, chunks of 1).
 """
@@ -14,12 +15,14 @@ import time
 
 import pytest
 
+from megarl.trainer.metrics import read_metrics
 from tests.faults.runs import Launch, async_overrides, lock_is_free, overrides
 
 STEPS = 5
 # (fault point, the checkpoint the next launch resumes from)
-KILL_POINTS = [("pause@step:3", 2), ("pause@save:4", 2), ("pause@sync:5", 4)]
-ASYNC_KILL_POINTS = [("pause@stream:5:2", 2), *KILL_POINTS[1:]]
+# `record`: step 4's checkpoint complete, its metrics record not yet written; the resume writes it.
+KILL_POINTS = [("pause@step:3", 2), ("pause@save:4", 2), ("pause@record:4", 4), ("pause@sync:5", 4)]
+ASYNC_KILL_POINTS = [("pause@stream:5:2", 2), ("pause@save:4", 2), ("pause@sync:5", 4)]
 TORN = '{"step": 5, "critic/score/mean": 0.5, "actor/pg_l'
 
 
@@ -46,7 +49,8 @@ def _chain(model_dir, root, make_args, reference, kill_points=KILL_POINTS) -> di
         kills.append({"fault": fault, "reached": reached, "out": launch.out, "left": launch.left_after(10),
                       "lock_free": lock_is_free(run_dir), "resumes_from": resumes_from,
                       "pointer": (run_dir / "latest_checkpointed_iteration.txt").read_text().strip(),
-                      "dirs": sorted(os.listdir(run_dir))})
+                      "dirs": sorted(os.listdir(run_dir)),
+                      "logged": sorted({r["step"] for r in read_metrics(str(run_dir))})})
     with open(run_dir / "metrics.jsonl", "a") as f:   # a kill in the middle of a metrics write
         f.write(TORN)
     rc, final_out = Launch(make_args(model_dir, run_dir, STEPS)).finish()

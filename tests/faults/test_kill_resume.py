@@ -1,4 +1,4 @@
-"""SIGKILL of a whole run at a step, a save and a weight sync (sync and async trainers): each
+"""SIGKILL of a whole run at a step, a save, a metrics record (sync) and a weight sync (sync and async trainers): each
 resume continues bitwise (CPU fp32) as the run that was never killed, metrics and weights."""
 import pytest
 import torch
@@ -36,6 +36,11 @@ def check_chain(chain):
 @pytest.mark.timeout(900)
 def test_sync_trainer_survives_every_kill_point(sync_chain):
     check_chain(sync_chain)
+    # Killed once step 4's checkpoint was complete and before its metrics record: the pointer named
+    # step 4 while the record was missing; the resume from step 4 wrote it (check_chain: the same
+    # records as the reference run's).
+    record = next(kill for kill in sync_chain["kills"] if kill["fault"] == "pause@record:4")
+    assert record["pointer"] == "4" and 3 in record["logged"] and 4 not in record["logged"], record
 
 
 @pytest.mark.timeout(900)
