@@ -33,7 +33,7 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
     from megarl.models.hf_checkpoint import save_hf
     from megarl.models.lora_options import checkpoint_adapters, is_adapter_name, merge_into_hf
     from megarl.models.spec import ModelSpec
-    from megarl.workers.checkpoint import HF_DIR, plain_tensors, read_meta
+    from megarl.workers.checkpoint import HF_DIR, plain_tensors, read_meta, saved_converters
 
     if not dist.is_initialized():  # megatron's reader wants a process group; one rank is enough
         with socket.socket() as s:
@@ -52,7 +52,7 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
         target = getattr(torch, dtype or meta["hf_dtype"])
         config["dtype"] = str(target).replace("torch.", "")
         whole = plain_tensors(src)
-        lora = meta.get("lora")
+        lora = saved_converters(meta).get("lora")
         if peft_adapter and not lora:
             raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without lora_rank); drop --peft-adapter")
         adapters = checkpoint_adapters(whole)

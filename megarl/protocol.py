@@ -73,13 +73,13 @@ class TensorBatch(MutableMapping):
     def __contains__(self, key: object) -> bool:
         return key in self._data
 
-    def keys(self):  # type: ignore[override]
+    def keys(self):
         return self._data.keys()
 
-    def items(self):  # type: ignore[override]
+    def items(self):
         return self._data.items()
 
-    def values(self):  # type: ignore[override]
+    def values(self):
         return self._data.values()
 
     def __repr__(self) -> str:

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
     try:
-        return record(run)(cfg, config_path=args.config, overrides=args.overrides)
+        return record(run)(cfg, config_path=args.config, overrides=args.overrides) or 0   # record's type allows None
     finally:
         if lock is not None:
             lock.release()

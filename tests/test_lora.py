@@ -114,7 +114,7 @@ def check_lora(rank, world, path: str, adapter_file: str, ref: dict, ckpt_dir: s
         # weight sync reads merged shards: W + scale B A against PEFT's fp32 merge
         src = ShardSource.from_actor(actor)
         worst, merged_names = 0.0, 0
-        for name in src.params.merged:
+        for name in src.params.computed:       # the entries read merged (converters.ExportedParams)
             pieces = {s.hf_name: s.take(ref["merged"][s.hf_name]) for s in hf_slices(name, actor.spec, src.tp_rank, tp)}
             worst = max(worst, diff(src.params[name], assemble(name, pieces, actor.spec, src.tp_rank, tp)))
             merged_names += 1

@@ -1,15 +1,20 @@
 """The model-converter hook (megarl/models/converters.py): a converter named in the model config
 runs on the built, loaded chunks before DDP and the optimizer wrap them, so the optimizer never
-sees what it froze; with none configured nothing changes; an unknown name is refused in one line.
+sees what it froze; with none configured nothing changes; an unknown name is refused in one line;
+a converter's hooks are what exports, weight syncs, the reference and checkpoints ask.
 
     python -m pytest -q tests/test_model_converters.py
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 from torch import nn
 
-from megarl.models.converters import Converter, build_model_converters, register_converter
+from megarl.models.converters import (Converter, ConverterHooks, ExportedParams, build_model_converters,
+                                     checkpoint_mismatch, register_converter)
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks
 
@@ -64,3 +69,69 @@ def test_converters_in_config_order_and_refusals():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="already registered"):
         register_converter(FREEZE)(freeze_embeddings)
+
+
+class Gain(ConverterHooks):
+    """Adds a trainable gain after each linear: exports fold it into the weight; the original
+    model is the gain held at 1."""
+
+    def __call__(self, chunks: list[nn.Module]) -> None:
+        for m in chunks:
+            m.gain = nn.Parameter(torch.full((), 3.0))
+            m.register_forward_hook(lambda mod, args, out: out * mod.gain)
+
+    def added(self, name: str) -> bool:
+        return name == "gain"
+
+    def exported(self, chunk: nn.Module) -> dict:
+        return {"weight": lambda: (chunk.weight * chunk.gain).detach()}
+
+    @contextlib.contextmanager
+    def original(self, chunks):
+        saved = [m.gain.detach().clone() for m in chunks]
+        with torch.no_grad():
+            for m in chunks:
+                m.gain.fill_(1.0)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, g in zip(chunks, saved):
+                    m.gain.copy_(g)
+
+
+register_converter("test_gain", checkpoint_label="a gain", fix="set test_gain as at the save")(lambda opts: Gain())
+register_converter("test_plain")(lambda opts: lambda chunks: None)
+
+
+def test_what_megarl_asks_of_a_converter_comes_from_its_hooks():
+    """Exports and weight syncs read a hook's values, the reference its original model, and the
+    checkpoint its options: the same calls the engine, ShardSource, the reference and
+    workers/checkpoint.py make (tests/test_lora.py runs them on megatron with LoRA)."""
+    torch.manual_seed(0)
+    chunk = nn.Linear(3, 2, bias=False)
+    x = torch.randn(4, 3)
+    before = chunk(x).detach()
+    conv = build_model_converters({"test_plain": {}, "test_gain": {}})
+    conv.convert([chunk])
+    assert torch.allclose(chunk(x), 3 * before)
+    assert conv.added("gain") and not conv.added("weight")
+    assert [n for n, _ in chunk.named_parameters() if not conv.added(n)] == ["weight"]
+    value = conv.export_value([chunk])
+    assert torch.equal(value(chunk.weight), 3 * chunk.weight.detach())
+    params = ExportedParams({"weight": chunk.weight.data}, conv.exported(chunk))
+    assert torch.equal(params["weight"], 3 * chunk.weight.detach())
+    with conv.original([chunk]):
+        assert torch.equal(chunk(x), before)
+    assert torch.allclose(chunk(x), 3 * before)
+    # a plain function converter has nothing to add, export or undo
+    plain = build_model_converters(["test_plain"])
+    assert not plain.added("gain") and plain.exported(chunk) == {}
+    with plain.original([chunk]):
+        assert torch.allclose(chunk(x), 3 * before)
+    # checkpoints: only converters registered with a label shape one
+    assert conv.options == {"test_plain": {}, "test_gain": {}}
+    assert checkpoint_mismatch({"test_gain": {}}, conv.options) is None
+    assert checkpoint_mismatch({}, conv.options) == ("saved with a gain None, this role has {}; "
+                                                     "set test_gain as at the save")
+    assert checkpoint_mismatch({"test_gain": {}}, {"test_gain": {}, "test_plain": {"k": 1}}) is None

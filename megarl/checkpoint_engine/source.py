@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.models import lora
 from megarl.models.convert import expert_of, to_global, to_local
-from megarl.models.lora_options import is_adapter_name
+from megarl.models.converters import ExportedParams
 from megarl.models.spec import ModelSpec
 from megarl.parallel import state
 
@@ -45,17 +44,18 @@ class ShardSource:
         """The actor's live shards (`model_chunks`, one `layer_offsets` entry each) and megatron's groups."""
         eng = actor.engine
         lay = eng.layout
-        params, merged = {}, {}
+        params, computed = {}, {}
         offsets = getattr(actor, "layer_offsets", None) or [actor.layer_offset]
         for chunk, offset in zip(actor.model_chunks, offsets, strict=True):
             expert_offset = getattr(eng, "expert_offset", 0)
             for local, p in chunk.named_parameters():
-                if not is_adapter_name(local):
+                if not eng.converters.added(local):
                     params[to_global(local, offset, expert_offset)] = p.data
-            # LoRA: the engine receives W + scale B A, merged from the live adapters at each read
-            merged.update({to_global(n, offset, expert_offset): fn for n, fn in lora.merged_weights(chunk).items()})
-        if merged:
-            params = lora.MergedParams(params, merged)
+            # a converter's exported values (LoRA: W + scale B A from the live adapters), at each read
+            exported = eng.converters.exported(chunk)
+            computed.update({to_global(n, offset, expert_offset): fn for n, fn in exported.items()})
+        if computed:
+            params = ExportedParams(params, computed)
         return cls(spec=actor.spec, tp=lay.tp, pp=lay.pp, tp_rank=lay.tp_rank, pp_rank=lay.pp_rank,
                    dp_rank=lay.dp_rank, params=params, head=eng.es.head,
                    tp_group=state.tp_group() if lay.tp > 1 else None,

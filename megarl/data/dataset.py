@@ -158,7 +158,8 @@ class RLDataset:
             tokens = self._fit(tokens, path, where, cut)
             if tokens is None:
                 continue
-            rm = row.get("reward_model") if isinstance(row.get("reward_model"), dict) else {}
+            rm = row.get("reward_model")
+            rm = rm if isinstance(rm, dict) else {}
             self.items.append({
                 "raw_prompt": row[cfg.prompt_key],
                 "prompt_token_ids": list(tokens),

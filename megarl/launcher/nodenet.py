@@ -27,7 +27,7 @@ class NodeNetError(Exception):
 
 def resolve(host: str) -> str:
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except OSError:
         raise NodeNetError(f"MASTER_ADDR={host} does not resolve on {socket.gethostname()}; set it to the first "
                            "node's address or a name every node resolves (under Slurm: its NodeAddr)") from None

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
-from megarl.models.converters import Converter, register_converter
-from megarl.models.lora_options import LINEARS, SUFFIX, LoraOptions, parse_targets, peft_key
+from megarl.models.converters import ConverterHooks, Exports, register_converter
+from megarl.models.lora_options import LINEARS, SUFFIX, LoraOptions, is_adapter_name, parse_targets, peft_key
 
 
 class LoraAdapter(nn.Module):
@@ -180,7 +180,7 @@ def disabled(chunks: list[nn.Module]):
             a.enabled = True
 
 
-def merged_weights(chunk: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+def merged_weights(chunk: nn.Module) -> Exports:
     """{local weight name: () -> W + scale B A} for every adapted linear of one chunk: this rank's
     shard, merged in fp32 from the live parameters when called, cast back to the weight's dtype."""
     out = {}
@@ -192,32 +192,9 @@ def merged_weights(chunk: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
     return out
 
 
-def merged_value(chunks: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """param -> what an HF export holds for it: W + scale B A for an adapted weight, else the
-    parameter itself (detached)."""
-    merged = {}
-    for chunk in chunks:
-        for name, fn in merged_weights(chunk).items():
-            merged[id(chunk.get_parameter(name))] = fn
-    return lambda p: merged[id(p)]() if id(p) in merged else p.detach()
-
-
 def _merge(w: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
     with torch.no_grad():
         return (w.detach().float() + adapter.delta()).to(w.dtype)
-
-
-class MergedParams(dict):
-    """name -> tensor, where an adapted weight's entry is merged when it is read (so every weight
-    sync sends the adapters as they are then, and no merged copy outlives its read)."""
-
-    def __init__(self, base: dict[str, torch.Tensor], merged: dict[str, Callable[[], torch.Tensor]]):
-        super().__init__(base)
-        self.merged = merged
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        fn = self.merged.get(name)
-        return fn() if fn is not None else super().__getitem__(name)
 
 
 def apply_lora(chunks: list[nn.Module], opts: LoraOptions) -> list[LoraAdapter]:
@@ -235,18 +212,36 @@ def apply_lora(chunks: list[nn.Module], opts: LoraOptions) -> list[LoraAdapter]:
     return added
 
 
-@register_converter("lora")
-def lora(options: dict) -> Converter:
+class Lora(ConverterHooks):
+    """The `lora` converter: adapters added and the base frozen; exports and weight syncs read the
+    merged weights; the original model is the base with every adapter off."""
+
+    def __init__(self, opts: LoraOptions):
+        self.opts = opts
+
+    def __call__(self, chunks: list[nn.Module]) -> None:
+        apply_lora(chunks, self.opts)
+
+    def added(self, name: str) -> bool:
+        return is_adapter_name(name)
+
+    def exported(self, chunk: nn.Module) -> Exports:
+        return merged_weights(chunk)
+
+    def original(self, chunks: list[nn.Module]):
+        return disabled(chunks)
+
+
+@register_converter("lora", checkpoint_label="LoRA",
+                    fix="set actor_rollout_ref.model.lora_rank / lora_alpha / target_modules as at the save")
+def lora(options: dict) -> Lora:
     opts = LoraOptions(rank=int(options["rank"]), alpha=float(options.get("alpha", options["rank"])),
                        target_modules=parse_targets(options.get("target_modules", "all-linear")),
                        dropout=float(options.get("dropout", 0.0)), seed=int(options.get("seed", 0)))
     if opts.rank <= 0 or not 0 <= opts.dropout < 1:
         raise ValueError(f"lora converter: rank must be > 0 (got {opts.rank}) and dropout in [0, 1) "
                          f"(got {opts.dropout})")
-
-    def convert(chunks: list[nn.Module]) -> None:
-        apply_lora(chunks, opts)
-    return convert
+    return Lora(opts)
 
 
 # -- PEFT's names: load and export ------------------------------------------------------------------

@@ -104,9 +104,10 @@ class LogCopy:
     the ranks' last lines; a write that fails anyway is one line on stderr, never a traceback."""
 
     def __init__(self, path: str):
-        self.path, self.fd, self.size, self.reserved = (path, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                                                      0o644), 0, 0)
-        self.size = os.fstat(self.fd).st_size
+        self.path, self.size, self.reserved = path, 0, 0
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.fd: int | None = fd
+        self.size = os.fstat(fd).st_size
         self._reserve()
 
     def _reserve(self) -> None:
@@ -176,6 +177,7 @@ def run_tree(cmd: list[str], env: dict | None, sink: Callable[[bytes], None]) ->
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=_child_preexec if sys.platform.startswith("linux") else None)
+    assert proc.stdout is not None         # stdout=PIPE
     fd = proc.stdout.fileno()
     stopped = 0
     try:

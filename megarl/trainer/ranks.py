@@ -75,8 +75,7 @@ class Ranks:
             f"(actor, reference" + (", critic" if cfg.critic.enable else "") + ")"
             + ("; sequence parallel" if cfg.actor.megatron.sequence_parallel_on else "")
             + (f"; virtual pipeline {t.vpp} chunks per stage" if t.vpp > 1 else "")
-            + (f"; LoRA rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha:g}, on {cfg.model.target_modules} "
-               "(base frozen; the reference is the base)" if cfg.model.lora_rank else ""),
+            + cfg.model.converters_summary(),
             f"rollout: engine '{ro.name}', {ro.placement}"
             + (f" (ranks {self.n_trainers}-{self.n_trainers + self.rollout_tp * self.rollout_dp - 1})"
                if self.role != "colocated" else "") + f", TP {self.rollout_tp} x DP {self.rollout_dp}, "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.models.lora_options import parse_targets
 from megarl.models.routing_replay import KEY as ROUTES
 from megarl.parallel import state
 from megarl.protocol import DataProto
@@ -51,14 +50,8 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
 
 
 def converter_config(model: ModelConfig) -> dict[str, dict]:
-    """model.converters as name -> options, with the `lora` converter (megarl/models/lora.py) added
-    when lora_rank > 0."""
-    named = dict(model.converters) if isinstance(model.converters, dict) else {n: {} for n in model.converters}
-    if model.lora_rank:
-        named["lora"] = {"rank": model.lora_rank, "alpha": float(model.lora_alpha),
-                         "target_modules": list(parse_targets(model.target_modules)),
-                         "dropout": float(model.lora_dropout)}
-    return named
+    """The role's model converters, name -> options (ModelConfig.converter_options)."""
+    return model.converter_options()
 
 
 def _distributed_optimizer(mc) -> bool:

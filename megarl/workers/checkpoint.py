@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarl.models.converters import checkpoint_mismatch
 from megarl.models.hf_checkpoint import AUX_FILES
 from megarl.workers.optim import load_optimizer, prime_for_load
 
@@ -41,8 +42,8 @@ OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointMismatch(ValueError):
-    """A checkpoint that is whole but not this role's (another head, vocabulary padding, LoRA
-    setting or model): the message names what differs and the fix."""
+    """A checkpoint that is whole but not this role's (another head, vocabulary padding, model
+    converter such as LoRA, or model): the message names what differs and the fix."""
 
 
 def read_meta(path: str) -> dict:
@@ -60,13 +61,15 @@ def _meta(engine) -> dict:
     return {"hf_config": spec.hf_config, "head": engine.es.head, "padded_vocab": spec.padded_vocab(engine.layout.tp),
             "sched_step": engine.sched_step, "hf_dtype": str(engine.hf_dtype).replace("torch.", ""),
             "saved_layout": [engine.layout.tp, engine.layout.pp], "saved_cp_vpp": [engine.layout.cp, engine.layout.vpp],
-            "lora": _lora(engine)}
+            "converters": engine.converters.options}
 
 
-def _lora(engine) -> dict | None:
-    """The LoRA converter's options (rank, alpha, targets, dropout), or None without LoRA."""
-    conv = engine.es.converters
-    return dict(conv["lora"]) if isinstance(conv, dict) and "lora" in conv else None
+def saved_converters(meta: dict) -> dict:
+    """The model converters a checkpoint was saved with, name -> options (a checkpoint written
+    before they were recorded holds its LoRA settings under "lora")."""
+    if "converters" in meta:
+        return dict(meta["converters"])
+    return {"lora": meta["lora"]} if meta.get("lora") else {}
 
 
 def save_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
@@ -95,9 +98,9 @@ def load_checkpoint(path: str, engine, with_optimizer: bool = True) -> None:
         raise CheckpointMismatch(f"{path}: padded vocabulary {meta['padded_vocab']} differs from {pv} at "
                                  f"TP={engine.layout.tp} (saved with a TP that is not a power of two); load it with "
                                  "the TP it was saved with")
-    if meta.get("lora") != _lora(engine):
-        raise CheckpointMismatch(f"{path}: saved with LoRA {meta.get('lora')}, this role has {_lora(engine)}; set "
-                                 "actor_rollout_ref.model.lora_rank / lora_alpha / target_modules as at the save")
+    differs = checkpoint_mismatch(saved_converters(meta), engine.converters.options)
+    if differs:
+        raise CheckpointMismatch(f"{path}: {differs}")
     engine.onload()
     model_sd = _model_state(engine)
     sd = dict(model_sd)

@@ -70,6 +70,29 @@ class ModelConfig(Section):
             except ValueError as err:
                 require(False, "target_modules" if "target_modules" in str(err) else "lora_rank", str(err))
 
+    def converter_options(self) -> dict[str, dict[str, Any]]:
+        """`converters` as name -> options, with the `lora` converter (megarl/models/lora.py) added
+        when lora_rank > 0."""
+        named = dict(self.converters) if isinstance(self.converters, dict) else {n: {} for n in self.converters}
+        if self.lora_rank:
+            named["lora"] = {"rank": self.lora_rank, "alpha": float(self.lora_alpha),
+                             "target_modules": list(parse_targets(self.target_modules)),
+                             "dropout": float(self.lora_dropout)}
+        return named
+
+    @property
+    def reference_is_base(self) -> bool:
+        """The reference policy is the actor's own model before its converters (LoRA's frozen base),
+        not a model of its own."""
+        return bool(self.lora_rank)
+
+    def converters_summary(self) -> str:
+        """The start-up line's words for what the converters do to the trainer ("" for none)."""
+        if not self.lora_rank:
+            return ""
+        return (f"; LoRA rank {self.lora_rank}, alpha {self.lora_alpha:g}, on {self.target_modules} "
+                "(base frozen; the reference is the base)")
+
 
 
 @dataclass

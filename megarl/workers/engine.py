@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from megarl.models import lora  # also registers the "lora" model converter
 from megarl.models.converters import build_model_converters
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.parallel import cpu_compat, state
@@ -91,7 +90,9 @@ class MegatronEngine(cpu_compat.Boundary):
             self.shards.load_hf(ckpt)
         # after the HF load (a converter sees real weights) and before the wrap, so DDP's buffers
         # and the optimizer see the converted parameters
-        build_model_converters(es.converters).convert(self.models)
+        self.converters = build_model_converters(es.converters)
+        self.converters.convert(self.models)
+        self.shards.added = self.converters.added      # what a converter added is not the model's own
         self.chunks = self.shards.wrap()
         self.update = Update(self.shards, self.chunks, es) if es.trainable else None
         self.optimizer = self.update.optimizer if self.update else None
@@ -145,9 +146,10 @@ class MegatronEngine(cpu_compat.Boundary):
     def hf_tensors(self):
         """(HF name, full tensor) for this pipeline stage, TP shards all-gathered (every TP rank
         yields the same; at TP=1 some are views of the live weights). A simple exporter; the
-        checkpoint engine plans its own transfers. With LoRA: the merged weights."""
+        checkpoint engine plans its own transfers. A converter's exported values where it has them
+        (LoRA: the merged weights)."""
         self.onload()
-        return self.shards.export(lora.merged_value(self.models))
+        return self.shards.export(self.converters.export_value(self.models))
 
     def hf_grads(self):
         """(HF name, full accumulated gradient) for this stage, like hf_tensors (checks and debugging)."""

@@ -3,18 +3,15 @@
     ref = ReferenceWorker.from_config(cfg)
     ref_log_prob = ref.compute_ref_log_prob(batch, temperature=1.0)     # [B, R]
 
-With LoRA (model.lora_rank > 0) the reference is the actor's own frozen base: its log-probs come
-from the actor's shards with every adapter off (`ReferenceWorker.base_of(actor, ...)`), so no
-second copy of the weights is built.
+Where the model config makes the reference the actor's own base (ModelConfig.reference_is_base:
+LoRA), its log-probs come from the actor's shards as they were before the model converters (LoRA:
+every adapter off; `ReferenceWorker.base_of(actor, ...)`), so no second copy of the weights is built.
 
 With ref.param_offload (or ref.megatron.param_offload) the weights wait in pinned host memory
 between calls; on CPU they are there already, so the flag changes nothing (one warning says so).
 """
 from __future__ import annotations
 
-import contextlib
-
-from megarl.models import lora
 from megarl.parallel import state
 from megarl.protocol import DataProto
 from megarl.workers.actor import engine_spec
@@ -39,7 +36,7 @@ class ReferenceWorker:
 
     @classmethod
     def base_of(cls, actor, ref: RefConfig, micro_batch_size: int = 4) -> "ReferenceWorker":
-        """The LoRA actor's base model as the reference: the actor's engine, adapters disabled while
+        """The actor's base model as the reference: the actor's engine, its converters undone while
         it runs (its weights are the actor's, so ref.param_offload has nothing of its own to move)."""
         self = cls.__new__(cls)
         self.cfg, self.engine, self.offload_kw = ref, actor.engine, {}
@@ -48,7 +45,7 @@ class ReferenceWorker:
 
     @classmethod
     def from_config(cls, cfg, actor=None) -> "ReferenceWorker":
-        if cfg.model.lora_rank:    # megarl/experiment.py refuses a layout or offload of its own
+        if cfg.model.reference_is_base:   # megarl/experiment.py refuses a layout or offload of its own
             return cls.base_of(actor, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu)
         return cls(cfg.model, cfg.actor_rollout_ref.ref, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.dtype)
 
@@ -61,8 +58,7 @@ class ReferenceWorker:
                                     temperature, False)
 
         budget = self.cfg.log_prob_max_token_len_per_gpu if self.cfg.log_prob_use_dynamic_bsz else None
-        base = lora.disabled(eng.models) if eng.es.converters and "lora" in eng.es.converters \
-            else contextlib.nullcontext()
+        base = eng.converters.original(eng.models)       # a LoRA actor's base: its adapters off
         try:
             # R3: the reference replays the rollout's routes too (RefConfig.router_replay says why)
             routes = "replay" if self.cfg.router_replay.mode == "R3" else None

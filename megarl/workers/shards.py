@@ -11,6 +11,8 @@ megarl/models/convert.py maps to HF names.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -22,7 +24,6 @@ from megarl.models import mcore
 from megarl.models.build import build_gpt, transformer_config
 from megarl.models.convert import assemble, expert_of, hf_slices, megatron_names, megatron_to_hf, to_global, to_local
 from megarl.models.hf_checkpoint import HFCheckpoint
-from megarl.models.lora_options import is_adapter_name
 from megarl.models.spec import ModelSpec
 from megarl.parallel import cpu_compat, state
 from megarl.workers.logprob import hidden_to_head
@@ -33,6 +34,8 @@ class Shards(cpu_compat.Boundary):
     def __init__(self, es: EngineSpec, spec: ModelSpec, dtype: torch.dtype):
         mcore.require()
         self.es, self.spec, self.dtype = es, spec, dtype
+        # parameter names a model converter added (set by the engine once they convert the chunks)
+        self.added: Callable[[str], bool] = lambda name: False
         self.layout = state.init_model_parallel(es.tp, es.pp, es.seed, cp=es.cp, vpp=es.vpp, ep=es.ep)
         self.device = state.device()
         self.config = transformer_config(spec, es.tp, es.pp, dtype, sequence_parallel=es.sequence_parallel,
@@ -95,11 +98,11 @@ class Shards(cpu_compat.Boundary):
             yield from m.parameters()
 
     def named_global_parameters(self):
-        """(global megatron name, parameter) over every chunk of this rank: the model's own, not a
-        LoRA adapter's (megarl/models/lora.py names and exports those)."""
+        """(global megatron name, parameter) over every chunk of this rank: the model's own, not
+        what a model converter added (a LoRA adapter: the converter exports those itself)."""
         for m, off in zip(self.models, self.offsets):
             for local, p in m.named_parameters():
-                if not is_adapter_name(local):
+                if not self.added(local):
                     yield to_global(local, off, self.expert_offset), p
 
     def head_weight(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ import json
 import os
 import random
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 DATA_SOURCE = "addition"
@@ -43,7 +44,7 @@ class AdditionTask:
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return rng.randint(low, 10 ** digits - 1)
 
-    def problems(self, seed: int, exclude: set[tuple[int, int]] = frozenset()) -> Iterator[tuple[int, int]]:
+    def problems(self, seed: int, exclude: AbstractSet[tuple[int, int]] = frozenset()) -> Iterator[tuple[int, int]]:
         """An endless deterministic stream of (a, b), skipping `exclude`."""
         rng = random.Random(seed)
         while True:
@@ -79,7 +80,8 @@ def make_row(a: int, b: int, split: str, index: int) -> dict:
 
 
 def take_unique(stream: Iterator[tuple[int, int]], count: int, exclude: set) -> list[tuple[int, int]]:
-    out, seen = [], set(exclude)
+    out: list[tuple[int, int]] = []
+    seen = set(exclude)
     if count <= 0:
         return out
     for pair in stream:
