@@ -52,6 +52,17 @@ def parse_targets(targets) -> tuple[str, ...]:
     return tuple(p for p in PROJECTIONS if p in out)
 
 
+def converter_entry(model) -> dict[str, dict]:
+    """verl's LoRA keys of a model config (lora_rank, lora_alpha, target_modules, lora_dropout) as
+    the `lora` converter's entry, {"lora": options}; {} where lora_rank is 0. The keys act here:
+    megarl/models/lora.py builds the converter from these options."""
+    if not model.lora_rank:
+        return {}
+    return {"lora": {"rank": model.lora_rank, "alpha": float(model.lora_alpha),
+                     "target_modules": list(parse_targets(model.target_modules)),
+                     "dropout": float(model.lora_dropout)}}
+
+
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter's name is a LoRA adapter's (`...linear_qkv_lora.A_q_proj`)."""
     return any(f".{kind}{SUFFIX}." in name or name.startswith(kind + SUFFIX + ".") for kind in LINEARS)

@@ -119,8 +119,8 @@ def tell_launcher(err: BaseException) -> None:
 def exit_now(code: int) -> None:
     """End this process as a normal exit does, less the interpreter's teardown: threads joined,
     atexit handlers run (logging, Ray, torch's own), every open file flushed, then os._exit. With
-    torch and megatron loaded the teardown (freeing every module) takes about a second per process;
-    it wrote nothing, so a launch of the quickstart ends that much sooner."""
+    torch and megatron loaded the teardown (freeing every module) takes about a second per process
+    and writes nothing a run needs, so a launch of the quickstart ends that much sooner."""
     # The interpreter's own exit sequence, its private steps named: threading's exit hooks (they
     # stop idle ThreadPoolExecutor workers) then every non-daemon thread joined; then atexit.
     threading._shutdown()               # type: ignore[attr-defined]
@@ -137,4 +137,4 @@ def exit_now(code: int) -> None:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    os._exit(code if isinstance(code, int) else 1)
+    os._exit(0 if code is None else code if isinstance(code, int) else 1)     # as sys.exit reads it

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.config.typed import Section, require
-from megarl.models.lora_options import LoraOptions, parse_targets
+from megarl.models.lora_options import LoraOptions, converter_entry, parse_targets
 
 
 CHECKPOINT_KWARGS = {"activations_checkpoint_granularity": "recompute_granularity",
@@ -74,11 +74,7 @@ class ModelConfig(Section):
         """`converters` as name -> options, with the `lora` converter (megarl/models/lora.py) added
         when lora_rank > 0."""
         named = dict(self.converters) if isinstance(self.converters, dict) else {n: {} for n in self.converters}
-        if self.lora_rank:
-            named["lora"] = {"rank": self.lora_rank, "alpha": float(self.lora_alpha),
-                             "target_modules": list(parse_targets(self.target_modules)),
-                             "dropout": float(self.lora_dropout)}
-        return named
+        return {**named, **converter_entry(self)}
 
     @property
     def reference_is_base(self) -> bool:
