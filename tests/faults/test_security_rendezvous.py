@@ -89,9 +89,9 @@ os._exit(0)
 """
 
 
-def poison(tag: str, marker) -> dict:
-    """Overwrite every key of every store the run listens with: raw pickles, and c10d's base64
-    form under the rendezvous key names. Returns {address: keys written}.
+def poison(tag: str, ports: set[tuple[str, int]], marker) -> dict:
+    """Overwrite every key of every store among `ports` (the run's listening ports): raw pickles,
+    and c10d's base64 form under the rendezvous key names. Returns {address: keys written}.
 
     All ports at once, from a child process that waits ATTACH_S and then exits: a store answers
     within milliseconds, while a port that is not one (gloo's listeners reset the client) costs
@@ -99,7 +99,7 @@ def poison(tag: str, marker) -> dict:
     which the child's exit ends. The caller tries again if no store answered in time."""
     job = {"raw": base64.b64encode(pickle.dumps(_Touch(marker))).decode(), "attach_s": ATTACH_S,
            "names": sorted(f"torch.rendezvous.{i}" for i in rendezvous_ids(tag)),
-           "ports": sorted(listening_ports(tag))}
+           "ports": sorted(ports)}
     out = subprocess.run([sys.executable, "-c", ATTACHER], input=json.dumps(job), capture_output=True,
                          text=True, timeout=ATTACH_S + 120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -133,7 +133,7 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
     ports, written = set(), {}
     for _ in range(4):
         ports = listening_ports(launch.tag)
-        written = poison(launch.tag, marker)
+        written = poison(launch.tag, ports, marker)
         if written or launch.proc.poll() is not None:
             break
     assert written, f"no store found among {sorted(ports)}"
