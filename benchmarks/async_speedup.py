@@ -80,16 +80,21 @@ LONGTAIL = dict(long_digits=12, long_fraction=0.1)
 LONGTAIL_MODES = ["sync", "one_step", "stream_k2", "stream_k4"]
 
 
-def longtail_extra(out: str) -> tuple[str, list[str]]:
+def longtail_extra(out: str, long_digits: int, long_fraction: float) -> tuple[str, list[str]]:
     from megarl.examples.addition.task import AdditionTask, write_dataset
-    train, val = write_dataset(os.path.join(out, "data"), AdditionTask(**LONGTAIL), n_val=128)
+    task = AdditionTask(long_digits=long_digits, long_fraction=long_fraction)
+    train, val = write_dataset(os.path.join(out, "data"), task, n_val=128)
     kw = "actor_rollout_ref.model.bootstrap_kwargs"
-    return os.path.join(out, "model-longtail"), [
+    # the chat template adds ~10 tokens to a prompt; responses: the answer and EOS, with room
+    prompt, response = task.max_prompt_chars() + 16, task.max_answer_chars() + 3
+    positions = 64 * -(-(prompt + 2 * response) // 64)   # the engine's prompt limit + response
+    return os.path.join(out, f"model-longtail-{long_digits}"), [
         f"data.train_files={os.path.abspath(train)}", f"data.val_files={os.path.abspath(val)}",
         # a partial rollout's continuation is prompt + response so far: the engine's limit covers both
-        "data.max_prompt_length=32", "data.max_response_length=16", "actor_rollout_ref.rollout.prompt_length=48",
-        f"{kw}.eval_rows=128",
-        *(f"{kw}.{k}={v}" for k, v in LONGTAIL.items())]
+        f"data.max_prompt_length={prompt}", f"data.max_response_length={response}",
+        f"actor_rollout_ref.rollout.prompt_length={prompt + response}", f"{kw}.eval_rows=128",
+        f"{kw}.long_digits={long_digits}", f"{kw}.long_fraction={long_fraction}",
+        f"{kw}.max_position_embeddings={positions}"]
 
 
 # --smoke (CI): two modes, three small steps, one round, a model warm-started for 20 steps in --out
@@ -198,11 +203,13 @@ def main() -> None:
                     help=f"one round per seed (trainer.seed), modes {' '.join(SEED_MODES)} unless --modes; prints "
                          "each mode's final held-out accuracy per seed, mean and spread")
     ap.add_argument("--longtail", action="store_true",
-                    help=f"the long-tailed task ({LONGTAIL}), modes {' '.join(LONGTAIL_MODES)} unless --modes")
+                    help=f"the long-tailed task, modes {' '.join(LONGTAIL_MODES)} unless --modes")
+    ap.add_argument("--long-digits", type=int, default=LONGTAIL["long_digits"])
+    ap.add_argument("--long-fraction", type=float, default=LONGTAIL["long_fraction"])
     args = ap.parse_args()
     args.model_bootstrap = False
     if args.longtail:
-        model, extra = longtail_extra(args.out)
+        model, extra = longtail_extra(args.out, args.long_digits, args.long_fraction)
         if "--modes" not in sys.argv:
             args.modes = LONGTAIL_MODES
         vars(args).update(model=model, extra=extra + args.extra, model_bootstrap=True)

@@ -53,6 +53,9 @@ class EngineInfo:
     sleeps: bool = True                            # free_cache_engine / enable_sleep_mode mean something to it
     min_head_dim: int = 0                          # smallest attention head size its kernels take (0: any)
     max_tp: int = 0                                # largest rollout tensor_model_parallel_size it runs (0: any)
+    # Rollout TP > 1 only with placement=colocated: its TP groups are formed over every rank of the
+    # job (vLLM's external_launcher), which a disaggregated run's trainer ranks never join.
+    tp_colocated_only: bool = False
 
     @property
     def called(self) -> str:

@@ -263,6 +263,11 @@ def check_engine_asks(ro: RolloutConfig, info: EngineInfo, key: str = "") -> Non
         raise ConfigError(f"={ro.tensor_model_parallel_size}: the {ro.name} engine runs at rollout TP {info.max_tp} or "
                           f"less in megarl ({info.summary}); set it to {info.max_tp} (each rank then runs its own "
                           "engine)", "tensor_model_parallel_size").under(key)
+    if info.tp_colocated_only and ro.tensor_model_parallel_size > 1 and ro.placement != "colocated":
+        raise ConfigError(f"={ro.tensor_model_parallel_size} with placement={ro.placement}: the {ro.name} engine forms "
+                          "its TP groups over every rank of the job, which the trainer's ranks never join; use "
+                          "placement=colocated, or tensor_model_parallel_size=1 (each rollout rank its own engine)",
+                          "tensor_model_parallel_size").under(key)
     for sleep_key in ("free_cache_engine", "enable_sleep_mode"):
         if not info.sleeps and getattr(ro, sleep_key):
             raise ConfigError(f"=true asks the {ro.name} engine to sleep between rollouts, which it cannot "

@@ -9,6 +9,7 @@ proves in CI (tests/rollout/vllm_checks.py) stands behind TensorRT-LLM's adapter
     response_budget(sp, prompt_len, max_len)   max_tokens that fits the engine's context
     completion_from_output(output, engine)     a library CompletionOutput -> Completion (sampled-token log-probs)
     copy_greedy(groups, n)            greedy asks the library for one sample and copies it n times
+    prompt_seed(seed, index)          one seed per prompt of a call (both seed each request's generator)
 
 Each library's own argument names stay in its package (rollout/vllm/, rollout/trtllm/).
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 from megarl.config.errors import ConfigError
 from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.sampling import step_seed
 
 KEY = "actor_rollout_ref.rollout"
 
@@ -83,3 +85,11 @@ def copy_greedy(groups: list[list[Completion]], sp: SamplingParams) -> list[list
         return groups
     return [[dataclasses.replace(g[0], token_ids=list(g[0].token_ids), log_probs=list(g[0].log_probs))
              for _ in range(sp.n)] for g in groups]
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of prompt `index` of a call. Both libraries seed a request's generator from its own
+    seed (vLLM 0.32.0: each of the n samples from seed + its index; TensorRT-LLM after PR #17172),
+    so one seed for every prompt of a call gives equal prompts equal samples and draws every
+    prompt's tokens from the same random numbers. One seed per prompt keeps the call reproducible."""
+    return None if seed is None else step_seed(seed, index)

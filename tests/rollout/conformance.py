@@ -133,6 +133,10 @@ def check_seed_determinism(make, dirs) -> dict:
     assert first == again, "the same seed must give the same tokens"
     assert _tokens(engine.generate(PROMPTS, sp.with_(seed=8))) != first, "another seed gave identical tokens"
     assert first[0][0] != first[0][1], "the n samples of a prompt must differ"
+    # Prompts of one call draw from streams of their own: equal prompts (a dataset's duplicates,
+    # a group's retries) give different samples, as separate calls would.
+    twice = _tokens(engine.generate([PROMPTS[0], PROMPTS[0]], sp))
+    assert twice[0] != twice[1], "equal prompts of one call drew the same samples (one random stream for all)"
     return {}
 
 

@@ -24,7 +24,7 @@ class CustomRollout(BaseRollout):
         n = sampling.n
         reps = 1 if sampling.greedy else n
         responses, log_probs = [], []
-        for prompt in batch.prompt_token_ids:
+        for index, prompt in enumerate(batch.prompt_token_ids):
             gen = GenerationConfig(max_new_tokens=sampling.max_tokens, num_return_sequences=reps,
                                    do_sample=not sampling.greedy, eos_token_id=sorted(sampling.stop_ids) or None,
                                    pad_token_id=0, output_logits=True, return_dict_in_generate=True,
@@ -32,7 +32,7 @@ class CustomRollout(BaseRollout):
                                    top_k=None if sampling.greedy or sampling.top_k == -1 else sampling.top_k,
                                    top_p=None if sampling.greedy else sampling.top_p)
             with torch.random.fork_rng():
-                torch.manual_seed(sampling.seed or 0)
+                torch.manual_seed((sampling.seed or 0) * 1_000_003 + index)   # a stream per prompt
                 out = self.model.generate(torch.tensor([list(prompt)]), generation_config=gen)
             tokens = out.sequences[:, len(prompt):]
             logits = torch.stack(out.logits, 1).float() / sampling.logprob_temperature

@@ -85,9 +85,39 @@ def test_small_heads_are_refused_naming_the_limit(tmp_path):
     cfg.check_model(json.load(open(os.path.join(big, "config.json"))))
 
 
-def test_rollout_tp_above_one_is_refused():
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size: =2: the vllm engine runs at rollout TP 1"):
-        RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False, tensor_model_parallel_size=2)
+def test_rollout_tp_above_one_runs_colocated_only():
+    """vLLM's external_launcher forms its TP groups with every rank of the job: colocated TP 2 is
+    accepted (tests/rollout/test_vllm_train.py runs it), disaggregated TP 2 is one line."""
+    keys = dict(name="vllm", free_cache_engine=False, enable_sleep_mode=False, tensor_model_parallel_size=2)
+    RolloutConfig(**keys)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size: =2 with placement=disaggregated: the vllm "
+                                          r"engine forms its TP groups over every rank.*placement=colocated") as err:
+        RolloutConfig(**keys, placement="disaggregated", disaggregated_ranks=2)
+    assert "\n" not in str(err.value)
+    RolloutConfig(**{**keys, "tensor_model_parallel_size": 1}, placement="disaggregated", disaggregated_ranks=1)
+
+
+def test_multiprocess_mode_is_refused_in_one_line(monkeypatch):
+    from megarl.rollout.vllm.args import set_environment
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ConfigError, match=r"VLLM_ENABLE_V1_MULTIPROCESSING='1'.*inside each rollout rank.*unset it"):
+        set_environment()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    set_environment()
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    set_environment()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_every_prompt_of_a_call_has_its_own_seed():
+    """vLLM seeds a request's generator from its seed (sample j from seed + j): one seed for all
+    prompts gave equal prompts equal samples (tests/rollout/conformance.py now checks it on vLLM)."""
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.vllm.args import sampling_kwargs
+    sp = SamplingParams(n=4, max_tokens=8, seed=5)
+    seeds = [sampling_kwargs(sp, 8, i)["seed"] for i in range(3)]
+    assert len(set(seeds)) == 3 and seeds == [sampling_kwargs(sp, 8, i)["seed"] for i in range(3)]
+    assert sampling_kwargs(sp.with_(seed=None), 8, 1)["seed"] is None
 
 
 def test_engine_kwargs_megarl_sets_are_refused():

@@ -16,7 +16,7 @@ Versions, by feature detection (never by version string; `detect_features`):
   CompletionOutput.routed_experts      (1.3.0rc28 docs, module source); rc29's reference pages list
                                        all three (PR #18397).
   Per-request seeds (PR #17172) change TorchSampler's internals, not a class megarl can read:
-  megarl gives every prompt its own seed anyway (`prompt_seed`); a build before the PR ignores it.
+  megarl gives every prompt its own seed anyway (`llm_api.prompt_seed`); a build before the PR ignores it.
 
 Log-probs: the trainer scores log_softmax(logits / T) of the sampled token, before top-k/top-p
 and penalties (greedy: T=1). TensorRT-LLM reports "raw" (before temperature) or "processed"
@@ -48,10 +48,9 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.config import RolloutConfig
-from megarl.rollout.sampling import step_seed
 # The rules TensorRT-LLM shares with vLLM (log-prob mode, budget, completions): megarl/rollout/llm_api.py
 from megarl.rollout.llm_api import completion_from_output as shared_completion
-from megarl.rollout.llm_api import logprob_mode, response_budget  # noqa: F401
+from megarl.rollout.llm_api import logprob_mode, prompt_seed, response_budget  # noqa: F401
 
 KEY = "actor_rollout_ref.rollout"
 KV_TAG = "kv_cache"
@@ -256,14 +255,6 @@ def end_id(sp: SamplingParams) -> int:
     eos = [] if sp.ignore_eos else list(sp.eos_token_ids)
     ids = eos or sorted(sp.stop_token_ids)
     return int(ids[0]) if ids else -1
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """The seed of prompt `index` of a call: one per prompt, so prompts (even equal ones) of a batch
-    draw different samples while the call stays reproducible. TensorRT-LLM after PR #17172 seeds
-    each request's generator from its own seed, so one seed for every prompt would give equal
-    prompts equal samples; before that PR its TorchSampler ignores the seed and nothing repeats."""
-    return None if seed is None else step_seed(seed, index)
 
 
 def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,

