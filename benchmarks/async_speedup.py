@@ -6,6 +6,7 @@ quickstart's addition task: same model, steps, seed and batch for the three.
     python benchmarks/async_speedup.py --smoke --out /tmp/async_smoke   # CI: 2 modes x 3 steps, a 20-step model
     python benchmarks/async_speedup.py --longtail --steps 16 --test-freq 16 --rounds 1 --out runs/bench/longtail
     python benchmarks/async_speedup.py --seeds 1 2 3 --steps 100 --test-freq 50 --out runs/bench/seeds
+    python benchmarks/async_speedup.py --longtail --engine-only --out runs/bench/longtail   # generation alone
 
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
     sync      rollout.placement=colocated, actor TP 2 (the quickstart's layout); each step
@@ -164,6 +165,51 @@ def expected_speedup(gen: float, train: float, sync: float, devices: int = 64, a
     return best
 
 
+def engine_only(args) -> None:
+    """The rollout rank's cost per batch on the long-tailed task, without a trainer: one whole-batch
+    generate call (what one_step does) against the same batch in chunks (what partial rollouts and
+    the stream do: each chunk re-submits prompt + response so far). The built-in engine, in this
+    process, one thread; the run's sampling (T=1, EOS stops), `--batches` batches of the training
+    data, median seconds per batch after one warm-up batch."""
+    import torch
+    from megarl.examples.addition import bootstrap
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.native.engine import NativeEngine
+    from megarl.rollout.partial import ChunkedGeneration
+    from transformers import AutoTokenizer
+    torch.set_num_threads(1)
+    extra = dict(x.split("=", 1) for x in args.extra)
+    kw = "actor_rollout_ref.model.bootstrap_kwargs."
+    bootstrap(args.model, **{k[len(kw):]: int(v) if v.isdigit() else float(v)
+                             for k, v in extra.items() if k.startswith(kw)})
+    tok = AutoTokenizer.from_pretrained(args.model)
+    with open(extra["data.train_files"]) as f:
+        rows = [json.loads(line) for line in f][:32 * (args.batches + 1)]
+    prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False).input_ids for r in rows]
+    engine = NativeEngine.from_pretrained(args.model, device="cpu")
+    sp = SamplingParams(n=8, max_tokens=int(extra["data.max_response_length"]), temperature=1.0, seed=0,
+                        eos_token_ids=[tok.eos_token_id])
+    print(f"{args.batches} batches of 32 prompts x n=8, response limit {sp.max_tokens}; median seconds per batch "
+          "(one warm-up batch first)")
+    for chunk in (0, 4, 8, 16):
+        times, longest = [], []
+        for b in range(args.batches + 1):
+            batch = prompts[32 * b:32 * (b + 1)]
+            start = time.perf_counter()
+            if chunk:
+                gen = ChunkedGeneration(batch, sp, chunk)
+                while not gen.done:
+                    gen.step(engine, 0)
+                longest.append(max(len(s.tokens) for s in gen.seqs))
+            else:
+                longest.append(max(len(c.token_ids) for g in engine.generate(batch, sp) for c in g))
+            times.append(time.perf_counter() - start)
+        name = f"chunks of {chunk}" if chunk else "whole batch"
+        print(f"  {name:14s} {statistics.median(times[1:]):.3f} s  (longest response per batch "
+              f"{' '.join(map(str, longest[1:]))})")
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -206,6 +252,8 @@ def main() -> None:
                     help=f"the long-tailed task, modes {' '.join(LONGTAIL_MODES)} unless --modes")
     ap.add_argument("--long-digits", type=int, default=LONGTAIL["long_digits"])
     ap.add_argument("--long-fraction", type=float, default=LONGTAIL["long_fraction"])
+    ap.add_argument("--engine-only", action="store_true", help="--longtail: generation alone, whole batch vs chunks")
+    ap.add_argument("--batches", type=int, default=8, help="--engine-only: batches timed")
     args = ap.parse_args()
     args.model_bootstrap = False
     if args.longtail:
@@ -213,6 +261,10 @@ def main() -> None:
         if "--modes" not in sys.argv:
             args.modes = LONGTAIL_MODES
         vars(args).update(model=model, extra=extra + args.extra, model_bootstrap=True)
+    if args.engine_only:
+        if not args.longtail:
+            raise SystemExit("--engine-only measures the long-tailed task: add --longtail")
+        return engine_only(args)
     if args.seeds:
         args.rounds = len(args.seeds)
         if "--modes" not in sys.argv:

@@ -10,6 +10,7 @@ skipped with that reason; vs_trl.py runs TRL's GRPOTrainer from TRL's own venv w
 its one-line refusal is checked and the run skipped with that line).
 """
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -222,3 +223,25 @@ def test_vs_trl_smoke(tmp_path):
     # the equal-work settings TRL actually ran with, and megarl's skipped pass
     assert '"loss_type": "dapo"' in out and '"beta": 0.0' in out and '"epsilon_high": 0.28' in out
     assert "old-log-prob pass skipped" in out and PEAK.search(out)
+
+
+def test_async_longtail_task_fits_the_model_it_builds(tmp_path):
+    """--longtail's overrides: the task's longest prompt fits data.max_prompt_length, and the model
+    it bootstraps has positions for the engine's prompt limit (prompt + a partial response) plus a
+    response (a 30-digit tail once asked for 146 positions of a 128-position model)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.async_speedup import longtail_extra
+    from megarl.examples.addition.model import build_tokenizer
+    for digits in (12, 30):
+        _, extra = longtail_extra(str(tmp_path / str(digits)), digits, 0.04)
+        kv = dict(x.split("=", 1) for x in extra)
+        positions = int(kv["actor_rollout_ref.model.bootstrap_kwargs.max_position_embeddings"])
+        response = int(kv["data.max_response_length"])
+        assert int(kv["actor_rollout_ref.rollout.prompt_length"]) + response <= positions
+        tok = build_tokenizer()
+        with open(kv["data.train_files"]) as f:
+            rows = [json.loads(line) for line in f]
+        longest = max(len(tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False).input_ids) for r in rows)
+        answer = max(len(r["reward_model"]["ground_truth"]) for r in rows)
+        assert longest <= int(kv["data.max_prompt_length"]) and answer + 1 <= response, (digits, longest, answer)
