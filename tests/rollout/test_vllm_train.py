@@ -35,7 +35,8 @@ def train(run_dir, model_path: str, *overrides: str) -> list[dict]:
     # briefly; small batches: the point is the engine's layout and its log-probs, not the reward
     cmd = [sys.executable, "-m", "megarl.train", "--config", os.path.join(ROOT, "configs", "quickstart_vllm.yaml"),
            # a bootstrap builds only the path its own config names: named again beside the path
-           f"actor_rollout_ref.model.path={model_path}", "actor_rollout_ref.model.bootstrap=megarl.examples.addition:bootstrap",
+           f"actor_rollout_ref.model.path={model_path}",
+           "actor_rollout_ref.model.bootstrap=megarl.examples.addition:bootstrap",
            "actor_rollout_ref.model.bootstrap_kwargs.warm_start_steps=30",
            "actor_rollout_ref.model.bootstrap_kwargs.eval_rows=16", f"trainer.default_local_dir={run_dir}",
            "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.val_before_train=false",
