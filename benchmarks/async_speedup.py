@@ -167,8 +167,10 @@ def expected_speedup(gen: float, train: float, sync: float, devices: int = 64, a
 
 def engine_only(args) -> None:
     """The rollout rank's cost per batch on the long-tailed task, without a trainer: one whole-batch
-    generate call (what one_step does) against the same batch in chunks (what partial rollouts and
-    the stream do: each chunk re-submits prompt + response so far). The built-in engine, in this
+    generate call (what one_step does) against the same batch in chunks as partial rollouts run
+    them: one call per chunk (each re-submits prompt + response so far: an engine that cannot
+    pause) and the built-in engine's pausable call, asked at every chunk boundary and paused once,
+    at the second (an update landing mid-batch: one re-submission). The built-in engine, in this
     process, one thread; the run's sampling (T=1, EOS stops), `--batches` batches of the training
     data, median seconds per batch after one warm-up batch."""
     import torch
@@ -192,21 +194,22 @@ def engine_only(args) -> None:
                         eos_token_ids=[tok.eos_token_id])
     print(f"{args.batches} batches of 32 prompts x n=8, response limit {sp.max_tokens}; median seconds per batch "
           "(one warm-up batch first)")
-    for chunk in (0, 4, 8, 16):
+    for chunk, pausable in ((0, False), (4, False), (8, False), (16, False), (4, True)):
         times, longest = [], []
         for b in range(args.batches + 1):
             batch = prompts[32 * b:32 * (b + 1)]
             start = time.perf_counter()
             if chunk:
                 gen = ChunkedGeneration(batch, sp, chunk)
+                asked = iter([False, True])
                 while not gen.done:
-                    gen.step(engine, 0)
+                    gen.step(engine, 0, (lambda: next(asked, False)) if pausable else None)
                 longest.append(max(len(s.tokens) for s in gen.seqs))
             else:
                 longest.append(max(len(c.token_ids) for g in engine.generate(batch, sp) for c in g))
             times.append(time.perf_counter() - start)
-        name = f"chunks of {chunk}" if chunk else "whole batch"
-        print(f"  {name:14s} {statistics.median(times[1:]):.3f} s  (longest response per batch "
+        name = (f"chunks of {chunk}" + (", pausable" if pausable else "")) if chunk else "whole batch"
+        print(f"  {name:24s} {statistics.median(times[1:]):.3f} s  (longest response per batch "
               f"{' '.join(map(str, longest[1:]))})")
 
 

@@ -338,3 +338,68 @@ def test_rollout_stream_resumes_a_batch_half_generated(tiny):
         for key in ("responses", "token_versions", "rollout_log_probs"):
             assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), key
         assert a["loader"] == b["loader"]
+
+
+def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
+    """The built-in engine's generate_pausable: never paused it returns what generate returns;
+    paused at the second boundary of chunks of 2, running samples hold 4 tokens ("paused") and
+    prompts still waiting none. ChunkedGeneration on it makes one engine call per update instead
+    of one per chunk, with the same tokens, log-probs and versions as the chunk-by-chunk path under
+    greedy decoding (the oracle test above fixes what those are)."""
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.partial import ChunkedGeneration
+    from megarl.rollout.registry import build_rollout
+    from transformers import AutoModelForCausalLM
+
+    engine = build_rollout(RolloutConfig(name="native", dtype="float32", max_num_seqs=4), tiny)
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict().items())
+    engine.finalize_weights()
+    prompts = [[5, 17, 42, 8], [3, 3, 9], [7, 8], [11, 12, 13]]
+    sp = SamplingParams(n=2, max_tokens=7, temperature=1.0, seed=4, ignore_eos=True)
+    whole = engine.generate(prompts, sp)
+    asked = []
+    never = engine.generate_pausable(prompts, sp, lambda: asked.append(1) or False, 2)
+    assert [[c.token_ids for c in g] for g in never] == [[c.token_ids for c in g] for g in whole] and asked
+    calls = iter([False, True])
+    out = engine.generate_pausable(prompts, sp, lambda: next(calls), 2)
+    # 4 rows: the first two prompts run (2 samples each), the last two wait in the queue
+    assert [[(len(c.token_ids), c.finish_reason) for c in g] for g in out] == \
+        [[(4, "paused")] * 2] * 2 + [[(0, "paused")] * 2] * 2
+
+    class Counting:                                          # counts engine calls; pausable or not
+        def __init__(self, inner, pausable: bool):
+            self.inner, self.calls = inner, 0
+            if pausable:
+                self.generate_pausable = self._counted(inner.generate_pausable)
+            self.generate = self._counted(inner.generate)
+
+        def _counted(self, fn):
+            def call(*a, **k):
+                self.calls += 1
+                return fn(*a, **k)
+            return call
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results, calls = {}, {}
+    for way in ("chunks", "pausable"):
+        counting = Counting(engine, pausable=way == "pausable")
+        gen = ChunkedGeneration(prompts[:2], greedy, chunk_tokens=2)
+        boundaries = iter([False, True])                    # an update is due at the second boundary
+        version = 0
+        while not gen.done:
+            if way == "pausable":
+                gen.step(counting, version, pause=lambda: next(boundaries, False))
+            else:
+                gen.step(counting, version)
+            version = 1 if gen.chunks_done == 2 or way == "pausable" else version   # the update lands there
+        groups, versions = gen.completions()
+        results[way] = (groups, versions)
+        calls[way] = counting.calls
+    assert calls == {"chunks": 3, "pausable": 2}             # one call per chunk; one per update
+    (chunked, v_chunks), (paused, v_paused) = results["chunks"], results["pausable"]
+    assert v_paused == v_chunks == [[0, 0, 0, 0, 1, 1]] * 2
+    for a, b in zip(chunked, paused):
+        assert a[0].token_ids == b[0].token_ids and a[0].finish_reason == b[0].finish_reason == "length"
+        # a continued sequence's KV is re-prefilled in one, decoded token by token in the other
+        assert max(abs(x - y) for x, y in zip(a[0].log_probs, b[0].log_probs)) < 1e-5

@@ -33,7 +33,9 @@ from megarl.storage import plain_state
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 
-FinishReason = Literal["stop", "length", "abort"]
+# "paused": a pausable engine stopped the sequence at a chunk boundary, unfinished (partial
+# rollouts continue it: megarl/rollout/partial.py); never part of a finished rollout.
+FinishReason = Literal["stop", "length", "abort", "paused"]
 
 
 @dataclass

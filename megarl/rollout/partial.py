@@ -13,6 +13,13 @@ version that sampled it.
         if update_pending(): sync(); version += 1
     groups, versions = gen.completions()     # per prompt, n Completions; per completion, a version per token
 
+Pausable engines (the built-in one: `generate_pausable`): given `pause`, a step is one call that
+runs to the end unless `pause()`, asked at every chunk boundary, answers True; then the unfinished
+sequences stop there and the next step re-submits them. The batch is then re-submitted only when
+a weight update lands, not at every chunk (re-submitting costs a prefill of prompt + response so
+far: chunks of 4 cost 2.0x a whole-batch generation on a long-tailed task, docs/async.md).
+Updates still land only at chunk boundaries, as before.
+
 R3 (routed experts): each chunk's prompt is the sequence so far, so its prefill routes every earlier
 token under the weights of that chunk; a sequence keeps its latest chunk's record.
 
@@ -53,29 +60,46 @@ class ChunkedGeneration:
     def done(self) -> bool:
         return all(s.finish is not None for s in self.seqs)
 
-    def step(self, engine, version: int) -> int:
-        """Generate up to chunk_tokens more for every unfinished sequence; returns the tokens added."""
+    def step(self, engine, version: int, pause=None) -> int:
+        """Generate up to chunk_tokens more for every unfinished sequence, or, on a pausable engine
+        given `pause`, until the end or until pause() says stop; returns the tokens added."""
         live = [s for s in self.seqs if s.finish is None]
         if not live:
             return 0
         sp = self.sampling
         budget = sp.max_tokens
+        pausable = pause is not None and hasattr(engine, "generate_pausable")
+        paused = [False]
+
+        def call(prompts, params):
+            if not pausable:
+                return engine.generate(prompts, params)
+
+            def ask() -> bool:
+                paused[0] = paused[0] or bool(pause())
+                return paused[0]
+            return engine.generate_pausable(prompts, params, ask, self.chunk)
+
+        def cap(left: int) -> int:
+            return left if pausable else min(self.chunk, left)
         if self.chunks_done == 0:
             # First chunk: the n samples of a prompt still share it, so the engine gets n per
             # prompt (engines share the prompt's prefill across them).
             seed = None if sp.seed is None else step_seed(sp.seed, 0)
-            out = engine.generate(self.prompts, sp.with_(max_tokens=min(self.chunk, budget), seed=seed))
+            out = call(self.prompts, sp.with_(max_tokens=cap(budget), seed=seed))
             comps = [c for group in out for c in group]
             self.chunks_done += 1
-            return sum(self._extend(s, c, version, min(self.chunk, budget)) for s, c in zip(self.seqs, comps))
+            return sum(self._extend(s, c, version, cap(budget)) for s, c in zip(self.seqs, comps))
         # Sequences with the same remaining budget share a call; usually one call per chunk.
         by_len: dict[int, list[_Seq]] = {}
         for s in live:
-            by_len.setdefault(min(self.chunk, budget - len(s.tokens)), []).append(s)
+            by_len.setdefault(cap(budget - len(s.tokens)), []).append(s)
         added = 0
         for k, (max_new, seqs) in enumerate(sorted(by_len.items())):
+            if paused[0]:                        # an update is due: the rest wait for its weights
+                break
             seed = None if sp.seed is None else step_seed(sp.seed, self.chunks_done, stream=k)
-            out = engine.generate([s.prompt + s.tokens for s in seqs], sp.with_(n=1, max_tokens=max_new, seed=seed))
+            out = call([s.prompt + s.tokens for s in seqs], sp.with_(n=1, max_tokens=max_new, seed=seed))
             added += sum(self._extend(s, group[0], version, max_new) for s, group in zip(seqs, out))
         self.chunks_done += 1
         return added
@@ -92,6 +116,8 @@ class ChunkedGeneration:
             s.finish = c.finish_reason
         elif len(s.tokens) >= self.sampling.max_tokens:
             s.finish = "length"
+        elif c.finish_reason == "paused":
+            pass                                 # stopped at a chunk boundary: continued next step
         elif c.finish_reason == "length" and len(c.token_ids) < max_new:
             s.finish = "length"                  # the engine's own context limit ended it
         return len(c.token_ids)

@@ -11,9 +11,10 @@ a time; the rest of the buffer is finished batches waiting for their hand-off.
 
     loop: hand batch h over       when the engine holds version h-1 and batch h is finished
           or start batch t        when no generation is in flight and version >= t-1-depth
-          or advance the one in flight (a whole batch, or one chunk with partial_rollout),
-             taking an update when the trainer has signalled one (with update_at_chunk=N: after
-             chunk N of batch version+1+depth, the last one the engine may start, waiting for it)
+          or advance the one in flight (a whole batch, or with partial_rollout one chunk, on a
+             pausable engine as many chunks as pass before an update is due), taking an update
+             when the trainer has signalled one (with update_at_chunk=N: after chunk N of batch
+             version+1+depth, the last one the engine may start, waiting for it)
           or wait for the next update (the buffer is full)
 
 At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
@@ -142,8 +143,12 @@ class RolloutWorker:
                                     self.acfg.partial_chunk_tokens)
 
     def advance(self, job: Pending) -> None:
-        """The in-flight batch: all of it, or (partial rollouts) one chunk in lock-step over the
-        rollout ranks, so every rank joins a weight sync at the same boundary."""
+        """The in-flight batch: all of it, or (partial rollouts) chunk by chunk in lock-step over
+        the rollout ranks, so every rank joins a weight sync at the same boundary. Lock-step is a
+        round per chunk (`_round`: who still generates, whether an update is due), which every
+        rollout rank joins: on a pausable engine from inside its generate call (the batch goes on
+        without re-submission until an update is due), else after each one-chunk call; a rank
+        whose share is done keeps joining rounds until every rank is done or an update is due."""
         began = time.perf_counter()
         if job.gen is None:
             job.batch = self.generate(job.prompts, job.t)
@@ -151,21 +156,39 @@ class RolloutWorker:
             if self._poll(0.0)[1]:
                 self._take_update()
             return
+        pausable = hasattr(self.p.rollout, "generate_pausable")
+        last: list[tuple[bool, bool]] = []
+
+        def pause() -> bool:                     # this rank is generating: a round with live=True
+            last.append(self._round(job, True))
+            return last[-1][1]
         if not job.gen.done:
-            job.gen.step(self.p.rollout, self.version)
-        job.chunks += 1
+            job.gen.step(self.p.rollout, self.version, pause if pausable else None)
         self.period.gen += time.perf_counter() - began
-        live, arrived = self._poll(float(not job.gen.done))
+        if not (last and last[-1][1]):
+            while True:
+                last.append(self._round(job, not job.gen.done))
+                live, update = last[-1]
+                if not pausable or update or not live or not job.gen.done:
+                    break                        # (this rank still generating: back to its engine)
+        live, update = last[-1]
+        if update:
+            self._take_update()                  # interrupts every unfinished sequence here
+        if not live:
+            job.batch = self._finish_partial(job)
+
+    def _round(self, job: Pending, generating: bool) -> tuple[bool, bool]:
+        """One chunk boundary, agreed by every rollout rank: (any rank still generating, take the
+        next update now)."""
+        live, arrived = self._poll(float(generating))
+        job.chunks += 1
         if live and self._finished():
             # finished batches wait in the buffer while responses are half done (the kill drills' point)
             fault_point("stream", job.t, self.ranks.global_rank)
         if self.acfg.update_at_chunk:
             # the update is taken here or not at all, whenever the trainer's signal came
             arrived = job.chunks == self.acfg.update_at_chunk and job.t == self.version + 1 + self.depth
-        if arrived:
-            self._take_update()                  # interrupts every unfinished sequence here
-        if not live:
-            job.batch = self._finish_partial(job)
+        return live, arrived
 
     def hand_over(self) -> None:
         h = self.handed + 1

@@ -28,7 +28,7 @@ implies for a failed sync).
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -188,6 +188,20 @@ class NativeEngine(BaseRollout):
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:
+        return self._generate(prompts, sampling, prompt_limit)
+
+    def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams, pause: Callable[[], bool],
+                          every: int) -> list[list[Completion]]:
+        """generate(), asking `pause()` after every `every` decode iterations while anything runs;
+        when it answers True, running samples come back unfinished (finish_reason "paused", their
+        tokens so far) and prompts not started with none. Partial rollouts use it so that a batch
+        is re-submitted only when a weight update lands, not at every chunk (megarl/rollout/partial.py).
+        Every rank of a TP group asks at the same iterations: `pause` must answer alike on all."""
+        if every < 1:
+            raise ValueError(f"every={every} must be >= 1")
+        return self._generate(prompts, sampling, None, pause, every)
+
+    def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
@@ -213,7 +227,7 @@ class NativeEngine(BaseRollout):
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return Scheduler(self, prompts, sampling, seed).run()
+        return Scheduler(self, prompts, sampling, seed, pause, every).run()
 
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""

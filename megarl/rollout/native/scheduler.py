@@ -2,6 +2,11 @@
 continuous batching over the engine's rows and prompt groups, and the decode loop.
 
     groups = Scheduler(engine, prompts, sampling, seed).run()   # what NativeEngine.generate returns
+    groups = Scheduler(engine, prompts, sampling, seed, pause, every).run()   # generate_pausable
+
+Pausable: after every `every` decode iterations while anything is running, `pause()` is asked;
+when it says True, every running row comes back with finish_reason "paused" and its tokens so
+far, and every prompt still waiting with no tokens ("paused" too).
 
 `engine` is the NativeEngine: the scheduler uses its model, KV cache, row state, decode step,
 device and stats, and owns only the bookkeeping of one call.
@@ -28,8 +33,9 @@ class Scheduler:
     places, and so do the last active groups into the places of groups whose samples all finished.
     """
 
-    def __init__(self, engine, prompts, sampling: SamplingParams, seed: int):
+    def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0):
         self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
+        self.pause, self.every = pause, every
         self.R, self.Gcap = engine.cache.rows, engine.cache.groups
         stops = sorted(sampling.stop_ids)
         self.stops = torch.tensor(stops, dtype=torch.long, device=engine.device) if stops else None
@@ -86,15 +92,16 @@ class Scheduler:
         e.stats["prefills"] += k
         e.stats["prefill_batches"] += 1
 
-    def _retire(self) -> None:
-        """Record finished rows; move the last active rows (and groups) into the freed places."""
+    def _retire(self, pausing: bool = False) -> None:
+        """Record finished rows (every row when pausing: "paused"); move the last active rows (and
+        groups) into the freed places."""
         e, rows, B = self.e, self.e.rows, self.B
         if B == 0:
             return
         stopped = np.zeros(B, dtype=bool)
-        if self.stops is not None:           # the one read-back per step
+        if self.stops is not None and not pausing:           # the one read-back per step
             stopped[torch.isin(rows.tok[:B], self.stops).nonzero().flatten().cpu().numpy()] = True
-        done = stopped | (self.steps[:B] >= self.sp.max_tokens)
+        done = stopped | (self.steps[:B] >= self.sp.max_tokens) | pausing
         fin = np.flatnonzero(done)
         if not len(fin):
             return
@@ -106,8 +113,8 @@ class Scheduler:
                                    self.steps[fin].tolist()) if rows.routes is not None else [None] * len(fin))
         for r, t, lp, ro in zip(fin.tolist(), toks, logps, routes):
             s = int(self.steps[r])
-            self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], "stop" if stopped[r] else "length",
-                                                                  routed_experts=ro)
+            reason = "paused" if pausing else "stop" if stopped[r] else "length"
+            self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], reason, routed_experts=ro)
         e.stats["generated_tokens"] += int(self.steps[fin].sum())
         np.subtract.at(self.live, self.grp[fin], 1)
         keep = B - len(fin)
@@ -158,9 +165,21 @@ class Scheduler:
         self.steps[:self.B] += 1
         e.stats["decode_steps"] += 1
 
+    def _paused(self, made: int, queue: deque) -> bool:
+        """At a chunk boundary (the first prompts hold `made` tokens, a multiple of `every`) with
+        anything still running, ask pause(); on True every running row and waiting prompt comes
+        back "paused"."""
+        if self.pause is None or made % self.every or not (self.B or queue) or not self.pause():
+            return False
+        self._retire(pausing=True)
+        for i in queue:                       # waiting prompts: no tokens yet
+            self.out[i] = [Completion([], [], "paused") for _ in range(self.sp.n)]
+        return True
+
     def run(self) -> list[list[Completion]]:
         n, budget = self.sp.n, self.e.max_num_batched_tokens
         queue = deque(range(len(self.prompts)))
+        made = 0                              # tokens the first prompts' rows hold (the prefill samples one)
 
         def room(extra: int) -> bool:         # rows and a group for one more prompt
             return self.R - self.B - extra * n >= n and self.Gcap - self.G - extra >= 1
@@ -178,8 +197,15 @@ class Scheduler:
                 admitted = True
             if admitted:
                 self._retire()
+                if not made:
+                    made = 1
+                    if self._paused(made, queue):
+                        break
             if not self.B:
                 continue
             self._step()
             self._retire()
+            made += 1
+            if self._paused(made, queue):
+                break
         return self.out  # type: ignore[return-value]
