@@ -88,26 +88,3 @@ def test_async_run_then_rollout_rank_killed_then_exact_resume(addition_model_dir
     for step in range(3, STEPS + 1):
         assert stable(resumed[step]) == stable(rows[step]), step
 
-
-@pytest.mark.timeout(600)
-def test_two_rollout_ranks_stream_in_lock_step(addition_model_dir, tmp_path):
-    """Two rollout DP ranks feed one trainer rank at max_staleness 2, partial rollouts in chunks
-    of one token, each update after the first chunk of the last batch the engine may start
-    (update_at_chunk=1): every chunk boundary is a round both rollout ranks join, from inside the
-    built-in engine's pausable call or, once a rank's share is done, from the stream's loop, so
-    both take each update at the same boundary although their prompts end at different lengths.
-    The staleness of every step is then the schedule's: batch t >= 3 starts under t-3 and takes
-    update t-2 after its first token (one process of it: tests/test_async_pieces.py)."""
-    run = tmp_path / "dp2"
-    code, out = finish(train(overrides(
-        addition_model_dir, run, "trainer.save_freq=-1", "trainer.total_training_steps=5", "trainer.test_freq=-1",
-        "actor_rollout_ref.rollout.disaggregated_ranks=2",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-        "async_training.partial_rollout=true", "async_training.partial_chunk_tokens=1",
-        "async_training.max_staleness=2", "async_training.update_at_chunk=1")))
-    assert code == 0, out[-3000:]
-    assert "disaggregated (ranks 1-2)" in out
-    rows = [r for r in read_metrics(str(run)) if r["step"] > 0]
-    assert [r["async/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2]    # a sample's oldest token
-    # from batch 3 on, every response of two tokens or more spans two versions
-    assert [r["async/mixed_version_fraction"] > 0.5 for r in rows] == [False, False, True, True, True], rows

@@ -5,8 +5,9 @@
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
 rank 0 there, megarl/trainer/faults.py; the sync chain also between a step's checkpoint and its
 metrics record), a torn last line in metrics.jsonl, and a final resume.
-The async chain's first kill parks the rollout rank instead, inside its stream: batch 4 finished
-in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness 2, chunks of 1).
+The async chain's first kill parks a rollout rank instead (the second of two), inside its stream:
+batch 4 finished in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness
+2, chunks of 1).
 """
 from __future__ import annotations
 

@@ -45,9 +45,10 @@ def test_sync_trainer_survives_every_kill_point(sync_chain):
 
 @pytest.mark.timeout(900)
 def test_async_trainer_survives_every_kill_point(async_chain):
-    """Two batches ahead, updates landing after the first one-token chunk (tests/faults/runs.py)."""
+    """Two batches ahead on two rollout DP ranks, updates landing after the first one-token chunk
+    (tests/faults/runs.py)."""
     check_chain(async_chain)
-    # The first kill met the rollout rank in its stream, batch 4 finished and batch 5 half generated.
+    # The first kill met the second rollout rank in its stream, batch 4 finished and batch 5 half generated.
     assert async_chain["kills"][0]["reached"].startswith("stream:5:2:"), async_chain["kills"][0]["reached"]
     # Step 2's checkpoint, which both later kills resumed from: batch 3 handed over, batch 4 in flight,
     # one token per response sampled under version 1, the update to version 2 taken after that chunk.
@@ -56,8 +57,10 @@ def test_async_trainer_survives_every_kill_point(async_chain):
              for root in (async_chain["ref"], async_chain["run"])]
     partial = saved[0]["buffer_partial"]
     assert saved[0]["buffer_ahead"] == [] and partial["version"] == 1 and partial["chunks"] == 1
-    seqs = partial["gens"][0]["seqs"]
-    assert len(seqs) == 32 and all(s["tokens"] and s["versions"] == [1] for s in seqs)
+    assert len(partial["gens"]) == 2                 # each rollout DP rank's half, 4 prompts x 4
+    seqs = [s for gen in partial["gens"] for s in gen["seqs"]]
+    assert [len(gen["seqs"]) for gen in partial["gens"]] == [16, 16]
+    assert all(s["tokens"] and s["versions"] == [1] for s in seqs)
     assert any(s["finish"] is None for s in seqs), "no response was left half done"
     assert partial["gens"] == saved[1]["buffer_partial"]["gens"]
     assert torch.equal(saved[0]["inflight_batch"].batch["responses"], saved[1]["inflight_batch"].batch["responses"])
