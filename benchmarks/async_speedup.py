@@ -194,23 +194,29 @@ def engine_only(args) -> None:
                         eos_token_ids=[tok.eos_token_id])
     print(f"{args.batches} batches of 32 prompts x n=8, response limit {sp.max_tokens}; median seconds per batch "
           "(one warm-up batch first)")
-    for chunk, pausable in ((0, False), (4, False), (8, False), (16, False), (4, True)):
-        times, longest = [], []
-        for b in range(args.batches + 1):
-            batch = prompts[32 * b:32 * (b + 1)]
+    ways = [(0, False), (4, False), (8, False), (16, False), (4, True)]
+    times: dict = {w: [] for w in ways}
+    longest: dict = {w: [] for w in ways}
+    for b in range(args.batches + 1):             # the ways alternate batch by batch: load drifts hit all
+        batch = prompts[32 * b:32 * (b + 1)]
+        for chunk, pausable in ways:
             start = time.perf_counter()
             if chunk:
                 gen = ChunkedGeneration(batch, sp, chunk)
                 asked = iter([False, True])
                 while not gen.done:
                     gen.step(engine, 0, (lambda: next(asked, False)) if pausable else None)
-                longest.append(max(len(s.tokens) for s in gen.seqs))
+                got = max(len(s.tokens) for s in gen.seqs)
             else:
-                longest.append(max(len(c.token_ids) for g in engine.generate(batch, sp) for c in g))
-            times.append(time.perf_counter() - start)
+                got = max(len(c.token_ids) for g in engine.generate(batch, sp) for c in g)
+            if b:
+                times[chunk, pausable].append(time.perf_counter() - start)
+                longest[chunk, pausable].append(got)
+    base = statistics.median(times[0, False])
+    for (chunk, pausable), got in times.items():
         name = (f"chunks of {chunk}" + (", pausable" if pausable else "")) if chunk else "whole batch"
-        print(f"  {name:24s} {statistics.median(times[1:]):.3f} s  (longest response per batch "
-              f"{' '.join(map(str, longest[1:]))})")
+        print(f"  {name:24s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x  (longest "
+              f"response per batch {' '.join(map(str, longest[chunk, pausable]))})")
 
 
 def plot(results: dict, path: str) -> None:
@@ -256,7 +262,7 @@ def main() -> None:
     ap.add_argument("--long-digits", type=int, default=LONGTAIL["long_digits"])
     ap.add_argument("--long-fraction", type=float, default=LONGTAIL["long_fraction"])
     ap.add_argument("--engine-only", action="store_true", help="--longtail: generation alone, whole batch vs chunks")
-    ap.add_argument("--batches", type=int, default=8, help="--engine-only: batches timed")
+    ap.add_argument("--batches", type=int, default=16, help="--engine-only: batches timed")
     args = ap.parse_args()
     args.model_bootstrap = False
     if args.longtail:

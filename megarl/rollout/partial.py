@@ -17,7 +17,7 @@ Pausable engines (the built-in one: `generate_pausable`): given `pause`, a step 
 runs to the end unless `pause()`, asked at every chunk boundary, answers True; then the unfinished
 sequences stop there and the next step re-submits them. The batch is then re-submitted only when
 a weight update lands, not at every chunk (re-submitting costs a prefill of prompt + response so
-far: chunks of 4 cost 2.0x a whole-batch generation on a long-tailed task, docs/async.md).
+far: chunks of 4 cost 1.8x a whole-batch generation on a long-tailed task, docs/async.md).
 Updates still land only at chunk boundaries, as before.
 
 R3 (routed experts): each chunk's prompt is the sequence so far, so its prefill routes every earlier
