@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from megarl.parallel import cpu_compat, loopback
+from megarl.parallel import address_space, cpu_compat, loopback
 
 
 def device() -> torch.device:
@@ -82,6 +82,7 @@ def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = No
         store = loopback.job_store(timeout)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     where = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
+    address_space.check_room_for_group()        # under ulimit -v: fail in one line, never hang (address_space.py)
     # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank and warns)
     dist.init_process_group(backend(), timeout=timeout, device_id=device() if torch.cuda.is_available() else None,
                             **where)
@@ -140,7 +141,7 @@ def init_model_parallel(tp: int, pp: int, seed: int = 42, cp: int = 1, vpp: int 
                              f"EP={cur[4]}; every megarl role in one process must share that layout (asked for "
                              f"TP={tp} PP={pp} CP={cp} VPP={vpp} EP={ep})")
         return layout()
-    with _groups_default_to(_timeout):
+    with _groups_default_to(_timeout), address_space.checked_groups():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp, virtual_pipeline_model_parallel_size=vpp,
                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,

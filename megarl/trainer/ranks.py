@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megarl.checkpoint_engine.distributed import DisaggregatedGroups, megatron_rank
 from megarl.config import ConfigError
 from megarl.experiment import ExperimentConfig
-from megarl.parallel import state
+from megarl.parallel import address_space, state
 from megarl.parallel.bridge import Bridge, job_store
 from megarl.trainer.launch_env import rank_env
 
@@ -122,6 +122,8 @@ def _rollout_tp_group(world: int, rank: int, rtp: int):
     group = None
     for first in range(0, world, rtp):    # every rank must take part in creating every group
         members = list(range(first, first + rtp))
+        if rtp > 1:
+            address_space.check_room_for_group()
         g = dist.new_group(members, timeout=state.collective_timeout()) if rtp > 1 else None
         if rank in members:
             group = g

@@ -138,3 +138,41 @@ def test_a_thread_that_cannot_map_its_stack_under_a_limit_is_out_of_memory(monke
         "ran out of memory during start-up (Resource temporarily unavailable) under an address-space limit of 2.0 GiB")
     monkeypatch.setattr(oom.resource, "getrlimit", lambda which: (oom.resource.RLIM_INFINITY,) * 2)
     assert not oom.is_out_of_memory(err)
+
+
+def test_no_room_for_a_process_group_is_out_of_memory_not_a_hang(tmp_path):
+    """Under ulimit -v a gloo group whose threads cannot map their stacks makes torch's
+    ProcessGroupGloo constructor hang in its own clean-up (seen in CI: a rank waiting in
+    pthread_cond_destroy for 10 minutes). megarl checks for room first: with 40 MiB left a group
+    (3 thread stacks and an arena, 88 MiB) is refused as out of memory before torch starts it."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, resource, sys\n"
+        "from megarl.parallel import address_space, state\n"
+        "from megarl.trainer.out_of_memory import is_out_of_memory\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1])\n"
+        "size = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (40 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    state.init_distributed(timeout_s=30)\n"
+        "except MemoryError as err:\n"
+        "    assert is_out_of_memory(err), err\n"
+        "    print('refused:', err)\n"
+        "    os._exit(0)\n"
+        "print('started a group with 40 MiB left')\n"
+        "os._exit(1)\n")
+    from tests.distributed import free_port
+    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "refused: cannot start a process group: " in out.stdout and "MiB of address space left" in out.stdout
+
+
+def test_megatron_groups_are_checked_while_they_are_made():
+    import torch.distributed as dist
+
+    from megarl.parallel import address_space
+    original = dist.new_group
+    with address_space.checked_groups():
+        assert dist.new_group is not original
+    assert dist.new_group is original
