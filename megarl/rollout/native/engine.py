@@ -192,8 +192,9 @@ class NativeEngine(BaseRollout):
 
     def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams, pause: Callable[[], bool],
                           every: int) -> list[list[Completion]]:
-        """generate(), asking `pause()` after every `every` decode iterations while anything runs;
-        when it answers True, running samples come back unfinished (finish_reason "paused", their
+        """generate(), asking `pause()` at every chunk boundary while anything runs (whenever the
+        call's first prompts hold a multiple of `every` tokens: chunks as partial rollouts count
+        them); when it answers True, running samples come back unfinished (finish_reason "paused", their
         tokens so far) and prompts not started with none. Partial rollouts use it so that a batch
         is re-submitted only when a weight update lands, not at every chunk (megarl/rollout/partial.py).
         Every rank of a TP group asks at the same iterations: `pause` must answer alike on all."""

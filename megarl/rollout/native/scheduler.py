@@ -4,8 +4,9 @@ continuous batching over the engine's rows and prompt groups, and the decode loo
     groups = Scheduler(engine, prompts, sampling, seed).run()   # what NativeEngine.generate returns
     groups = Scheduler(engine, prompts, sampling, seed, pause, every).run()   # generate_pausable
 
-Pausable: after every `every` decode iterations while anything is running, `pause()` is asked;
-when it says True, every running row comes back with finish_reason "paused" and its tokens so
+Pausable: at every chunk boundary while anything is running (the call's first prompts hold a
+multiple of `every` tokens, the prefill's sampled token counted), `pause()` is asked; when it
+says True, every running row comes back with finish_reason "paused" and its tokens so
 far, and every prompt still waiting with no tokens ("paused" too).
 
 `engine` is the NativeEngine: the scheduler uses its model, KV cache, row state, decode step,
