@@ -124,9 +124,9 @@ def _rollout_tp_group(world: int, rank: int, rtp: int):
         members = list(range(first, first + rtp))
         if rtp > 1:
             address_space.check_room_for_group()
-        g = dist.new_group(members, timeout=state.collective_timeout()) if rtp > 1 else None
-        if rank in members:
-            group = g
+            g = dist.new_group(members, timeout=state.collective_timeout())
+            if rank in members:
+                group = g
     return group
 
 

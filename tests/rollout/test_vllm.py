@@ -7,7 +7,6 @@ except under CI=1 (.ci/run), where a missing vLLM fails them: CI must run them f
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from megarl.config.errors import ConfigError
 from megarl.experiment import load_config
 from megarl.rollout.config import RolloutConfig
 from tests.rollout import conformance
+from tests.rollout.fixtures import require_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKS = (["parity_with_megatron"] + [c.__name__ for c in conformance.CHECKS]
@@ -29,10 +29,7 @@ CHECKS = (["parity_with_megatron"] + [c.__name__ for c in conformance.CHECKS]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("CI"):
-            pytest.fail("vllm is not installed: CI runs the README's test command, which installs it")
-        pytest.skip("vllm is not installed (README: Using vLLM)")
+    require_vllm()
     out = tmp_path_factory.mktemp("vllm_checks")
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCHDYNAMO_DISABLE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
     run = subprocess.run([sys.executable, "tests/rollout/vllm_checks.py", str(out)], cwd=ROOT, env=env,

