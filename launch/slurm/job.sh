@@ -97,33 +97,18 @@ else
          -m "$MEGARL_ENTRY" --config "$config" "${layout[@]}" "$@")
 fi
 
-# sbatch --signal=B:USR1@SECONDS warns this shell before the time limit: requeue, and the job
-# starts again later from its latest checkpoint (trainer.resume_mode=auto).
-# One line naming the rank that failed first: torchrun's "Root Cause" block, or srun's report of
-# the first task that did not merely get terminated (in task mode, task N is rank N).
+# One line naming the rank that failed first, from the torchrun summaries in the log or srun's
+# report of the first task that did not merely get terminated (megarl/launcher/failure.py says why
+# torchrun's own "Root Cause" is not enough).
 first_failure() {
-    local found
-    if [[ $mode == torchrun ]]; then
-        # srun's label says which node's torchrun reported it (its "host" may read localhost). The
-        # node whose task srun saw fail first is the one to read: across nodes, a peer's torchrun
-        # may print its own Root Cause first (its ranks saw the connection close).
-        local task want
-        want=$(grep -m1 -oE 'srun: error: [^:]+: task [0-9]+: (Exited|Killed)' "$log" | grep -oE 'task [0-9]+' |
-               cut -d' ' -f2) || true
-        read -r task found < <(awk -v want="$want" '/: Root Cause/ {split($0, a, ":"); if (!f && (want == "" || a[1] == want)) {f = 1; task = a[1]}}
-            f && index($0, task ":") == 1 && /rank +:/ {sub(/^[0-9]+: +/, ""); r = $0}
-            f && index($0, task ":") == 1 && /exitcode +:/ {sub(/^[0-9]+: +/, ""); print task, r "; " $0; exit}' "$log" |
-            tr -s ' ') || true
-        [[ -n $found ]] && found="on node $(sed -n "$(( task + 1 ))p" <<<"$nodes"): $found"
-    fi
-    # No torchrun summary (a task that stopped before torchrun started, or the task form): srun's
-    # report of the first task that did not merely get terminated.
-    if [[ -z ${found:-} ]]; then
-        found=$(grep -E 'srun: error: [^:]+: tasks? [0-9,-]+: ' "$log" | grep -v -m1 ': Terminated$' || true)
-    fi
-    echo "${found:-not reported (see the lines above)}"
+    local names
+    mapfile -t names <<<"$nodes"
+    "$PYTHON" -m megarl.launcher.failure "$log" "$mode" "${names[@]}" 2>/dev/null ||
+        echo "not reported (see the lines above)"
 }
 
+# sbatch --signal=B:USR1@SECONDS warns this shell before the time limit: requeue, and the job
+# starts again later from its latest checkpoint (trainer.resume_mode=auto).
 requeued=0
 signalled=0
 on_usr1() {
