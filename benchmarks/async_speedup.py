@@ -16,6 +16,8 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
     one_step  placement=disaggregated: rank 0 trains (TP 1), rank 1 generates batch k+1 meanwhile
     partial   the same with async_training.partial_rollout=true (chunks of 4 tokens)
     stream_k2, stream_k4   partial, generating up to 2 (4) batches ahead: max_staleness=2 (4)
+    stream_k2_tail         stream_k2 with tail_overlap=0.5: the next batch starts in the tail of
+                           the one in flight
     stream_k4_decoupled    stream_k4 trained with the decoupled PPO loss (--seeds: its accuracy question)
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
@@ -67,6 +69,8 @@ MODES = {
 # between chunks of 4 tokens.
 for _k in (2, 4):
     MODES[f"stream_k{_k}"] = [*MODES["partial"], f"async_training.max_staleness={_k}"]
+# The next batch starts once half of the one in flight is done, sharing the engine's calls.
+MODES["stream_k2_tail"] = [*MODES["stream_k2"], "async_training.tail_overlap=0.5"]
 # The same stream trained with the decoupled PPO loss (AReaL's proximal policy; docs/async.md):
 # the correction for samples up to 4 versions old, against stream_k4's plain clipped loss.
 MODES["stream_k4_decoupled"] = [*MODES["stream_k4"], "actor_rollout_ref.actor.policy_loss.loss_mode=decoupled_ppo",
@@ -140,7 +144,7 @@ def summarise(rows: list[dict], warmup: int) -> dict:
         got = [r[f"timing_s/{key}"] for r in steps if f"timing_s/{key}" in r]
         if got:
             phases[key] = statistics.median(got)
-    for key in ("engine_idle_fraction", "buffer_ready"):
+    for key in ("engine_idle_fraction", "buffer_ready", "started_in_tail"):
         got = [r[f"async/{key}"] for r in steps if f"async/{key}" in r]
         if got:
             phases[key] = statistics.median(got)
@@ -205,7 +209,7 @@ def engine_only(args) -> None:
                 gen = ChunkedGeneration(batch, sp, chunk)
                 asked = iter([False, True])
                 while not gen.done:
-                    gen.step(engine, 0, (lambda: next(asked, False)) if pausable else None)
+                    gen.step(engine, 0, (lambda unfinished: next(asked, False)) if pausable else None)
                 got = max(len(s.tokens) for s in gen.seqs)
             else:
                 got = max(len(c.token_ids) for g in engine.generate(batch, sp) for c in g)
@@ -217,6 +221,41 @@ def engine_only(args) -> None:
         name = (f"chunks of {chunk}" + (", pausable" if pausable else "")) if chunk else "whole batch"
         print(f"  {name:24s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x  (longest "
               f"response per batch {' '.join(map(str, longest[chunk, pausable]))})")
+    batches = [prompts[32 * b:32 * (b + 1)] for b in range(1, args.batches + 1)]
+    print(f"the {args.batches} batches one after another, three rounds alternated; median seconds per batch")
+    per_batch: dict = {"whole-batch calls": [], "next batch in the tail, pausable": []}
+    for _ in range(3):
+        start = time.perf_counter()
+        for batch in batches:
+            engine.generate(batch, sp)
+        per_batch["whole-batch calls"].append((time.perf_counter() - start) / len(batches))
+        per_batch["next batch in the tail, pausable"].append(in_the_tail(engine, batches, sp, 4, 0.5) / len(batches))
+    base = statistics.median(per_batch["whole-batch calls"])
+    for name, got in per_batch.items():
+        print(f"  {name:34s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x")
+
+
+def in_the_tail(engine, batches, sp, chunk: int, fraction: float) -> float:
+    """Seconds for the stream's engine work on `batches` with tail_overlap=fraction
+    (megarl/trainer/rollout_stream.py without a trainer: no update lands): a batch starts once at
+    most that fraction of the samples of the one in flight are unfinished, and both share the
+    engine's calls until the older one is done."""
+    from megarl.rollout.partial import ChunkedGeneration, step_together
+    pending, gens = list(batches), []
+    start = time.perf_counter()
+    while pending or gens:
+        if not gens:
+            gens.append(ChunkedGeneration(pending.pop(0), sp, chunk))
+
+        def pause(unfinished: list[int]) -> bool:
+            if len(gens) == 1:
+                return bool(pending) and unfinished[0] <= fraction * len(gens[0].seqs)
+            return unfinished[0] == 0
+        step_together(gens, engine, 0, pause)
+        gens = [g for g in gens if not g.done]
+        if len(gens) == 1 and pending and gens[0].unfinished() <= fraction * len(gens[0].seqs):
+            gens.append(ChunkedGeneration(pending.pop(0), sp, chunk))
+    return time.perf_counter() - start
 
 
 def plot(results: dict, path: str) -> None:

@@ -250,7 +250,7 @@ class _TrainerSide:
         return {}
 
 
-def _stream_worker(engine, k, total, start, extra=()):
+def _stream_worker(engine, k, total, start, extra=(), stops=None):
     import dataclasses
     from collections import deque
 
@@ -264,6 +264,8 @@ def _stream_worker(engine, k, total, start, extra=()):
     w.ranks = dataclasses.replace(w.ranks, world_group=side, handoff_group=side, n_trainers=1)
     w.p = dataclasses.replace(w.p, train_loader=loader, weight_sync=side, total_steps=total)
     w.signal, w.total, w.depth, w.val, w.period, w.buffer = side, total, max(1, k), {}, Period(), deque()
+    if stops is not None:
+        w.sampling = w.sampling.with_(stop_token_ids=stops)
     w._run()
     return w, side.payloads
 
@@ -326,18 +328,76 @@ def test_rollout_stream_resumes_a_batch_half_generated(tiny):
             assert (tv[:, 0] == t - 3).all() and (tv[:, 1:][mask[:, 1:] > 0] == t - 2).all(), (t, tv)
     assert (payloads[4]["batch"].batch["response_mask"].sum(-1) > 1).any(), "no response spans two chunks"
 
-    partial = payloads[2]["partial"]
+    partial, = payloads[2]["partial"]
     seqs = partial["gens"][0]["seqs"]
     assert payloads[2]["ahead"] == [] and partial["version"] == 1 and partial["chunks"] == 1
     assert all(s["versions"] == [1] for s in seqs) and any(s["finish"] is None for s in seqs)
     assert payloads[2]["loader"]["batch"] == 4
-    _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": [], "partial": partial,
+    _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": [], "partial": [partial],
                                                    "loader": payloads[2]["loader"]}, extra)
     assert len(resumed) == 3 and resumed[-1]["batch"] is None
     for a, b in zip(payloads[3:5], resumed[:2]):
         for key in ("responses", "token_versions", "rollout_log_probs"):
             assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), key
         assert a["loader"] == b["loader"]
+
+
+class _OneCallPerChunk:
+    """The built-in engine seen as an engine that cannot pause (as vLLM's and TensorRT-LLM's)."""
+
+    def __init__(self, inner):
+        self.generate = inner.generate
+
+
+@pytest.mark.parametrize("pausable", [True, False], ids=["pausable", "one_call_per_chunk"])
+def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable):
+    """Partial rollouts with a third of the vocabulary as stop tokens: most responses end within a
+    chunk, a few run to the limit. With tail_overlap=0.5, once at most half of a batch's samples
+    are unfinished the next batch starts beside it, in the same engine calls (`started_in_tail`;
+    never with tail_overlap=0), and staleness stays within k. Updates land at fixed chunks
+    (update_at_chunk), so the schedule is timing-free and every hand-off's checkpoint
+    (save_freq=1), some holding two batches in flight and finished batches behind them, resumes
+    to exactly the hand-offs the unkilled worker made."""
+    from megarl.algos.staleness import sample_staleness
+
+    extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
+             "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+             "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=8",
+             "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5")
+    engine, total, k, stops = _native_engine(tiny), 8, 3, list(range(100))
+    if not pausable:
+        engine = _OneCallPerChunk(engine)
+    _, off = _stream_worker(engine, k, total, {}, (*extra, "async_training.tail_overlap=0"), stops)
+    assert [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in off[:-1]] == [0.0] * total
+    w, payloads = _stream_worker(engine, k, total, {}, extra, stops)
+    assert len(payloads) == total + 1 and payloads[-1]["batch"] is None
+    in_tail = [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in payloads[:-1]]
+    assert in_tail[0] == 0.0 and sum(in_tail) >= 3, in_tail
+    lengths = torch.cat([p["batch"].batch["response_mask"].sum(-1) for p in payloads[:-1]])
+    assert lengths.min() == 1 and lengths.max() == 8, lengths          # a long tail, as meant
+    for t, payload in enumerate(payloads[:-1], start=1):
+        b = payload["batch"]
+        assert (sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1) <= k).all()
+    in_flight = [len(p.get("partial") or []) for p in payloads[:-1]]
+    assert 2 in in_flight and any(n and p["ahead"] for n, p in zip(in_flight, payloads)), in_flight
+    for i in (i for i, n in enumerate(in_flight) if n):
+        start = {"step": i, "inflight": True, "ahead": payloads[i]["ahead"], "partial": payloads[i]["partial"],
+                 "loader": payloads[i]["loader"]}
+        _, resumed = _stream_worker(engine, k, total, start, extra, stops)
+        assert len(resumed) == total - i and resumed[-1]["batch"] is None
+        for a, b in zip(payloads[i + 1:-1], resumed[:-1]):
+            for key in ("responses", "token_versions", "rollout_log_probs"):
+                assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), (i, key)
+            assert a["loader"] == b["loader"]
+            assert a["batch"].meta_info["async_metrics"]["started_in_tail"] == \
+                b["batch"].meta_info["async_metrics"]["started_in_tail"]
+    # A later batch may finish before the one in flight ahead of it: the checkpoint's batch in
+    # flight keeps its place and the finished one takes the place after it.
+    i = next(i for i, p in enumerate(payloads[:-1]) if len(p["partial"]) == 1 and p["ahead"])
+    state = dict(payloads[i]["partial"][0], t=i + 2)
+    w.handed = i + 1
+    order = [(j.t, j.batch is None) for j in w._restore_buffer(payloads[i]["ahead"], [state])]
+    assert order == [(i + 2, True), *[(i + 3 + n, False) for n in range(len(payloads[i]["ahead"]))]], order
 
 
 def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
@@ -359,10 +419,18 @@ def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
     sp = SamplingParams(n=2, max_tokens=7, temperature=1.0, seed=4, ignore_eos=True)
     whole = engine.generate(prompts, sp)
     asked = []
-    never = engine.generate_pausable(prompts, sp, lambda: asked.append(1) or False, 2)
+    never = engine.generate_pausable(prompts, sp, lambda unfinished: asked.append(unfinished) or False, 2)
     assert [[c.token_ids for c in g] for g in never] == [[c.token_ids for c in g] for g in whole] and asked
+    # each boundary says how many samples of each prompt still run or wait: all 8 at first, then
+    # fewer as the first prompts finish (7 tokens) and the queued ones take their rows
+    assert asked[0] == {0: 2, 1: 2, 2: 2, 3: 2} and sum(asked[-1].values()) < 8
+    # each prompt's own budget (continued responses with different budgets left share a call)
+    capped = engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, budgets=[1, 7, 3, 9])
+    assert [[len(c.token_ids) for c in g] for g in capped] == [[1, 1], [7, 7], [3, 3], [7, 7]]
+    with pytest.raises(ValueError, match="one count >= 1 per prompt"):
+        engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, budgets=[1, 2])
     calls = iter([False, True])
-    out = engine.generate_pausable(prompts, sp, lambda: next(calls), 2)
+    out = engine.generate_pausable(prompts, sp, lambda unfinished: next(calls), 2)
     # 4 rows: the first two prompts run (2 samples each), the last two wait in the queue
     assert [[(len(c.token_ids), c.finish_reason) for c in g] for g in out] == \
         [[(4, "paused")] * 2] * 2 + [[(0, "paused")] * 2] * 2
@@ -389,7 +457,7 @@ def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
         version = 0
         while not gen.done:
             if way == "pausable":
-                gen.step(counting, version, pause=lambda: next(boundaries, False))
+                gen.step(counting, version, pause=lambda unfinished: next(boundaries, False))
             else:
                 gen.step(counting, version)
             version = 1 if gen.chunks_done == 2 or way == "pausable" else version   # the update lands there

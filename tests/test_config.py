@@ -75,6 +75,10 @@ def test_async_mode_and_placement_rules():
         load_config(None, ["async_training.max_staleness=0", "async_training.stale_samples=drop"])
     with pytest.raises(ConfigError, match="update_at_chunk.*partial_rollout=true"):
         load_config(None, ["async_training.update_at_chunk=1"])
+    with pytest.raises(ConfigError, match="tail_overlap.*partial_rollout=true"):
+        load_config(None, ["async_training.tail_overlap=0.5"])
+    with pytest.raises(ConfigError, match=r"tail_overlap.*\[0, 1\]"):
+        load_config(None, ["async_training.partial_rollout=true", "async_training.tail_overlap=1.5"])
     with pytest.raises(ConfigError, match="checkpoint_engine.backend.*distributed transport"):
         load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
                            "actor_rollout_ref.rollout.disaggregated_ranks=1",

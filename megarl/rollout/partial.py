@@ -13,8 +13,10 @@ version that sampled it.
         if update_pending(): sync(); version += 1
     groups, versions = gen.completions()     # per prompt, n Completions; per completion, a version per token
 
+    step_together([gen, next_gen], engine, version)   # two batches' sequences in the same calls
+
 Pausable engines (the built-in one: `generate_pausable`): given `pause`, a step is one call that
-runs to the end unless `pause()`, asked at every chunk boundary, answers True; then the unfinished
+runs to the end unless `pause(unfinished)`, asked at every chunk boundary, answers True; then the unfinished
 sequences stop there and the next step re-submits them. The batch is then re-submitted only when
 a weight update lands, not at every chunk (re-submitting costs a prefill of prompt + response so
 far: chunks of 4 cost 1.8x a whole-batch generation on a long-tailed task, docs/async.md).
@@ -62,47 +64,11 @@ class ChunkedGeneration:
 
     def step(self, engine, version: int, pause=None) -> int:
         """Generate up to chunk_tokens more for every unfinished sequence, or, on a pausable engine
-        given `pause`, until the end or until pause() says stop; returns the tokens added."""
-        live = [s for s in self.seqs if s.finish is None]
-        if not live:
-            return 0
-        sp = self.sampling
-        budget = sp.max_tokens
-        pausable = pause is not None and hasattr(engine, "generate_pausable")
-        paused = [False]
+        given `pause`, until the end or until pause([unfinished]) says stop; returns the tokens added."""
+        return step_together([self], engine, version, pause)
 
-        def call(prompts, params):
-            if not pausable:
-                return engine.generate(prompts, params)
-
-            def ask() -> bool:
-                paused[0] = paused[0] or bool(pause())
-                return paused[0]
-            return engine.generate_pausable(prompts, params, ask, self.chunk)
-
-        def cap(left: int) -> int:
-            return left if pausable else min(self.chunk, left)
-        if self.chunks_done == 0:
-            # First chunk: the n samples of a prompt still share it, so the engine gets n per
-            # prompt (engines share the prompt's prefill across them).
-            seed = None if sp.seed is None else step_seed(sp.seed, 0)
-            out = call(self.prompts, sp.with_(max_tokens=cap(budget), seed=seed))
-            comps = [c for group in out for c in group]
-            self.chunks_done += 1
-            return sum(self._extend(s, c, version, cap(budget)) for s, c in zip(self.seqs, comps))
-        # Sequences with the same remaining budget share a call; usually one call per chunk.
-        by_len: dict[int, list[_Seq]] = {}
-        for s in live:
-            by_len.setdefault(cap(budget - len(s.tokens)), []).append(s)
-        added = 0
-        for k, (max_new, seqs) in enumerate(sorted(by_len.items())):
-            if paused[0]:                        # an update is due: the rest wait for its weights
-                break
-            seed = None if sp.seed is None else step_seed(sp.seed, self.chunks_done, stream=k)
-            out = call([s.prompt + s.tokens for s in seqs], sp.with_(n=1, max_tokens=max_new, seed=seed))
-            added += sum(self._extend(s, group[0], version, max_new) for s, group in zip(seqs, out))
-        self.chunks_done += 1
-        return added
+    def unfinished(self) -> int:
+        return sum(s.finish is None for s in self.seqs)
 
     def _extend(self, s: _Seq, c: Completion, version: int, max_new: int) -> int:
         if len(c.log_probs) != len(c.token_ids):
@@ -142,3 +108,71 @@ class ChunkedGeneration:
                    for s in self.seqs[i:i + self.n]]
                   for i in range(0, len(self.seqs), self.n)]
         return groups, [s.versions for s in self.seqs]
+
+
+def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=None) -> int:
+    """One step of several generations in shared engine calls: a stream's next batch starts while
+    the batch before it finishes its long responses, and both fill the engine's rows.
+
+    `pause(unfinished)`, on a pausable engine, is asked at every chunk boundary with, per
+    generation, how many of its sequences are unfinished; True stops the step there. The first
+    generation leads: its chunk size, sampling and chunk index (for the seed) are the calls'.
+    A generation alone at its first chunk gets n samples per prompt (engines share the prompt's
+    prefill across them); otherwise every unfinished sequence is one n=1 request of its prompt
+    plus its response so far: on a pausable engine all of them in one call, each with the budget
+    it has left, else one chunk each, those with the same remaining budget in one call."""
+    live = [(g, s) for g in gens for s in g.seqs if s.finish is None]
+    if not live:
+        return 0
+    lead = gens[0]
+    sp, chunk = lead.sampling, lead.chunk
+    budget = sp.max_tokens
+    pausable = pause is not None and hasattr(engine, "generate_pausable")
+    paused = [False]
+
+    def call(members, prompts, params, budgets=None):
+        """members[i]: the (generation index, sequences) that call prompt i stands for."""
+        if not pausable:
+            return engine.generate(prompts, params)
+        inside = {id(seq) for _, seqs in members for seq in seqs}
+
+        def ask(unfinished: dict[int, int]) -> bool:
+            if not paused[0]:
+                counts = [sum(s.finish is None and id(s) not in inside for s in g.seqs) for g in gens]
+                for i, left in unfinished.items():
+                    counts[members[i][0]] += left
+                paused[0] = bool(pause(counts))
+            return paused[0]
+        return engine.generate_pausable(prompts, params, ask, chunk, budgets)
+
+    if len(gens) == 1 and lead.chunks_done == 0:
+        n = lead.n
+        seed = None if sp.seed is None else step_seed(sp.seed, 0)
+        members = [(0, lead.seqs[i * n:(i + 1) * n]) for i in range(len(lead.prompts))]
+        cap = budget if pausable else min(chunk, budget)
+        out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed))
+        lead.chunks_done += 1
+        return sum(lead._extend(s, c, version, cap) for s, c in zip(lead.seqs, (c for g in out for c in g)))
+    index = {id(g): i for i, g in enumerate(gens)}
+    if pausable:
+        # one call, each sequence with the budget it has left: all of them share the engine's rows
+        calls = [live]
+    else:
+        # one chunk each; sequences with the same remaining budget share a call (usually one call)
+        by_len: dict[int, list[tuple[ChunkedGeneration, _Seq]]] = {}
+        for g, s in live:
+            by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((g, s))
+        calls = [items for _, items in sorted(by_len.items())]
+    added = 0
+    for k, items in enumerate(calls):
+        if paused[0]:                            # the caller stopped the step: the rest wait
+            break
+        caps = [budget - len(s.tokens) if pausable else min(chunk, budget - len(s.tokens)) for _, s in items]
+        seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
+        params = sp.with_(n=1, max_tokens=max(caps), seed=seed)
+        out = call([(index[id(g)], [s]) for g, s in items], [s.prompt + s.tokens for _, s in items], params,
+                   caps if pausable else None)
+        added += sum(g._extend(s, group[0], version, cap) for (g, s), group, cap in zip(items, out, caps))
+    for g in gens:
+        g.chunks_done += 1
+    return added

@@ -6,16 +6,23 @@ take weight updates between generations (or between chunks), hand the oldest fin
 Batch t is trained by the trainer holding version t-1. With k = async_training.max_staleness
 (depth max(1, k)), generation of batch t may start once the engine holds version >= t-1-depth, so
 at most `depth` batches are generated (or being generated) ahead of the one the trainer needs,
-and no sample is more than k versions old when it is trained on. One generation is in flight at
-a time; the rest of the buffer is finished batches waiting for their hand-off.
+and no sample is more than k versions old when it is trained on. The rest of the buffer is
+finished batches waiting for their hand-off.
 
     loop: hand batch h over       when the engine holds version h-1 and batch h is finished
           or start batch t        when no generation is in flight and version >= t-1-depth
-          or advance the one in flight (a whole batch, or with partial_rollout one chunk, on a
-             pausable engine as many chunks as pass before an update is due), taking an update
+          or advance what is in flight (a whole batch, or with partial_rollout one chunk, on a
+             pausable engine as many chunks as pass until a round stops it), taking an update
              when the trainer has signalled one (with update_at_chunk=N: after chunk N of batch
              version+1+depth, the last one the engine may start, waiting for it)
           or wait for the next update (the buffer is full)
+
+With partial rollouts and async_training.tail_overlap = f > 0, two batches may be in flight: once
+at most a fraction f of the one batch's samples are unfinished on every rollout rank (its long
+tail) and the buffer has room, the next batch starts and both share the engine's calls
+(`step_together`), so the engine's rows are not left to the few long responses. A round stops the
+shared calls when the older batch is finished and can be handed over, when an update is due, or
+(one batch in flight) when the next one may start.
 
 At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
 hand t over. Hand-off h happens right after update h-1, as the trainer expects (it syncs
@@ -36,7 +43,7 @@ from megarl.algos.staleness import stale_rows
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
 from megarl.rollout.base import pack_completions
-from megarl.rollout.partial import ChunkedGeneration
+from megarl.rollout.partial import ChunkedGeneration, step_together
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.faults import fault_point
@@ -53,8 +60,18 @@ class Pending:
     version: int                          # the engine's version when its generation started (-1: restored)
     gen: ChunkedGeneration | None = None  # partial rollouts: this rank's share, advanced chunk by chunk
     chunks: int = 0                       # chunks advanced, counted alike on every rollout rank
+    in_tail: bool = False                 # started while the batch before it finished its long tail
     mine: DataProto | None = None
     batch: DataProto | None = None
+
+
+@dataclass
+class Round:
+    """One chunk boundary, agreed by every rollout rank."""
+    live: list[bool]        # per batch in flight: some rank still generates it
+    update: bool            # take the next weight update now
+    overlap: bool           # start the next batch beside the one in flight
+    stop: bool              # end the engine call here
 
 
 @dataclass
@@ -102,10 +119,7 @@ class RolloutWorker:
         if start["step"] == 0 and self.cfg.trainer.val_before_train:
             self._validate(0)
         self.handed = start["step"] + int(start["inflight"])    # the last batch the trainer received
-        for i, (batch, loader) in enumerate(start.get("ahead", [])):    # the checkpoint's finished batches
-            self.buffer.append(Pending(self.handed + 1 + i, None, loader, -1, batch=batch))
-        if start.get("partial") is not None:                             # and the one it was generating
-            self.buffer.append(self._restore(self.handed + 1 + len(self.buffer), start["partial"]))
+        self.buffer = self._restore_buffer(start.get("ahead", []), start.get("partial") or [])
         self.next_t = self.handed + 1 + len(self.buffer)
         self.period = Period()
         while self.handed <= self.total:                          # hand-off total+1 is the closing None
@@ -117,12 +131,18 @@ class RolloutWorker:
         head = self.buffer[0] if self.buffer else None
         if self.version >= h - 1 and (h > self.total or (head is not None and head.batch is not None)):
             return self.hand_over()
-        live = self.buffer[-1] if self.buffer and self.buffer[-1].batch is None else None
-        if live is None and self.next_t <= self.total and self.version >= self.next_t - 1 - self.depth:
-            live = self.start(self.next_t)
-        if live is None:
+        jobs = self._in_flight()
+        if not jobs and self._may_start():
+            jobs = [self.start(self.next_t)]
+        if not jobs:
             return self._take_update()           # the buffer is full: wait for the trainer
-        self.advance(live)
+        self.advance(jobs)
+
+    def _in_flight(self) -> list[Pending]:
+        return [j for j in self.buffer if j.batch is None]
+
+    def _may_start(self) -> bool:
+        return self.next_t <= self.total and self.version >= self.next_t - 1 - self.depth
 
     # -- the buffer ----------------------------------------------------------------------------------
     def start(self, t: int) -> Pending:
@@ -142,60 +162,77 @@ class RolloutWorker:
                                     sampling.with_(seed=step_seed(sampling.seed or 0, 0, r.rollout_dp_rank)),
                                     self.acfg.partial_chunk_tokens)
 
-    def advance(self, job: Pending) -> None:
-        """The in-flight batch: all of it, or (partial rollouts) chunk by chunk in lock-step over
-        the rollout ranks, so every rank joins a weight sync at the same boundary. Lock-step is a
-        round per chunk (`_round`: who still generates, whether an update is due), which every
-        rollout rank joins: on a pausable engine from inside its generate call (the batch goes on
-        without re-submission until an update is due), else after each one-chunk call; a rank
-        whose share is done keeps joining rounds until every rank is done or an update is due."""
+    def advance(self, jobs: list[Pending]) -> None:
+        """What is in flight: a whole batch, or (partial rollouts) one or two batches chunk by chunk
+        in lock-step over the rollout ranks, so every rank joins a weight sync at the same
+        boundary. Lock-step is a round per chunk (`_round`), which every rollout rank joins: on a
+        pausable engine from inside its generate call (the batches go on without re-submission
+        until a round stops them), else after each one-chunk call; a rank whose share is done
+        keeps joining rounds until every rank is done or a round stops."""
         began = time.perf_counter()
-        if job.gen is None:
+        if jobs[0].gen is None:
+            job = jobs[0]
             job.batch = self.generate(job.prompts, job.t)
             self.period.gen += time.perf_counter() - began
-            if self._poll(0.0)[1]:
+            if self._poll([float(self.signal.arrived(self.version + 1))])[0]:
                 self._take_update()
             return
         pausable = hasattr(self.p.rollout, "generate_pausable")
-        last: list[tuple[bool, bool]] = []
+        gens = [j.gen for j in jobs]
+        rounds: list[Round] = []
 
-        def pause() -> bool:                     # this rank is generating: a round with live=True
-            last.append(self._round(job, True))
-            return last[-1][1]
-        if not job.gen.done:
-            job.gen.step(self.p.rollout, self.version, pause if pausable else None)
+        def pause(unfinished: list[int]) -> bool:    # this rank is generating: asked at a boundary
+            rounds.append(self._round(jobs, unfinished))
+            return rounds[-1].stop
+        if not all(g.done for g in gens):
+            step_together(gens, self.p.rollout, self.version, pause if pausable else None)
         self.period.gen += time.perf_counter() - began
-        if not (last and last[-1][1]):
+        if not (rounds and rounds[-1].stop):
             while True:
-                last.append(self._round(job, not job.gen.done))
-                live, update = last[-1]
-                if not pausable or update or not live or not job.gen.done:
+                rounds.append(self._round(jobs, [g.unfinished() for g in gens]))
+                last = rounds[-1]
+                if not pausable or last.stop or not any(last.live) or not all(g.done for g in gens):
                     break                        # (this rank still generating: back to its engine)
-        live, update = last[-1]
-        if update:
+        last = rounds[-1]
+        if last.update:
             self._take_update()                  # interrupts every unfinished sequence here
-        if not live:
-            job.batch = self._finish_partial(job)
+        for job, live in zip(jobs, last.live):
+            if not live:
+                job.batch = self._finish_partial(job)
+                job.batch.meta_info["started_in_tail"] = float(job.in_tail)   # kept in checkpoints
+        if last.overlap and self._may_start():
+            self.start(self.next_t).in_tail = True
 
-    def _round(self, job: Pending, generating: bool) -> tuple[bool, bool]:
-        """One chunk boundary, agreed by every rollout rank: (any rank still generating, take the
-        next update now)."""
-        live, arrived = self._poll(float(generating))
-        job.chunks += 1
-        if live and self._finished():
-            # finished batches wait in the buffer while responses are half done (the kill drills' point)
-            fault_point("stream", job.t, self.ranks.global_rank)
+    def _round(self, jobs: list[Pending], unfinished: list[int]) -> Round:
+        """One chunk boundary, agreed by every rollout rank from what each says: how many of its
+        sequences of each batch in flight are unfinished."""
+        share = len(jobs[0].gen.seqs)
+        tail = len(jobs) == 1 and unfinished[0] <= self.acfg.tail_overlap * share
+        mine = [float(u > 0) for u in unfinished] + [0.0] * (2 - len(unfinished))
+        flags = self._poll([*mine, float(self.signal.arrived(self.version + 1)), float(not tail)])
+        live, arrived, tail = list(flags[:len(jobs)]), flags[2], not flags[3]
+        for job in jobs:
+            job.chunks += 1
+        if any(live):                            # responses half done (the kill drills' point)
+            for job in jobs:
+                fault_point("stream", job.t, self.ranks.global_rank)
         if self.acfg.update_at_chunk:
             # the update is taken here or not at all, whenever the trainer's signal came
-            arrived = job.chunks == self.acfg.update_at_chunk and job.t == self.version + 1 + self.depth
-        return live, arrived
+            arrived = any(j.chunks == self.acfg.update_at_chunk and j.t == self.version + 1 + self.depth
+                          for j in jobs)
+        overlap = self.acfg.tail_overlap > 0 and tail and live[0] and self._may_start()
+        # the older batch is done and the trainer can take it: end the shared call to hand it over
+        handoff_due = len(jobs) == 2 and not live[0] and self.version >= jobs[0].t - 1
+        return Round(live, arrived, overlap, arrived or overlap or handoff_due)
 
     def hand_over(self) -> None:
         h = self.handed + 1
         payload = {"batch": None, "val": self.val, "loader": self.p.train_loader.sampler.state_dict()}
         if h <= self.total:
             job = self.buffer.popleft()
+            started_in_tail = job.batch.meta_info.pop("started_in_tail", 0.0)
             batch, extra = self.enforce_staleness(job.batch, job.prompts, h)
+            extra["started_in_tail"] = started_in_tail
             extra["buffer_ready"] = float(len(self._finished()))
             extra["engine_idle_fraction"] = self.period.idle_fraction()
             batch.meta_info["async_metrics"] = extra
@@ -205,32 +242,42 @@ class RolloutWorker:
                 # the finished batches behind it go into the trainer's checkpoint, and the one in
                 # flight with its responses so far, with the data position after the last of them
                 ahead = [(j.batch, j.loader) for j in self._finished()]
-                live = self.buffer[-1] if self.buffer and self.buffer[-1].batch is None else None
-                payload.update(ahead=ahead, partial=self._partial_state(live),
+                payload.update(ahead=ahead, partial=[self._partial_state(j) for j in self._in_flight()],
                                loader=self.buffer[-1].loader if self.buffer else job.loader)
         if self.ranks.rank == 0:
             handoff(self.ranks, payload)
         self.val, self.handed, self.period = {}, h, Period()
 
-    def _partial_state(self, job: Pending | None) -> dict | None:
-        """The batch in flight as plain data: its prompts and every rollout DP rank's responses so far."""
-        if job is None:
-            return None
+    def _partial_state(self, job: Pending) -> dict:
+        """A batch in flight as plain data: its prompts and every rollout DP rank's responses so far."""
         r, gens = self.ranks, [job.gen.state_dict()]
         if r.world > 1:
             shares: list = [None] * r.world
             dist.all_gather_object(shares, (r.rollout_dp_rank, gens[0]) if r.rollout_tp_rank == 0 else None,
                                    group=r.group)
             gens = [gen for _, gen in sorted((s for s in shares if s is not None), key=lambda s: s[0])]
-        return {"prompts": job.prompts, "loader": job.loader, "version": job.version, "chunks": job.chunks,
-                "gens": gens}
+        return {"t": job.t, "prompts": job.prompts, "loader": job.loader, "version": job.version,
+                "chunks": job.chunks, "in_tail": job.in_tail, "gens": gens}
+
+    def _restore_buffer(self, ahead: list, partial: list | dict) -> deque[Pending]:
+        """The checkpoint's finished batches and those it was generating, in order. With partial
+        rollouts a batch may finish before the one started ahead of it, so each batch in flight
+        keeps its number and the finished ones fill the places left."""
+        if isinstance(partial, dict):            # saved when one batch at most was in flight: after the rest
+            partial = [{"t": self.handed + 1 + len(ahead), **partial}]
+        taken = {state["t"] for state in partial}
+        free = (t for t in range(self.handed + 1, self.handed + 1 + len(ahead) + len(partial)) if t not in taken)
+        jobs = [Pending(t, None, loader, -1, batch=batch) for (batch, loader), t in zip(ahead, free)]
+        jobs += [self._restore(state["t"], state) for state in partial]
+        return deque(sorted(jobs, key=lambda j: j.t))
 
     def _restore(self, t: int, state: dict) -> Pending:
         if len(state["gens"]) != self.ranks.rollout_dp:
             raise ConfigError(f"the checkpoint's batch in flight was generated over {len(state['gens'])} rollout "
                               f"DP ranks, this run has {self.ranks.rollout_dp}; resume with as many rollout ranks",
                               "actor_rollout_ref.rollout.disaggregated_ranks")
-        job = Pending(t, state["prompts"], state["loader"], state["version"], chunks=state["chunks"])
+        job = Pending(t, state["prompts"], state["loader"], state["version"], chunks=state["chunks"],
+                      in_tail=state.get("in_tail", False))
         self._chunked(job)
         job.gen.load_state_dict(state["gens"][self.ranks.rollout_dp_rank])
         return job
@@ -273,13 +320,12 @@ class RolloutWorker:
         dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None, group=r.group)
         return DataProto.concat([g for g in gathered if g is not None])
 
-    def _poll(self, live: float) -> tuple[bool, bool]:
-        """(any rank still generating, the trainer has signalled the next version), agreed by all
-        rollout ranks."""
-        flags = torch.tensor([live, float(self.signal.arrived(self.version + 1))], device=self.ranks.device)
+    def _poll(self, flags: list[float]) -> list[bool]:
+        """Each flag true on some rollout rank, agreed by all of them (one all-reduce)."""
+        agreed = torch.tensor(flags, device=self.ranks.device)
         if self.ranks.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ranks.group)
-        return bool(flags[0] > 0), bool(flags[1] > 0)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.ranks.group)
+        return [bool(x > 0) for x in agreed.tolist()]
 
     # -- weight updates, validation, staleness ---------------------------------------------------
     def _take_update(self) -> None:

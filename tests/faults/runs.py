@@ -34,13 +34,14 @@ def async_overrides(model_dir, run_dir, steps=5, *extra):
     """The disaggregated stream two batches ahead: rank 0 trains, ranks 1-2 generate (two rollout DP
     ranks, each half of every batch, in lock-step) in chunks of one token (responses span chunks),
     taking each update after the first chunk of the batch in flight (update_at_chunk:
-    reproducible). The one-step schedule, with the trainer at TP 2, is tests/test_trainer_async.py's."""
+    reproducible), the next batch starting once half of the one in flight is done (tail_overlap).
+    The one-step schedule, with the trainer at TP 2, is tests/test_trainer_async.py's."""
     return overrides(model_dir, run_dir, steps, "trainer.n_gpus_per_node=3",
                      "actor_rollout_ref.rollout.placement=disaggregated",
                      "actor_rollout_ref.rollout.disaggregated_ranks=2",
                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "async_training.max_staleness=2",
                      "async_training.partial_rollout=true", "async_training.partial_chunk_tokens=1",
-                     "async_training.update_at_chunk=1", *extra)
+                     "async_training.update_at_chunk=1", "async_training.tail_overlap=0.5", *extra)
 
 
 class Launch:

@@ -48,24 +48,27 @@ def test_async_trainer_survives_every_kill_point(async_chain):
     """Two batches ahead on two rollout DP ranks, updates landing after the first one-token chunk
     (tests/faults/runs.py)."""
     check_chain(async_chain)
-    # The first kill met the second rollout rank in its stream, batch 4 finished and batch 5 half generated.
+    # The first kill met the second rollout rank in its stream with two batches in flight: batch 5
+    # started beside the last responses of batch 4 (async/started_in_tail, checked below).
     assert async_chain["kills"][0]["reached"].startswith("stream:5:2:"), async_chain["kills"][0]["reached"]
     # Step 2's checkpoint, which both later kills resumed from: batch 3 handed over, batch 4 in flight,
     # one token per response sampled under version 1, the update to version 2 taken after that chunk.
     # The killed run's first launch wrote the same one as the reference run.
     saved = [checkpointing.read_trainer_state(str(root / "global_step_2"))
              for root in (async_chain["ref"], async_chain["run"])]
-    partial = saved[0]["buffer_partial"]
+    partial, = saved[0]["buffer_partial"]
     assert saved[0]["buffer_ahead"] == [] and partial["version"] == 1 and partial["chunks"] == 1
     assert len(partial["gens"]) == 2                 # each rollout DP rank's half, 4 prompts x 4
     seqs = [s for gen in partial["gens"] for s in gen["seqs"]]
     assert [len(gen["seqs"]) for gen in partial["gens"]] == [16, 16]
     assert all(s["tokens"] and s["versions"] == [1] for s in seqs)
     assert any(s["finish"] is None for s in seqs), "no response was left half done"
-    assert partial["gens"] == saved[1]["buffer_partial"]["gens"]
+    assert [p["gens"] for p in saved[0]["buffer_partial"]] == [p["gens"] for p in saved[1]["buffer_partial"]]
     assert torch.equal(saved[0]["inflight_batch"].batch["responses"], saved[1]["inflight_batch"].batch["responses"])
     # Batch t trains at version t-1; from batch 3 on, its oldest tokens are 2 versions old and
-    # responses span the versions before and after the update.
+    # responses span the versions before and after the update; from batch 2 on, each batch
+    # started in the tail of the one before.
     ref = {r["step"]: r for r in read_metrics(str(async_chain["ref"]))}
     assert [ref[t]["async/staleness_max"] for t in range(1, STEPS + 1)] == [0, 1, 2, 2, 2]
     assert all(ref[t]["async/mixed_version_fraction"] > 0 for t in range(3, STEPS + 1))
+    assert [ref[t]["async/started_in_tail"] for t in range(1, STEPS + 1)] == [0, 1, 1, 1, 1]

@@ -190,19 +190,27 @@ class NativeEngine(BaseRollout):
                  prompt_limit: int | None = None) -> list[list[Completion]]:
         return self._generate(prompts, sampling, prompt_limit)
 
-    def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams, pause: Callable[[], bool],
-                          every: int) -> list[list[Completion]]:
-        """generate(), asking `pause()` at every chunk boundary while anything runs (whenever the
-        call's first prompts hold a multiple of `every` tokens: chunks as partial rollouts count
-        them); when it answers True, running samples come back unfinished (finish_reason "paused", their
-        tokens so far) and prompts not started with none. Partial rollouts use it so that a batch
-        is re-submitted only when a weight update lands, not at every chunk (megarl/rollout/partial.py).
-        Every rank of a TP group asks at the same iterations: `pause` must answer alike on all."""
+    def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams,
+                          pause: Callable[[dict[int, int]], bool], every: int,
+                          budgets: list[int] | None = None) -> list[list[Completion]]:
+        """generate(), asking `pause(unfinished)` at every chunk boundary while anything runs
+        (whenever the call's first prompts hold a multiple of `every` tokens: chunks as partial
+        rollouts count them; `unfinished` maps each prompt index with samples still running or
+        waiting to how many); when it answers True, running samples come back unfinished
+        (finish_reason "paused", their tokens so far) and prompts not started with none. Partial
+        rollouts use it so that a batch is re-submitted only when a weight update lands, not at
+        every chunk (megarl/rollout/partial.py).
+        Every rank of a TP group asks at the same iterations: `pause` must answer alike on all.
+        `budgets[i]`, when given, caps prompt i's new tokens below sampling.max_tokens (continued
+        responses with different budgets left share one call)."""
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
-        return self._generate(prompts, sampling, None, pause, every)
+        if budgets is not None and (len(budgets) != len(prompts) or min(budgets, default=1) < 1):
+            raise ValueError(f"budgets: one count >= 1 per prompt ({len(prompts)} prompts), got {budgets!r}")
+        return self._generate(prompts, sampling, None, pause, every, budgets)
 
-    def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0) -> list[list[Completion]]:
+    def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0,
+                  budgets: list[int] | None = None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
@@ -228,7 +236,7 @@ class NativeEngine(BaseRollout):
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return Scheduler(self, prompts, sampling, seed, pause, every).run()
+        return Scheduler(self, prompts, sampling, seed, pause, every, budgets).run()
 
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""

@@ -2,10 +2,11 @@
 continuous batching over the engine's rows and prompt groups, and the decode loop.
 
     groups = Scheduler(engine, prompts, sampling, seed).run()   # what NativeEngine.generate returns
-    groups = Scheduler(engine, prompts, sampling, seed, pause, every).run()   # generate_pausable
+    groups = Scheduler(engine, prompts, sampling, seed, pause, every, budgets).run()   # generate_pausable
 
 Pausable: at every chunk boundary while anything is running (the call's first prompts hold a
-multiple of `every` tokens, the prefill's sampled token counted), `pause()` is asked; when it
+multiple of `every` tokens, the prefill's sampled token counted), `pause(unfinished)` is asked,
+`unfinished` mapping each prompt with samples still running or waiting to how many; when it
 says True, every running row comes back with finish_reason "paused" and its tokens so
 far, and every prompt still waiting with no tokens ("paused" too).
 
@@ -34,9 +35,14 @@ class Scheduler:
     places, and so do the last active groups into the places of groups whose samples all finished.
     """
 
-    def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0):
+    def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0,
+                 budgets: list[int] | None = None):
         self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
         self.pause, self.every = pause, every
+        # tokens each prompt's samples may take (at most sampling.max_tokens): continued responses
+        # of one stream, each with its own remaining budget, share a call
+        self.limit = np.full(len(prompts), sampling.max_tokens, dtype=np.int64) if budgets is None else \
+            np.minimum(np.asarray(budgets, dtype=np.int64), sampling.max_tokens)
         self.R, self.Gcap = engine.cache.rows, engine.cache.groups
         stops = sorted(sampling.stop_ids)
         self.stops = torch.tensor(stops, dtype=torch.long, device=engine.device) if stops else None
@@ -102,7 +108,7 @@ class Scheduler:
         stopped = np.zeros(B, dtype=bool)
         if self.stops is not None and not pausing:           # the one read-back per step
             stopped[torch.isin(rows.tok[:B], self.stops).nonzero().flatten().cpu().numpy()] = True
-        done = stopped | (self.steps[:B] >= self.sp.max_tokens) | pausing
+        done = stopped | (self.steps[:B] >= self.limit[self.prompt[:B]]) | pausing
         fin = np.flatnonzero(done)
         if not len(fin):
             return
@@ -168,9 +174,14 @@ class Scheduler:
 
     def _paused(self, made: int, queue: deque) -> bool:
         """At a chunk boundary (the first prompts hold `made` tokens, a multiple of `every`) with
-        anything still running, ask pause(); on True every running row and waiting prompt comes
-        back "paused"."""
-        if self.pause is None or made % self.every or not (self.B or queue) or not self.pause():
+        anything still running, ask pause(unfinished samples per prompt); on True every running
+        row and waiting prompt comes back "paused"."""
+        if self.pause is None or made % self.every or not (self.B or queue):
+            return False
+        unfinished = dict.fromkeys(queue, self.sp.n)
+        for i, count in zip(*np.unique(self.prompt[:self.B], return_counts=True)):
+            unfinished[int(i)] = int(count)
+        if not self.pause(unfinished):
             return False
         self._retire(pausing=True)
         for i in queue:                       # waiting prompts: no tokens yet
