@@ -34,7 +34,10 @@ class Failure:
 
     @property
     def code(self) -> int:
-        return int(self.exitcode.split()[0])
+        try:
+            return int(self.exitcode.split()[0])
+        except (IndexError, ValueError):     # not torchrun's "N (pid: P)": an exit, as far as can be told
+            return 1
 
     def kind(self) -> int:
         """0: died by itself of a fatal signal; 1: exited; 2: stopped by SIGTERM."""
