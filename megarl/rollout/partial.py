@@ -121,7 +121,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     prefill across them); otherwise every unfinished sequence is one n=1 request of its prompt
     plus its response so far: on a pausable engine all of them in one call, each with the budget
     it has left, else one chunk each, those with the same remaining budget in one call."""
-    live = [(g, s) for g in gens for s in g.seqs if s.finish is None]
+    live = [(i, g, s) for i, g in enumerate(gens) for s in g.seqs if s.finish is None]
     if not live:
         return 0
     lead = gens[0]
@@ -134,11 +134,13 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         """members[i]: the (generation index, sequences) that call prompt i stands for."""
         if not pausable:
             return engine.generate(prompts, params)
+        # unfinished sequences outside this call: fixed while it runs
         inside = {id(seq) for _, seqs in members for seq in seqs}
+        outside = [sum(s.finish is None and id(s) not in inside for s in g.seqs) for g in gens]
 
         def ask(unfinished: dict[int, int]) -> bool:
             if not paused[0]:
-                counts = [sum(s.finish is None and id(s) not in inside for s in g.seqs) for g in gens]
+                counts = list(outside)
                 for i, left in unfinished.items():
                     counts[members[i][0]] += left
                 paused[0] = bool(pause(counts))
@@ -153,26 +155,25 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed))
         lead.chunks_done += 1
         return sum(lead._extend(s, c, version, cap) for s, c in zip(lead.seqs, (c for g in out for c in g)))
-    index = {id(g): i for i, g in enumerate(gens)}
     if pausable:
         # one call, each sequence with the budget it has left: all of them share the engine's rows
         calls = [live]
     else:
         # one chunk each; sequences with the same remaining budget share a call (usually one call)
-        by_len: dict[int, list[tuple[ChunkedGeneration, _Seq]]] = {}
-        for g, s in live:
-            by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((g, s))
+        by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
+        for i, g, s in live:
+            by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((i, g, s))
         calls = [items for _, items in sorted(by_len.items())]
     added = 0
     for k, items in enumerate(calls):
         if paused[0]:                            # the caller stopped the step: the rest wait
             break
-        caps = [budget - len(s.tokens) if pausable else min(chunk, budget - len(s.tokens)) for _, s in items]
+        caps = [budget - len(s.tokens) if pausable else min(chunk, budget - len(s.tokens)) for _, _, s in items]
         seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
         params = sp.with_(n=1, max_tokens=max(caps), seed=seed)
-        out = call([(index[id(g)], [s]) for g, s in items], [s.prompt + s.tokens for _, s in items], params,
+        out = call([(i, [s]) for i, _, s in items], [s.prompt + s.tokens for _, _, s in items], params,
                    caps if pausable else None)
-        added += sum(g._extend(s, group[0], version, cap) for (g, s), group, cap in zip(items, out, caps))
+        added += sum(g._extend(s, group[0], version, cap) for (_, g, s), group, cap in zip(items, out, caps))
     for g in gens:
         g.chunks_done += 1
     return added
