@@ -176,7 +176,8 @@ def engine_only(args) -> None:
     pause) and the built-in engine's pausable call, asked at every chunk boundary and paused once,
     at the second (an update landing mid-batch: one re-submission). The built-in engine, in this
     process, one thread; the run's sampling (T=1, EOS stops), `--batches` batches of the training
-    data, median seconds per batch after one warm-up batch."""
+    data, median seconds per batch after one warm-up batch. `--device cuda`: the same on a GPU,
+    where a decode step costs about the same for few rows as for many (CUDA graphs)."""
     import torch
     from megarl.examples.addition import bootstrap
     from megarl.rollout.base import SamplingParams
@@ -193,7 +194,9 @@ def engine_only(args) -> None:
         rows = [json.loads(line) for line in f][:32 * (args.batches + 1)]
     prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False).input_ids for r in rows]
-    engine = NativeEngine.from_pretrained(args.model, device="cpu")
+    engine = NativeEngine.from_pretrained(args.model, device=args.device)
+    print(f"device {args.device}" + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else
+                                     f", {torch.get_num_threads()} thread"))
     sp = SamplingParams(n=8, max_tokens=int(extra["data.max_response_length"]), temperature=1.0, seed=0,
                         eos_token_ids=[tok.eos_token_id])
     print(f"{args.batches} batches of 32 prompts x n=8, response limit {sp.max_tokens}; median seconds per batch "
@@ -224,15 +227,28 @@ def engine_only(args) -> None:
     batches = [prompts[32 * b:32 * (b + 1)] for b in range(1, args.batches + 1)]
     print(f"the {args.batches} batches one after another, three rounds alternated; median seconds per batch")
     per_batch: dict = {"whole-batch calls": [], "next batch in the tail, pausable": []}
-    for _ in range(3):
+    work: dict = {name: {} for name in per_batch}      # engine counters of the last round
+
+    def counted(name: str, run) -> None:
+        before = engine_counters(engine)
         start = time.perf_counter()
-        for batch in batches:
-            engine.generate(batch, sp)
-        per_batch["whole-batch calls"].append((time.perf_counter() - start) / len(batches))
-        per_batch["next batch in the tail, pausable"].append(in_the_tail(engine, batches, sp, 4, 0.5) / len(batches))
+        run()
+        per_batch[name].append((time.perf_counter() - start) / len(batches))
+        work[name] = {k: v - before[k] for k, v in engine_counters(engine).items()}
+    for _ in range(3):
+        counted("whole-batch calls", lambda: [engine.generate(batch, sp) for batch in batches])
+        counted("next batch in the tail, pausable", lambda: in_the_tail(engine, batches, sp, 4, 0.5))
     base = statistics.median(per_batch["whole-batch calls"])
     for name, got in per_batch.items():
-        print(f"  {name:34s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x")
+        print(f"  {name:34s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x  ("
+              + ", ".join(f"{k} {v}" for k, v in work[name].items()) + ")")
+
+
+def engine_counters(engine) -> dict:
+    """What the built-in engine did: calls aside, the work a schedule costs it."""
+    s, d = engine.stats, engine.decode.stats
+    return {"prompts prefilled": s["prefills"], "prefill passes": s["prefill_batches"],
+            "decode steps": s["decode_steps"], "graphs captured": d["captured"]}
 
 
 def in_the_tail(engine, batches, sp, chunk: int, fraction: float) -> float:
@@ -302,6 +318,7 @@ def main() -> None:
     ap.add_argument("--long-fraction", type=float, default=LONGTAIL["long_fraction"])
     ap.add_argument("--engine-only", action="store_true", help="--longtail: generation alone, whole batch vs chunks")
     ap.add_argument("--batches", type=int, default=16, help="--engine-only: batches timed")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="--engine-only: the engine's device")
     args = ap.parse_args()
     args.model_bootstrap = False
     if args.longtail:

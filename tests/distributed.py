@@ -10,6 +10,7 @@ and transformers once (multiprocessing's forkserver, with those preloaded): a ra
 ~0.5 s instead of re-importing them (~8 s of CPU each, ~75 ranks in the suite). The server holds
 no test's state: each rank still unpickles `fn` and imports its module itself, and takes the
 caller's current environment variables, working directory and sys.path, as a spawned one would.
+On a machine with CUDA (tests/gpu) the ranks are spawned instead (START_METHOD, below).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ import torch.multiprocessing as mp
 # Imported once, in the server; everything else (megarl included) each rank imports itself.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers"]
 multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+# Where CUDA is visible, a process forked from a server that imported megatron-core cannot start CUDA
+# (on an H100, torch.cuda._is_in_bad_fork() is True in such a child; False when the server imported
+# torch, torch.distributed or transformers alone): there each rank is spawned, and imports it all.
+START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 def _stop_server() -> None:
@@ -89,7 +94,7 @@ def run_ranks(world_size: int, fn, args: tuple = (), env: dict | None = None, ti
         # shared-memory descriptor, and a forkserver passes at most ~250 of them per process.
         payload = pickle.dumps((fn, args))
         ctx = mp.start_processes(_entry, args=(world_size, free_port(), outdir, payload, env or {}, caller),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+                                 nprocs=world_size, join=False, start_method=START_METHOD)
         errors = []
         try:
             while not ctx.join(timeout=timeout):

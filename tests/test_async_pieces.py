@@ -429,6 +429,17 @@ def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
     assert [[len(c.token_ids) for c in g] for g in capped] == [[1, 1], [7, 7], [3, 3], [7, 7]]
     with pytest.raises(ValueError, match="one count >= 1 per prompt"):
         engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, budgets=[1, 2])
+    # each prompt's own number of samples (a new batch's n beside single continued responses):
+    # sample j of prompt i is drawn as in a call where every prompt has n (its key is (i, j)),
+    # with 4 rows for 6 samples, so the queue waits on rows and groups of different widths
+    mixed = engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, samples=[2, 1, 1, 2])
+    assert [[c.token_ids for c in g] for g in mixed] == [[c.token_ids for c in g[:k]] for g, k in
+                                                         zip(whole, [2, 1, 1, 2])]
+    assert all(abs(a - b) < 1e-5 for g, w in zip(mixed, whole) for c, d in zip(g, w)
+               for a, b in zip(c.log_probs, d.log_probs))
+    for bad in ([2, 1, 1], [2, 0, 1, 1], [3, 1, 1, 1]):
+        with pytest.raises(ValueError, match=r"samples: one count in 1\.\.n=2 per prompt"):
+            engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, samples=bad)
     calls = iter([False, True])
     out = engine.generate_pausable(prompts, sp, lambda unfinished: next(calls), 2)
     # 4 rows: the first two prompts run (2 samples each), the last two wait in the queue

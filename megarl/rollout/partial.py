@@ -117,10 +117,12 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     `pause(unfinished)`, on a pausable engine, is asked at every chunk boundary with, per
     generation, how many of its sequences are unfinished; True stops the step there. The first
     generation leads: its chunk size, sampling and chunk index (for the seed) are the calls'.
-    A generation alone at its first chunk gets n samples per prompt (engines share the prompt's
-    prefill across them); otherwise every unfinished sequence is one n=1 request of its prompt
-    plus its response so far: on a pausable engine all of them in one call, each with the budget
-    it has left, else one chunk each, those with the same remaining budget in one call."""
+    A generation at its first chunk gets n samples per prompt (engines share the prompt's
+    prefill across them); every other unfinished sequence is one request of its prompt plus its
+    response so far. On a pausable engine all of them go in one call, each with the budget it has
+    left, so a new batch's prompts run beside the long responses of the one before; elsewhere a
+    new generation beside others is one n=1 request per sequence too, and each call is one chunk,
+    those with the same remaining budget together."""
     live = [(i, g, s) for i, g in enumerate(gens) for s in g.seqs if s.finish is None]
     if not live:
         return 0
@@ -130,7 +132,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     pausable = pause is not None and hasattr(engine, "generate_pausable")
     paused = [False]
 
-    def call(members, prompts, params, budgets=None):
+    def call(members, prompts, params, budgets=None, samples=None):
         """members[i]: the (generation index, sequences) that call prompt i stands for."""
         if not pausable:
             return engine.generate(prompts, params)
@@ -145,7 +147,9 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
                     counts[members[i][0]] += left
                 paused[0] = bool(pause(counts))
             return paused[0]
-        return engine.generate_pausable(prompts, params, ask, chunk, budgets)
+        if samples is None:
+            return engine.generate_pausable(prompts, params, ask, chunk, budgets)
+        return engine.generate_pausable(prompts, params, ask, chunk, budgets, samples)
 
     if len(gens) == 1 and lead.chunks_done == 0:
         n = lead.n
@@ -156,24 +160,41 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         lead.chunks_done += 1
         return sum(lead._extend(s, c, version, cap) for s, c in zip(lead.seqs, (c for g in out for c in g)))
     if pausable:
-        # one call, each sequence with the budget it has left: all of them share the engine's rows
-        calls = [live]
-    else:
-        # one chunk each; sequences with the same remaining budget share a call (usually one call)
-        by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
-        for i, g, s in live:
-            by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((i, g, s))
-        calls = [items for _, items in sorted(by_len.items())]
+        # one call, each sequence with the budget it has left: all of them share the engine's rows;
+        # a generation at its first chunk comes in as its prompts with n samples each (one prefill
+        # per prompt, not per sample)
+        members, prompts, caps, samples = [], [], [], []
+        for i, g in enumerate(gens):
+            if g.chunks_done == 0:
+                members += [(i, g.seqs[j * g.n:(j + 1) * g.n]) for j in range(len(g.prompts))]
+                prompts += g.prompts
+                caps += [budget] * len(g.prompts)
+                samples += [g.n] * len(g.prompts)
+            else:
+                for s in g.seqs:
+                    if s.finish is None:
+                        members.append((i, [s]))
+                        prompts.append(s.prompt + s.tokens)
+                        caps.append(budget - len(s.tokens))
+                        samples.append(1)
+        seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=0)
+        params = sp.with_(n=max(samples), max_tokens=max(caps), seed=seed)
+        out = call(members, prompts, params, caps, samples if min(samples) < params.n else None)
+        added = sum(gens[i]._extend(s, c, version, cap)
+                    for (i, seqs), group, cap in zip(members, out, caps) for s, c in zip(seqs, group))
+        for g in gens:
+            g.chunks_done += 1
+        return added
+    # one chunk each; sequences with the same remaining budget share a call (usually one call)
+    by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
+    for i, g, s in live:
+        by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((i, g, s))
     added = 0
-    for k, items in enumerate(calls):
-        if paused[0]:                            # the caller stopped the step: the rest wait
-            break
-        caps = [budget - len(s.tokens) if pausable else min(chunk, budget - len(s.tokens)) for _, _, s in items]
+    for k, (cap, items) in enumerate(sorted(by_len.items())):
         seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
-        params = sp.with_(n=1, max_tokens=max(caps), seed=seed)
-        out = call([(i, [s]) for i, _, s in items], [s.prompt + s.tokens for _, _, s in items], params,
-                   caps if pausable else None)
-        added += sum(g._extend(s, group[0], version, cap) for (_, g, s), group, cap in zip(items, out, caps))
+        out = call([(i, [s]) for i, _, s in items], [s.prompt + s.tokens for _, _, s in items],
+                   sp.with_(n=1, max_tokens=cap, seed=seed))
+        added += sum(g._extend(s, group[0], version, cap) for (_, g, s), group in zip(items, out))
     for g in gens:
         g.chunks_done += 1
     return added

@@ -66,9 +66,10 @@ def test_async_trainer_survives_every_kill_point(async_chain):
     assert [p["gens"] for p in saved[0]["buffer_partial"]] == [p["gens"] for p in saved[1]["buffer_partial"]]
     assert torch.equal(saved[0]["inflight_batch"].batch["responses"], saved[1]["inflight_batch"].batch["responses"])
     # Batch t trains at version t-1; from batch 3 on, its oldest tokens are 2 versions old and
-    # responses span the versions before and after the update; from batch 2 on, each batch
-    # started in the tail of the one before.
+    # responses span the versions before and after the update; from batch 2 on, most batches
+    # start in the tail of the one before (which do depends on the sampled lengths).
     ref = {r["step"]: r for r in read_metrics(str(async_chain["ref"]))}
     assert [ref[t]["async/staleness_max"] for t in range(1, STEPS + 1)] == [0, 1, 2, 2, 2]
     assert all(ref[t]["async/mixed_version_fraction"] > 0 for t in range(3, STEPS + 1))
-    assert [ref[t]["async/started_in_tail"] for t in range(1, STEPS + 1)] == [0, 1, 1, 1, 1]
+    in_tail = [ref[t]["async/started_in_tail"] for t in range(1, STEPS + 1)]
+    assert in_tail[0] == 0 and sum(in_tail[1:]) >= 3, in_tail

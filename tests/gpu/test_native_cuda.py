@@ -43,6 +43,11 @@ def test_graph_replay_equals_the_eager_step(tmp_path):
     again = graphs.generate(prompts, SP)                 # same shapes: replays only
     assert _tokens(again) == _tokens(want)
     assert graphs.decode.stats["captured"] == stats["captured"]
+    # prompts with fewer samples than n (a stream's new batch beside continued responses) run in
+    # the same graphs' grid; sample j of prompt i is the one a full call draws
+    counts = [1 + i % SP.n for i in range(len(prompts))]
+    mixed = graphs.generate_pausable(prompts, SP, lambda unfinished: False, 4, samples=counts)
+    assert _tokens(mixed) == [g[:k] for g, k in zip(_tokens(want), counts)]
 
 
 def test_greedy_and_logprobs_match_transformers_on_cuda(tmp_path):

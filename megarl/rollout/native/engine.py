@@ -192,7 +192,7 @@ class NativeEngine(BaseRollout):
 
     def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams,
                           pause: Callable[[dict[int, int]], bool], every: int,
-                          budgets: list[int] | None = None) -> list[list[Completion]]:
+                          budgets: list[int] | None = None, samples: list[int] | None = None) -> list[list[Completion]]:
         """generate(), asking `pause(unfinished)` at every chunk boundary while anything runs
         (whenever the call's first prompts hold a multiple of `every` tokens: chunks as partial
         rollouts count them; `unfinished` maps each prompt index with samples still running or
@@ -202,15 +202,20 @@ class NativeEngine(BaseRollout):
         every chunk (megarl/rollout/partial.py).
         Every rank of a TP group asks at the same iterations: `pause` must answer alike on all.
         `budgets[i]`, when given, caps prompt i's new tokens below sampling.max_tokens (continued
-        responses with different budgets left share one call)."""
+        responses with different budgets left share one call); `samples[i]`, when given, is how
+        many samples prompt i gets, 1 to sampling.n, and groups[i] holds that many (a new batch's
+        prompts, n samples each, share the call with single continued responses)."""
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if budgets is not None and (len(budgets) != len(prompts) or min(budgets, default=1) < 1):
             raise ValueError(f"budgets: one count >= 1 per prompt ({len(prompts)} prompts), got {budgets!r}")
-        return self._generate(prompts, sampling, None, pause, every, budgets)
+        if samples is not None and (len(samples) != len(prompts) or not all(1 <= k <= sampling.n for k in samples)):
+            raise ValueError(f"samples: one count in 1..n={sampling.n} per prompt ({len(prompts)} prompts), "
+                             f"got {samples!r}")
+        return self._generate(prompts, sampling, None, pause, every, budgets, samples)
 
     def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0,
-                  budgets: list[int] | None = None) -> list[list[Completion]]:
+                  budgets: list[int] | None = None, samples: list[int] | None = None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
@@ -227,7 +232,8 @@ class NativeEngine(BaseRollout):
         # from them and the budget.
         cap_p, cap_t = max(cap_p, self.cache.prompt_len), max(cap_t, self.cache.gen_len)
         penalty = sampling.repetition_penalty != 1.0
-        rows, groups = self._capacity(len(prompts), n, cap_p, cap_t, penalty)
+        rows, groups = self._capacity(len(prompts), n, cap_p, cap_t, penalty,
+                                      None if samples is None else (sum(samples), min(samples)))
         self.cache.ensure(rows, groups, cap_p, cap_t)
         if self.rows is None or not self.rows.fits(self.cache.rows, self.cache.groups, T, penalty):
             old = self.rows
@@ -236,7 +242,7 @@ class NativeEngine(BaseRollout):
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return Scheduler(self, prompts, sampling, seed, pause, every, budgets).run()
+        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples).run()
 
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""
@@ -248,22 +254,26 @@ class NativeEngine(BaseRollout):
             rows.routes = RouteRecord(c.rows, c.groups, rows.max_tokens, c.prompt_len, a.n_layers,
                                       a.num_experts_per_tok, self.routes_dtype, self.device)
 
-    def _capacity(self, prompts: int, n: int, prompt_len: int, gen_len: int, penalty: bool) -> tuple[int, int]:
+    def _capacity(self, prompts: int, n: int, prompt_len: int, gen_len: int, penalty: bool,
+                  mixed: tuple[int, int] | None = None) -> tuple[int, int]:
         """(rows, groups) for this call: max_num_seqs rows at most (and no more than the call
         needs), fewer where the KV cache and row state would not fit the memory budget:
         kv_cache_gb if set, on GPU gpu_memory_utilization of the device minus what is already
         allocated (what the engine itself holds counts as free); on CPU the same fraction of this
-        rank's share of host memory minus the process's resident set (host_budget.py)."""
+        rank's share of host memory minus the process's resident set (host_budget.py).
+        `mixed` = (samples in all, fewest per prompt) where prompts get different counts."""
+        wanted, fewest = mixed or (prompts * n, n)
+
         def groups(rows: int) -> int:             # see the module docstring
-            return max(1, min(prompts, rows, -(-2 * rows // n)))
-        rows = min(self.max_num_seqs, prompts * n)
+            return max(1, min(prompts, rows, -(-2 * rows // fewest)))
+        rows = min(self.max_num_seqs, wanted)
         budget = self._budget_bytes()
         if budget is not None:
             per_row, per_group = self.row_costs(prompt_len, gen_len, penalty)
 
             def cost(r: int) -> float:
                 return r * per_row + groups(r) * per_group
-            rows = min(rows, int(budget // (per_row + min(1.0, 2 / n) * per_group)))   # about right
+            rows = min(rows, int(budget // (per_row + min(1.0, 2 / fewest) * per_group)))   # about right
             while rows > n and cost(rows) > budget:                                      # exact
                 rows -= 1
         else:                                     # unbounded: never shrink what is there

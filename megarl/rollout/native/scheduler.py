@@ -2,13 +2,15 @@
 continuous batching over the engine's rows and prompt groups, and the decode loop.
 
     groups = Scheduler(engine, prompts, sampling, seed).run()   # what NativeEngine.generate returns
-    groups = Scheduler(engine, prompts, sampling, seed, pause, every, budgets).run()   # generate_pausable
+    groups = Scheduler(engine, prompts, sampling, seed, pause, every, budgets, samples).run()   # generate_pausable
 
 Pausable: at every chunk boundary while anything is running (the call's first prompts hold a
 multiple of `every` tokens, the prefill's sampled token counted), `pause(unfinished)` is asked,
 `unfinished` mapping each prompt with samples still running or waiting to how many; when it
 says True, every running row comes back with finish_reason "paused" and its tokens so
-far, and every prompt still waiting with no tokens ("paused" too).
+far, and every prompt still waiting with no tokens ("paused" too). `samples[i]` (at most
+sampling.n) is how many samples prompt i gets: a stream's next batch (n samples per prompt, one
+prefill each) shares the call with the single continued responses of the batch before it.
 
 `engine` is the NativeEngine: the scheduler uses its model, KV cache, row state, decode step,
 device and stats, and owns only the bookkeeping of one call.
@@ -36,7 +38,7 @@ class Scheduler:
     """
 
     def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0,
-                 budgets: list[int] | None = None):
+                 budgets: list[int] | None = None, samples: list[int] | None = None):
         self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
         self.pause, self.every = pause, every
         # tokens each prompt's samples may take (at most sampling.max_tokens): continued responses
@@ -46,7 +48,10 @@ class Scheduler:
         self.R, self.Gcap = engine.cache.rows, engine.cache.groups
         stops = sorted(sampling.stop_ids)
         self.stops = torch.tensor(stops, dtype=torch.long, device=engine.device) if stops else None
-        self.out: list[list[Completion | None]] = [[None] * sampling.n for _ in prompts]
+        # samples per prompt; the decode step's (group, sample) grid stays sampling.n wide
+        self.ns = np.full(len(prompts), sampling.n, dtype=np.int64) if samples is None else \
+            np.asarray(samples, dtype=np.int64)
+        self.out: list[list[Completion | None]] = [[None] * int(k) for k in self.ns]
         # Host mirrors. Rows 0..B-1: which (prompt, sample) each holds, its group, its step.
         self.prompt = np.zeros(self.R, dtype=np.int64)
         self.sample = np.zeros(self.R, dtype=np.int64)
@@ -58,11 +63,13 @@ class Scheduler:
         self.B = self.G = 0
 
     def _admit(self, idx: list[int]) -> None:
-        """Prefill prompts `idx` in one pass into groups G..G+k-1; their n samples take rows
-        B..B+k*n-1."""
-        e, n, rows, dev = self.e, self.sp.n, self.e.rows, self.e.device
+        """Prefill prompts `idx` in one pass into groups G..G+k-1; their samples (n each, or
+        `samples`) take rows B..B+M-1."""
+        e, rows, dev = self.e, self.e.rows, self.e.device
         k, first, g0 = len(idx), self.B, self.G
-        M, last = k * n, self.B + k * n
+        ns = self.ns[idx]
+        M = int(ns.sum())
+        last = first + M
         lens = [len(self.prompts[i]) for i in idx]
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(self.prompts[i], dtype=torch.long) for i in idx],
                                               batch_first=True).to(dev)                      # [k, P]
@@ -73,8 +80,10 @@ class Scheduler:
         logits = e.model.prefill(ids, lengths, e.cache, groups, e.comm, buf)                # [k, V]
         if rec is not None:
             rec.store_prefill(g0, buf)
-        src = torch.arange(k, device=dev).repeat_interleave(n)                              # [M] prompt of each row
-        samples = torch.arange(n, device=dev).repeat(k)
+        counts = torch.from_numpy(ns).to(dev)
+        src = torch.arange(k, device=dev).repeat_interleave(counts, output_size=M)          # [M] prompt of each row
+        member = np.concatenate([np.arange(c) for c in ns])                                 # [M] sample of each row
+        samples = torch.from_numpy(member).to(dev)
         rows.key[first:last] = sampler.sample_keys(self.seed, torch.tensor(idx, dtype=torch.long, device=dev)[src],
                                                    samples)
         rows.step[first:last] = 0
@@ -89,12 +98,12 @@ class Scheduler:
             seen.scatter_(1, ids.masked_fill(pad, V)[src], True)
             rows.seen[first:last] = seen[:, :V]
         rows.record(first, last, logits[src], self.sp)
-        self.prompt[first:last] = np.repeat(idx, n)
-        self.sample[first:last] = np.tile(np.arange(n), k)
-        self.grp[first:last] = np.repeat(np.arange(g0, g0 + k), n)
+        self.prompt[first:last] = np.repeat(idx, ns)
+        self.sample[first:last] = member
+        self.grp[first:last] = np.repeat(np.arange(g0, g0 + k), ns)
         self.steps[first:last] = 1
         self.glen[g0:g0 + k] = lens
-        self.live[g0:g0 + k] = n
+        self.live[g0:g0 + k] = ns
         self.B, self.G = last, g0 + k
         e.stats["prefills"] += k
         e.stats["prefill_batches"] += 1
@@ -178,31 +187,32 @@ class Scheduler:
         row and waiting prompt comes back "paused"."""
         if self.pause is None or made % self.every or not (self.B or queue):
             return False
-        unfinished = dict.fromkeys(queue, self.sp.n)
+        unfinished = {i: int(self.ns[i]) for i in queue}
         for i, count in zip(*np.unique(self.prompt[:self.B], return_counts=True)):
             unfinished[int(i)] = int(count)
         if not self.pause(unfinished):
             return False
         self._retire(pausing=True)
         for i in queue:                       # waiting prompts: no tokens yet
-            self.out[i] = [Completion([], [], "paused") for _ in range(self.sp.n)]
+            self.out[i] = [Completion([], [], "paused") for _ in range(int(self.ns[i]))]
         return True
 
     def run(self) -> list[list[Completion]]:
-        n, budget = self.sp.n, self.e.max_num_batched_tokens
+        budget = self.e.max_num_batched_tokens
         queue = deque(range(len(self.prompts)))
         made = 0                              # tokens the first prompts' rows hold (the prefill samples one)
 
-        def room(extra: int) -> bool:         # rows and a group for one more prompt
-            return self.R - self.B - extra * n >= n and self.Gcap - self.G - extra >= 1
+        def room(prompts: int, rows: int) -> bool:   # rows and a group for the next prompt beside those
+            return self.R - self.B - rows >= self.ns[queue[0]] and self.Gcap - self.G - prompts >= 1
         while queue or self.B:
             admitted = False
-            while queue and room(0):
-                idx, longest = [], 0
-                while queue and room(len(idx)):
+            while queue and room(0, 0):
+                idx, taken, longest = [], 0, 0
+                while queue and room(len(idx), taken):
                     longest_next = max(longest, len(self.prompts[queue[0]]))
                     if idx and (len(idx) + 1) * longest_next > budget:
                         break
+                    taken += int(self.ns[queue[0]])
                     idx.append(queue.popleft())
                     longest = longest_next
                 self._admit(idx)
