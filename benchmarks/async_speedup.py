@@ -7,6 +7,7 @@ quickstart's addition task: same model, steps, seed and batch for the three.
     python benchmarks/async_speedup.py --longtail --steps 16 --test-freq 16 --rounds 1 --out runs/bench/longtail
     python benchmarks/async_speedup.py --seeds 1 2 3 --steps 100 --test-freq 50 --out runs/bench/seeds
     python benchmarks/async_speedup.py --longtail --engine-only --out runs/bench/longtail   # generation alone
+                                                                 # (benchmarks/async_engine.py)
 
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
     sync      rollout.placement=colocated, actor TP 2 (the quickstart's layout); each step
@@ -169,111 +170,6 @@ def expected_speedup(gen: float, train: float, sync: float, devices: int = 64, a
     return best
 
 
-def engine_only(args) -> None:
-    """The rollout rank's cost per batch on the long-tailed task, without a trainer: one whole-batch
-    generate call (what one_step does) against the same batch in chunks as partial rollouts run
-    them: one call per chunk (each re-submits prompt + response so far: an engine that cannot
-    pause) and the built-in engine's pausable call, asked at every chunk boundary and paused once,
-    at the second (an update landing mid-batch: one re-submission). The built-in engine, in this
-    process, one thread; the run's sampling (T=1, EOS stops), `--batches` batches of the training
-    data, median seconds per batch after one warm-up batch. `--device cuda`: the same on a GPU,
-    where a decode step costs about the same for few rows as for many (CUDA graphs)."""
-    import torch
-    from megarl.examples.addition import bootstrap
-    from megarl.rollout.base import SamplingParams
-    from megarl.rollout.native.engine import NativeEngine
-    from megarl.rollout.partial import ChunkedGeneration
-    from transformers import AutoTokenizer
-    torch.set_num_threads(1)
-    extra = dict(x.split("=", 1) for x in args.extra)
-    kw = "actor_rollout_ref.model.bootstrap_kwargs."
-    bootstrap(args.model, **{k[len(kw):]: int(v) if v.isdigit() else float(v)
-                             for k, v in extra.items() if k.startswith(kw)})
-    tok = AutoTokenizer.from_pretrained(args.model)
-    with open(extra["data.train_files"]) as f:
-        rows = [json.loads(line) for line in f][:32 * (args.batches + 1)]
-    prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False).input_ids for r in rows]
-    engine = NativeEngine.from_pretrained(args.model, device=args.device)
-    print(f"device {args.device}" + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else
-                                     f", {torch.get_num_threads()} thread"))
-    sp = SamplingParams(n=8, max_tokens=int(extra["data.max_response_length"]), temperature=1.0, seed=0,
-                        eos_token_ids=[tok.eos_token_id])
-    print(f"{args.batches} batches of 32 prompts x n=8, response limit {sp.max_tokens}; median seconds per batch "
-          "(one warm-up batch first)")
-    ways = [(0, False), (4, False), (8, False), (16, False), (4, True)]
-    times: dict = {w: [] for w in ways}
-    longest: dict = {w: [] for w in ways}
-    for b in range(args.batches + 1):             # the ways alternate batch by batch: load drifts hit all
-        batch = prompts[32 * b:32 * (b + 1)]
-        for chunk, pausable in ways:
-            start = time.perf_counter()
-            if chunk:
-                gen = ChunkedGeneration(batch, sp, chunk)
-                asked = iter([False, True])
-                while not gen.done:
-                    gen.step(engine, 0, (lambda unfinished: next(asked, False)) if pausable else None)
-                got = max(len(s.tokens) for s in gen.seqs)
-            else:
-                got = max(len(c.token_ids) for g in engine.generate(batch, sp) for c in g)
-            if b:
-                times[chunk, pausable].append(time.perf_counter() - start)
-                longest[chunk, pausable].append(got)
-    base = statistics.median(times[0, False])
-    for (chunk, pausable), got in times.items():
-        name = (f"chunks of {chunk}" + (", pausable" if pausable else "")) if chunk else "whole batch"
-        print(f"  {name:24s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x  (longest "
-              f"response per batch {' '.join(map(str, longest[chunk, pausable]))})")
-    batches = [prompts[32 * b:32 * (b + 1)] for b in range(1, args.batches + 1)]
-    print(f"the {args.batches} batches one after another, three rounds alternated; median seconds per batch")
-    per_batch: dict = {"whole-batch calls": [], "next batch in the tail, pausable": []}
-    work: dict = {name: {} for name in per_batch}      # engine counters of the last round
-
-    def counted(name: str, run) -> None:
-        before = engine_counters(engine)
-        start = time.perf_counter()
-        run()
-        per_batch[name].append((time.perf_counter() - start) / len(batches))
-        work[name] = {k: v - before[k] for k, v in engine_counters(engine).items()}
-    for _ in range(3):
-        counted("whole-batch calls", lambda: [engine.generate(batch, sp) for batch in batches])
-        counted("next batch in the tail, pausable", lambda: in_the_tail(engine, batches, sp, 4, 0.5))
-    base = statistics.median(per_batch["whole-batch calls"])
-    for name, got in per_batch.items():
-        print(f"  {name:34s} {statistics.median(got):.3f} s  {statistics.median(got) / base:.2f}x  ("
-              + ", ".join(f"{k} {v}" for k, v in work[name].items()) + ")")
-
-
-def engine_counters(engine) -> dict:
-    """What the built-in engine did: calls aside, the work a schedule costs it."""
-    s, d = engine.stats, engine.decode.stats
-    return {"prompts prefilled": s["prefills"], "prefill passes": s["prefill_batches"],
-            "decode steps": s["decode_steps"], "graphs captured": d["captured"]}
-
-
-def in_the_tail(engine, batches, sp, chunk: int, fraction: float) -> float:
-    """Seconds for the stream's engine work on `batches` with tail_overlap=fraction
-    (megarl/trainer/rollout_stream.py without a trainer: no update lands): a batch starts once at
-    most that fraction of the samples of the one in flight are unfinished, and both share the
-    engine's calls until the older one is done."""
-    from megarl.rollout.partial import ChunkedGeneration, step_together
-    pending, gens = list(batches), []
-    start = time.perf_counter()
-    while pending or gens:
-        if not gens:
-            gens.append(ChunkedGeneration(pending.pop(0), sp, chunk))
-
-        def pause(unfinished: list[int]) -> bool:
-            if len(gens) == 1:
-                return bool(pending) and unfinished[0] <= fraction * len(gens[0].seqs)
-            return unfinished[0] == 0
-        step_together(gens, engine, 0, pause)
-        gens = [g for g in gens if not g.done]
-        if len(gens) == 1 and pending and gens[0].unfinished() <= fraction * len(gens[0].seqs):
-            gens.append(ChunkedGeneration(pending.pop(0), sp, chunk))
-    return time.perf_counter() - start
-
-
 def plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -319,6 +215,8 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true", help="--longtail: generation alone, whole batch vs chunks")
     ap.add_argument("--batches", type=int, default=16, help="--engine-only: batches timed")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="--engine-only: the engine's device")
+    ap.add_argument("--phases", action="store_true",
+                    help="--engine-only: seconds in prefill, decode steps and the rest per schedule (synchronised)")
     args = ap.parse_args()
     args.model_bootstrap = False
     if args.longtail:
@@ -329,6 +227,7 @@ def main() -> None:
     if args.engine_only:
         if not args.longtail:
             raise SystemExit("--engine-only measures the long-tailed task: add --longtail")
+        from benchmarks.async_engine import engine_only
         return engine_only(args)
     if args.seeds:
         args.rounds = len(args.seeds)

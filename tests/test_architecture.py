@@ -35,7 +35,7 @@ LAZY_BOUNDARIES = {("megarl.examples.addition", "megarl.examples.addition.checkp
 # Underscore names that are not private API in the sense meant here, each for its reason.
 PRIVATE_ALLOWED = {
     # an ATen operator looked up by getattr with a public fallback (attend_matmul) where absent:
-    # SDPA's own CPU kernel, called directly for its log-sum-exp (megarl/rollout/native/model.py)
+    # SDPA's own CPU kernel, called directly for its log-sum-exp (megarl/rollout/native/attention.py)
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
 }
 

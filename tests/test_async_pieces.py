@@ -351,7 +351,7 @@ class _OneCallPerChunk:
 
 @pytest.mark.parametrize("pausable", [True, False], ids=["pausable", "one_call_per_chunk"])
 def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable):
-    """Partial rollouts with a third of the vocabulary as stop tokens: most responses end within a
+    """Partial rollouts with a quarter of the vocabulary as stop tokens: most responses end within a
     chunk, a few run to the limit. With tail_overlap=0.5, once at most half of a batch's samples
     are unfinished the next batch starts beside it, in the same engine calls (`started_in_tail`;
     never with tail_overlap=0), and staleness stays within k. Updates land at fixed chunks
@@ -364,7 +364,7 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
              "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=8",
              "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5")
-    engine, total, k, stops = _native_engine(tiny), 8, 3, list(range(100))
+    engine, total, k, stops = _native_engine(tiny), 8, 3, list(range(80))
     if not pausable:
         engine = _OneCallPerChunk(engine)
     _, off = _stream_worker(engine, k, total, {}, (*extra, "async_training.tail_overlap=0"), stops)
@@ -374,7 +374,7 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
     in_tail = [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in payloads[:-1]]
     assert in_tail[0] == 0.0 and sum(in_tail) >= 3, in_tail
     lengths = torch.cat([p["batch"].batch["response_mask"].sum(-1) for p in payloads[:-1]])
-    assert lengths.min() == 1 and lengths.max() == 8, lengths          # a long tail, as meant
+    assert lengths.min() == 1 and lengths.max() >= 6, lengths          # a long tail, as meant (limit 8)
     for t, payload in enumerate(payloads[:-1], start=1):
         b = payload["batch"]
         assert (sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1) <= k).all()
@@ -445,6 +445,28 @@ def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
     # 4 rows: the first two prompts run (2 samples each), the last two wait in the queue
     assert [[(len(c.token_ids), c.finish_reason) for c in g] for g in out] == \
         [[(4, "paused")] * 2] * 2 + [[(0, "paused")] * 2] * 2
+    # and goes on from each sample's response so far (its prompt prefilled once per group): every
+    # sample ends as the never-paused call's did, token for token (its step counts the tokens it
+    # came with, so it draws what it would have), log-probs within 1e-5; with a repetition
+    # penalty and stop tokens too (the penalty counts the response so far)
+    for params in (sp, SamplingParams(n=2, max_tokens=7, temperature=0.9, top_k=30, seed=6,
+                                      repetition_penalty=1.4, stop_token_ids=[20, 21, 22])):
+        calls = iter([False, True])
+        first = engine.generate_pausable(prompts, params, lambda unfinished: next(calls), 2)
+        before = engine.stats["continued"]
+        rest = engine.generate_pausable(prompts, params, lambda unfinished: False, 2,
+                                        prefixes=[[c.token_ids for c in g] for g in first])
+        assert engine.stats["continued"] - before == sum(bool(c.token_ids) for g in first for c in g) > 0
+        full = engine.generate(prompts, params)
+        assert [[a.token_ids + b.token_ids for a, b in zip(g, h)] for g, h in zip(first, rest)] == \
+            [[c.token_ids for c in g] for g in full]
+        assert [[c.finish_reason for c in g] for g in rest] == [[c.finish_reason for c in g] for g in full]
+        joined = [x for g, h in zip(first, rest) for a, b in zip(g, h) for x in a.log_probs + b.log_probs]
+        assert joined == pytest.approx([x for g in full for c in g for x in c.log_probs], abs=1e-5)
+    with pytest.raises(ValueError, match="one response so far per sample"):
+        engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, prefixes=[[[1]], [], [], []])
+    with pytest.raises(ValueError, match="shorter than max_tokens=7"):
+        engine.generate_pausable(prompts, sp, lambda unfinished: False, 2, prefixes=[[[1] * 7, []]] + [[[], []]] * 3)
 
     class Counting:                                          # counts engine calls; pausable or not
         def __init__(self, inner, pausable: bool):

@@ -117,12 +117,11 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     `pause(unfinished)`, on a pausable engine, is asked at every chunk boundary with, per
     generation, how many of its sequences are unfinished; True stops the step there. The first
     generation leads: its chunk size, sampling and chunk index (for the seed) are the calls'.
-    A generation at its first chunk gets n samples per prompt (engines share the prompt's
-    prefill across them); every other unfinished sequence is one request of its prompt plus its
-    response so far. On a pausable engine all of them go in one call, each with the budget it has
-    left, so a new batch's prompts run beside the long responses of the one before; elsewhere a
-    new generation beside others is one n=1 request per sequence too, and each call is one chunk,
-    those with the same remaining budget together."""
+    On a pausable engine every unfinished sequence goes in one call (`_one_call`), so a new
+    batch's prompts run beside the long responses of the one before. Elsewhere a generation alone
+    at its first chunk gets n samples per prompt (engines share the prompt's prefill across them);
+    otherwise each unfinished sequence is an n=1 request of its prompt plus its response so far,
+    one chunk per call, those with the same remaining budget together."""
     live = [(i, g, s) for i, g in enumerate(gens) for s in g.seqs if s.finish is None]
     if not live:
         return 0
@@ -132,7 +131,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     pausable = pause is not None and hasattr(engine, "generate_pausable")
     paused = [False]
 
-    def call(members, prompts, params, budgets=None, samples=None):
+    def call(members, prompts, params, budgets=None, **kwargs):
         """members[i]: the (generation index, sequences) that call prompt i stands for."""
         if not pausable:
             return engine.generate(prompts, params)
@@ -147,9 +146,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
                     counts[members[i][0]] += left
                 paused[0] = bool(pause(counts))
             return paused[0]
-        if samples is None:
-            return engine.generate_pausable(prompts, params, ask, chunk, budgets)
-        return engine.generate_pausable(prompts, params, ask, chunk, budgets, samples)
+        return engine.generate_pausable(prompts, params, ask, chunk, budgets, **kwargs)
 
     if len(gens) == 1 and lead.chunks_done == 0:
         n = lead.n
@@ -160,31 +157,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         lead.chunks_done += 1
         return sum(lead._extend(s, c, version, cap) for s, c in zip(lead.seqs, (c for g in out for c in g)))
     if pausable:
-        # one call, each sequence with the budget it has left: all of them share the engine's rows;
-        # a generation at its first chunk comes in as its prompts with n samples each (one prefill
-        # per prompt, not per sample)
-        members, prompts, caps, samples = [], [], [], []
-        for i, g in enumerate(gens):
-            if g.chunks_done == 0:
-                members += [(i, g.seqs[j * g.n:(j + 1) * g.n]) for j in range(len(g.prompts))]
-                prompts += g.prompts
-                caps += [budget] * len(g.prompts)
-                samples += [g.n] * len(g.prompts)
-            else:
-                for s in g.seqs:
-                    if s.finish is None:
-                        members.append((i, [s]))
-                        prompts.append(s.prompt + s.tokens)
-                        caps.append(budget - len(s.tokens))
-                        samples.append(1)
-        seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=0)
-        params = sp.with_(n=max(samples), max_tokens=max(caps), seed=seed)
-        out = call(members, prompts, params, caps, samples if min(samples) < params.n else None)
-        added = sum(gens[i]._extend(s, c, version, cap)
-                    for (i, seqs), group, cap in zip(members, out, caps) for s, c in zip(seqs, group))
-        for g in gens:
-            g.chunks_done += 1
-        return added
+        return _one_call(gens, version, call, getattr(engine, "continues_responses", False))
     # one chunk each; sequences with the same remaining budget share a call (usually one call)
     by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
     for i, g, s in live:
@@ -195,6 +168,49 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         out = call([(i, [s]) for i, _, s in items], [s.prompt + s.tokens for _, _, s in items],
                    sp.with_(n=1, max_tokens=cap, seed=seed))
         added += sum(g._extend(s, group[0], version, cap) for (_, g, s), group in zip(items, out))
+    for g in gens:
+        g.chunks_done += 1
+    return added
+
+
+def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool) -> int:
+    """Every unfinished sequence of `gens` in one pausable call. A generation at its first chunk
+    comes in as its prompts with n samples each (one prefill per prompt, not per sample). On an
+    engine that continues responses (`prefixes`), the unfinished samples of one prompt come in
+    as that prompt with their responses so far (its prefill once, their tokens into their rows);
+    elsewhere each is a request of its own, prompt + response so far as its prompt, with the
+    budget it has left."""
+    lead = gens[0]
+    sp, budget = lead.sampling, lead.sampling.max_tokens
+    members: list[tuple[int, list[_Seq]]] = []
+    prompts, caps, samples, prefixes = [], [], [], []
+    for i, g in enumerate(gens):
+        for j, prompt in enumerate(g.prompts):
+            seqs = [s for s in g.seqs[j * g.n:(j + 1) * g.n] if s.finish is None]
+            if g.chunks_done == 0 or (prefixed and seqs):
+                members.append((i, seqs))
+                prompts.append(prompt)
+                caps.append(budget)
+                samples.append(len(seqs))
+                prefixes.append([s.tokens for s in seqs])
+                continue
+            for s in seqs:
+                members.append((i, [s]))
+                prompts.append(s.prompt + s.tokens)
+                caps.append(budget - len(s.tokens))
+                samples.append(1)
+                prefixes.append([[]])
+    seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=0)
+    params = sp.with_(n=max(samples), max_tokens=max(caps), seed=seed)
+    left = [[budget - len(s.tokens) for s in seqs] for _, seqs in members]   # before the call extends them
+    kwargs: dict = {}
+    if min(samples) < params.n:
+        kwargs["samples"] = samples
+    if any(r for p in prefixes for r in p):
+        kwargs["prefixes"] = prefixes
+    out = call(members, prompts, params, caps, **kwargs)
+    added = sum(gens[i]._extend(s, c, version, cap)
+                for (i, seqs), group, room in zip(members, out, left) for s, c, cap in zip(seqs, group, room))
     for g in gens:
         g.chunks_done += 1
     return added

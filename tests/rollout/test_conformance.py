@@ -75,17 +75,26 @@ def _tp2(rank, world, root):
         cfg = config("native", dirs, tensor_model_parallel_size=2, **overrides)
         return build_rollout(cfg, dirs["a"], tokenizer, tp_group=dist.group.WORLD)
     figures = conformance.run_all(make, dirs)
-    tokens = [[c.token_ids for c in g] for g in make().generate(
-        conformance.PROMPTS, conformance.SamplingParams(n=2, max_tokens=8, seed=11))]
-    return figures, tokens
+    engine, sp = make(), conformance.SamplingParams(n=2, max_tokens=8, seed=11)
+    tokens = [[c.token_ids for c in g] for g in engine.generate(conformance.PROMPTS, sp)]
+    # paused at the second chunk boundary, then continued from the responses so far (their rows
+    # prefilled over the TP group): the same samples as one call
+    calls = iter([False, True])
+    first = engine.generate_pausable(conformance.PROMPTS, sp, lambda unfinished: next(calls), 2)
+    rest = engine.generate_pausable(conformance.PROMPTS, sp, lambda unfinished: False, 2,
+                                    prefixes=[[c.token_ids for c in g] for g in first])
+    joined = [[a.token_ids + b.token_ids for a, b in zip(g, h)] for g, h in zip(first, rest)]
+    return figures, tokens, joined, engine.stats["continued"]
 
 
 @pytest.mark.timeout(300)
 def test_contract_native_tp2_over_gloo(tmp_path, dirs):
     """Every check on a 2-rank rollout TP group; both ranks must also sample identical tokens,
-    equal to TP=1's (same seed, same weights)."""
-    (r0, t0), (r1, t1) = run_ranks(2, _tp2, (str(tmp_path),))
+    equal to TP=1's (same seed, same weights), also when a paused call is continued from its
+    responses so far."""
+    (r0, t0, j0, c0), (r1, t1, j1, c1) = run_ranks(2, _tp2, (str(tmp_path),))
     assert t0 == t1, "the two TP ranks sampled different tokens"
+    assert j0 == j1 == t0 and c0 == c1 == 6, (j0, j1, c0)
     tp1 = factory("native", model_dirs(str(tmp_path / "tp1")))()
     ref = [[c.token_ids for c in g] for g in tp1.generate(
         conformance.PROMPTS, conformance.SamplingParams(n=2, max_tokens=8, seed=11))]

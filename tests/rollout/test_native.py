@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.native import NativeEngine
+from megarl.rollout.native import NativeEngine, scheduler
 from megarl.rollout.native.model import LocalSizes, ModelArgs
 from megarl.rollout.native.tp import ShardPlan
 from tests.rollout.conformance import PROMPTS, Oracle
@@ -192,9 +192,10 @@ def test_sequence_distribution_equals_the_models(tmp_path):
         assert abs(z) < 4.5
 
 
-def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tmp_path):
+def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tmp_path, monkeypatch):
     """A prompt's samples are the same tokens (log-probs within 1e-5) whether it is prefilled in
-    one batched pass with the others or in chunks of one prompt (max_num_batched_tokens),
+    one batched pass with the others, in chunks of one prompt (max_num_batched_tokens), in a new
+    pass where it would make a pass more than half padding (scheduler.PAD_SPLIT),
     with slots sized from a memory budget (kv_cache_gb), or through the static-shape path that
     CUDA graphs replay (batch padded to a bucket with parked rows, attention span rounded up),
     here run eagerly on CPU. The log-probs stay the convention's (transformers within 1e-5)."""
@@ -214,8 +215,14 @@ def test_samples_do_not_depend_on_batch_prefill_chunks_padding_or_slot_budget(tm
     # n=3: 2/3 of a prompt group per row (module docstring of megarl/rollout/native/engine.py)
     per_row = ref.cache.bytes_per_token() * (9 + 2 / 3 * 9) + 6 * 8 + 9 * 12 + 96 + 8 * 2 / 3
     budget = NativeEngine.from_pretrained(str(tmp_path), kv_cache_gb=4.5 * per_row / 2**30)
+    split = NativeEngine.from_pretrained(str(tmp_path))
     runs = {"chunked": chunked.generate(prompts, sp),
             "padded": padded.generate(prompts, sp), "budget": budget.generate(prompts, sp)}
+    with monkeypatch.context() as m:
+        m.setattr(scheduler, "PAD_SPLIT", 0)
+        # lengths 5 2 9 3 4 1: the first five pad 23 tokens to 45; the sixth would pad 24 to 54
+        runs["split"] = split.generate(prompts, sp)
+    assert split.stats["prefill_batches"] == 2
     assert chunked.stats["prefill_batches"] == len(prompts)
     assert budget.cache.shape == (4, 3, 9, 9)           # rows, groups, prompt and generated positions
     flat = lambda groups: [x for g in groups for c in g for x in c.log_probs]  # noqa: E731
@@ -313,7 +320,7 @@ def test_decode_attention_kernels_agree(tmp_path, monkeypatch):
     generate through attend_matmul (static padded shapes, as graphs replay) gives transformers'
     greedy tokens and log-probs."""
     import torch.nn.functional as F
-    from megarl.rollout.native.model import MASKED, attend, attend_matmul
+    from megarl.rollout.native.attention import MASKED, attend, attend_matmul
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, 5, 16, generator=g) for _ in range(3))
     bias = torch.zeros(3, 1, 1, 5)
@@ -323,8 +330,8 @@ def test_decode_attention_kernels_agree(tmp_path, monkeypatch):
         assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=1e-6)
         want = torch.logsumexp(q @ k.transpose(-1, -2) * 0.25 + bias, dim=-1, keepdim=True)
         assert torch.allclose(lse, want, atol=1e-5)
-    from megarl.rollout.native import model as native_model
-    monkeypatch.setattr(native_model, "_CPU_FLASH", None)
+    from megarl.rollout.native import attention
+    monkeypatch.setattr(attention, "_CPU_FLASH", None)
     oracle = Oracle(save_model(str(tmp_path), seed=16))
     engine = NativeEngine.from_pretrained(str(tmp_path))
     engine.decode.static = True

@@ -97,7 +97,7 @@ class NativeEngine(BaseRollout):
         self.asleep = False
         self._offloaded: dict[str, torch.Tensor] = {}
         self._cache_shape = (0, 0, 0, 0)
-        self.stats = {"generated_tokens": 0, "prefills": 0, "prefill_batches": 0, "decode_steps": 0,
+        self.stats = {"generated_tokens": 0, "prefills": 0, "prefill_batches": 0, "decode_steps": 0, "continued": 0,
                       "group_moves": 0}
 
     @classmethod
@@ -192,7 +192,8 @@ class NativeEngine(BaseRollout):
 
     def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams,
                           pause: Callable[[dict[int, int]], bool], every: int,
-                          budgets: list[int] | None = None, samples: list[int] | None = None) -> list[list[Completion]]:
+                          budgets: list[int] | None = None, samples: list[int] | None = None,
+                          prefixes: list[list[list[int]]] | None = None) -> list[list[Completion]]:
         """generate(), asking `pause(unfinished)` at every chunk boundary while anything runs
         (whenever the call's first prompts hold a multiple of `every` tokens: chunks as partial
         rollouts count them; `unfinished` maps each prompt index with samples still running or
@@ -204,7 +205,10 @@ class NativeEngine(BaseRollout):
         `budgets[i]`, when given, caps prompt i's new tokens below sampling.max_tokens (continued
         responses with different budgets left share one call); `samples[i]`, when given, is how
         many samples prompt i gets, 1 to sampling.n, and groups[i] holds that many (a new batch's
-        prompts, n samples each, share the call with single continued responses)."""
+        prompts, n samples each, share the call with continued responses); `prefixes[i][j]`, when
+        given, is the response so far of prompt i's sample j ([] for a new one): it goes on from
+        there, its prompt prefilled once for all its samples, and only new tokens come back
+        (sampling.max_tokens bounds the whole response)."""
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if budgets is not None and (len(budgets) != len(prompts) or min(budgets, default=1) < 1):
@@ -212,10 +216,28 @@ class NativeEngine(BaseRollout):
         if samples is not None and (len(samples) != len(prompts) or not all(1 <= k <= sampling.n for k in samples)):
             raise ValueError(f"samples: one count in 1..n={sampling.n} per prompt ({len(prompts)} prompts), "
                              f"got {samples!r}")
-        return self._generate(prompts, sampling, None, pause, every, budgets, samples)
+        if prefixes is not None:
+            self._check_prefixes(prefixes, samples or [sampling.n] * len(prompts), sampling.max_tokens)
+        return self._generate(prompts, sampling, None, pause, every, budgets, samples, prefixes)
+
+    def _check_prefixes(self, prefixes, samples: list[int], max_tokens: int) -> None:
+        if self.record_routes:
+            raise ValueError("prefixes: a continued response's routed experts are not recorded (R3): "
+                             "give prompt + response as a prompt instead")
+        if len(prefixes) != len(samples) or any(len(p) != k for p, k in zip(prefixes, samples)):
+            raise ValueError(f"prefixes: one response so far per sample of each prompt ({samples} samples), "
+                             f"got {[len(p) for p in prefixes]}")
+        if any(len(r) >= max_tokens for p in prefixes for r in p):
+            raise ValueError(f"prefixes: a response so far must be shorter than max_tokens={max_tokens}")
+
+    @property
+    def continues_responses(self) -> bool:
+        """generate_pausable takes `prefixes` (not while R3 records routed experts)."""
+        return not self.record_routes
 
     def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0,
-                  budgets: list[int] | None = None, samples: list[int] | None = None) -> list[list[Completion]]:
+                  budgets: list[int] | None = None, samples: list[int] | None = None,
+                  prefixes: list[list[list[int]]] | None = None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
@@ -242,7 +264,7 @@ class NativeEngine(BaseRollout):
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples).run()
+        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples, prefixes).run()
 
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""

@@ -7,7 +7,9 @@ rank's shard (sizes come from `ModelArgs.local(...)`); the two collectives it ne
 Two entry points share the layers: `prefill` (N right-padded prompts in one pass, causal, each
 prompt's K/V written once, into its group of the cache) and `decode` (one new token for each of
 B rows, attending to its group's prompt and to its own generated tokens; static shapes, so the
-engine can capture it in a CUDA graph).
+engine can capture it in a CUDA graph; its attention: megarl/rollout/native/attention.py);
+`prefill_rows` writes the responses so far of continued samples into their rows, beside prompts
+already in their groups (a partial rollout resumed without a prefill of its prompt per sample).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.models import families
+from megarl.rollout.native.attention import MASKED, DecodeMeta, attend_shared
 from megarl.rollout.native.moe import MoE
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -229,6 +232,22 @@ class Layer(nn.Module):
                                               enable_gqa=True)                              # [N, hq, P, hd]
         return self._out(attn.transpose(1, 2).flatten(2), x, comm, ids_out)
 
+    def prefill_rows(self, x, cos, sin, pk, pv, ck, cv, rows, grp, seen, comm):
+        """x [M, L, h]: the responses so far of M continued samples, right-padded; their K/V go to
+        ck/cv[rows, :, :L], the generated part, and each attends to its group's prompt K/V
+        (pk/pv[grp]) and causally to its own tokens, as the decode steps that made them did.
+        seen [M, 1, L, Lp + L]: True where a query sees a key."""
+        q, k, v = self._qkv(rms_norm(x, self.attn_norm, self.a.rms_eps), cos, sin)
+        L, Lp = x.shape[1], seen.shape[-1] - x.shape[1]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                                       # [M, hkv, L, hd]
+        ck[rows, :, :L] = k
+        cv[rows, :, :L] = v
+        keys = torch.cat([pk[grp, :, :Lp], k], dim=2)                                     # [M, hkv, Lp + L, hd]
+        values = torch.cat([pv[grp, :, :Lp], v], dim=2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=seen,
+                                              enable_gqa=True)                              # [M, hq, L, hd]
+        return self._out(attn.transpose(1, 2).flatten(2), x, comm)
+
     def decode(self, x, cos, sin, pk, pv, ck, cv, m: "DecodeMeta", comm, ids_out=None):
         """x [B, 1, h]: one new token per row; pk/pv [G, hkv, Lp, hd] the prompt groups, ck/cv
         [R, hkv, Lg, hd] the rows' generated tokens. The new K/V go to ck/cv[row, :, m.spos]."""
@@ -242,71 +261,6 @@ class Layer(nn.Module):
         qr = q.view(B, s.kv_heads, g, hd)                                                 # [B, hkv, g, hd]
         attn = attend_shared(qr, pk, pv, ck, cv, m)
         return self._out(attn.to(x.dtype).reshape(B, 1, s.heads * hd), x, comm, ids_out)
-
-
-def attend_shared(q, pk, pv, ck, cv, m: "DecodeMeta") -> torch.Tensor:
-    """q [B, hkv, g, hd] -> [B, hkv, g, hd] (fp32). The prompt part once per group: the n samples'
-    queries (n*g rows per KV head) against the group's prompt K/V, read once (a matrix product
-    instead of n vector products); then each row's own tokens; the two softmaxes merged."""
-    B, hkv, g, hd = q.shape
-    scale = hd ** -0.5
-    # A (group, sample) with no active row takes row 0's query: computed, never read.
-    qg = q.index_select(0, m.inv).view(m.G, m.n, hkv, g, hd).transpose(1, 2).reshape(m.G, hkv, m.n * g, hd)
-    o_p, lse_p = attend(qg, pk[:m.G, :, :m.Lp], pv[:m.G, :, :m.Lp], m.pbias, scale)
-    o_p = o_p.view(m.G, hkv, m.n, g, hd).transpose(1, 2)[m.grp_out, m.member]             # [B, hkv, g, hd]
-    lse_p = lse_p.view(m.G, hkv, m.n, g, 1).transpose(1, 2)[m.grp_out, m.member]
-    o_s, lse_s = attend(q, ck[:B, :, :m.Ls], cv[:B, :, :m.Ls], m.sbias, scale)
-    # The row's part weighs exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p).
-    return torch.lerp(o_p, o_s, torch.sigmoid(lse_s - lse_p))
-
-
-# Masked keys get this additive bias rather than -inf: a row with no visible key (a parked row,
-# an unused group) then gets finite garbage instead of NaN, and a visible key is never affected.
-MASKED = -1e30
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
-    """Softmax attention that also returns the log-sum-exp, so two key sets can be merged.
-    q [..., m, hd], k/v [..., L, hd], bias [..., 1 or m, L] (fp32, 0 or MASKED) ->
-    out [..., m, hd] fp32, lse [..., m, 1]. On CPU: torch's fused flash kernel for CPU, the one
-    SDPA itself dispatches to, called directly because SDPA does not return the log-sum-exp
-    (one parallel kernel instead of ten small operations, which cost more than the arithmetic at
-    decode sizes). Elsewhere: attend_matmul (under CUDA graphs operation count costs nothing)."""
-    if q.device.type == "cpu" and _CPU_FLASH is not None and q.dtype == torch.float32:
-        out, lse = _CPU_FLASH(q, k, v, attn_mask=bias, scale=scale)
-        return out, lse.unsqueeze(-1)
-    return attend_matmul(q, k, v, bias, scale)
-
-
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
-    """attend() as two matrix products: scores and softmax in fp32, as transformers' eager path;
-    the scale on q (the small side), one exp over the scores (in place), the normalisation after
-    the product (fewer numbers)."""
-    scores = torch.matmul(q * scale, k.transpose(-1, -2)).float().add_(bias)
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(top).exp_()
-    total = weights.sum(dim=-1, keepdim=True)
-    out = torch.matmul(weights.to(v.dtype), v).float().div_(total)
-    return out, total.log_().add_(top)
-
-
-@dataclass
-class DecodeMeta:
-    """What every layer of one decode step needs besides its weights (built once per step)."""
-    rows: torch.Tensor        # [B] 0..B-1
-    spos: torch.Tensor        # [B] where each row's new K/V goes in its generated part
-    grp_out: torch.Tensor     # [B] the row's group, clamped into 0..G-1
-    member: torch.Tensor      # [B] the row's sample index within its group
-    inv: torch.Tensor         # [G*n] the row holding each (group, sample), 0 where none does
-    pbias: torch.Tensor       # [G, 1, 1, Lp] prompt keys each group may see (fp32, 0 or MASKED)
-    sbias: torch.Tensor       # [B, 1, 1, Ls] generated keys each row may see
-    G: int
-    n: int
-    Lp: int
-    Ls: int
 
 
 class Transformer(nn.Module):
@@ -366,6 +320,29 @@ class Transformer(nn.Module):
             x = layer.prefill(x, cos, sin, cache.pk[i], cache.pv[i], groups, comm,
                               None if routes is None else routes[:, :, i])
         last = x[torch.arange(N, device=ids.device), lengths - 1]                        # [N, h]
+        return self.logits(last, comm)
+
+    @torch.inference_mode()
+    def prefill_rows(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, grp: torch.Tensor,
+                     glen: torch.Tensor, Lp: int, cache, comm: Comm) -> torch.Tensor:
+        """ids [M, L]: the responses so far of M samples continued in rows `rows` [M], right-padded
+        to L, `lengths` [M] >= 1 real; their prompts are already in groups grp [M] of lengths glen
+        [M], Lp >= the longest -> logits of each last real token [M, V] (what the next token is
+        sampled from). A partial rollout resumes this way without prefilling its prompt per sample."""
+        M, L = ids.shape
+        dev = ids.device
+        pos = glen[:, None] + torch.arange(L, device=dev)[None, :]                       # [M, L]
+        self._check_window(Lp + L)
+        cos, sin = self.rope(cache.prompt_len + cache.gen_len)
+        cos, sin = cos[pos][:, :, None], sin[pos][:, :, None]                            # [M, L, 1, hd]
+        seen_p = torch.arange(Lp, device=dev)[None, None, :] < glen[:, None, None]       # [M, 1, Lp]
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None]            # [1, L, L]
+        seen = torch.cat([seen_p.expand(M, L, Lp), causal.expand(M, L, L)], dim=2)[:, None]   # [M, 1, L, Lp + L]
+        x = self.embed_tokens(ids, comm)                                                 # [M, L, h]
+        for i, layer in enumerate(self.layers):
+            x = layer.prefill_rows(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], rows, grp,
+                                   seen, comm)
+        last = x[torch.arange(M, device=dev), lengths - 1]                               # [M, h]
         return self.logits(last, comm)
 
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 continuous batching over the engine's rows and prompt groups, and the decode loop.
 
     groups = Scheduler(engine, prompts, sampling, seed).run()   # what NativeEngine.generate returns
-    groups = Scheduler(engine, prompts, sampling, seed, pause, every, budgets, samples).run()   # generate_pausable
+    groups = Scheduler(engine, prompts, sampling, seed, pause, every, budgets, samples, prefixes).run()
 
 Pausable: at every chunk boundary while anything is running (the call's first prompts hold a
 multiple of `every` tokens, the prefill's sampled token counted), `pause(unfinished)` is asked,
@@ -11,6 +11,10 @@ says True, every running row comes back with finish_reason "paused" and its toke
 far, and every prompt still waiting with no tokens ("paused" too). `samples[i]` (at most
 sampling.n) is how many samples prompt i gets: a stream's next batch (n samples per prompt, one
 prefill each) shares the call with the single continued responses of the batch before it.
+`prefixes[i][j]`, when given, is sample j's response so far: its prompt is prefilled once into
+its group, the responses into their rows (Transformer.prefill_rows), and the sample goes on from
+there as if never stopped (its step, so its sampling key and draws, count those tokens); only
+the new tokens come back, and sampling.max_tokens bounds the whole response.
 
 `engine` is the NativeEngine: the scheduler uses its model, KV cache, row state, decode step,
 device and stats, and owns only the bookkeeping of one call.
@@ -27,6 +31,9 @@ from megarl.rollout.native import sampler
 from megarl.rollout.native.rows import SPAN_UNIT, bucket
 
 
+PAD_SPLIT = 1024      # padding tokens a prefill pass may waste before a long prompt starts a new pass
+
+
 class Scheduler:
     """One generate() call: the queue, the active rows (0..B-1) and groups (0..G-1), the decode loop.
 
@@ -38,7 +45,8 @@ class Scheduler:
     """
 
     def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0,
-                 budgets: list[int] | None = None, samples: list[int] | None = None):
+                 budgets: list[int] | None = None, samples: list[int] | None = None,
+                 prefixes: list[list[list[int]]] | None = None):
         self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
         self.pause, self.every = pause, every
         # tokens each prompt's samples may take (at most sampling.max_tokens): continued responses
@@ -52,11 +60,14 @@ class Scheduler:
         self.ns = np.full(len(prompts), sampling.n, dtype=np.int64) if samples is None else \
             np.asarray(samples, dtype=np.int64)
         self.out: list[list[Completion | None]] = [[None] * int(k) for k in self.ns]
+        self.prefixes = prefixes
         # Host mirrors. Rows 0..B-1: which (prompt, sample) each holds, its group, its step.
         self.prompt = np.zeros(self.R, dtype=np.int64)
         self.sample = np.zeros(self.R, dtype=np.int64)
         self.grp = np.zeros(self.R, dtype=np.int64)
         self.steps = np.zeros(self.R, dtype=np.int64)
+        self.start = np.zeros(self.R, dtype=np.int64)     # tokens a continued row came with
+        self.end = np.zeros(self.R, dtype=np.int64)       # the step at which it stops ("length")
         # Groups 0..G-1: their prompt's length and how many of its samples are still running.
         self.glen = np.zeros(self.Gcap, dtype=np.int64)
         self.live = np.zeros(self.Gcap, dtype=np.int64)
@@ -97,16 +108,50 @@ class Scheduler:
             seen = torch.zeros(M, V + 1, dtype=torch.bool, device=dev)
             seen.scatter_(1, ids.masked_fill(pad, V)[src], True)
             rows.seen[first:last] = seen[:, :V]
-        rows.record(first, last, logits[src], self.sp)
+        logits = logits[src]
+        start = np.zeros(M, dtype=np.int64)
+        if self.prefixes is not None:
+            start = self._continue(idx, first, last, lengths[src], logits)
+        rows.record(first, last, logits, self.sp)
         self.prompt[first:last] = np.repeat(idx, ns)
         self.sample[first:last] = member
         self.grp[first:last] = np.repeat(np.arange(g0, g0 + k), ns)
-        self.steps[first:last] = 1
+        self.start[first:last] = start
+        self.end[first:last] = np.minimum(start + self.limit[self.prompt[first:last]], self.sp.max_tokens)
+        self.steps[first:last] = start + 1
         self.glen[g0:g0 + k] = lens
         self.live[g0:g0 + k] = ns
         self.B, self.G = last, g0 + k
         e.stats["prefills"] += k
         e.stats["prefill_batches"] += 1
+
+    def _continue(self, idx: list[int], first: int, last: int, plen: torch.Tensor, logits: torch.Tensor) -> np.ndarray:
+        """Rows first..last-1 hold prompts idx's samples; those with a response so far get its
+        K/V, step, position and seen tokens, and their logits (in place) become the ones after
+        its last token. Returns each row's response length."""
+        e, rows, dev = self.e, self.e.rows, self.e.device
+        done = [list(r) for i in idx for r in self.prefixes[i]]
+        start = np.array([len(r) for r in done], dtype=np.int64)
+        cont = np.flatnonzero(start)
+        if not len(cont):
+            return start
+        at = torch.from_numpy(cont).to(dev)
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(done[j], dtype=torch.long) for j in cont],
+                                              batch_first=True).to(dev)                      # [m, L]
+        lens = torch.from_numpy(start[cont]).to(dev)
+        where = at + first
+        longest = max(len(self.prompts[i]) for i in idx)
+        logits[at] = e.model.prefill_rows(ids, lens, where, rows.grp[where], plen[at], longest, e.cache, e.comm)
+        rows.step[where] = lens
+        rows.pos[where] = plen[at] + lens
+        if rows.seen is not None:              # the repetition penalty counts the response's tokens too
+            V = e.args.vocab_size
+            pad = torch.arange(ids.shape[1], device=dev)[None, :] >= lens[:, None]
+            seen = torch.zeros(len(cont), V + 1, dtype=torch.bool, device=dev)
+            seen.scatter_(1, ids.masked_fill(pad, V), True)
+            rows.seen[where] |= seen[:, :V]
+        e.stats["continued"] += len(cont)
+        return start
 
     def _retire(self, pausing: bool = False) -> None:
         """Record finished rows (every row when pausing: "paused"); move the last active rows (and
@@ -117,7 +162,7 @@ class Scheduler:
         stopped = np.zeros(B, dtype=bool)
         if self.stops is not None and not pausing:           # the one read-back per step
             stopped[torch.isin(rows.tok[:B], self.stops).nonzero().flatten().cpu().numpy()] = True
-        done = stopped | (self.steps[:B] >= self.limit[self.prompt[:B]]) | pausing
+        done = stopped | (self.steps[:B] >= self.end[:B]) | pausing
         fin = np.flatnonzero(done)
         if not len(fin):
             return
@@ -128,10 +173,10 @@ class Scheduler:
         routes = (rows.routes.take(fin_t, self.grp[fin].tolist(), self.glen[self.grp[fin]].tolist(),
                                    self.steps[fin].tolist()) if rows.routes is not None else [None] * len(fin))
         for r, t, lp, ro in zip(fin.tolist(), toks, logps, routes):
-            s = int(self.steps[r])
+            s, b = int(self.steps[r]), int(self.start[r])
             reason = "paused" if pausing else "stop" if stopped[r] else "length"
-            self.out[self.prompt[r]][self.sample[r]] = Completion(t[:s], lp[:s], reason, routed_experts=ro)
-        e.stats["generated_tokens"] += int(self.steps[fin].sum())
+            self.out[self.prompt[r]][self.sample[r]] = Completion(t[b:s], lp[b:s], reason, routed_experts=ro)
+        e.stats["generated_tokens"] += int((self.steps[fin] - self.start[fin]).sum())
         np.subtract.at(self.live, self.grp[fin], 1)
         keep = B - len(fin)
         holes = fin[fin < keep]
@@ -139,7 +184,7 @@ class Scheduler:
         if len(movers):
             e.cache.move_rows(movers.tolist(), holes.tolist(), int(self.steps[movers].max()))
             rows.move(movers.tolist(), holes.tolist())
-            for a in (self.prompt, self.sample, self.grp, self.steps):
+            for a in (self.prompt, self.sample, self.grp, self.steps, self.start, self.end):
                 a[holes] = a[movers]
         rows.reset(keep, B)
         self.B = keep
@@ -207,14 +252,19 @@ class Scheduler:
         while queue or self.B:
             admitted = False
             while queue and room(0, 0):
-                idx, taken, longest = [], 0, 0
+                idx, taken, longest, real = [], 0, 0, 0
                 while queue and room(len(idx), taken):
-                    longest_next = max(longest, len(self.prompts[queue[0]]))
-                    if idx and (len(idx) + 1) * longest_next > budget:
+                    size = len(self.prompts[queue[0]])
+                    padded = (len(idx) + 1) * max(longest, size)
+                    # a pass is padded to its longest prompt: within the token budget, and not
+                    # more than half padding (a long prompt among short ones), except in passes too
+                    # small for the padding to cost more than one more pass's launches
+                    wasted = padded - real - size
+                    if idx and (padded > budget or (wasted > real + size and wasted > PAD_SPLIT)):
                         break
                     taken += int(self.ns[queue[0]])
                     idx.append(queue.popleft())
-                    longest = longest_next
+                    longest, real = max(longest, size), real + size
                 self._admit(idx)
                 admitted = True
             if admitted:
