@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, FinishReason, SamplingParams
 from megarl.rollout.sampling import step_seed
 
 
@@ -44,7 +44,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish: str | None = None             # None while unfinished
+    finish: FinishReason | None = None    # None while unfinished
     routes: Any = None                    # R3: the latest chunk's routed_experts (its prefill covers all before)
 
 
@@ -99,15 +99,19 @@ class ChunkedGeneration:
         if len(state["seqs"]) != len(self.seqs):
             raise ValueError(f"the saved generation has {len(state['seqs'])} sequences, this one {len(self.seqs)}")
         self.chunks_done = state["chunks_done"]
-        self.seqs = [_Seq(**{k: list(v) if isinstance(v, list) else v for k, v in s.items()}) for s in state["seqs"]]
+        self.seqs = [_Seq(list(s["prompt"]), list(s["tokens"]), list(s["log_probs"]), list(s["versions"]),
+                          s["finish"], s["routes"]) for s in state["seqs"]]
 
     def completions(self) -> tuple[list[list[Completion]], list[list[int]]]:
         if not self.done:
             raise RuntimeError("completions() before every sequence finished; call step() until done")
-        groups = [[Completion(s.tokens, s.log_probs, s.finish, routed_experts=s.routes)
-                   for s in self.seqs[i:i + self.n]]
-                  for i in range(0, len(self.seqs), self.n)]
+        groups = [[_done(s) for s in self.seqs[i:i + self.n]] for i in range(0, len(self.seqs), self.n)]
         return groups, [s.versions for s in self.seqs]
+
+
+def _done(s: _Seq) -> Completion:
+    assert s.finish is not None
+    return Completion(s.tokens, s.log_probs, s.finish, routed_experts=s.routes)
 
 
 def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=None) -> int:

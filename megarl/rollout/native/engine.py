@@ -53,9 +53,10 @@ def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
     `auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if canonical(name) is None:
+    known = canonical(name)
+    if known is None:
         raise ValueError(f"rollout.dtype={name!r}: use auto, {NAMES}")
-    return getattr(torch, canonical(name))
+    return getattr(torch, known)
 
 
 class NativeEngine(BaseRollout):
@@ -269,6 +270,7 @@ class NativeEngine(BaseRollout):
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""
         rows, c, a = self.rows, self.cache, self.args
+        assert rows is not None                   # _generate sized them first
         if not self.record_routes:
             rows.routes = None
         elif rows.routes is None or not rows.routes.fits(c.rows, c.groups, rows.max_tokens, c.prompt_len):

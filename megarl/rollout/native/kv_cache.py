@@ -26,7 +26,11 @@ class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.pk = self.pv = self.k = self.v = None      # allocated by ensure()
+        # allocated by ensure()
+        self.pk: torch.Tensor | None = None
+        self.pv: torch.Tensor | None = None
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.rows = self.groups = self.prompt_len = self.gen_len = 0
 
     def bytes_per_token(self) -> int:
@@ -67,6 +71,8 @@ class KVCache:
         return self.k is not None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        if self.pk is None or self.pv is None or self.k is None or self.v is None:
+            raise RuntimeError("the KV cache is not allocated: ensure() comes first")
         return self.pk, self.pv, self.k, self.v
 
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:

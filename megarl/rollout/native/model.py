@@ -64,7 +64,7 @@ class ModelArgs:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
         """HF config.json (transformers 4 or 5 spelling) -> args; unsupported features refused."""
-        mtype = cfg.get("model_type")
+        mtype = str(cfg.get("model_type"))
         family = families.for_model_type(mtype)
         if family is None:
             supported = ", ".join(families.get(n).model_type for n in families.names())
@@ -203,7 +203,7 @@ class Layer(nn.Module):
         q = q.unflatten(-1, (s.heads, hd))
         k = k.unflatten(-1, (s.kv_heads, hd))
         v = v.unflatten(-1, (s.kv_heads, hd))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -215,6 +215,7 @@ class Layer(nn.Module):
         hn = rms_norm(x, self.mlp_norm, self.a.rms_eps)
         if self.moe is not None:            # a TP-partial sum, like the dense MLP's
             return x + comm.all_reduce(self.moe(hn, ids_out))
+        assert self.w13 is not None and self.w2 is not None     # a dense layer's
         g, u = F.linear(hn, self.w13).chunk(2, dim=-1)
         return x + comm.all_reduce(F.linear(F.silu(g) * u, self.w2))
 
@@ -269,7 +270,8 @@ class Transformer(nn.Module):
         self.a, self.s = a, LocalSizes.of(a, tp_size)
         e = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.zeros(self.s.vocab, a.hidden_size, **e), requires_grad=False)
-        self.layers = nn.ModuleList(Layer(a, self.s, dtype, device) for _ in range(a.n_layers))
+        self.blocks = [Layer(a, self.s, dtype, device) for _ in range(a.n_layers)]   # typed, for the loops
+        self.layers = nn.ModuleList(self.blocks)                                       # the same modules
         self.norm = nn.Parameter(torch.empty(a.hidden_size, **e), requires_grad=False)
         self.lm_head = (None if a.tie_embeddings else
                         nn.Parameter(torch.zeros(self.s.vocab, a.hidden_size, **e), requires_grad=False))
@@ -316,7 +318,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(P)
         cos, sin = cos[:P, None], sin[:P, None]                                          # [P, 1, hd]
         x = self.embed_tokens(ids, comm)                                                 # [N, P, h]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks):
             x = layer.prefill(x, cos, sin, cache.pk[i], cache.pv[i], groups, comm,
                               None if routes is None else routes[:, :, i])
         last = x[torch.arange(N, device=ids.device), lengths - 1]                        # [N, h]
@@ -339,7 +341,7 @@ class Transformer(nn.Module):
         causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()[None]            # [1, L, L]
         seen = torch.cat([seen_p.expand(M, L, Lp), causal.expand(M, L, L)], dim=2)[:, None]   # [M, 1, L, Lp + L]
         x = self.embed_tokens(ids, comm)                                                 # [M, L, h]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks):
             x = layer.prefill_rows(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], rows, grp,
                                    seen, comm)
         last = x[torch.arange(M, device=dev), lengths - 1]                               # [M, h]
@@ -371,7 +373,7 @@ class Transformer(nn.Module):
                           member=member, inv=inv[:G * n], pbias=torch.where(seen_p, zero, MASKED)[:, None, None],
                           sbias=torch.where(seen_s, zero, MASKED)[:, None, None], G=G, n=n, Lp=Lp, Ls=Ls)
         x = self.embed_tokens(ids[:, None], comm)                                        # [B, 1, h]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks):
             x = layer.decode(x, cos, sin, cache.pk[i], cache.pv[i], cache.k[i], cache.v[i], meta, comm,
                              None if routes is None else routes[:, None, i])
         return self.logits(x[:, 0], comm)

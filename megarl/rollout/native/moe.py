@@ -67,6 +67,7 @@ class MoE(nn.Module):
             g, u = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
             out.index_add_(0, tok, F.linear(F.silu(g) * u, self.w2[e]) * weights[tok, slot, None])
         if self.shared13 is not None:
+            assert self.shared2 is not None and self.shared_gate is not None
             g, u = F.linear(x, self.shared13).chunk(2, dim=-1)
             out = out + F.linear(F.silu(g) * u, self.shared2) * torch.sigmoid(F.linear(x, self.shared_gate))
         return out.view_as(h)

@@ -19,6 +19,7 @@ dropped and captured again. Off CUDA (or with enforce_eager) the same function r
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class DecodeStep:
         self.static = self.graphs_on
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._sig: tuple = ()
-        self.pool = None
+        self.pool: Any = None                 # the graphs' memory pool handle
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}
         self.shapes: set[tuple] = set()       # distinct static step shapes seen (graphs to capture)
 

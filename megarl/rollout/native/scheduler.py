@@ -26,7 +26,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, FinishReason, SamplingParams
 from megarl.rollout.native import sampler
 from megarl.rollout.native.rows import SPAN_UNIT, bucket
 
@@ -111,7 +111,7 @@ class Scheduler:
         logits = logits[src]
         start = np.zeros(M, dtype=np.int64)
         if self.prefixes is not None:
-            start = self._continue(idx, first, last, lengths[src], logits)
+            start = self._continue(self.prefixes, idx, first, lengths[src], logits)
         rows.record(first, last, logits, self.sp)
         self.prompt[first:last] = np.repeat(idx, ns)
         self.sample[first:last] = member
@@ -125,12 +125,13 @@ class Scheduler:
         e.stats["prefills"] += k
         e.stats["prefill_batches"] += 1
 
-    def _continue(self, idx: list[int], first: int, last: int, plen: torch.Tensor, logits: torch.Tensor) -> np.ndarray:
-        """Rows first..last-1 hold prompts idx's samples; those with a response so far get its
+    def _continue(self, prefixes: list[list[list[int]]], idx: list[int], first: int, plen: torch.Tensor,
+                  logits: torch.Tensor) -> np.ndarray:
+        """Rows from `first` on hold prompts idx's samples; those with a response so far get its
         K/V, step, position and seen tokens, and their logits (in place) become the ones after
         its last token. Returns each row's response length."""
         e, rows, dev = self.e, self.e.rows, self.e.device
-        done = [list(r) for i in idx for r in self.prefixes[i]]
+        done = [list(r) for i in idx for r in prefixes[i]]
         start = np.array([len(r) for r in done], dtype=np.int64)
         cont = np.flatnonzero(start)
         if not len(cont):
@@ -174,7 +175,7 @@ class Scheduler:
                                    self.steps[fin].tolist()) if rows.routes is not None else [None] * len(fin))
         for r, t, lp, ro in zip(fin.tolist(), toks, logps, routes):
             s, b = int(self.steps[r]), int(self.start[r])
-            reason = "paused" if pausing else "stop" if stopped[r] else "length"
+            reason: FinishReason = "paused" if pausing else "stop" if stopped[r] else "length"
             self.out[self.prompt[r]][self.sample[r]] = Completion(t[b:s], lp[b:s], reason, routed_experts=ro)
         e.stats["generated_tokens"] += int((self.steps[fin] - self.start[fin]).sum())
         np.subtract.at(self.live, self.grp[fin], 1)
@@ -252,7 +253,8 @@ class Scheduler:
         while queue or self.B:
             admitted = False
             while queue and room(0, 0):
-                idx, taken, longest, real = [], 0, 0, 0
+                idx: list[int] = []
+                taken = longest = real = 0
                 while queue and room(len(idx), taken):
                     size = len(self.prompts[queue[0]])
                     padded = (len(idx) + 1) * max(longest, size)

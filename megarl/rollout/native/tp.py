@@ -56,6 +56,7 @@ class TPComm:
         """The group's first rank's `value`, on every rank (e.g. a random seed)."""
         if self.size == 1:
             return value
+        assert self.group is not None             # size > 1: a group was given
         t = torch.tensor([value], dtype=torch.long, device="cuda" if self._nccl else "cpu")
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         return int(t.item())
@@ -108,7 +109,7 @@ class ShardPlan:
             return (a.vocab_size, h)
         if name == "model.norm.weight":
             return (h,)
-        leaf = _LAYER.match(name).group(2)
+        leaf = _layer_leaf(name)[1]
         if a.num_experts and leaf.startswith("mlp."):
             return moe.full_shape(a, leaf)
         return {
@@ -145,7 +146,7 @@ class ShardPlan:
             return ("embed" if name.startswith("model.") else "lm_head"), slice(0, hi - lo), ShardSlice(0, lo, hi)
         if name == "model.norm.weight":
             return "norm", every, whole
-        layer, leaf = _LAYER.match(name).groups()
+        layer, leaf = _layer_leaf(name)
         if a.num_experts and leaf.startswith("mlp."):
             return moe.target(a, self.size, r, int(layer), leaf)
         p = f"layers.{layer}."
@@ -197,3 +198,11 @@ class ShardPlan:
             raise ValueError(f"weight update: shard of {name} has shape {tuple(piece.shape)}, expected "
                              f"{tuple(want)} on TP rank {self.rank} of {self.size}")
         yield dst, rows, piece
+
+
+def _layer_leaf(name: str) -> tuple[str, str]:
+    """'model.layers.3.self_attn.q_proj.weight' -> ('3', 'self_attn.q_proj.weight')."""
+    match = _LAYER.match(name)
+    if match is None:
+        raise ValueError(f"native rollout engine: {name!r} is not a weight it knows")
+    return match.group(1), match.group(2)
