@@ -9,8 +9,10 @@ megatron-core, transformers, Transformer Engine), a bf16 8192^3 matmul (what the
 reaches), tests/gpu (pass/fail, the bf16 rollout-vs-trainer log-prob mismatch, resume), the
 update-step benchmark on the 0.86B shape (update_policy and compute_log_prob MFU against the
 issue's 0.45 target, peak memory per phase, what offload frees against the <= 10% target,
-weight-sync seconds and GB/s) and rollout tokens/s of the built-in engine against transformers'
-generate. Without CUDA (and without --device cpu) it says so in one line and exits 2.
+weight-sync seconds and GB/s), rollout tokens/s of the built-in engine against transformers'
+generate, and the stream's schedule on the long-tailed task (tail_overlap against whole-batch
+calls, generation alone). Without CUDA (and without --device cpu) it says so in one line and
+exits 2.
 """
 from __future__ import annotations
 
@@ -127,6 +129,32 @@ def rollout(device: str, dry: bool, out: str) -> dict:
     return {"tokens_per_s": main(args), "args": args}
 
 
+def stream(device: str, dry: bool, out: str) -> dict:
+    """The stream's schedule with tail_overlap=0.5 against whole-batch calls, generation alone on
+    the long-tailed task (benchmarks/async_engine.py; docs/async.md). The task's model is
+    warm-started on the CPU first (~1.5 min; 20 steps and a 12-digit tail at the dry run)."""
+    args = ["--longtail", "--engine-only", "--phases", "--device", device, "--out", os.path.join(out, "stream")]
+    if dry:
+        args += ["--long-digits", "12", "--long-fraction", "0.1", "--batches", "2", "--extra",
+                 "actor_rollout_ref.model.bootstrap_kwargs.warm_start_steps=20",
+                 "actor_rollout_ref.model.bootstrap_kwargs.eval_rows=16"]
+    else:
+        args += ["--long-digits", "30", "--long-fraction", "0.04", "--batches", "16"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "async_speedup.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    print(proc.stdout[-3000:], flush=True)
+    if proc.returncode:
+        raise RuntimeError(f"async_speedup.py --engine-only exited {proc.returncode}: {proc.stderr[-1500:]}")
+    got = {}
+    for name in ("whole-batch calls", "next batch in the tail, pausable"):
+        m = re.search(rf"  {re.escape(name)} +([\d.]+) s +[\d.]+x +\((.*)\)", proc.stdout)
+        if m is None:
+            raise RuntimeError(f"no '{name}' line in the benchmark's output")
+        got[name] = {"s_per_batch": float(m.group(1)), "counters": m.group(2)}
+    got["speedup"] = got["whole-batch calls"]["s_per_batch"] / got["next batch in the tail, pausable"]["s_per_batch"]
+    return got
+
+
 def section(name: str, fn, *args) -> dict:
     t = time.perf_counter()
     try:
@@ -198,6 +226,11 @@ def markdown(rep: dict) -> str:
             tps = r["tokens_per_s"]
             lines.append("| rollout tokens/s | " + ", ".join(f"{k} {val:.0f}" for k, val in tps.items())
                          + (f" (native / hf {tps['native'] / tps['hf']:.2f}x)" if "hf" in tps else "") + " |")
+        elif s["name"] == "stream":
+            whole, tail = r["whole-batch calls"], r["next batch in the tail, pausable"]
+            lines.append(f"| stream schedule, generation alone (tail_overlap 0.5 vs whole-batch calls) | "
+                         f"{tail['s_per_batch']:.3f} vs {whole['s_per_batch']:.3f} s per batch: "
+                         f"{r['speedup']:.2f}x ({tail['counters']} vs {whole['counters']}) |")
         elif s["name"] == "mfu":
             best = r["best_update_policy_mfu"]
             lines.append(f"| update_policy MFU vs target {r['target']} | "
@@ -233,6 +266,7 @@ def main(argv=None) -> int:
     for micro in ((2,) if a.dry_run else (4, 8)):
         secs.append(section(f"update_step_micro{micro}", update_step, a.device, a.dry_run, micro))
     secs.append(section("rollout", rollout, a.device, a.dry_run, a.out))
+    secs.append(section("stream", stream, a.device, a.dry_run, a.out))
     secs.extend(derived(secs))
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)

@@ -24,7 +24,8 @@ SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.en
 # helpers imported by the benchmarks, not benchmarks themselves
 HELPERS = {"peak_memory.py", "trl_peer.py", "weight_sync_delta.py", "async_engine.py"}
 # trl_peer: TRL's side, started by vs_trl.py; weight_sync_delta: run as `weight_sync.py --delta`;
-# async_engine: run as `async_speedup.py --longtail --engine-only` (its test below)
+# async_engine: run as `async_speedup.py --longtail --engine-only`, at a small shape inside
+# gpu_check --dry-run
 # no --smoke flag: gpu_check's is --dry-run; trtllm_check needs TensorRT-LLM and a GPU (see its test)
 NO_SMOKE_FLAG = {"gpu_check.py", "trtllm_check.py"}
 # run at their smoke shapes inside gpu_check --dry-run (toy_model builds rollout_throughput's model)
@@ -55,6 +56,14 @@ def test_gpu_check_dry_run_with_update_step_and_rollout(tmp_path):
     # gpu_update_step --smoke's table and rollout_throughput --smoke's, printed inside gpu_check
     assert re.search(r"update_policy +[\d.]+ s", out) and "weight sync -> native engine:" in out
     assert re.search(r"native +[\d.]+ tokens/s", out) and re.search(r"ratio native / hf +=", out)
+    # the stream's schedule on the long-tailed task, generation alone (async_engine.py at a small
+    # shape): both of its tables, the engine's counters and the phase split, and the report's line
+    for way in ("whole batch", "chunks of 4", "chunks of 4, pausable", "whole-batch calls",
+                "next batch in the tail, pausable"):
+        assert re.search(rf"  {re.escape(way)} +[\d.]+ s +[\d.]+x", out), way
+    assert len(re.findall(r"prompts prefilled \d+, prefill passes \d+, decode steps \d+, graphs captured 0", out)) >= 2
+    assert len(re.findall(r"last round, seconds: prefill [\d.]+, decode steps [\d.]+, read-back [\d.]+", out)) == 2
+    assert re.search(r"\| stream schedule, generation alone .* [\d.]+ vs [\d.]+ s per batch: [\d.]+x", out)
     assert PEAK.search(out)
     assert "vllm" not in out                                  # --smoke leaves vLLM out (vllm_checks runs its peer)
     assert os.path.isfile(tmp_path / "report" / "gpu_check.md")
@@ -246,20 +255,4 @@ def test_async_longtail_task_fits_the_model_it_builds(tmp_path):
                               add_special_tokens=False).input_ids) for r in rows)
         answer = max(len(r["reward_model"]["ground_truth"]) for r in rows)
         assert longest <= int(kv["data.max_prompt_length"]) and answer + 1 <= response, (digits, longest, answer)
-
-
-def test_async_engine_only_at_a_small_shape(tmp_path):
-    """benchmarks/async_engine.py as `async_speedup.py --longtail --engine-only --phases`, on a model
-    warm-started for 20 steps and 2 batches (~8 s): both tables, the engine's counters and the
-    phase split."""
-    out = run("benchmarks/async_speedup.py", "--longtail", "--long-digits", "12", "--long-fraction", "0.1",
-              "--engine-only", "--phases", "--batches", "2", "--out", str(tmp_path), "--extra",
-              "actor_rollout_ref.model.bootstrap_kwargs.warm_start_steps=20",
-              "actor_rollout_ref.model.bootstrap_kwargs.eval_rows=16")
-    for way in ("whole batch", "chunks of 4", "chunks of 4, pausable", "whole-batch calls",
-                "next batch in the tail, pausable"):
-        assert re.search(rf"  {re.escape(way)} +[\d.]+ s +[\d.]+x", out), (way, out)
-    assert len(re.findall(r"prompts prefilled \d+, prefill passes \d+, decode steps \d+, graphs captured 0", out)) == 2
-    assert len(re.findall(r"last round, seconds: prefill [\d.]+, decode steps [\d.]+, read-back [\d.]+, "
-                          r"the rest -?[\d.]+", out)) == 2
 
