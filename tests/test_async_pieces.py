@@ -343,10 +343,15 @@ def test_rollout_stream_resumes_a_batch_half_generated(tiny):
 
 
 class _OneCallPerChunk:
-    """The built-in engine seen as an engine that cannot pause (as vLLM's and TensorRT-LLM's)."""
+    """The built-in engine seen as an engine that cannot pause (as vLLM's and TensorRT-LLM's);
+    `samples` records each call's n."""
 
     def __init__(self, inner):
-        self.generate = inner.generate
+        self.inner, self.samples = inner, []
+
+    def generate(self, prompts, sampling):
+        self.samples.append(sampling.n)
+        return self.inner.generate(prompts, sampling)
 
 
 @pytest.mark.parametrize("pausable", [True, False], ids=["pausable", "one_call_per_chunk"])
@@ -369,10 +374,14 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
         engine = _OneCallPerChunk(engine)
     _, off = _stream_worker(engine, k, total, {}, (*extra, "async_training.tail_overlap=0"), stops)
     assert [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in off[:-1]] == [0.0] * total
+    if not pausable:
+        engine.samples.clear()
     w, payloads = _stream_worker(engine, k, total, {}, extra, stops)
     assert len(payloads) == total + 1 and payloads[-1]["batch"] is None
     in_tail = [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in payloads[:-1]]
     assert in_tail[0] == 0.0 and sum(in_tail) >= 3, in_tail
+    if not pausable:      # every batch's first chunk is one call of n samples, in the tail or not
+        assert sum(n > 1 for n in engine.samples) == total, engine.samples
     lengths = torch.cat([p["batch"].batch["response_mask"].sum(-1) for p in payloads[:-1]])
     assert lengths.min() == 1 and lengths.max() >= 6, lengths          # a long tail, as meant (limit 8)
     for t, payload in enumerate(payloads[:-1], start=1):

@@ -122,10 +122,10 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     generation, how many of its sequences are unfinished; True stops the step there. The first
     generation leads: its chunk size, sampling and chunk index (for the seed) are the calls'.
     On a pausable engine every unfinished sequence goes in one call (`_one_call`), so a new
-    batch's prompts run beside the long responses of the one before. Elsewhere a generation alone
-    at its first chunk gets n samples per prompt (engines share the prompt's prefill across them);
-    otherwise each unfinished sequence is an n=1 request of its prompt plus its response so far,
-    one chunk per call, those with the same remaining budget together."""
+    batch's prompts run beside the long responses of the one before. Elsewhere each call is one
+    chunk: a generation at its first chunk gets n samples per prompt (engines share the prompt's
+    prefill across them), and every other unfinished sequence is an n=1 request of its prompt
+    plus its response so far, those with the same remaining budget in one call."""
     live = [(i, g, s) for i, g in enumerate(gens) for s in g.seqs if s.finish is None]
     if not live:
         return 0
@@ -162,16 +162,25 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         return sum(lead._extend(s, c, version, cap) for s, c in zip(lead.seqs, (c for g in out for c in g)))
     if pausable:
         return _one_call(gens, version, call, getattr(engine, "continues_responses", False))
-    # one chunk each; sequences with the same remaining budget share a call (usually one call)
+    # one chunk each; sequences with the same remaining budget share a call (usually one call), and
+    # a generation at its first chunk beside others has a call of its own, n samples per prompt
     by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
     for i, g, s in live:
-        by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((i, g, s))
-    added = 0
+        if g.chunks_done:
+            by_len.setdefault(min(chunk, budget - len(s.tokens)), []).append((i, g, s))
+    added, k = 0, 0
     for k, (cap, items) in enumerate(sorted(by_len.items())):
         seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
         out = call([(i, [s]) for i, _, s in items], [s.prompt + s.tokens for _, _, s in items],
                    sp.with_(n=1, max_tokens=cap, seed=seed))
         added += sum(g._extend(s, group[0], version, cap) for (_, g, s), group in zip(items, out))
+    for g in gens:
+        if not g.chunks_done:
+            k += 1
+            seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
+            cap = min(chunk, budget)
+            out = call([], g.prompts, sp.with_(n=g.n, max_tokens=cap, seed=seed))
+            added += sum(g._extend(s, c, version, cap) for s, c in zip(g.seqs, (c for grp in out for c in grp)))
     for g in gens:
         g.chunks_done += 1
     return added
