@@ -18,9 +18,11 @@ version that sampled it.
 Pausable engines (the built-in one: `generate_pausable`): given `pause`, a step is one call that
 runs to the end unless `pause(unfinished)`, asked at every chunk boundary, answers True; then the unfinished
 sequences stop there and the next step re-submits them. The batch is then re-submitted only when
-a weight update lands, not at every chunk (re-submitting costs a prefill of prompt + response so
+a weight update lands, not at every chunk (one call per chunk re-prefills prompt + response so
 far: chunks of 4 cost 1.8x a whole-batch generation on a long-tailed task, docs/async.md).
-Updates still land only at chunk boundaries, as before.
+Updates still land only at chunk boundaries, as before. Where the engine also continues
+responses (`prefixes`: the built-in engine without R3), a re-submitted sample keeps its prompt's
+group and only its response is prefilled again.
 
 R3 (routed experts): each chunk's prompt is the sequence so far, so its prefill routes every earlier
 token under the weights of that chunk; a sequence keeps its latest chunk's record.
