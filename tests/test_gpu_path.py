@@ -161,13 +161,14 @@ def test_gpu_check_report_plumbing_on_cpu(tmp_path):
         assert key in report
     assert {"torch", "megatron-core", "transformers"} <= set(report["versions"])
     sections = {s["name"]: s for s in report["sections"]}
-    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "mfu", "offload"}
+    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "stream", "mfu", "offload"}
     assert all(s["ok"] for s in sections.values()), [s.get("traceback") for s in sections.values()]
     upd = sections["update_step_micro2"]["result"]
     assert upd["update_policy_mfu"] > 0 and upd["weight_sync"]["gb_per_s"] > 0
     assert upd["offload"]["resident_gb_after"] == 0 < upd["offload"]["resident_gb_before"]
     md = (out / "gpu_check.md").read_text()
     assert "| update_policy MFU (micro 2, tiny) |" in md and "| rollout tokens/s |" in md
+    assert sections["stream"]["result"]["speedup"] > 0 and "| stream schedule, generation alone" in md
 
 
 def test_gpu_check_without_cuda_says_so():

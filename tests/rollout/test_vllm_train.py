@@ -50,6 +50,11 @@ def train(run_dir, model_path: str, *overrides: str) -> list[dict]:
 
 @pytest.mark.timeout(700)
 def test_vllm_at_rollout_tp2_colocated_trains_with_exact_log_probs_after_every_sync(tmp_path, model_path):
+    # what a SIGKILLed TP-2 run leaves in /dev/shm (vLLM's names for the group of ranks 0-1), which
+    # made the next run's vLLM fail with "create shm in SHMManager failed. errno: 17"
+    for rank in (0, 1):
+        with open(f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}", "ab"):
+            pass
     rows = train(tmp_path / "tp2", model_path, "trainer.total_training_steps=4",
                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     gaps = [r["rollout_corr/max_abs_log_prob_diff"] for r in rows]
@@ -58,6 +63,7 @@ def test_vllm_at_rollout_tp2_colocated_trains_with_exact_log_probs_after_every_s
     assert all(r["rollout_corr/bypass_mode"] == 1.0 for r in rows)     # exact at fp32: no old-log-prob pass
     log = open(next((tmp_path / "tp2" / "logs").glob("megarl-*.log"))).read()
     assert "'tensor_parallel_size': 2" in log and "external_launcher" in log
+    assert "left by a vLLM run that did not exit cleanly" in log, log[-2000:]
 
 
 @pytest.mark.timeout(700)

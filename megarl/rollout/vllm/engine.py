@@ -47,6 +47,7 @@ from megarl.rollout.native.tp import TPComm
 from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.vllm import worker
+from megarl.rollout.vllm.shm import clear_stale
 from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, check_head_dim, kv_cache_bytes,
                                       require_vllm, sampling_kwargs, set_environment)
 from megarl.rollout.weight_state import WeightState
@@ -109,6 +110,8 @@ class VLLMEngine(BaseRollout):
                   load_format=cfg.load_format)
         if dist.is_available() and dist.is_initialized():
             kw["distributed_executor_backend"] = "external_launcher"
+            if self.tp_group is not None and cfg.tensor_model_parallel_size > 1:
+                _clear_stale_shm(self.tp_group)
         set_threads, rng = torch.set_num_threads, torch.random.get_rng_state()
         try:
             self.llm = LLM(**kw, **user)
@@ -245,3 +248,16 @@ def build_vllm(req: BuildRequest) -> VLLMEngine:
     """The engine from the rollout config (declared in megarl/engines/vllm.py)."""
     return VLLMEngine(req.model_path, req.cfg, user_kwargs=req.user_kwargs, tokenizer=req.tokenizer,
                       device=req.device, tp_group=req.tp_group)
+
+
+def _clear_stale_shm(group) -> None:
+    """A TP group's shared-memory objects left in /dev/shm by a run that did not exit cleanly
+    would make vLLM's start fail (megarl/rollout/vllm/shm.py): every rank removes the stale ones,
+    then the group waits, so that no rank removes what another has just created."""
+    ranks = dist.get_process_group_ranks(group)
+    removed = clear_stale(ranks)
+    if removed:
+        log.warning("removed %d shared-memory object(s) of rollout TP group %s left by a vLLM run that did not "
+                    "exit cleanly: %s", len(removed), ranks, ", ".join(removed))
+    dist.barrier(group=group)
+
