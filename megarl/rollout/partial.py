@@ -90,6 +90,10 @@ class ChunkedGeneration:
             s.finish = "length"                  # the engine's own context limit ended it
         return len(c.token_ids)
 
+    def _extend_all(self, groups: list[list[Completion]], version: int, max_new: int) -> int:
+        """A first chunk's completions, n per prompt, onto every sequence."""
+        return sum(self._extend(s, c, version, max_new) for s, c in zip(self.seqs, (c for g in groups for c in g)))
+
     def state_dict(self) -> dict:
         """Plain data (a checkpoint's): the responses so far, their log-probs and versions. Sampling
         and chunk size come back from config; each chunk's seed is a function of its index."""
@@ -161,7 +165,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         cap = budget if pausable else min(chunk, budget)
         out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed))
         lead.chunks_done += 1
-        return sum(lead._extend(s, c, version, cap) for s, c in zip(lead.seqs, (c for g in out for c in g)))
+        return lead._extend_all(out, version, cap)
     if pausable:
         return _one_call(gens, version, call, getattr(engine, "continues_responses", False))
     # one chunk each; sequences with the same remaining budget share a call (usually one call), and
@@ -181,8 +185,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
             k += 1
             seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
             cap = min(chunk, budget)
-            out = call([], g.prompts, sp.with_(n=g.n, max_tokens=cap, seed=seed))
-            added += sum(g._extend(s, c, version, cap) for s, c in zip(g.seqs, (c for grp in out for c in grp)))
+            added += g._extend_all(call([], g.prompts, sp.with_(n=g.n, max_tokens=cap, seed=seed)), version, cap)
     for g in gens:
         g.chunks_done += 1
     return added

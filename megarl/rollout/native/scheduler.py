@@ -111,7 +111,7 @@ class Scheduler:
         logits = logits[src]
         start = np.zeros(M, dtype=np.int64)
         if self.prefixes is not None:
-            start = self._continue(self.prefixes, idx, first, lengths[src], logits)
+            start = self._continue(self.prefixes, idx, first, lengths[src], max(lens), logits)
         rows.record(first, last, logits, self.sp)
         self.prompt[first:last] = np.repeat(idx, ns)
         self.sample[first:last] = member
@@ -126,7 +126,7 @@ class Scheduler:
         e.stats["prefill_batches"] += 1
 
     def _continue(self, prefixes: list[list[list[int]]], idx: list[int], first: int, plen: torch.Tensor,
-                  logits: torch.Tensor) -> np.ndarray:
+                  longest: int, logits: torch.Tensor) -> np.ndarray:
         """Rows from `first` on hold prompts idx's samples; those with a response so far get its
         K/V, step, position and seen tokens, and their logits (in place) become the ones after
         its last token. Returns each row's response length."""
@@ -141,7 +141,6 @@ class Scheduler:
                                               batch_first=True).to(dev)                      # [m, L]
         lens = torch.from_numpy(start[cont]).to(dev)
         where = at + first
-        longest = max(len(self.prompts[i]) for i in idx)
         logits[at] = e.model.prefill_rows(ids, lens, where, rows.grp[where], plen[at], longest, e.cache, e.comm)
         rows.step[where] = lens
         rows.pos[where] = plen[at] + lens
