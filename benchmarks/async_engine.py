@@ -130,7 +130,8 @@ def in_the_tail(engine, batches, sp, chunk: int, fraction: float) -> float:
         if not gens:
             gens.append(ChunkedGeneration(pending.pop(0), sp, chunk))
 
-        def pause(unfinished: list[int]) -> bool:
+        def pause(left: list[list[int]]) -> bool:
+            unfinished = [sum(per_prompt) for per_prompt in left]
             if len(gens) == 1:
                 return bool(pending) and unfinished[0] <= fraction * len(gens[0].seqs)
             return unfinished[0] == 0

@@ -409,6 +409,52 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
     assert order == [(i + 2, True), *[(i + 3 + n, False) for n in range(len(payloads[i]["ahead"]))]], order
 
 
+def test_a_step_takes_the_first_finished_groups_and_leaves_the_tail_to_a_later_one(tiny):
+    """handoff=finished_groups on the long-tailed stream above: every hand-off is the batch size
+    (3 prompt groups x n), taken oldest batch first from the groups that are done, so some steps
+    take the next batch's first groups and leave a long response of the batch before to a later
+    step (`deferred_groups`), which then trains it; nothing is handed over twice or lost (handed +
+    left in the buffer = started), staleness stays within k, and with updates at fixed chunks
+    every hand-off's checkpoint (every batch held, with what was taken of it) resumes to exactly
+    the hand-offs the unkilled worker made."""
+    from megarl.algos.staleness import sample_staleness
+
+    extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
+             "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+             "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=8",
+             "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5",
+             "async_training.handoff=finished_groups")
+    engine, total, k, stops = _native_engine(tiny), 8, 3, list(range(80))
+    w, payloads = _stream_worker(engine, k, total, {}, extra, stops)
+    assert len(payloads) == total + 1 and payloads[-1]["batch"] is None
+    metrics = [p["batch"].meta_info["async_metrics"] for p in payloads[:-1]]
+    assert all(len(p["batch"]) == 3 * 2 for p in payloads[:-1])
+    spans = [m["handoff_batches"] for m in metrics]
+    assert max(spans) == 2 and any(m["deferred_groups"] > 0 for m in metrics), metrics
+    for t, payload in enumerate(payloads[:-1], start=1):
+        b = payload["batch"]
+        assert (sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1) <= k).all()
+    handed, started = 3 * total, 3 * (w.next_t - 1)
+    assert handed + sum(j.size - len(j.taken) for j in w.buffer) == started
+    # a step after one that deferred groups trains them: groups of an older batch come first
+    i = next(i for i, m in enumerate(metrics) if m["deferred_groups"] > 0)
+    assert metrics[i + 1]["deferred_groups"] < metrics[i]["deferred_groups"] or metrics[i + 1]["handoff_batches"] == 2
+    held = [len(p.get("partial") or []) for p in payloads[:-1]]
+    assert max(held) >= 2 and all(p["ahead"] == [] for p in payloads[:-1]), held
+    assert any(s["taken"] for p in payloads[:-1] for s in p["partial"]), "no checkpoint held a batch half taken"
+    for i in range(total - 1):
+        start = {"step": i, "inflight": True, "ahead": [], "partial": payloads[i]["partial"],
+                 "loader": payloads[i]["loader"], "next_t": payloads[i]["next_t"]}
+        _, resumed = _stream_worker(engine, k, total, start, extra, stops)
+        assert len(resumed) == total - i and resumed[-1]["batch"] is None
+        for a, b in zip(payloads[i + 1:-1], resumed[:-1]):
+            for key in ("responses", "token_versions", "rollout_log_probs", "input_ids"):
+                assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), (i, key)
+            assert a["loader"] == b["loader"] and a["next_t"] == b["next_t"]
+            assert a["batch"].meta_info["async_metrics"] == b["batch"].meta_info["async_metrics"] | {
+                k: v for k, v in a["batch"].meta_info["async_metrics"].items() if k == "engine_idle_fraction"}
+
+
 def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
     """The built-in engine's generate_pausable: never paused it returns what generate returns;
     paused at the second boundary of chunks of 2, running samples hold 4 tokens ("paused") and

@@ -16,7 +16,8 @@ version that sampled it.
     step_together([gen, next_gen], engine, version)   # two batches' sequences in the same calls
 
 Pausable engines (the built-in one: `generate_pausable`): given `pause`, a step is one call that
-runs to the end unless `pause(unfinished)`, asked at every chunk boundary, answers True; then the unfinished
+runs to the end unless `pause(left)`, asked at every chunk boundary with each generation's
+unfinished samples per prompt, answers True; then the unfinished
 sequences stop there and the next step re-submits them. The batch is then re-submitted only when
 a weight update lands, not at every chunk (one call per chunk re-prefills prompt + response so
 far: chunks of 4 cost 1.8x a whole-batch generation on a long-tailed task, docs/async.md).
@@ -72,6 +73,10 @@ class ChunkedGeneration:
     def unfinished(self) -> int:
         return sum(s.finish is None for s in self.seqs)
 
+    def left(self) -> list[int]:
+        """Per prompt, its samples still unfinished (0: the prompt's group is complete)."""
+        return [sum(s.finish is None for s in self.seqs[i:i + self.n]) for i in range(0, len(self.seqs), self.n)]
+
     def _extend(self, s: _Seq, c: Completion, version: int, max_new: int) -> int:
         if len(c.log_probs) != len(c.token_ids):
             raise ValueError(f"engine returned {len(c.log_probs)} log-probs for {len(c.token_ids)} tokens")
@@ -108,11 +113,14 @@ class ChunkedGeneration:
         self.seqs = [_Seq(list(s["prompt"]), list(s["tokens"]), list(s["log_probs"]), list(s["versions"]),
                           s["finish"], s["routes"]) for s in state["seqs"]]
 
-    def completions(self) -> tuple[list[list[Completion]], list[list[int]]]:
-        if not self.done:
-            raise RuntimeError("completions() before every sequence finished; call step() until done")
-        groups = [[_done(s) for s in self.seqs[i:i + self.n]] for i in range(0, len(self.seqs), self.n)]
-        return groups, [s.versions for s in self.seqs]
+    def completions(self, prompts: list[int] | None = None) -> tuple[list[list[Completion]], list[list[int]]]:
+        """Per prompt (all, or those listed), its n completions; per completion, a version per token."""
+        chosen = range(len(self.prompts)) if prompts is None else prompts
+        seqs = [s for i in chosen for s in self.seqs[i * self.n:(i + 1) * self.n]]
+        if any(s.finish is None for s in seqs):
+            raise RuntimeError("completions() of an unfinished prompt group; call step() until it is done")
+        groups = [[_done(s) for s in seqs[i:i + self.n]] for i in range(0, len(seqs), self.n)]
+        return groups, [s.versions for s in seqs]
 
 
 def _done(s: _Seq) -> Completion:
@@ -124,8 +132,8 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     """One step of several generations in shared engine calls: a stream's next batch starts while
     the batch before it finishes its long responses, and both fill the engine's rows.
 
-    `pause(unfinished)`, on a pausable engine, is asked at every chunk boundary with, per
-    generation, how many of its sequences are unfinished; True stops the step there. The first
+    `pause(left)`, on a pausable engine, is asked at every chunk boundary with, per generation
+    and prompt, how many of its samples are unfinished; True stops the step there. The first
     generation leads: its chunk size, sampling and chunk index (for the seed) are the calls'.
     On a pausable engine every unfinished sequence goes in one call (`_one_call`), so a new
     batch's prompts run beside the long responses of the one before. Elsewhere each call is one
@@ -145,16 +153,20 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         """members[i]: the (generation index, sequences) that call prompt i stands for."""
         if not pausable:
             return engine.generate(prompts, params)
-        # unfinished sequences outside this call: fixed while it runs
+        # unfinished samples outside this call, per generation and prompt: fixed while it runs
         inside = {id(seq) for _, seqs in members for seq in seqs}
-        outside = [sum(s.finish is None and id(s) not in inside for s in g.seqs) for g in gens]
+        outside = [[sum(s.finish is None and id(s) not in inside for s in g.seqs[j:j + g.n])
+                    for j in range(0, len(g.seqs), g.n)] for g in gens]
+        where = {id(s): (i, k // g.n) for i, g in enumerate(gens) for k, s in enumerate(g.seqs)}
+        home = [where[id(seqs[0])] for _, seqs in members]     # each call prompt's (generation, prompt)
 
         def ask(unfinished: dict[int, int]) -> bool:
             if not paused[0]:
-                counts = list(outside)
-                for i, left in unfinished.items():
-                    counts[members[i][0]] += left
-                paused[0] = bool(pause(counts))
+                left = [list(o) for o in outside]
+                for i, n_left in unfinished.items():
+                    g, j = home[i]
+                    left[g][j] += n_left
+                paused[0] = bool(pause(left))
             return paused[0]
         return engine.generate_pausable(prompts, params, ask, chunk, budgets, **kwargs)
 

@@ -105,6 +105,11 @@ class AsyncTrainingConfig(Section):
     # starts when the one before is done. It saves engine steps where a step costs about the same
     # for few rows as for many (GPUs) and costs prefills (docs/async.md).
     tail_overlap: float = 0.0
+    # What the trainer receives at a step. batch: one batch's prompts, every group of it, once the
+    # last is done. finished_groups: the first data.train_batch_size prompt groups that are done,
+    # oldest batch first, from the batches in flight (with tail_overlap, the next batch's first
+    # groups stand in for the long tail's last ones, which go to a later step).
+    handoff: Literal["batch", "finished_groups"] = "batch"
 
     def __post_init__(self):
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: every batch is regenerated on-policy)")
@@ -117,3 +122,6 @@ class AsyncTrainingConfig(Section):
         require(0.0 <= self.tail_overlap <= 1.0, "tail_overlap", "must be in [0, 1] (0: off, 0.5: at half unfinished)")
         require(self.tail_overlap == 0 or self.partial_rollout, "tail_overlap",
                 "starts a batch beside one half generated; set async_training.partial_rollout=true or tail_overlap=0")
+        require(self.handoff == "batch" or self.tail_overlap > 0, "handoff",
+                "finished_groups takes groups from the next batch, which starts in the tail of the one before; "
+                "set async_training.tail_overlap > 0 (e.g. 0.5) or handoff=batch")

@@ -43,7 +43,8 @@ class AsyncRLTrainer(RLTrainer):
         super().__init__(cfg, ranks, parts, logger)
         self.next_batch: DataProto | None = None    # handed over, not trained on yet
         self.ahead: list = []                       # at a save: the rollout buffer's finished batches after it
-        self.partial: dict | None = None            # and the batch it was generating, responses so far
+        self.partial: list | dict | None = None     # and the batches it was generating, responses so far
+        self.next_t: int | None = None              # the next batch of prompts the rollout side starts
         self.signal = UpdateSignal(ranks, cfg.trainer.nnodes)
         self.val_results: dict[int, dict] = {}
 
@@ -51,7 +52,7 @@ class AsyncRLTrainer(RLTrainer):
         self.resume()
         send_start(self.ranks, {"step": self.step, "loader": self.p.train_loader.sampler.state_dict(),
                                 "inflight": self.next_batch is not None, "ahead": self.ahead,
-                                "partial": self.partial}
+                                "partial": self.partial, "next_t": self.next_t}
                    if self.ranks.is_main else None)
         self.extra.update(self.p.weight_sync.sync())   # version self.step to the engine
         if self.next_batch is None:
@@ -88,6 +89,7 @@ class AsyncRLTrainer(RLTrainer):
         self.next_batch = payload["batch"]
         self.ahead = payload.get("ahead", [])
         self.partial = payload.get("partial")
+        self.next_t = payload.get("next_t")
         self.val_results.update(payload["val"])
         self.p.train_loader.sampler.load_state_dict(payload["loader"])   # saved with the in-flight batch
 
@@ -96,7 +98,24 @@ class AsyncRLTrainer(RLTrainer):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "inflight_batch": self.next_batch, "buffer_ahead": self.ahead,
-                "buffer_partial": self.partial}
+                "buffer_partial": self.partial, "buffer_next_t": self.next_t}
+
+    def _check_buffer_fits(self) -> None:
+        """The saved buffer was generated ahead as far as this run's max_staleness lets it."""
+        k = self.cfg.async_training.max_staleness
+        if self.next_t is not None:     # batches up to next_t - 1 started under version step at most
+            need = self.next_t - 1 - (self.step + 1)
+            if need > max(1, k):
+                raise ConfigError(f"the checkpoint's buffer was generated {need} batches ahead, more than "
+                                  f"max_staleness={k} allows; resume with max_staleness >= {need}",
+                                  "async_training.max_staleness")
+            return
+        partial = self.partial if isinstance(self.partial, list) else [self.partial] if self.partial else []
+        held = len(self.ahead) + len(partial)
+        if held >= max(1, k):
+            raise ConfigError(f"the checkpoint holds {held} batch(es) generated ahead, more than "
+                              f"max_staleness={k} allows; resume with max_staleness >= {held + 1}",
+                              "async_training.max_staleness")
 
     def _resume(self) -> None:
         super()._resume()
@@ -106,11 +125,8 @@ class AsyncRLTrainer(RLTrainer):
             self.next_batch = state.get("inflight_batch")
             self.ahead = state.get("buffer_ahead", [])
             self.partial = state.get("buffer_partial")
-            k, held = self.cfg.async_training.max_staleness, len(self.ahead) + int(self.partial is not None)
-            if held >= max(1, k):
-                raise ConfigError(f"the checkpoint holds {held} batch(es) generated ahead, more than "
-                                  f"max_staleness={k} allows; resume with max_staleness >= {held + 1}",
-                                  "async_training.max_staleness")
+            self.next_t = state.get("buffer_next_t")
+            self._check_buffer_fits()
             if self.partial is not None and not self.cfg.async_training.partial_rollout:
                 raise ConfigError("the checkpoint holds a batch generated in chunks, half done; resume with "
                                   "async_training.partial_rollout=true", "async_training.partial_rollout")

@@ -24,6 +24,11 @@ tail) and the buffer has room, the next batch starts and both share the engine's
 shared calls when the older batch is finished and can be handed over, when an update is due, or
 (one batch in flight) when the next one may start.
 
+With async_training.handoff=finished_groups a hand-off is the first train_batch_size prompt groups
+that are done, oldest batch first (megarl/trainer/stream_groups.py): a round also stops the shared
+call once that many are done and the trainer can take them, and a batch leaves the buffer when
+its last group is handed over.
+
 At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
 hand t over. Hand-off h happens right after update h-1, as the trainer expects (it syncs
 version h-1, then receives batch h).
@@ -33,7 +38,6 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,51 +46,14 @@ import torch.distributed as dist
 from megarl.algos.staleness import stale_rows
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
-from megarl.rollout.base import pack_completions
 from megarl.rollout.partial import ChunkedGeneration, step_together
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import generate, sampling_seed, shard_rows
+from megarl.trainer.stream_buffer import Pending, Period, Round, gather, packed
+from megarl.trainer.stream_groups import choose, deferred, ready_mask, saved_ready
 from megarl.trainer.validation import validate
-
-
-@dataclass
-class Pending:
-    """A batch of the buffer: being generated (batch is None) or finished, not handed over yet."""
-    t: int
-    prompts: DataProto | None             # None for a batch restored from a checkpoint
-    loader: dict                          # the data position after its prompts
-    version: int                          # the engine's version when its generation started (-1: restored)
-    gen: ChunkedGeneration | None = None  # partial rollouts: this rank's share, advanced chunk by chunk
-    chunks: int = 0                       # chunks advanced, counted alike on every rollout rank
-    in_tail: bool = False                 # started while the batch before it finished its long tail
-    mine: DataProto | None = None
-    batch: DataProto | None = None
-
-
-@dataclass
-class Round:
-    """One chunk boundary, agreed by every rollout rank."""
-    live: list[bool]        # per batch in flight: some rank still generates it
-    update: bool            # take the next weight update now
-    overlap: bool           # start the next batch beside the one in flight
-    stop: bool              # end the engine call here
-
-
-@dataclass
-class Period:
-    """What the engine did between two hand-offs (logged with the second)."""
-    began: float = field(default_factory=time.perf_counter)
-    gen: float = 0.0
-    wait_update: float = 0.0
-    sync: float = 0.0
-
-    def timing(self) -> dict[str, float]:
-        return {"gen": self.gen, "wait_update": self.wait_update, "sync": self.sync}
-
-    def idle_fraction(self) -> float:
-        return self.wait_update / max(time.perf_counter() - self.began, 1e-9)
 
 
 class RolloutWorker:
@@ -120,7 +87,7 @@ class RolloutWorker:
             self._validate(0)
         self.handed = start["step"] + int(start["inflight"])    # the last batch the trainer received
         self.buffer = self._restore_buffer(start.get("ahead", []), start.get("partial") or [])
-        self.next_t = self.handed + 1 + len(self.buffer)
+        self.next_t = start.get("next_t") or self.handed + 1 + len(self.buffer)
         self.period = Period()
         while self.handed <= self.total:                          # hand-off total+1 is the closing None
             self.serve()
@@ -128,8 +95,7 @@ class RolloutWorker:
     def serve(self) -> None:
         """One move of the loop (module docstring)."""
         h = self.handed + 1
-        head = self.buffer[0] if self.buffer else None
-        if self.version >= h - 1 and (h > self.total or (head is not None and head.batch is not None)):
+        if self.version >= h - 1 and (h > self.total or self._next_ready()):
             return self.hand_over()
         jobs = self._in_flight()
         if not jobs and self._may_start():
@@ -138,8 +104,27 @@ class RolloutWorker:
             return self._take_update()           # the buffer is full: wait for the trainer
         self.advance(jobs)
 
+    @property
+    def groups(self) -> bool:
+        return self.acfg.handoff == "finished_groups"
+
+    @property
+    def want(self) -> int:
+        """Prompt groups per hand-off (finished_groups): a batch's (the train loader drops short ones)."""
+        return self.p.train_loader.sampler.batch_size
+
+    def _next_ready(self) -> bool:
+        if self.groups:
+            return sum(len(j.ready) for j in self.buffer) >= self.want
+        return bool(self.buffer) and self.buffer[0].batch is not None
+
+    def _handoff_open(self) -> bool:
+        """The trainer can take the next hand-off once it is ready (the engine holds its version)."""
+        h = self.handed + 1
+        return h <= self.total and self.version >= h - 1
+
     def _in_flight(self) -> list[Pending]:
-        return [j for j in self.buffer if j.batch is None]
+        return [j for j in self.buffer if not j.finished]
 
     def _may_start(self) -> bool:
         return self.next_t <= self.total and self.version >= self.next_t - 1 - self.depth
@@ -157,7 +142,8 @@ class RolloutWorker:
     def _chunked(self, job: Pending) -> None:
         r = self.ranks
         sampling = self._sampling(job.t)
-        job.mine = job.prompts[shard_rows(len(job.prompts), r.rollout_dp, r.rollout_dp_rank)]
+        job.rows = shard_rows(len(job.prompts), r.rollout_dp, r.rollout_dp_rank)
+        job.mine = job.prompts[job.rows]
         job.gen = ChunkedGeneration([list(p) for p in job.mine.non_tensor_batch["prompt_token_ids"]],
                                     sampling.with_(seed=step_seed(sampling.seed or 0, 0, r.rollout_dp_rank)),
                                     self.acfg.partial_chunk_tokens)
@@ -173,6 +159,7 @@ class RolloutWorker:
         if jobs[0].gen is None:
             job = jobs[0]
             job.batch = self.generate(job.prompts, job.t)
+            job.finished = True
             self.period.gen += time.perf_counter() - began
             if self._poll([float(self.signal.arrived(self.version + 1))])[0]:
                 self._take_update()
@@ -181,15 +168,15 @@ class RolloutWorker:
         gens = [j.gen for j in jobs]
         rounds: list[Round] = []
 
-        def pause(unfinished: list[int]) -> bool:    # this rank is generating: asked at a boundary
-            rounds.append(self._round(jobs, unfinished))
+        def pause(left: list[list[int]]) -> bool:    # this rank is generating: asked at a boundary
+            rounds.append(self._round(jobs, left))
             return rounds[-1].stop
         if not all(g.done for g in gens):
             step_together(gens, self.p.rollout, self.version, pause if pausable else None)
         self.period.gen += time.perf_counter() - began
         if not (rounds and rounds[-1].stop):
             while True:
-                rounds.append(self._round(jobs, [g.unfinished() for g in gens]))
+                rounds.append(self._round(jobs, [g.left() for g in gens]))
                 last = rounds[-1]
                 if not pausable or last.stop or not any(last.live) or not all(g.done for g in gens):
                     break                        # (this rank still generating: back to its engine)
@@ -198,18 +185,24 @@ class RolloutWorker:
             self._take_update()                  # interrupts every unfinished sequence here
         for job, live in zip(jobs, last.live):
             if not live:
-                job.batch = self._finish_partial(job)
-                job.batch.meta_info["started_in_tail"] = float(job.in_tail)   # kept in checkpoints
+                job.finished = True
+                if not self.groups:
+                    job.batch = self._finish_partial(job)
+                    job.batch.meta_info["started_in_tail"] = float(job.in_tail)   # kept in checkpoints
+        if self.groups:
+            self._agree_ready(jobs)
         if last.overlap and self._may_start():
             self.start(self.next_t).in_tail = True
 
-    def _round(self, jobs: list[Pending], unfinished: list[int]) -> Round:
+    def _round(self, jobs: list[Pending], left: list[list[int]]) -> Round:
         """One chunk boundary, agreed by every rollout rank from what each says: how many of its
-        sequences of each batch in flight are unfinished."""
+        samples of each batch in flight are unfinished, per prompt."""
+        unfinished = [sum(per_prompt) for per_prompt in left]
         share = len(jobs[0].gen.seqs)
         tail = len(jobs) == 1 and unfinished[0] <= self.acfg.tail_overlap * share
         mine = [float(u > 0) for u in unfinished] + [0.0] * (2 - len(unfinished))
-        flags = self._poll([*mine, float(self.signal.arrived(self.version + 1)), float(not tail)])
+        masks = [x for job, per_prompt in zip(jobs, left) for x in ready_mask(job, per_prompt)] if self.groups else []
+        flags = self._poll([*mine, float(self.signal.arrived(self.version + 1)), float(not tail), *masks])
         live, arrived, tail = list(flags[:len(jobs)]), flags[2], not flags[3]
         for job in jobs:
             job.chunks += 1
@@ -217,33 +210,44 @@ class RolloutWorker:
             for job in jobs:
                 fault_point("stream", job.t, self.ranks.global_rank)
         if self.acfg.update_at_chunk:
-            # the update is taken here or not at all, whenever the trainer's signal came
-            arrived = any(j.chunks == self.acfg.update_at_chunk and j.t == self.version + 1 + self.depth
-                          for j in jobs)
+            # the update is taken here, whenever the trainer's signal came: at the first boundary
+            # from chunk N of the last batch the engine may start under this version on, once the
+            # trainer holds the hand-off it trains that update on (else it would wait for it forever)
+            arrived = self.handed >= self.version + 1 and any(
+                j.chunks >= self.acfg.update_at_chunk and j.t == self.version + 1 + self.depth for j in jobs)
         overlap = self.acfg.tail_overlap > 0 and tail and live[0] and self._may_start()
-        # the older batch is done and the trainer can take it: end the shared call to hand it over
-        handoff_due = len(jobs) == 2 and not live[0] and self.version >= jobs[0].t - 1
+        if self.groups:     # enough groups are done and the trainer can take them: end the call
+            ready = sum(flags[4:]) + sum(len(j.ready) for j in self.buffer if j.finished)
+            handoff_due = self._handoff_open() and ready >= self.want
+        else:               # the older batch is done and the trainer can take it: end the shared call
+            handoff_due = len(jobs) == 2 and not live[0] and self.version >= jobs[0].t - 1
         return Round(live, arrived, overlap, arrived or overlap or handoff_due)
 
     def hand_over(self) -> None:
         h = self.handed + 1
         payload = {"batch": None, "val": self.val, "loader": self.p.train_loader.sampler.state_dict()}
         if h <= self.total:
-            job = self.buffer.popleft()
-            started_in_tail = job.batch.meta_info.pop("started_in_tail", 0.0)
-            batch, extra = self.enforce_staleness(job.batch, job.prompts, h)
-            extra["started_in_tail"] = started_in_tail
-            extra["buffer_ready"] = float(len(self._finished()))
-            extra["engine_idle_fraction"] = self.period.idle_fraction()
+            if self.groups:
+                batch, prompts, extra = self._take_groups()
+                loader = self.p.train_loader.sampler.state_dict()
+                ready = sum(len(j.ready) for j in self.buffer) / self.want
+            else:
+                job = self.buffer.popleft()
+                batch, prompts, loader = job.batch, job.prompts, job.loader
+                extra = {"started_in_tail": batch.meta_info.pop("started_in_tail", 0.0)}
+                ready = float(len(self._finished()))
+            batch, stale = self.enforce_staleness(batch, prompts, h)
+            extra.update(stale, buffer_ready=ready, engine_idle_fraction=self.period.idle_fraction())
             batch.meta_info["async_metrics"] = extra
             batch.meta_info["rollout_timing"] = self.period.timing()
-            payload.update(batch=batch, loader=job.loader)
+            payload.update(batch=batch, loader=loader, next_t=self.next_t)
             if self._checkpoint_follows(h - 1):
-                # the finished batches behind it go into the trainer's checkpoint, and the one in
-                # flight with its responses so far, with the data position after the last of them
-                ahead = [(j.batch, j.loader) for j in self._finished()]
-                payload.update(ahead=ahead, partial=[self._partial_state(j) for j in self._in_flight()],
-                               loader=self.buffer[-1].loader if self.buffer else job.loader)
+                # the finished batches behind it go into the trainer's checkpoint, and those in
+                # flight (finished_groups: every batch held) with their responses so far, with the
+                # data position after the last of them
+                payload.update(ahead=[(j.batch, j.loader) for j in self._finished()],
+                               partial=[self._partial_state(j) for j in self.buffer if j.batch is None],
+                               loader=self.p.train_loader.sampler.state_dict())
         if self.ranks.rank == 0:
             handoff(self.ranks, payload)
         self.val, self.handed, self.period = {}, h, Period()
@@ -257,7 +261,7 @@ class RolloutWorker:
                                    group=r.group)
             gens = [gen for _, gen in sorted((s for s in shares if s is not None), key=lambda s: s[0])]
         return {"t": job.t, "prompts": job.prompts, "loader": job.loader, "version": job.version,
-                "chunks": job.chunks, "in_tail": job.in_tail, "gens": gens}
+                "chunks": job.chunks, "in_tail": job.in_tail, "gens": gens, "taken": sorted(job.taken)}
 
     def _restore_buffer(self, ahead: list, partial: list | dict) -> deque[Pending]:
         """The checkpoint's finished batches and those it was generating, in order. With partial
@@ -267,7 +271,7 @@ class RolloutWorker:
             partial = [{"t": self.handed + 1 + len(ahead), **partial}]
         taken = {state["t"] for state in partial}
         free = (t for t in range(self.handed + 1, self.handed + 1 + len(ahead) + len(partial)) if t not in taken)
-        jobs = [Pending(t, None, loader, -1, batch=batch) for (batch, loader), t in zip(ahead, free)]
+        jobs = [Pending(t, None, loader, -1, batch=batch, finished=True) for (batch, loader), t in zip(ahead, free)]
         jobs += [self._restore(state["t"], state) for state in partial]
         return deque(sorted(jobs, key=lambda j: j.t))
 
@@ -277,18 +281,21 @@ class RolloutWorker:
                               f"DP ranks, this run has {self.ranks.rollout_dp}; resume with as many rollout ranks",
                               "actor_rollout_ref.rollout.disaggregated_ranks")
         job = Pending(t, state["prompts"], state["loader"], state["version"], chunks=state["chunks"],
-                      in_tail=state.get("in_tail", False))
+                      in_tail=state.get("in_tail", False), taken=set(state.get("taken", ())))
         self._chunked(job)
         job.gen.load_state_dict(state["gens"][self.ranks.rollout_dp_rank])
+        if self.groups:
+            job.finished, job.ready = saved_ready(state["gens"], job.size, job.gen.n, job.taken)
         return job
 
     def _finished(self) -> list[Pending]:
         return [j for j in self.buffer if j.batch is not None]
 
     def _checkpoint_follows(self, step: int) -> bool:
-        """The trainer saves after `step` (fit.py's save_freq rule)."""
+        """The trainer saves after `step` (fit.py's save_freq rule) and the buffer holds more than
+        the batch handed over (at depth 1 the rollout side regenerates the next one on resume)."""
         tr = self.cfg.trainer
-        return self.depth > 1 and tr.save_freq > 0 and (step % tr.save_freq == 0 or step == self.total)
+        return (self.depth > 1 or self.groups) and tr.save_freq > 0 and (step % tr.save_freq == 0 or step == self.total)
 
     # -- generation with versions -------------------------------------------------------------------
     def _sampling(self, t: int, stream: int = 0):
@@ -304,21 +311,35 @@ class RolloutWorker:
         return batch
 
     def _finish_partial(self, job: Pending) -> DataProto:
-        r, out = self.ranks, None
-        if len(job.mine):
-            groups, versions = job.gen.completions()
-            out = pack_completions(job.mine, groups, self.p.pad_token_id)
-            tv = torch.full_like(out.batch["responses"], -1)
-            for i, v in enumerate(versions):
-                tv[i, :len(v)] = torch.tensor(v, dtype=torch.long)
-                if not v:
-                    tv[i, 0] = job.version
-            out.batch["token_versions"] = tv
-        if r.world == 1:
-            return out
-        gathered: list = [None] * r.world
-        dist.all_gather_object(gathered, out if r.rollout_tp_rank == 0 else None, group=r.group)
-        return DataProto.concat([g for g in gathered if g is not None])
+        mine = [(job.t, packed(job, list(range(len(job.mine))), self.p.pad_token_id))] if len(job.mine) else []
+        return gather(self.ranks, mine)
+
+    # -- handoff=finished_groups -----------------------------------------------------------------
+    def _agree_ready(self, jobs: list[Pending]) -> None:
+        """Each batch's finished groups not handed over, as every rollout rank agrees after a call."""
+        flags = self._poll([x for job in jobs for x in ready_mask(job, job.gen.left())])
+        at = 0
+        for job in jobs:
+            job.ready = {g for g in range(job.size) if flags[at + g]}
+            at += job.size
+
+    def _take_groups(self) -> tuple[DataProto, DataProto, dict]:
+        """The next step's groups (stream_groups.choose), their prompts, and what the step took."""
+        chosen = choose(list(self.buffer), self.want)
+        pieces, prompts = [], []
+        for job, take in chosen:
+            wanted = set(take)
+            mine = [j for j, g in enumerate(job.rows) if int(g) in wanted]
+            if mine:
+                pieces.append((job.t, packed(job, mine, self.p.pad_token_id)))
+            prompts.append(job.prompts[take])
+            job.taken |= wanted
+            job.ready -= wanted
+        newest = chosen[-1][0]
+        extra = {"started_in_tail": float(newest.in_tail), "handoff_batches": float(len(chosen)),
+                 "deferred_groups": float(deferred(list(self.buffer), newest.t))}
+        self.buffer = deque(j for j in self.buffer if len(j.taken) < j.size)
+        return gather(self.ranks, pieces), DataProto.concat(prompts), extra
 
     def _poll(self, flags: list[float]) -> list[bool]:
         """Each flag true on some rollout rank, agreed by all of them (one all-reduce)."""

@@ -1,0 +1,91 @@
+"""The rollout stream's buffer (megarl/trainer/rollout_stream.py): its batches, the rounds that
+agree each chunk boundary, and how finished groups become a batch of rows on every rank."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.protocol import DataProto
+from megarl.rollout.base import pack_completions
+from megarl.rollout.partial import ChunkedGeneration
+
+
+@dataclass
+class Pending:
+    """A batch of the buffer: being generated (batch is None) or finished, not handed over yet."""
+    t: int
+    prompts: DataProto | None             # None for a batch restored from a checkpoint
+    loader: dict                          # the data position after its prompts
+    version: int                          # the engine's version when its generation started (-1: restored)
+    gen: ChunkedGeneration | None = None  # partial rollouts: this rank's share, advanced chunk by chunk
+    chunks: int = 0                       # chunks advanced, counted alike on every rollout rank
+    in_tail: bool = False                 # started while the batch before it finished its long tail
+    mine: DataProto | None = None
+    batch: DataProto | None = None
+    finished: bool = False                # every rollout rank is done generating it
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))   # this rank's prompt indices
+    taken: set[int] = field(default_factory=set)     # handoff=finished_groups: prompts handed over
+    ready: set[int] = field(default_factory=set)     # and those done, not handed over, agreed by all ranks
+
+    @property
+    def size(self) -> int:                # its prompts (groups); chunked batches keep theirs
+        assert self.prompts is not None
+        return len(self.prompts)
+
+
+@dataclass
+class Round:
+    """One chunk boundary, agreed by every rollout rank."""
+    live: list[bool]        # per batch in flight: some rank still generates it
+    update: bool            # take the next weight update now
+    overlap: bool           # start the next batch beside the one in flight
+    stop: bool              # end the engine call here
+
+
+@dataclass
+class Period:
+    """What the engine did between two hand-offs (logged with the second)."""
+    began: float = field(default_factory=time.perf_counter)
+    gen: float = 0.0
+    wait_update: float = 0.0
+    sync: float = 0.0
+
+    def timing(self) -> dict[str, float]:
+        return {"gen": self.gen, "wait_update": self.wait_update, "sync": self.sync}
+
+    def idle_fraction(self) -> float:
+        return self.wait_update / max(time.perf_counter() - self.began, 1e-9)
+
+
+def packed(job: Pending, mine: list[int], pad_token_id: int) -> DataProto:
+    """This rank's prompts `mine` (indices into its share) of a chunked batch, with their
+    completions, each token tagged with its version."""
+    groups, versions = job.gen.completions(mine)
+    out = pack_completions(job.mine[mine], groups, pad_token_id)
+    tv = torch.full_like(out.batch["responses"], -1)
+    for i, v in enumerate(versions):
+        tv[i, :len(v)] = torch.tensor(v, dtype=torch.long)
+        if not v:
+            tv[i, 0] = job.version
+    out.batch["token_versions"] = tv
+    return out
+
+
+def gather(ranks, pieces: list[tuple[int, DataProto]]) -> DataProto:
+    """Every rollout DP rank's (batch number, rows) on every rank, in batch then prompt order
+    (each rank's share is a contiguous run of prompts)."""
+    r = ranks
+    shares = [(r.rollout_dp_rank, pieces)]
+    if r.world > 1:
+        gathered: list = [None] * r.world
+        dist.all_gather_object(gathered, shares[0] if r.rollout_tp_rank == 0 else None, group=r.group)
+        shares = [g for g in gathered if g is not None]
+    ordered = sorted(((t, dp, rows) for dp, mine in shares for t, rows in mine), key=lambda p: (p[0], p[1]))
+    return DataProto.concat([rows for _, _, rows in ordered])
+
+
+__all__ = ["Pending", "Period", "Round", "gather", "packed"]

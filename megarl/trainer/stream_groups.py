@@ -1,0 +1,80 @@
+"""async_training.handoff=finished_groups: the trainer's batch is made of whichever prompt groups
+are done, not of one batch's prompts.
+
+A batch of prompts waits for its longest response. With tail_overlap the next batch already
+runs beside that tail; here its first finished groups stand in for the tail's last ones, which
+stay in the buffer and go to a later step (as AReaL's and NeMo RL's ready-first buffers, and
+Tinker's streaming minibatches, train groups in the order they finish). A step's groups: the
+done ones of the oldest batch first, then the next batch's, each batch's in prompt order, so the
+choice is a function of which groups are done at the hand-off, agreed by every rollout rank.
+
+The bound on staleness is unchanged: every token carries its version, and a group whose oldest
+token is more than max_staleness versions behind is regenerated or dropped at its hand-off
+(`async/stale_groups`). A group that waits long in the tail may reach that bound.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from megarl.trainer.generation import shard_rows
+
+
+class HeldBatch(Protocol):
+    """What the choice reads of a batch in the rollout buffer (rollout_stream.Pending)."""
+    t: int
+    size: int               # prompts in the batch
+    rows: np.ndarray        # this rank's share: the batch's prompt indices
+    taken: set[int]         # prompt indices handed over already
+    ready: set[int]         # done and not taken, agreed by every rollout rank
+
+
+def ready_mask(job: HeldBatch, left: list[int]) -> list[float]:
+    """This rank's view of a batch's groups: 1.0 where its share holds a finished group (`left`:
+    unfinished samples per prompt of the share) not handed over yet. Every rank's mask, max-reduced,
+    is the batch's agreed set."""
+    mask = [0.0] * job.size
+    for j, n_left in enumerate(left):
+        g = int(job.rows[j])
+        if n_left == 0 and g not in job.taken:
+            mask[g] = 1.0
+    return mask
+
+
+def saved_ready(gens: list[dict], size: int, n: int, taken: set[int]) -> tuple[bool, set[int]]:
+    """From a checkpoint's batch (every rollout DP rank's ChunkedGeneration state, in rank order):
+    whether every rank is done with it, and its finished groups not handed over yet, as the ranks
+    had agreed them when it was saved."""
+    done: set[int] = set()
+    for rank, gen in enumerate(gens):
+        seqs = gen["seqs"]
+        for j, g in enumerate(shard_rows(size, len(gens), rank)):
+            if all(s["finish"] is not None for s in seqs[j * n:(j + 1) * n]):
+                done.add(int(g))
+    return len(done) == size, done - taken
+
+
+def choose(jobs: list[HeldBatch], want: int) -> list[tuple[HeldBatch, list[int]]]:
+    """The next step's groups: `want` of the ready ones, oldest batch first, in prompt order
+    within a batch. Fewer than `want` ready: none (the step waits)."""
+    if sum(len(j.ready) for j in jobs) < want:
+        return []
+    chosen, left = [], want
+    for job in sorted(jobs, key=lambda j: j.t):
+        take = sorted(job.ready)[:left]
+        if take:
+            chosen.append((job, take))
+            left -= len(take)
+        if not left:
+            break
+    return chosen
+
+
+def deferred(jobs: list[HeldBatch], newest: int) -> int:
+    """After a step took groups up to batch `newest`: the groups of older batches not taken, left
+    for a later step (the long tail the step did not wait for)."""
+    return sum(j.size - len(j.taken) for j in jobs if j.t < newest)
+
+
+__all__ = ["HeldBatch", "choose", "deferred", "ready_mask", "saved_ready"]
