@@ -19,6 +19,8 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
     stream_k2, stream_k4   partial, generating up to 2 (4) batches ahead: max_staleness=2 (4)
     stream_k2_tail         stream_k2 with tail_overlap=0.5: the next batch starts in the tail of
                            the one in flight
+    stream_k2_groups       stream_k2_tail with handoff=finished_groups: a step takes the first
+                           finished groups, the tail's last ones go to a later step
     stream_k4_decoupled    stream_k4 trained with the decoupled PPO loss (--seeds: its accuracy question)
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
@@ -72,6 +74,8 @@ for _k in (2, 4):
     MODES[f"stream_k{_k}"] = [*MODES["partial"], f"async_training.max_staleness={_k}"]
 # The next batch starts once half of the one in flight is done, sharing the engine's calls.
 MODES["stream_k2_tail"] = [*MODES["stream_k2"], "async_training.tail_overlap=0.5"]
+# ... and a step takes the first finished prompt groups, not one batch's (the tail waits for a later step).
+MODES["stream_k2_groups"] = [*MODES["stream_k2_tail"], "async_training.handoff=finished_groups"]
 # The same stream trained with the decoupled PPO loss (AReaL's proximal policy; docs/async.md):
 # the correction for samples up to 4 versions old, against stream_k4's plain clipped loss.
 MODES["stream_k4_decoupled"] = [*MODES["stream_k4"], "actor_rollout_ref.actor.policy_loss.loss_mode=decoupled_ppo",
@@ -145,7 +149,7 @@ def summarise(rows: list[dict], warmup: int) -> dict:
         got = [r[f"timing_s/{key}"] for r in steps if f"timing_s/{key}" in r]
         if got:
             phases[key] = statistics.median(got)
-    for key in ("engine_idle_fraction", "buffer_ready", "started_in_tail"):
+    for key in ("engine_idle_fraction", "buffer_ready", "started_in_tail", "handoff_batches", "deferred_groups"):
         got = [r[f"async/{key}"] for r in steps if f"async/{key}" in r]
         if got:
             phases[key] = statistics.median(got)

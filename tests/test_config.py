@@ -79,6 +79,10 @@ def test_async_mode_and_placement_rules():
         load_config(None, ["async_training.tail_overlap=0.5"])
     with pytest.raises(ConfigError, match=r"tail_overlap.*\[0, 1\]"):
         load_config(None, ["async_training.partial_rollout=true", "async_training.tail_overlap=1.5"])
+    with pytest.raises(ConfigError, match="handoff.*set async_training.tail_overlap > 0"):
+        load_config(None, ["async_training.partial_rollout=true", "async_training.handoff=finished_groups"])
+    with pytest.raises(ConfigError, match="handoff"):
+        load_config(None, ["async_training.handoff=groups"])
     with pytest.raises(ConfigError, match="checkpoint_engine.backend.*distributed transport"):
         load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
                            "actor_rollout_ref.rollout.disaggregated_ranks=1",

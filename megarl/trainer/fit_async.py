@@ -63,6 +63,7 @@ class AsyncRLTrainer(RLTrainer):
             self.step += 1
             self.timings = {}
             batch, self.next_batch = self.next_batch, None
+            assert batch is not None, f"no batch was handed over for step {self.step}"
             with self.timed("step"):
                 self.extra.update(staleness_metrics(batch.batch["token_versions"], batch.batch["response_mask"],
                                                     self.step - 1))

@@ -142,8 +142,8 @@ class RolloutWorker:
     def _chunked(self, job: Pending) -> None:
         r = self.ranks
         sampling = self._sampling(job.t)
-        job.rows = shard_rows(len(job.prompts), r.rollout_dp, r.rollout_dp_rank)
-        job.mine = job.prompts[job.rows]
+        job.rows = shard_rows(job.size, r.rollout_dp, r.rollout_dp_rank)
+        job.mine = job.prompt_rows[job.rows]
         job.gen = ChunkedGeneration([list(p) for p in job.mine.non_tensor_batch["prompt_token_ids"]],
                                     sampling.with_(seed=step_seed(sampling.seed or 0, 0, r.rollout_dp_rank)),
                                     self.acfg.partial_chunk_tokens)
@@ -158,14 +158,14 @@ class RolloutWorker:
         began = time.perf_counter()
         if jobs[0].gen is None:
             job = jobs[0]
-            job.batch = self.generate(job.prompts, job.t)
+            job.batch = self.generate(job.prompt_rows, job.t)
             job.finished = True
             self.period.gen += time.perf_counter() - began
             if self._poll([float(self.signal.arrived(self.version + 1))])[0]:
                 self._take_update()
             return
         pausable = hasattr(self.p.rollout, "generate_pausable")
-        gens = [j.gen for j in jobs]
+        gens = [j.generation for j in jobs]
         rounds: list[Round] = []
 
         def pause(left: list[list[int]]) -> bool:    # this rank is generating: asked at a boundary
@@ -198,7 +198,7 @@ class RolloutWorker:
         """One chunk boundary, agreed by every rollout rank from what each says: how many of its
         samples of each batch in flight are unfinished, per prompt."""
         unfinished = [sum(per_prompt) for per_prompt in left]
-        share = len(jobs[0].gen.seqs)
+        share = len(jobs[0].generation.seqs)
         tail = len(jobs) == 1 and unfinished[0] <= self.acfg.tail_overlap * share
         mine = [float(u > 0) for u in unfinished] + [0.0] * (2 - len(unfinished))
         masks = [x for job, per_prompt in zip(jobs, left) for x in ready_mask(job, per_prompt)] if self.groups else []
@@ -227,12 +227,14 @@ class RolloutWorker:
         h = self.handed + 1
         payload = {"batch": None, "val": self.val, "loader": self.p.train_loader.sampler.state_dict()}
         if h <= self.total:
+            prompts: DataProto | None
             if self.groups:
                 batch, prompts, extra = self._take_groups()
                 loader = self.p.train_loader.sampler.state_dict()
                 ready = sum(len(j.ready) for j in self.buffer) / self.want
             else:
                 job = self.buffer.popleft()
+                assert job.batch is not None, "the buffer's head is handed over once finished"
                 batch, prompts, loader = job.batch, job.prompts, job.loader
                 extra = {"started_in_tail": batch.meta_info.pop("started_in_tail", 0.0)}
                 ready = float(len(self._finished()))
@@ -254,7 +256,7 @@ class RolloutWorker:
 
     def _partial_state(self, job: Pending) -> dict:
         """A batch in flight as plain data: its prompts and every rollout DP rank's responses so far."""
-        r, gens = self.ranks, [job.gen.state_dict()]
+        r, gens = self.ranks, [job.generation.state_dict()]
         if r.world > 1:
             shares: list = [None] * r.world
             dist.all_gather_object(shares, (r.rollout_dp_rank, gens[0]) if r.rollout_tp_rank == 0 else None,
@@ -283,9 +285,9 @@ class RolloutWorker:
         job = Pending(t, state["prompts"], state["loader"], state["version"], chunks=state["chunks"],
                       in_tail=state.get("in_tail", False), taken=set(state.get("taken", ())))
         self._chunked(job)
-        job.gen.load_state_dict(state["gens"][self.ranks.rollout_dp_rank])
+        job.generation.load_state_dict(state["gens"][self.ranks.rollout_dp_rank])
         if self.groups:
-            job.finished, job.ready = saved_ready(state["gens"], job.size, job.gen.n, job.taken)
+            job.finished, job.ready = saved_ready(state["gens"], job.size, job.generation.n, job.taken)
         return job
 
     def _finished(self) -> list[Pending]:
@@ -311,13 +313,14 @@ class RolloutWorker:
         return batch
 
     def _finish_partial(self, job: Pending) -> DataProto:
-        mine = [(job.t, packed(job, list(range(len(job.mine))), self.p.pad_token_id))] if len(job.mine) else []
+        share = list(range(len(job.share)))
+        mine = [(job.t, packed(job, share, self.p.pad_token_id))] if share else []
         return gather(self.ranks, mine)
 
     # -- handoff=finished_groups -----------------------------------------------------------------
     def _agree_ready(self, jobs: list[Pending]) -> None:
         """Each batch's finished groups not handed over, as every rollout rank agrees after a call."""
-        flags = self._poll([x for job in jobs for x in ready_mask(job, job.gen.left())])
+        flags = self._poll([x for job in jobs for x in ready_mask(job, job.generation.left())])
         at = 0
         for job in jobs:
             job.ready = {g for g in range(job.size) if flags[at + g]}
@@ -332,7 +335,7 @@ class RolloutWorker:
             mine = [j for j, g in enumerate(job.rows) if int(g) in wanted]
             if mine:
                 pieces.append((job.t, packed(job, mine, self.p.pad_token_id)))
-            prompts.append(job.prompts[take])
+            prompts.append(job.prompt_rows[take])
             job.taken |= wanted
             job.ready -= wanted
         newest = chosen[-1][0]
@@ -367,7 +370,7 @@ class RolloutWorker:
         sampling = self.val_sampling.with_(seed=step_seed(sampling_seed(self.cfg), 0, stream=1))
         self.val[version] = validate(self.p, self.ranks, sampling, self.cfg.trainer, version)
 
-    def enforce_staleness(self, batch: DataProto, prompts: DataProto, t: int) -> tuple[DataProto, dict]:
+    def enforce_staleness(self, batch: DataProto, prompts: DataProto | None, t: int) -> tuple[DataProto, dict]:
         """Samples more than max_staleness versions behind version t-1 (the weights batch t is
         trained from): whole prompt groups regenerated under the current weights, or dropped.
         `dropped_tokens` counts the response tokens so thrown away (generated, never trained on)."""
@@ -386,6 +389,8 @@ class RolloutWorker:
                 raise RuntimeError(f"every sample of batch {t} is more than async_training.max_staleness={N} "
                                    "versions old; raise it or set stale_samples=regenerate")
             return kept, metrics
+        # (a batch restored finished has no prompts, and is within the bound: the resume checks it)
+        assert prompts is not None, f"batch {t} has stale groups and no prompts to regenerate them from"
         fresh = self.generate(prompts[groups.nonzero()[0]], t, stream=2)
         metrics["regenerated_groups"] = float(groups.sum())
         return DataProto.concat([kept, fresh]) if len(kept) else fresh, metrics

@@ -33,8 +33,22 @@ class Pending:
 
     @property
     def size(self) -> int:                # its prompts (groups); chunked batches keep theirs
-        assert self.prompts is not None
-        return len(self.prompts)
+        return len(self.prompt_rows)
+
+    @property
+    def prompt_rows(self) -> DataProto:
+        assert self.prompts is not None, "a batch restored finished has no prompts"
+        return self.prompts
+
+    @property
+    def generation(self) -> ChunkedGeneration:
+        assert self.gen is not None, "a batch generated whole has no chunked generation"
+        return self.gen
+
+    @property
+    def share(self) -> DataProto:
+        assert self.mine is not None, "a batch generated whole has no share of its own"
+        return self.mine
 
 
 @dataclass
@@ -64,8 +78,8 @@ class Period:
 def packed(job: Pending, mine: list[int], pad_token_id: int) -> DataProto:
     """This rank's prompts `mine` (indices into its share) of a chunked batch, with their
     completions, each token tagged with its version."""
-    groups, versions = job.gen.completions(mine)
-    out = pack_completions(job.mine[mine], groups, pad_token_id)
+    groups, versions = job.generation.completions(mine)
+    out = pack_completions(job.share[mine], groups, pad_token_id)
     tv = torch.full_like(out.batch["responses"], -1)
     for i, v in enumerate(versions):
         tv[i, :len(v)] = torch.tensor(v, dtype=torch.long)

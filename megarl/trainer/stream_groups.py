@@ -14,7 +14,7 @@ token is more than max_staleness versions behind is regenerated or dropped at it
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -24,10 +24,16 @@ from megarl.trainer.generation import shard_rows
 class HeldBatch(Protocol):
     """What the choice reads of a batch in the rollout buffer (rollout_stream.Pending)."""
     t: int
-    size: int               # prompts in the batch
     rows: np.ndarray        # this rank's share: the batch's prompt indices
     taken: set[int]         # prompt indices handed over already
     ready: set[int]         # done and not taken, agreed by every rollout rank
+
+    @property
+    def size(self) -> int:  # prompts in the batch
+        ...
+
+
+Held = TypeVar("Held", bound=HeldBatch)
 
 
 def ready_mask(job: HeldBatch, left: list[int]) -> list[float]:
@@ -55,12 +61,13 @@ def saved_ready(gens: list[dict], size: int, n: int, taken: set[int]) -> tuple[b
     return len(done) == size, done - taken
 
 
-def choose(jobs: list[HeldBatch], want: int) -> list[tuple[HeldBatch, list[int]]]:
+def choose(jobs: Sequence[Held], want: int) -> list[tuple[Held, list[int]]]:
     """The next step's groups: `want` of the ready ones, oldest batch first, in prompt order
     within a batch. Fewer than `want` ready: none (the step waits)."""
     if sum(len(j.ready) for j in jobs) < want:
         return []
-    chosen, left = [], want
+    chosen: list[tuple[Held, list[int]]] = []
+    left = want
     for job in sorted(jobs, key=lambda j: j.t):
         take = sorted(job.ready)[:left]
         if take:
@@ -71,7 +78,7 @@ def choose(jobs: list[HeldBatch], want: int) -> list[tuple[HeldBatch, list[int]]
     return chosen
 
 
-def deferred(jobs: list[HeldBatch], newest: int) -> int:
+def deferred(jobs: Sequence[HeldBatch], newest: int) -> int:
     """After a step took groups up to batch `newest`: the groups of older batches not taken, left
     for a later step (the long tail the step did not wait for)."""
     return sum(j.size - len(j.taken) for j in jobs if j.t < newest)
