@@ -97,8 +97,9 @@ class AsyncTrainingConfig(Section):
     partial_chunk_tokens: int = 4          # tokens per chunk: how often generation checks for an update
     # 0: an update lands at the first chunk boundary after the trainer signals it, where timing puts it.
     # N >= 1 (partial_rollout): the engine takes update v+1 after the N-th chunk of the last batch it
-    # may start under v, waiting for the trainer there if need be, so two runs of one config (and a
-    # run resumed from a checkpoint) repeat bitwise; the engine may wait where it could generate.
+    # may start under v (or the first boundary after, once the trainer holds the batch it trains
+    # v+1 on), waiting for the trainer there if need be, so two runs of one config (and a run
+    # resumed from a checkpoint) repeat bitwise; the engine may wait where it could generate.
     update_at_chunk: int = 0
     # partial_rollout: the next batch starts once at most this fraction of the samples of the one
     # batch in flight are unfinished (its long tail), and both share the engine's calls; 0: a batch
