@@ -353,6 +353,9 @@ class _OneCallPerChunk:
         self.samples.append(sampling.n)
         return self.inner.generate(prompts, sampling)
 
+    def generate_sequences(self, prompts):     # a stale group's regeneration: the contract's whole call
+        return self.inner.generate_sequences(prompts)
+
 
 @pytest.mark.parametrize("pausable", [True, False], ids=["pausable", "one_call_per_chunk"])
 def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable):
@@ -409,28 +412,34 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
     assert order == [(i + 2, True), *[(i + 3 + n, False) for n in range(len(payloads[i]["ahead"]))]], order
 
 
-def test_a_step_takes_the_first_finished_groups_and_leaves_the_tail_to_a_later_one(tiny):
-    """handoff=finished_groups on the long-tailed stream above: every hand-off is the batch size
-    (3 prompt groups x n), taken oldest batch first from the groups that are done, so some steps
-    take the next batch's first groups and leave a long response of the batch before to a later
-    step (`deferred_groups`), which then trains it; nothing is handed over twice or lost (handed +
-    left in the buffer = started), staleness stays within k, and with updates at fixed chunks
-    every hand-off's checkpoint (every batch held, with what was taken of it) resumes to exactly
-    the hand-offs the unkilled worker made."""
+@pytest.mark.parametrize("pausable", [True, False], ids=["pausable", "one_call_per_chunk"])
+def test_a_step_takes_the_first_finished_groups_and_leaves_the_tail_to_a_later_one(tiny, pausable):
+    """handoff=finished_groups on a long-tailed stream (responses up to 16 tokens, a quarter of
+    the vocabulary as stop tokens, k=2), on a pausable engine and one call per chunk: every
+    hand-off is the batch size (3 prompt groups x n), taken oldest batch first from the groups that
+    are done, so some steps take the next batch's first groups and leave a long response of the
+    batch before to a later step (`deferred_groups`), which then trains it; nothing is handed over
+    twice or lost (handed + left in the buffer = started). A deferred group may outlive the bound:
+    it is regenerated (`regenerated_groups`), so staleness stays within k. With updates at fixed
+    chunks every hand-off's checkpoint (every batch held, with what was taken of it) resumes to
+    exactly the hand-offs the unkilled worker made."""
     from megarl.algos.staleness import sample_staleness
 
     extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
-             "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=8",
+             "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=16",
              "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5",
              "async_training.handoff=finished_groups")
-    engine, total, k, stops = _native_engine(tiny), 8, 3, list(range(80))
+    engine, total, k, stops = _native_engine(tiny), 8, 2, list(range(80))
+    if not pausable:
+        engine = _OneCallPerChunk(engine)
     w, payloads = _stream_worker(engine, k, total, {}, extra, stops)
     assert len(payloads) == total + 1 and payloads[-1]["batch"] is None
     metrics = [p["batch"].meta_info["async_metrics"] for p in payloads[:-1]]
     assert all(len(p["batch"]) == 3 * 2 for p in payloads[:-1])
     spans = [m["handoff_batches"] for m in metrics]
     assert max(spans) == 2 and any(m["deferred_groups"] > 0 for m in metrics), metrics
+    assert any(m["regenerated_groups"] > 0 for m in metrics), metrics
     for t, payload in enumerate(payloads[:-1], start=1):
         b = payload["batch"]
         assert (sample_staleness(b.batch["token_versions"], b.batch["response_mask"], t - 1) <= k).all()
@@ -453,6 +462,47 @@ def test_a_step_takes_the_first_finished_groups_and_leaves_the_tail_to_a_later_o
             assert a["loader"] == b["loader"] and a["next_t"] == b["next_t"]
             assert a["batch"].meta_info["async_metrics"] == b["batch"].meta_info["async_metrics"] | {
                 k: v for k, v in a["batch"].meta_info["async_metrics"].items() if k == "engine_idle_fraction"}
+
+
+def test_a_round_ends_the_call_once_a_step_of_finished_groups_can_be_handed_over():
+    """The boundary decision of handoff=finished_groups: with 2 groups of an older batch done and
+    waiting, the call in flight stops at the boundary where its batch's first group is done (3 =
+    the batch size), only once the engine holds the version the step trains after, and not for a
+    group already handed over."""
+    import dataclasses
+    from collections import deque
+
+    from megarl.data.loader import PromptLoader
+    from megarl.rollout.partial import ChunkedGeneration
+    from megarl.trainer.stream_buffer import Pending
+
+    extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
+             "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+             "async_training.tail_overlap=0.5", "async_training.handoff=finished_groups")
+    w = _rollout_worker(None, list(extra))
+    loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 2)], 3, seed=2)
+    w.p = dataclasses.replace(w.p, train_loader=loader)
+    w.signal = _TrainerSide({})
+    w.depth, w.total, w.handed, w.next_t = 2, 8, 1, 9     # (no batch left to start: no overlap stop)
+
+    def batch(t, finished):
+        prompts = loader.next_batch()
+        job = Pending(t, prompts, {}, 0, finished=finished)
+        w._chunked(job)
+        return job
+    older, young = batch(2, True), batch(3, False)
+    older.taken, older.ready = {0}, {1, 2}
+    w.buffer = deque([older, young])
+    young.gen = ChunkedGeneration(PROMPTS3, w.sampling, 2)
+    stops = {}
+    for version in (0, 1):
+        w.version = version
+        stops[version] = [w._round([young], [left]).stop for left in ([2, 2, 2], [2, 1, 2], [0, 2, 1])]
+    assert stops == {0: [False, False, False], 1: [False, False, True]}, stops
+    young.taken = {0}                      # its done group was handed over already
+    assert not w._round([young], [[0, 2, 1]]).stop
+    young.taken, older.ready = set(), {1}  # one group fewer waiting: three are not done yet
+    assert not w._round([young], [[0, 2, 1]]).stop
 
 
 def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
