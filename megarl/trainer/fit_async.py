@@ -104,7 +104,9 @@ class AsyncRLTrainer(RLTrainer):
     def _check_buffer_fits(self) -> None:
         """The saved buffer was generated ahead as far as this run's max_staleness lets it."""
         k = self.cfg.async_training.max_staleness
-        if self.next_t is not None:     # batches up to next_t - 1 started under version step at most
+        if self.next_t is not None:
+            # the rollout side resumes under version `step` holding batches up to next_t - 1, which
+            # it may hold only if next_t - 1 <= step + 1 + max(1, k) (rollout_stream's start rule)
             need = self.next_t - 1 - (self.step + 1)
             if need > max(1, k):
                 raise ConfigError(f"the checkpoint's buffer was generated {need} batches ahead, more than "
