@@ -609,3 +609,31 @@ def test_a_pausable_engine_runs_chunks_in_one_call_and_stops_where_asked(tiny):
         assert a[0].token_ids == b[0].token_ids and a[0].finish_reason == b[0].finish_reason == "length"
         # a continued sequence's KV is re-prefilled in one, decoded token by token in the other
         assert max(abs(x - y) for x, y in zip(a[0].log_probs, b[0].log_probs)) < 1e-5
+
+
+def test_a_resume_refuses_a_buffer_deeper_than_max_staleness():
+    """A checkpoint's buffer generated k batches ahead resumes with max_staleness >= k, and is
+    refused in one line below that: from the next batch to start where the checkpoint says it
+    (batches up to next_t - 1 held at step s need k >= next_t - 2 - s), else from the count of
+    batches held."""
+    from megarl.config.errors import ConfigError
+    from megarl.experiment import load_config
+    from megarl.trainer.fit_async import AsyncRLTrainer
+
+    def check(k, **state):
+        t = AsyncRLTrainer.__new__(AsyncRLTrainer)
+        t.cfg = load_config(None, [f"async_training.max_staleness={k}"])
+        t.step, t.ahead, t.partial, t.next_t = 4, [], None, None
+        for key, value in state.items():
+            setattr(t, key, value)
+        t._check_buffer_fits()
+
+    check(3, next_t=9)                             # batches 6-8 held at step 4 (5 in the trainer's hands)
+    with pytest.raises(ConfigError, match=r"generated 3 batches ahead.*max_staleness >= 3"):
+        check(2, next_t=9)
+    check(1, next_t=7)
+    check(3, ahead=[("batch", {})], partial=[{"t": 7}])     # a checkpoint written before next_t was saved
+    with pytest.raises(ConfigError, match=r"holds 2 batch\(es\).*max_staleness >= 3"):
+        check(2, ahead=[("batch", {})], partial=[{"t": 7}])
+    with pytest.raises(ConfigError, match=r"holds 1 batch\(es\).*max_staleness >= 2"):
+        check(1, partial={"t": 6})
