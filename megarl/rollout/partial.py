@@ -150,21 +150,20 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     paused = [False]
 
     def call(members, prompts, params, budgets=None, **kwargs):
-        """members[i]: the (generation index, sequences) that call prompt i stands for."""
+        """members[i]: the (generation index, prompt index, sequences) that call prompt i stands
+        for (read on a pausable engine only)."""
         if not pausable:
             return engine.generate(prompts, params)
         # unfinished samples outside this call, per generation and prompt: fixed while it runs
-        inside = {id(seq) for _, seqs in members for seq in seqs}
+        inside = {id(seq) for *_, seqs in members for seq in seqs}
         outside = [[sum(s.finish is None and id(s) not in inside for s in g.seqs[j:j + g.n])
                     for j in range(0, len(g.seqs), g.n)] for g in gens]
-        where = {id(s): (i, k // g.n) for i, g in enumerate(gens) for k, s in enumerate(g.seqs)}
-        home = [where[id(seqs[0])] for _, seqs in members]     # each call prompt's (generation, prompt)
 
         def ask(unfinished: dict[int, int]) -> bool:
             if not paused[0]:
                 left = [list(o) for o in outside]
                 for i, n_left in unfinished.items():
-                    g, j = home[i]
+                    g, j, _ = members[i]
                     left[g][j] += n_left
                 paused[0] = bool(pause(left))
             return paused[0]
@@ -173,7 +172,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     if len(gens) == 1 and lead.chunks_done == 0:
         n = lead.n
         seed = None if sp.seed is None else step_seed(sp.seed, 0)
-        members = [(0, lead.seqs[i * n:(i + 1) * n]) for i in range(len(lead.prompts))]
+        members = [(0, i, lead.seqs[i * n:(i + 1) * n]) for i in range(len(lead.prompts))]
         cap = budget if pausable else min(chunk, budget)
         out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed))
         lead.chunks_done += 1
@@ -189,7 +188,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     added, k = 0, 0
     for k, (cap, items) in enumerate(sorted(by_len.items())):
         seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=k)
-        out = call([(i, [s]) for i, _, s in items], [s.prompt + s.tokens for _, _, s in items],
+        out = call([], [s.prompt + s.tokens for _, _, s in items],
                    sp.with_(n=1, max_tokens=cap, seed=seed))
         added += sum(g._extend(s, group[0], version, cap) for (_, g, s), group in zip(items, out))
     for g in gens:
@@ -212,27 +211,27 @@ def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool)
     budget it has left."""
     lead = gens[0]
     sp, budget = lead.sampling, lead.sampling.max_tokens
-    members: list[tuple[int, list[_Seq]]] = []
+    members: list[tuple[int, int, list[_Seq]]] = []
     prompts, caps, samples, prefixes = [], [], [], []
     for i, g in enumerate(gens):
         for j, prompt in enumerate(g.prompts):
             seqs = [s for s in g.seqs[j * g.n:(j + 1) * g.n] if s.finish is None]
             if g.chunks_done == 0 or (prefixed and seqs):
-                members.append((i, seqs))
+                members.append((i, j, seqs))
                 prompts.append(prompt)
                 caps.append(budget)
                 samples.append(len(seqs))
                 prefixes.append([s.tokens for s in seqs])
                 continue
             for s in seqs:
-                members.append((i, [s]))
+                members.append((i, j, [s]))
                 prompts.append(s.prompt + s.tokens)
                 caps.append(budget - len(s.tokens))
                 samples.append(1)
                 prefixes.append([[]])
     seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=0)
     params = sp.with_(n=max(samples), max_tokens=max(caps), seed=seed)
-    left = [[budget - len(s.tokens) for s in seqs] for _, seqs in members]   # before the call extends them
+    left = [[budget - len(s.tokens) for s in seqs] for *_, seqs in members]   # before the call extends them
     kwargs: dict = {}
     if min(samples) < params.n:
         kwargs["samples"] = samples
@@ -240,7 +239,7 @@ def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool)
         kwargs["prefixes"] = prefixes
     out = call(members, prompts, params, caps, **kwargs)
     added = sum(gens[i]._extend(s, c, version, cap)
-                for (i, seqs), group, room in zip(members, out, left) for s, c, cap in zip(seqs, group, room))
+                for (i, _, seqs), group, room in zip(members, out, left) for s, c, cap in zip(seqs, group, room))
     for g in gens:
         g.chunks_done += 1
     return added

@@ -10,7 +10,7 @@ from tests.faults.runs import async_overrides
 from tests.helpers.training_runs import stable, step_digests
 
 
-def check_chain(chain):
+def check_chain(chain) -> dict:
     assert chain["rc"] == 0, chain["out"][-3000:]
     previous = None
     for kill in chain["kills"]:
@@ -24,14 +24,20 @@ def check_chain(chain):
     assert "global_step_4.tmp" in chain["kills"][1]["dirs"] and "global_step_4" not in chain["kills"][1]["dirs"]
     assert "removed an incomplete save: global_step_4.tmp" in chain["kills"][2]["out"]
     assert "at step 4" in chain["out"]
+    return check_same_as_reference(chain)
+
+
+def check_same_as_reference(chain) -> dict:
+    """Every step's metrics and, after the last step, the weights and optimizer state byte for
+    byte, as the run never killed; returns its metrics by step."""
     ref = {r["step"]: r for r in read_metrics(str(chain["ref"]))}
     got = {r["step"]: r for r in read_metrics(str(chain["run"]))}
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert stable(got[step]) == stable(ref[step]), step
-    # The weights and optimizer state after the last step, byte for byte.
     last = f"global_step_{STEPS}"
     assert step_digests(chain["run"] / last) == step_digests(chain["ref"] / last)
+    return ref
 
 
 @pytest.mark.timeout(900)
@@ -48,7 +54,7 @@ def test_sync_trainer_survives_every_kill_point(sync_chain):
 def test_async_trainer_survives_every_kill_point(async_chain):
     """Two batches ahead on two rollout DP ranks, updates landing after the first one-token chunk
     (tests/faults/runs.py)."""
-    check_chain(async_chain)
+    ref = check_chain(async_chain)
     # The first kill met the second rollout rank in its stream with two batches in flight: batch 5
     # started beside the last responses of batch 4 (async/started_in_tail, checked below).
     assert async_chain["kills"][0]["reached"].startswith("stream:5:2:"), async_chain["kills"][0]["reached"]
@@ -69,7 +75,6 @@ def test_async_trainer_survives_every_kill_point(async_chain):
     # Batch t trains at version t-1; from batch 3 on, its oldest tokens are 2 versions old and
     # responses span the versions before and after the update; from batch 2 on, most batches
     # start in the tail of the one before (which do depends on the sampled lengths).
-    ref = {r["step"]: r for r in read_metrics(str(async_chain["ref"]))}
     assert [ref[t]["async/staleness_max"] for t in range(1, STEPS + 1)] == [0, 1, 2, 2, 2]
     assert all(ref[t]["async/mixed_version_fraction"] > 0 for t in range(3, STEPS + 1))
     in_tail = [ref[t]["async/started_in_tail"] for t in range(1, STEPS + 1)]
@@ -96,13 +101,7 @@ def test_a_stream_of_finished_groups_survives_kills(addition_model_dir, tmp_path
     assert chain["rc"] == 0, chain["out"][-3000:]
     for kill in chain["kills"]:
         assert kill["left"] == [] and kill["lock_free"] and kill["pointer"] == str(kill["resumes_from"]), kill
-    ref = {r["step"]: r for r in read_metrics(str(chain["ref"]))}
-    got = {r["step"]: r for r in read_metrics(str(chain["run"]))}
-    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        assert stable(got[step]) == stable(ref[step]), step
-    last = f"global_step_{STEPS}"
-    assert step_digests(chain["run"] / last) == step_digests(chain["ref"] / last)
+    ref = check_same_as_reference(chain)
     # what made it this mode: steps of two batches' groups, a long tail left to a later step; the
     # checkpoints hold the buffer and the next batch to start (a batch half handed over in a
     # checkpoint, and its resume: tests/test_async_pieces.py -k finished_groups)
