@@ -134,7 +134,11 @@ class MetricsLogger:
                 if record is None:
                     self.info(f"megarl: dropped line {number} of {path}: not a complete JSON record "
                               f"(a write cut short by a kill): {line.strip()[:80]!r}")
-                elif line.strip() and record.get("step", 0) <= step:
+                elif not _has_step(record):
+                    self.info(f"megarl: dropped line {number} of {path}: its \"step\" is "
+                              f"{str(record.get('step'))[:40]!r}, not a whole number; megarl writes each record "
+                              "with its step (edit the line, or remove it, to keep it)")
+                elif line.strip() and record["step"] <= step:
                     lines.append(line if line.endswith("\n") else line + "\n")
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -198,6 +202,13 @@ class _WandB:
         self.run.finish()
 
 
+def _has_step(record: dict) -> bool:
+    """A record megarl wrote: its step is an int (a line edited by hand may hold "note" or 1.5,
+    which no step compares with)."""
+    step = record.get("step")
+    return isinstance(step, int) and not isinstance(step, bool)
+
+
 def _parse(line: str) -> dict | None:
     """A record, or None for a line that is not one (torn by a kill mid-write); blank lines are {}."""
     if not line.strip():
@@ -210,9 +221,10 @@ def _parse(line: str) -> dict | None:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The records of metrics.jsonl; a torn line (a kill during a write) is left out."""
+    """The records of metrics.jsonl; a torn line (a kill during a write) or one without a whole-number
+    step is left out."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [r for r in map(_parse, f) if r is not None and r.get("step") != -1]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [r for r in map(_parse, f) if r is not None and _has_step(r) and r["step"] != -1]
