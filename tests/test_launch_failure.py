@@ -90,3 +90,30 @@ def test_without_a_summary_srun_names_the_first_task_not_merely_terminated():
     assert first_failure(log, "task", ["n1", "n2"]) == "srun: error: n2: task 3: Killed"
     assert first_failure(log, "torchrun", ["n1", "n2"]) == "srun: error: n2: task 3: Killed"
     assert first_failure("", "torchrun", ["n1"]) == "not reported (see the lines above)"
+
+
+def test_a_ranks_own_text_is_not_taken_for_srun_or_torchrun():
+    # Task 1's rank prints what srun and torchrun would (srun --label puts it behind "1: "); task 0's
+    # rank is the one that really died, as srun reports it on a line of its own.
+    forged = ["srun: error: cn2: task 1: Killed", *[line.split(": ", 1)[1] for line in
+                                                    summary(1, root=("7 (local_rank: 1)", "-11"))], "still training"]
+    real = summary(0, ("0 (local_rank: 0)", "-15"), root=("1 (local_rank: 1)", "-9"))
+    log = "\n".join([*labelled(1, forged), *real, "srun: error: cn1: task 0: Exited with exit code 1",
+                     "srun: error: cn2: task 1: Terminated"])
+    assert first_failure(log, "torchrun", ["cn1", "cn2"]).startswith("on node cn1: rank : 1 (local_rank: 1); "
+                                                                     "exitcode : -9"), log
+    # Without srun's line, a summary a task's output goes on after is a rank's text, not its torchrun's.
+    log = "\n".join([*labelled(1, forged), *real])
+    assert first_failure(log, "torchrun", ["cn1", "cn2"]).startswith("on node cn1: rank : 1 (local_rank: 1)")
+    # The task form: srun's report is the only source, a rank's copy of it is not.
+    log = "\n".join(["3: srun: error: n2: task 3: Killed", "srun: error: n1: task 1: Exited with exit code 1"])
+    assert first_failure(log, "task", ["n1", "n2"]) == "srun: error: n1: task 1: Exited with exit code 1"
+
+
+def test_a_task_label_of_thousands_of_digits_is_no_task():
+    huge = "9" * 5000
+    log = "\n".join([f"{huge}: worker.py FAILED", f"{huge}: Root Cause (first observed failure):",
+                     f"{huge}:   rank      : 0 (local_rank: 0)", f"{huge}:   exitcode  : -9 (pid: 1)",
+                     f"srun: error: n1: task {huge}: Killed", "srun: error: n1: task 0: Exited with exit code 1"])
+    for mode in ("torchrun", "task"):
+        assert first_failure(log, mode, ["n1"]).startswith("srun: error: n1: task 9999"), mode

@@ -22,9 +22,12 @@ FATAL_SIGNALS = frozenset(-int(s) for s in (signal.SIGKILL, signal.SIGSEGV, sign
                                              signal.SIGFPE))
 STOPPED = -int(signal.SIGTERM)
 ATTEMPT = re.compile(r"^megarl: job \d+ \(restart \d+\) on ")
-SRUN_FAILED_TASK = re.compile(r"srun: error: [^:]+: task (\d+): (Exited|Killed)")
-SRUN_FAILED_ANY = re.compile(r"srun: error: [^:]+: tasks? [0-9,-]+: ")
-LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
+# srun's own reports start a line; everything a task prints is behind its `--label` prefix ("3: "),
+# so a rank that prints "srun: error: ... Killed" (or a whole torchrun summary) cannot pass for srun,
+# nor for another task. Task numbers are bounded: a label of thousands of digits is no task.
+SRUN_FAILED_TASK = re.compile(r"^srun: error: [^:]+: task (\d{1,7}): (Exited|Killed)")
+SRUN_FAILED_ANY = re.compile(r"^srun: error: [^:]+: tasks? [0-9,-]+: ")
+LABEL = re.compile(r"^\s*(\d{1,7}): ?(.*)$")
 
 
 @dataclass
@@ -51,6 +54,14 @@ def this_attempt(lines: list[str]) -> list[str]:
     """A requeued job appends to the same log: only its last attempt's lines count."""
     starts = [i for i, line in enumerate(lines) if ATTEMPT.match(line)]
     return lines[starts[-1]:] if starts else lines
+
+
+def ends_with_summary(lines: list[str], task: str) -> bool:
+    """torchrun prints its summary as it exits: a task whose output goes on after its last summary
+    had a rank print that text, and its torchrun has not failed (yet)."""
+    own = [m.group(2).strip() for m in map(LABEL.match, lines) if m and m.group(1) == task]
+    begins = [i for i, line in enumerate(own) if line.endswith(" FAILED")]
+    return bool(begins) and all(line.startswith(("=", "-")) or not line for line in own[-1:])
 
 
 def summary_of(lines: list[str], task: str) -> list[Failure]:
@@ -81,12 +92,13 @@ def first_failure(log: str, mode: str, nodes: list[str]) -> str:
         # print its own summary first (its ranks saw their connections close).
         failed = next((m.group(1) for m in map(SRUN_FAILED_TASK.search, lines) if m), None)
         summaries = [m.group(1) for m in map(LABEL.match, lines) if m and m.group(2).rstrip().endswith(" FAILED")]
-        tasks = [failed] if failed is not None else list(dict.fromkeys(summaries))
+        tasks = [failed] if failed is not None else sorted(dict.fromkeys(summaries),
+                                                          key=lambda t: not ends_with_summary(lines, t))
         for task in tasks:
             failures = summary_of(lines, task)
             if failures:
                 chosen = min(failures, key=Failure.kind)   # min keeps the first of equals: torchrun's order
-                node = nodes[int(task)] if int(task) < len(nodes) else f"task {task}"
+                node = nodes[int(task)] if int(task) < len(nodes) else f"task {task}"   # at most 7 digits
                 return f"on node {node}: {chosen.line()}"
     # No torchrun summary (a task that stopped before torchrun started, or the task form, where
     # task N is rank N): srun's report of the first task that did not merely get terminated.

@@ -25,57 +25,85 @@ class NodeNetError(Exception):
     pass
 
 
-def resolve(host: str) -> str:
+def resolve(host: str) -> tuple[str, tuple]:
+    """(address, socket address) of `host`: a name, an IPv4 or IPv6 literal, the latter bare or in
+    brackets as URLs write it ("[fd00::1]"); IPv4 first where a name has both."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
-    except OSError:
+        found = socket.getaddrinfo(bare, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        found = []
+    if not found:
         raise NodeNetError(f"MASTER_ADDR={host} does not resolve on {socket.gethostname()}; set it to the first "
-                           "node's address or a name every node resolves (under Slurm: its NodeAddr)") from None
+                           "node's address or a name every node resolves (under Slurm: its NodeAddr)")
+    family, _, _, _, sockaddr = min(found, key=lambda info: info[0] != socket.AF_INET)
+    return str(sockaddr[0]), (family, sockaddr)
 
 
-def interface_addresses() -> dict[str, str]:
-    """IPv4 address of each interface that has one (SIOCGIFADDR; no `ip` needed)."""
-    found = {}
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(address.split("%", 1)[0])      # an IPv6 scope ("%eth0") is no part of it
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """The addresses of each interface: IPv4 by SIOCGIFADDR, IPv6 from /proc/net/if_inet6 (no `ip` needed)."""
+    found: dict[str, list[str]] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
                 raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
             except OSError:
                 continue
-            found[name] = socket.inet_ntoa(raw[20:24])
+            found.setdefault(name, []).append(socket.inet_ntoa(raw[20:24]))
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for row in f:              # "fd000000000000000000000000000002 03 40 00 80 eth0"
+                fields = row.split()
+                if len(fields) == 6 and len(fields[0]) == 32:
+                    found.setdefault(fields[5], []).append(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    except OSError:                    # a kernel without IPv6
+        pass
     return found
 
 
-def source_address(dest: str) -> str:
+def source_address(dest: tuple) -> str:
     """The address the kernel would send from to reach `dest` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    family, sockaddr = dest
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
-            s.connect((dest, 9))
+            s.connect((sockaddr[0], 9, *sockaddr[2:]))
         except OSError as err:
-            raise NodeNetError(f"no route from {socket.gethostname()} to the first node {dest} ({err.strerror}); "
-                               "check MASTER_ADDR and this node's network") from None
-        return s.getsockname()[0]
+            raise NodeNetError(f"no route from {socket.gethostname()} to the first node {sockaddr[0]} "
+                               f"({err.strerror}); check MASTER_ADDR and this node's network") from None
+        return str(s.getsockname()[0])
 
 
 def pick(master_addr: str, node_rank: int) -> tuple[str, str]:
-    master_ip = resolve(master_addr)
-    addrs = interface_addresses()
+    master_ip, dest = resolve(master_addr)
     here = socket.gethostname()
-    if ipaddress.ip_address(master_ip).is_loopback:
+    if _ip(master_ip).is_unspecified:
+        # 0.0.0.0 / :: means "any address" to a server binding it, and no address to a peer that
+        # must connect: every node but the first would wait on a rendezvous it cannot reach.
+        raise NodeNetError(f"MASTER_ADDR={master_addr} is {master_ip}, the unspecified address, which other nodes "
+                           f"cannot connect to (on {here}, node {node_rank}); give the first node's network address "
+                           "or a name every node resolves")
+    addrs = [(name, a) for name, found in interface_addresses().items() for a in found]
+    if _ip(master_ip).is_loopback:
         if node_rank != 0:
             raise NodeNetError(f"MASTER_ADDR={master_addr} is {master_ip} (loopback) on {here}, node {node_rank}; "
                                "give the first node's network address")
         # The first node's own name maps to loopback here (Debian's 127.0.1.1 line): the others
         # reach it through its one network interface; with several, only the user knows which.
-        outside = {n: a for n, a in addrs.items() if not ipaddress.ip_address(a).is_loopback}
+        # Link-local IPv6 addresses are on every interface and route nowhere beyond it.
+        same = [(n, a) for n, a in addrs if _ip(a).version == _ip(master_ip).version]
+        outside = dict(reversed([(n, a) for n, a in same if not _ip(a).is_loopback and not _ip(a).is_link_local]))
         if len(outside) != 1:
             raise NodeNetError(f"MASTER_ADDR={master_addr} is {master_ip} (loopback) on {here} and it has "
                                f"{len(outside)} other interfaces ({', '.join(outside) or 'none'}); set "
                                "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the one other nodes reach")
         return next(iter(outside.items()))
-    src = source_address(master_ip)
-    for name, addr in addrs.items():
-        if addr == src:
+    src = source_address(dest)
+    for name, addr in addrs:
+        if _ip(addr) == _ip(src):
             return name, addr
     raise NodeNetError(f"{here} reaches {master_addr} from {src}, which no interface holds; set GLOO_SOCKET_IFNAME "
                        "(and NCCL_SOCKET_IFNAME) to the interface other nodes reach")
