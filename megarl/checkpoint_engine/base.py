@@ -1,9 +1,9 @@
 """What every transport shares: the all-or-nothing ending of a sync, and its metrics.
 
-A sync streams buckets into engines that load in place (native, hf) or stage them
-(TensorRT-LLM). If any rank fails part-way, every rank aborts the update (the engines then keep
-their old weights or refuse to generate until a full sync succeeds) and raises
-WeightSyncError, so no engine ever runs on a mix of old and new weights.
+A sync streams buckets into engines that load in place. If any rank fails part-way, every rank
+aborts the update and raises WeightSyncError, so no engine ever runs on a mix of old and new
+weights: each engine then keeps its old weights or refuses to generate until a full sync
+succeeds, as its class declares (`keeps_weights_on_failed_sync`; the message says which).
 """
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def agree(failed: bool, values: list[float], group=None, device="cpu") -> tuple[
     return out[0] > 0, out[1:]
 
 
+def after_failure(engine: RolloutEngine | None) -> str:
+    """What the engine in use keeps after a failed sync, as its class declares it."""
+    if engine is not None and not engine.keeps_weights_on_failed_sync:
+        return ("refuses to generate until a full sync succeeds (it rewrites its weights from a sync's first "
+                "bucket on)")
+    return "keeps its old weights or refuses to generate until a full sync succeeds"
+
+
 def conclude(engine: RolloutEngine | None, error: BaseException | None, values: list[float], group=None,
              device="cpu") -> list[float]:
     """Finalize every engine if every rank succeeded, else abort every engine and raise."""
@@ -42,7 +50,7 @@ def conclude(engine: RolloutEngine | None, error: BaseException | None, values: 
             engine.abort_weight_update()
         where = f"on this rank: {describe(error)}" if error is not None else "on another rank (see its log)"
         raise WeightSyncError(f"weight sync failed {where}; the update was aborted on every rank, and the rollout "
-                              "engine keeps its old weights or refuses to generate until a full sync succeeds")
+                              f"engine {after_failure(engine)}")
     if engine is not None:
         engine.finalize_weights()
     return values

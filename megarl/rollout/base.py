@@ -121,6 +121,11 @@ class Completion:
 class RolloutEngine(ABC):
     """Token-level engine contract. Engines are built per rank by megarl.rollout.registry."""
 
+    # What a failed weight sync leaves (checkpoint_engine/base.py says it to the user): True, the
+    # old weights while no bucket has reached the engine and a refusal to generate after; False,
+    # a refusal to generate whatever was sent (an engine that rewrites weights as a sync starts).
+    keeps_weights_on_failed_sync: bool = True
+
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:

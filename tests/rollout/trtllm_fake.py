@@ -85,10 +85,21 @@ def _sleep_config_check(snap: dict, mem_enum):
     return check
 
 
-def build(snapshot_name: str) -> dict[str, types.ModuleType]:
-    """The fake package's modules for one snapshot, and a fake ray: {module name: module} for
-    sys.modules."""
-    snap = load_snapshot(snapshot_name)
+# TensorRT-LLM main (rlhf_utils.py, index excerpt, no commit): the reload cycle's abort.
+ABORTABLE = {"reload_cycle": "abortable",
+             "worker_methods": ["update_weights", "report_device_id", "sleep", "wakeup", "reset_prefix_cache",
+                                "abort_update_weights", "wait_for_engine_idle"]}
+
+
+def _worker_extension(snap: dict) -> type:
+    """rlhf_utils.WorkerExtension: its methods as the snapshot lists them (the workers run them)."""
+    return type("WorkerExtension", (), {m: (lambda self, *a: None) for m in snap.get("worker_methods") or []})
+
+
+def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.ModuleType]:
+    """The fake package's modules for one snapshot (with `overrides` of its keys), and a fake ray:
+    {module name: module} for sys.modules."""
+    snap = {**load_snapshot(snapshot_name), **(overrides or {})}
     root = types.ModuleType("tensorrt_llm")
     root.__version__ = snap["version"]
     root.__path__ = []
@@ -117,6 +128,10 @@ def build(snapshot_name: str) -> dict[str, types.ModuleType]:
     llmapi.KvCacheConfig = args.KvCacheConfig
     llmapi.SamplingParams = root.SamplingParams
     root.llmapi = llmapi
+    rlhf = types.ModuleType("tensorrt_llm.llmapi.rlhf_utils")
+    rlhf.WorkerExtension = _worker_extension(snap)
+    llmapi.rlhf_utils = rlhf
+    mods["tensorrt_llm.llmapi.rlhf_utils"] = rlhf
     utils = types.ModuleType("tensorrt_llm._torch.utils")
     utils.get_device_uuid = visible_uuid
     torch_pkg = types.ModuleType("tensorrt_llm._torch")
@@ -126,9 +141,9 @@ def build(snapshot_name: str) -> dict[str, types.ModuleType]:
             "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, "ray": make_ray(), **mods}
 
 
-def install(monkeypatch, snapshot_name: str) -> types.ModuleType:
+def install(monkeypatch, snapshot_name: str, overrides: dict | None = None) -> types.ModuleType:
     """Put the fake package (and a fake ray) in sys.modules for one test; returns the top module."""
-    mods = build(snapshot_name)
+    mods = build(snapshot_name, overrides)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return mods["tensorrt_llm"]

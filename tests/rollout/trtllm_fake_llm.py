@@ -67,6 +67,8 @@ class _LLM:
         self.rpcs: list = []
         self.sent: list = []                  # every SamplingParams generate() received
         self.prefix_cache: list = []          # (prompt, its KV) that block reuse may serve again
+        self.reload_latch = False             # rlhf_utils.py's first_pre_reload_weights
+        self.outstanding: set[str] = set()    # parameters a torn reload cycle never rewrote
 
     # -- start-up, as the Ray executor does it ---------------------------------------------------
     def _start_ray(self) -> None:
@@ -149,30 +151,79 @@ class _LLM:
         if method == "reset_prefix_cache" and method in (self.snap.get("worker_methods") or []):
             self.prefix_cache = []
             return [None] * len(self.workers)
+        if method == "abort_update_weights" and method in (self.snap.get("worker_methods") or []):
+            self._abort_update_weights()
+            return [None] * len(self.workers)
         raise AttributeError(f"the workers have no method {method!r}")
 
     def _update_weights(self, handles):
+        """WorkerExtension.update_weights (tensorrt_llm/llmapi/rlhf_utils.py). The first call of a
+        sync runs every module's pre_reload_weights, which re-registers the parameters as
+        uninitialized storage (NaN here, on every parameter: stricter than the modules that have
+        the hook). Two cycles, by snapshot["reload_cycle"]:
+          "latched" (04762f3b): the walk runs on the first call of a cycle, bucket or finalize;
+              a failure leaves the latch set; finalize loads whatever arrived.
+          "abortable" (main, index excerpt, no commit): the handles are checked and decoded before
+              the walk (a failure there mutates nothing); a failure after it clears the latch; the
+              coverage debt of a torn cycle vetoes finalize and survives abort_update_weights."""
         if self.weight_tag in self.released:
             raise RuntimeError("CUDA error: an illegal memory access (weights released, not resumed)")
-        if handles is None:
-            self.prefix_cache = []            # the finalize call resets the prefix cache (rlhf_utils.py)
-            return None
+        abortable = self.snap.get("reload_cycle") == "abortable"
+        bucket = None
+        if handles is not None and abortable:
+            bucket = self._decode(handles)
+        try:
+            if not self.reload_latch and (handles is not None or not abortable):
+                self._pre_reload()
+            if handles is None:
+                return self._finalize(abortable)
+            self._load(bucket if bucket is not None else self._decode(handles))
+        except Exception:
+            if abortable:
+                self.reload_latch = False
+            raise
+        return None
+
+    def _pre_reload(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float("nan"))
+        self.outstanding = {n for n, _ in self.model.named_parameters()}
+        self.reload_latch = True
+
+    def _decode(self, handles) -> list:
         for uuid in self.workers:
             if uuid not in handles:
                 raise ValueError(f"Device UUID {uuid} not found in ipc_handles")
         blob = pickle.loads(base64.b64decode(handles[self.workers[0]]))
+        return [(name, rebuild(*rebuild_args)) for name, (rebuild, rebuild_args) in blob]
+
+    def _load(self, named) -> None:
+        """model_loader.reload(model, weights, allow_partial_loading=True): a name the model does
+        not have fails the bucket after the names before it were written."""
         state = dict(self.model.named_parameters())
-        bucket = 0
-        for name, (rebuild, rebuild_args) in blob:
-            tensor = rebuild(*rebuild_args)
+        size = 0
+        for name, tensor in named:
             if name not in state:
                 raise KeyError(f"no parameter {name} in the model")
-            bucket += tensor.numel() * tensor.element_size()
+            size += tensor.numel() * tensor.element_size()
             with torch.no_grad():
                 state[name].copy_(tensor)
-        self._account(bucket, "bucket in")
-        self._account(-bucket, "bucket out")
+            self.outstanding.discard(name)
+        self._account(size, "bucket in")
+        self._account(-size, "bucket out")
+
+    def _finalize(self, abortable: bool):
+        if abortable and self.outstanding:
+            raise RuntimeError(f"weight reload cycle is torn: {len(self.outstanding)} parameter(s) never reloaded "
+                               f"(first: {sorted(self.outstanding)[0]}); resend every weight")
+        self.prefix_cache = []                # the finalize call resets the prefix cache (rlhf_utils.py)
+        self.reload_latch = False
         return None
+
+    def _abort_update_weights(self) -> None:
+        """abort_update_weights (main, index excerpt): clears the latch, keeps the coverage debt."""
+        self.reload_latch = False
 
     def _tensors(self, tag: str) -> list[torch.Tensor]:
         if tag == self.weight_tag and tag != MODEL:

@@ -132,6 +132,10 @@ class AgentLoop(RolloutEngine):
     def abort_weight_update(self) -> None:
         self.engine.abort_weight_update()
 
+    @property
+    def keeps_weights_on_failed_sync(self) -> bool:          # type: ignore[override]
+        return self.engine.keeps_weights_on_failed_sync
+
     def sleep(self) -> None:
         self.engine.sleep()
 

@@ -78,6 +78,12 @@ class Features:
     llm_fields: frozenset[str]             # what LLM(...) accepts: its args model's fields + named params
     memory_tags: tuple[str, ...]           # ExecutorMemoryType values (the "_no_capture" ones left out)
     completion_fields: frozenset[str] = frozenset()   # CompletionOutput's fields
+    worker_methods: frozenset[str] = frozenset()      # rlhf_utils.WorkerExtension's public methods
+
+    @property
+    def aborts_reload(self) -> bool:
+        """rlhf_utils.WorkerExtension.abort_update_weights (main): ends a torn reload cycle."""
+        return "abort_update_weights" in self.worker_methods
 
     @property
     def logprobs_mode(self) -> bool:
@@ -102,7 +108,8 @@ class Features:
     def summary(self) -> str:
         return (f"TensorRT-LLM {self.version}: logprobs_mode={self.logprobs_mode} "
                 f"logprobs_simple_format={self.simple_format} sleep={self.sleep or 'none'} "
-                f"weights_tag={WEIGHTS_TAG in self.memory_tags} routed_experts={not self.routes_missing()}")
+                f"weights_tag={WEIGHTS_TAG in self.memory_tags} routed_experts={not self.routes_missing()} "
+                f"abort_update_weights={self.aborts_reload}")
 
 
 def _init_params(fn) -> set[str]:
@@ -137,7 +144,12 @@ def detect_features(tllm) -> Features:
     output = getattr(tllm, "CompletionOutput", None) or getattr(tllm.llmapi, "CompletionOutput", None)
     completion = frozenset(f.name for f in dataclasses.fields(output)) if dataclasses.is_dataclass(output) else \
         frozenset(getattr(output, "__annotations__", {}))
-    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags, completion)
+    try:
+        from tensorrt_llm.llmapi.rlhf_utils import WorkerExtension  # optional dependency (megarl[trtllm])
+        methods = frozenset(m for m in dir(WorkerExtension) if not m.startswith("_"))
+    except ImportError:
+        methods = frozenset()
+    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags, completion, methods)
 
 
 # -- engine arguments --------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ def _logprob_mode_enum():
 class TRTLLMEngine(BaseRollout):
     # temperature with top-k/top-p/penalty has no exact log-prob here: refused (see logprob_mode)
     refuses_truncated_temperature = True
+    # A sync's first bucket rewrites the live parameters (pre_reload_weights): once one reached
+    # TensorRT-LLM, a failed sync leaves no old weights to keep.
+    keeps_weights_on_failed_sync = False
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, tp_group=None, pad_token_id: int | None = None,
                  expected_names: list[str] | None = None, device: str | torch.device | None = None,
@@ -101,6 +104,7 @@ class TRTLLMEngine(BaseRollout):
         self.guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation, vocab_size=vocab_size(model_dir))
         names = expected_names if expected_names is not None else checkpoint_names(model_dir)
         self.weights = WeightState(names, ready=cfg.load_format != "dummy")
+        self.reloading = False               # a bucket of the current sync reached TensorRT-LLM
         self.llm = None
         self.released: set[str] = set()
         self.asleep = False
@@ -171,17 +175,39 @@ class TRTLLMEngine(BaseRollout):
         named = [(name, t.to(self.device)) for name, t in bucket]
         parts = self.comm.gather(bucket_handles(named, self.device_uuid))
         merged = {uuid: h for part in parts for uuid, h in part.items()} if self.leader else None
-        self._rpc("update_weights", merged)
+        self.reloading = True                # from here TensorRT-LLM may have rewritten parameters
+        try:
+            self._rpc("update_weights", merged)
+        except BaseException:
+            self._torn()
+            raise
         for name, _ in named:
             self.weights.received(name)
 
+    def _torn(self) -> None:
+        """The first bucket of a sync runs pre_reload_weights, which re-registers parameters as
+        uninitialized storage (rlhf_utils.py): after any failure from there on the model is a mix
+        until a full sync. Builds with abort_update_weights end the cycle on every worker."""
+        self.weights.mixed()
+        self.reloading = False
+        if self.features.aborts_reload:
+            self._rpc("abort_update_weights")
+
     def finalize_weights(self) -> None:
-        self.weights.finalize()              # refuses (and keeps refusing generate) if a tensor is missing
-        self._rpc("update_weights", None)
+        try:
+            self.weights.finalize()          # refuses (and keeps refusing generate) if a tensor is missing
+            self._rpc("update_weights", None)
+        except BaseException:
+            self._torn()
+            raise
+        self.reloading = False
         self._rpc("reset_prefix_cache")      # also done by that call on the versions read; cheap to be sure
 
     def abort_weight_update(self) -> None:
-        self.weights.abort()
+        if self.reloading:                   # a bucket reached TensorRT-LLM: nothing old is left to keep
+            self._torn()
+        else:
+            self.weights.abort()
 
     def sleep(self, on_release=None) -> None:
         """Release every memory tag (args.py `sleep_tags`). on_release(tag), called on every rank
