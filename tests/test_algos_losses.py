@@ -23,8 +23,14 @@ def test_aggregation_modes():
     # global counts: this micro-batch is part of a mini-batch with 6 tokens / 4 sequences
     assert agg_loss(loss, mask, "token-mean", global_tokens=6).item() == pytest.approx(7 / 6)
     assert agg_loss(loss, mask, "seq-mean-token-mean", global_seqs=4).item() == pytest.approx(5.5 / 4)
+    # token-sum: the plain sum; the worker's DP sum of the shares is then the mini-batch's sum
+    assert agg_loss(loss, mask, "token-sum", global_tokens=6, global_seqs=4).item() == pytest.approx(7.0)
+    # a non-finite value on a padded position stays out of the loss (verl's masked_sum: torch.where)
+    inf_pad = loss.masked_fill(mask == 0, float("inf"))
+    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        assert torch.isfinite(agg_loss(inf_pad, mask, mode)), mode
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        Aggregator("token-sum")
+        Aggregator("token-max")
 
 
 def pg_inputs():
@@ -48,6 +54,22 @@ def test_vanilla_is_ppo_clip_with_dual_clip():
     assert get_policy_loss("dual_clip") is get_policy_loss("vanilla")
 
 
+def test_gspo_follows_loss_agg_mode():
+    """actor.loss_agg_mode chooses GSPO's aggregation, as verl's compute_policy_loss_gspo."""
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[LOG(1.1), 0.0, 0.0], [LOG(1.1), LOG(1.1), LOG(1.1)]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    gspo = get_policy_loss("gspo")
+    # seq 0: -1.1 on 1 token; seq 1: +1.1 on each of 3 tokens
+    assert gspo(old, new, adv, mask, ClipParams(0.2, 0.2), Aggregator("token-mean"))[0].item() == \
+        pytest.approx((-1.1 + 3 * 1.1) / 4)
+    assert gspo(old, new, adv, mask, ClipParams(0.2, 0.2), Aggregator("seq-mean-token-mean"))[0].item() == \
+        pytest.approx((-1.1 + 1.1) / 2)
+    assert gspo(old, new, adv, mask, ClipParams(0.2, 0.2), Aggregator("seq-mean-token-sum"))[0].item() == \
+        pytest.approx((-1.1 + 3 * 1.1) / 2)
+
+
 def test_ppo_clip_without_dual_and_clip_higher():
     old, new, adv, mask = pg_inputs()
     loss, _ = get_policy_loss("ppo_clip")(old, new, adv, mask, ClipParams(0.2, 0.2, 3.0), Aggregator())
@@ -63,7 +85,7 @@ def test_gspo_sequence_ratio():
     adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
     loss, m = get_policy_loss("gspo")(old, new, adv, mask, ClipParams(0.2, 0.2, None), Aggregator("token-mean"))
     s0 = math.sqrt(1.1 * 1.3)                     # geometric mean of the token ratios, inside the clip
-    # seq 1 ratio 2 with A = -1: max(2, 1.2) = 2; seq-mean-token-mean is forced
+    # seq 1 ratio 2 with A = -1: max(2, 1.2) = 2 (equal lengths: every mode gives the same value)
     assert loss.item() == pytest.approx((-s0 + 2.0) / 2)
     loss.backward()
     assert new.grad[0, :2].tolist() == pytest.approx([-s0 / 4, -s0 / 4])
@@ -91,7 +113,9 @@ def cfg_with(**over):
             "kl_loss_type": "actor_rollout_ref.actor.kl_loss_type",
             "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
             "rollout_is": "algorithm.rollout_correction.rollout_is", "critic_agg": "critic.loss_agg_mode",
-            "clip_ratio_high": "actor_rollout_ref.actor.clip_ratio_high"}
+            "clip_ratio_high": "actor_rollout_ref.actor.clip_ratio_high",
+            "tau_pos": "actor_rollout_ref.actor.tau_pos", "tau_neg": "actor_rollout_ref.actor.tau_neg",
+            "dro_beta": "actor_rollout_ref.actor.policy_loss.dro_beta"}
     return load_config(None, ["data.max_response_length=8", *(f"{keys[k]}={v}" for k, v in over.items())])
 
 
@@ -155,6 +179,45 @@ def test_actor_loss_is_exact_however_split(over):
             "actor/entropy"} <= set(metrics)
     if over.get("use_kl_loss"):
         assert "actor/kl_loss" in metrics
+
+
+@pytest.mark.parametrize("over", [
+    {"loss_mode": "gspo", "loss_agg_mode": "token-mean"}, {"loss_mode": "cispo", "loss_agg_mode": "token-sum"},
+    {"loss_mode": "sapo", "tau_pos": 2.0, "tau_neg": 3.0}, {"loss_mode": "geo_mean"},
+    {"loss_mode": "gpg", "loss_agg_mode": "seq-mean-token-sum-norm"}, {"loss_mode": "dro", "dro_beta": 0.2},
+    {"loss_mode": "dppo_tv", "loss_agg_mode": "seq-mean-token-mean"}, {"loss_mode": "dppo_kl"},
+])
+def test_verl_variants_are_exact_however_split(over):
+    """The worker contract for the losses whose tokens do not depend on the micro-batch (clip_cov and
+    kl_cov choose theirs per micro-batch, as verl does); their values are verl's (test_verl_core_algos.py)."""
+    batch = random_batch(seed=5)
+    loss_fn = make_actor_loss_fn(cfg_with(**over))
+    g = torch.Generator().manual_seed(2)
+    theta = (batch.batch["old_log_probs"] + 0.2 * torch.randn(8, 6, generator=g)).requires_grad_()
+    ent = torch.zeros(8, 6, requires_grad=True)
+    ref_loss, ref_grad, _, _ = run_split(loss_fn, batch, theta, ent, SPLITS["one"])
+    assert ref_grad.abs().sum() > 0
+    for name, parts in SPLITS.items():
+        loss, grad, _, metrics = run_split(loss_fn, batch, theta, ent, parts)
+        assert loss == pytest.approx(ref_loss, abs=1e-6), name
+        assert torch.allclose(grad, ref_grad, atol=1e-6), name
+        assert "actor/pg_loss" in metrics
+
+
+def test_variant_keys_reach_the_loss():
+    """tau_pos / tau_neg (sapo) and dro_beta (dro) change the value: they are read, not just accepted."""
+    batch = random_batch(seed=6)
+    theta = batch.batch["old_log_probs"] + 0.3
+
+    def value(**over):
+        return make_actor_loss_fn(cfg_with(**over))({"log_probs": theta}, batch)[0].item()
+
+    assert value(loss_mode="sapo", tau_pos=1.0, tau_neg=1.05) != value(loss_mode="sapo", tau_pos=4.0, tau_neg=6.0)
+    assert value(loss_mode="dro", dro_beta=0.1) != value(loss_mode="dro", dro_beta=1.0)
+    with pytest.raises(ConfigError, match="dro_beta"):
+        cfg_with(loss_mode="dro")
+    with pytest.raises(ConfigError, match="rollout_correction.bypass_mode"):
+        cfg_with(loss_mode="bypass_mode")
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 import megarl.algos.decoupled  # noqa: F401  (registers the decoupled_ppo and m2po policy losses)
+import megarl.algos.pg_variants  # noqa: F401  (registers cispo, sapo, geo_mean, clip_cov, kl_cov, ...)
 from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss, value_loss
 from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights, rollout_mismatch_metrics
@@ -45,11 +46,13 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
     optimizer step, so their log-probs are the old policy's: the rollout/trainer mismatch metrics
     (rollout_corr/*) are measured on them at no extra cost, each a mean over micro-batches."""
     actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
-    policy_loss = get_policy_loss(actor.policy_loss.loss_mode)
+    policy_loss, pl = get_policy_loss(actor.policy_loss.loss_mode), actor.policy_loss
     params = ClipParams(clip_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
                         clip_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
                         clip_c=actor.clip_ratio_c, behav_imp_weight_cap=actor.policy_loss.behav_imp_weight_cap,
-                        m2_threshold=actor.policy_loss.m2_threshold)
+                        m2_threshold=actor.policy_loss.m2_threshold, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
+                        clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                        kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
     decoupled = getattr(policy_loss, "needs_behaviour_log_probs", False)
     if decoupled and algo.rollout_correction.rollout_is is not None:
         raise ConfigError(f"loss_mode={actor.policy_loss.loss_mode} already weights tokens by pi_prox / pi_behav; "

@@ -4,7 +4,8 @@ Aggregation under the gradient contract with the Megatron worker: the worker sum
 micro-batch loss's gradient over micro-batches and DP ranks, and tells us the mini-batch's
 totals (`global_tokens`: response-mask tokens, `global_seqs`: sequences). Normalising by those
 totals instead of by the micro-batch's own counts makes the mini-batch loss exact however it is
-split: token-mean = sum(loss * mask) / global_tokens, seq-mean-* = sum over our sequences / global_seqs.
+split: token-mean = sum(loss * mask) / global_tokens, seq-mean-* = sum over our sequences / global_seqs,
+token-sum = sum(loss * mask) (no normaliser: the worker's DP sum is already the mini-batch's sum).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from megarl.algos.registry import Registry
 from megarl.algos.tensor_ops import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -33,12 +34,17 @@ class Aggregator:
             raise ValueError(f"unknown loss_agg_mode {self.mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
 
     def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # where, not a product: a non-finite value on a padded position (a ratio that overflowed
+        # there) must not turn the loss into NaN
+        loss_mat = torch.where(mask > 0, loss_mat, torch.zeros_like(loss_mat))
         mask = mask.to(loss_mat.dtype)
         tokens = max(self.global_tokens, 1) if self.global_tokens is not None else mask.sum().clamp(min=1)
         seqs = max(self.global_seqs, 1) if self.global_seqs is not None else max(loss_mat.shape[0], 1)
         per_seq = (loss_mat * mask).sum(-1)                                          # [b]
         if self.mode == "token-mean":
             return per_seq.sum() / tokens
+        if self.mode == "token-sum":
+            return per_seq.sum()
         if self.mode == "seq-mean-token-sum":
             return per_seq.sum() / seqs
         if self.mode == "seq-mean-token-mean":
@@ -63,6 +69,15 @@ class ClipParams:
     clip_c: float | None = 3.0             # dual-clip bound for negative advantages; None = off
     behav_imp_weight_cap: float | None = None   # decoupled_ppo: pi_prox / pi_behav above it leaves the loss
     m2_threshold: float | None = None      # m2po: the second-moment bound (None: 0.04)
+    # verl's actor.tau_pos / tau_neg (sapo) and actor.policy_loss.* (clip_cov, kl_cov, dro), verl's defaults
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
 
 
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
@@ -116,7 +131,8 @@ def gspo_loss(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg:
               is_weights=None) -> tuple[torch.Tensor, dict]:
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios,
     clipped as a whole. The token form sg[s_i] * pi_t / sg[pi_t] has value s_i and the gradient
-    of s_i once averaged over the sequence's tokens, hence seq-mean-token-mean is forced here."""
+    of s_i once averaged over the sequence's tokens. Aggregated by actor.loss_agg_mode, as verl
+    does; the paper's own choice is seq-mean-token-mean."""
     m = mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)                 # [b]
@@ -127,11 +143,10 @@ def gspo_loss(old_log_prob, log_prob, advantages, mask, params: ClipParams, agg:
     losses = torch.maximum(loss1, loss2)
     if is_weights is not None:
         losses = losses * is_weights
-    seq_agg = Aggregator("seq-mean-token-mean", agg.global_tokens, agg.global_seqs, agg.norm_len)
     metrics = {"actor/pg_clipfrac": masked_mean((loss2 > loss1).float(), mask),
                "actor/ppo_kl": masked_mean(-log_ratio, mask),
                "actor/pg_clipfrac_lower": torch.zeros((), device=log_prob.device)}
-    return seq_agg(losses, mask), metrics
+    return agg(losses, mask), metrics
 
 
 # -- value loss ----------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ import torch
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    """Sum over mask positions; a non-finite value off the mask does not reach the sum."""
+    x = torch.where(mask > 0, x, torch.zeros_like(x)) * mask
+    return x.sum() if dim is None else x.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -150,10 +150,6 @@ RULES: list[tuple[str, str]] = [
                                    "set <role>.router_replay.mode and remove the key"),
     ("*router_replay.replay_file", "megarl carries routes in the batch (routed_experts), never through files; "
                                    "set <role>.router_replay.mode and remove the key"),
-    ("actor_rollout_ref.actor.policy_loss.*", "the clip-cov / kl-cov / GPG loss variants are not implemented; "
-                                              "choose actor_rollout_ref.actor.policy_loss.loss_mode among megarl's"),
-    ("actor_rollout_ref.actor.tau_*", "the SAPO loss is not implemented; choose another "
-                                      "actor_rollout_ref.actor.policy_loss.loss_mode"),
     ("*.loss_scale_factor", "megarl's loss is set by <role>.loss_agg_mode; remove the key"),
     ("actor_rollout_ref.actor.calculate_sum_pi_squared", "no megarl loss uses the sum of squared policy "
                                                          "probabilities; remove the key"),

@@ -175,6 +175,15 @@ class PolicyLossConfig(Section):
     # decoupled_ppo (AReaL's key): tokens whose pi_prox / pi_behav exceeds it leave the loss; None keeps all
     behav_imp_weight_cap: float | None = None
     m2_threshold: float | None = None    # m2po: bound on the mean (log pi_prox / pi_behav)^2; None: 0.04
+    # verl's keys and defaults (megarl/algos/pg_variants.py): clip_cov leaves out of the gradient up to
+    # clip_cov_ratio of the tokens whose cov(A, log pi) lies in (clip_cov_lb, clip_cov_ub); kl_cov adds
+    # ppo_kl_coef * |log r| to the top kl_cov_ratio of them; dro's quadratic penalty dro_beta has no default
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = None
 
     def __post_init__(self):
         require(self.behav_imp_weight_cap is None or self.loss_mode == "decoupled_ppo", "behav_imp_weight_cap",
@@ -184,6 +193,14 @@ class PolicyLossConfig(Section):
         require(self.m2_threshold is None or self.loss_mode == "m2po", "m2_threshold",
                 "is read by loss_mode=m2po only; set that loss or remove the key")
         require(self.m2_threshold is None or self.m2_threshold > 0, "m2_threshold", "must be > 0")
+        require(self.clip_cov_ratio > 0, "clip_cov_ratio", "must be > 0 (a fraction of the tokens)")
+        require(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb", "must be below clip_cov_ub")
+        require(self.kl_cov_ratio > 0, "kl_cov_ratio", "must be > 0 (a fraction of the tokens)")
+        require(self.loss_mode != "dro" or (self.dro_beta is not None and self.dro_beta > 0), "dro_beta",
+                "loss_mode=dro needs dro_beta > 0 (the weight of its (log r)^2 penalty), e.g. 0.1")
+        require(self.loss_mode != "bypass_mode", "loss_mode",
+                "verl's bypass_mode loss is megarl's algorithm.rollout_correction.bypass_mode=true with "
+                "loss_mode=vanilla; set those")
 
 
 @dataclass
@@ -212,9 +229,11 @@ class ActorConfig(Section):
     clip_ratio_low: float | None = None    # None: clip_ratio
     clip_ratio_high: float | None = None   # None: clip_ratio (DAPO's clip-higher sets it larger)
     clip_ratio_c: float = 3.0              # dual-clip lower bound for negative advantages
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = 1.0                   # sapo's gate temperature where A > 0 (verl's key)
+    tau_neg: float = 1.05                  # and where A <= 0
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -244,6 +263,7 @@ class ActorConfig(Section):
         require(self.ppo_max_token_len_per_gpu >= 1, "ppo_max_token_len_per_gpu", "must be >= 1")
         require(self.clip_ratio > 0, "clip_ratio", "must be > 0")
         require(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (dual-clip bound)")
+        require(self.tau_pos > 0 and self.tau_neg > 0, "tau_pos", "sapo's temperatures must be > 0")
         if self.grad_clip is not None:
             self.optim.clip_grad = self.grad_clip
 
@@ -287,7 +307,7 @@ class CriticConfig(Section):
     ppo_max_token_len_per_gpu: int | None = None      # None: the actor's
     forward_max_token_len_per_gpu: int | None = None  # compute_values; None: ppo_max_token_len_per_gpu
     cliprange_value: float = 0.5
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"
     grad_clip: float | None = None
 
