@@ -51,6 +51,10 @@ def check_async_loop_features(cfg) -> None:
     engine inside the trainer's step."""
     if not _disaggregated(cfg):
         return
+    if cfg.algorithm.adv_estimator == "remax":    # the one built-in estimator that takes reward_baselines
+        raise ConfigError("remax is not supported with rollout.placement=disaggregated (its greedy baseline "
+                          "rollout runs inside the colocated loop's step); use placement=colocated or another "
+                          "estimator (grpo, rloo)", "algorithm.adv_estimator")
     offload = "offload frees device memory for a colocated engine; the trainer ranks host none"
     for on, key, why in ((cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable",
                           "dynamic sampling regenerates inside the trainer's step"),

@@ -26,6 +26,7 @@ from megarl.reward.manager import RewardFailure
 from megarl.rollout.multiturn import multiturn_metrics
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
+from megarl.trainer.baselines import per_sample, takes_baselines
 from megarl.trainer.bypass import resolve_bypass
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import broadcast_object, generate, sampling_seed
@@ -52,6 +53,7 @@ class RLTrainer:
         self.bypass = resolve_bypass(cfg, ranks.device)   # skip the old-log-prob pass where it is redundant
         self.actor_loss = make_actor_loss_fn(cfg, mismatch_rows=self._first_mini_batch_rows())
         self.critic_loss = make_critic_loss_fn(cfg) if parts.critic else None
+        self.needs_baselines = takes_baselines(cfg.algorithm.adv_estimator)   # ReMax: a greedy response's score
         eos = [parts.tokenizer.eos_token_id]
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
         self.timings: dict[str, float] = {}
@@ -146,7 +148,18 @@ class RLTrainer:
         batch = generate(p.rollout, prompts, sampling, self.ranks, p.pad_token_id)
         if self.cfg.rollout.multi_turn.enable:
             self.extra.update(multiturn_metrics(batch))
+        if self.needs_baselines:
+            self.add_reward_baselines(prompts, batch, sampling)
         return batch
+
+    def add_reward_baselines(self, prompts: DataProto, batch: DataProto, sampling) -> None:
+        """ReMax's baseline (megarl/trainer/baselines.py): one greedy response per prompt, scored by
+        the run's reward; its summed score goes on the prompt's samples and the greedy batch is dropped."""
+        greedy = generate(self.p.rollout, prompts, sampling.with_(n=1, do_sample=False), self.ranks,
+                          self.p.pad_token_id)
+        scores = self.reward_result(self.launch_rewards(greedy)).token_level_scores.sum(-1)
+        batch.batch["reward_baselines"] = per_sample(greedy.non_tensor_batch["uid"], scores,
+                                                     batch.non_tensor_batch["uid"])
 
     def launch_rewards(self, batch: DataProto):
         """Start scoring on rank 0 (in a Ray pool when reward_model.launch_reward_fn_async)."""
@@ -185,13 +198,7 @@ class RLTrainer:
     def collect_rewards(self, batch: DataProto, pending) -> None:
         """Scores from rank 0 to every rank; KL in the reward and overlong shaping on top."""
         if "token_level_scores" not in batch.batch:
-            try:
-                result = self.p.reward.result(pending) if self.p.reward is not None else None
-            except RewardFailure as err:    # every rank stops naming the reward, not a peer's lost connection
-                result = err
-            result = broadcast_object(result)
-            if isinstance(result, RewardFailure):
-                raise result
+            result = self.reward_result(pending)
             result.apply(batch)
             self.extra.update(result.metrics)
             if result.notice:
@@ -205,6 +212,17 @@ class RLTrainer:
             self.extra.update(kl_metrics)
         else:
             batch.batch["token_level_rewards"] = scores
+
+    def reward_result(self, pending):
+        """The reward's result (scored on rank 0) on every rank."""
+        try:
+            result = self.p.reward.result(pending) if self.p.reward is not None else None
+        except RewardFailure as err:    # every rank stops naming the reward, not a peer's lost connection
+            result = err
+        result = broadcast_object(result)
+        if isinstance(result, RewardFailure):
+            raise result
+        return result
 
     def compute_advantages(self, batch: DataProto) -> None:
         compute_advantage(batch, self.cfg.algorithm)
