@@ -95,6 +95,11 @@ ALIASES: dict[str, str] = {
 # verl sections megarl reads under its own name: verl section -> megarl section
 MOVED: dict[str, str] = {
     "reward_model.overlong_buffer": "algorithm.overlong_buffer",      # verl's DAPO recipe (dapo_trainer.yaml)
+    # what verl's DAPO reward manager reads: 0.9.1 under reward.reward_kwargs
+    # (verl/experimental/reward_loop/reward_manager/dapo.py), older releases under reward_model.reward_kwargs
+    # (0.9.1 still moves that to reward.reward_kwargs: verl/experimental/reward_loop/reward_loop.py)
+    "reward_model.reward_kwargs.overlong_buffer_cfg": "algorithm.overlong_buffer",
+    "reward.reward_kwargs.overlong_buffer_cfg": "algorithm.overlong_buffer",
     # verl 0.9.1 moved the custom scorer under reward.; verl 0.7's spelling is megarl's
     "reward.custom_reward_function": "custom_reward_function",
 }
@@ -150,6 +155,55 @@ def drop_legacy_nulls(raw: dict) -> dict:
         if present and value is None:
             del _parent(raw, key)[key.rsplit(".", 1)[1]]
     return raw
+
+
+# The rest of verl's reward_kwargs: max_resp_len is the length DAPO's penalty counts from, megarl's response
+# budget data.max_response_length (checked once the defaults are in, check_reward_kwargs); older verl passes any
+# other key to the reward manager's constructor, which is megarl's reward_model.reward_manager_kwargs.
+REWARD_KWARGS = ("reward_model.reward_kwargs", "reward.reward_kwargs")
+MAX_RESP_LEN = "data.max_response_length"
+
+
+def take_reward_kwargs(raw: dict) -> tuple[dict, list[tuple[str, Any]]]:
+    """`raw` without verl's reward_kwargs sections (their overlong_buffer_cfg is MOVED already), each other
+    leaf under reward_model.reward_manager_kwargs; and the (key, value) of each max_resp_len given."""
+    lengths = []
+    for src in REWARD_KWARGS:
+        present, value = _get(raw, src)
+        if not present:
+            continue
+        del _parent(raw, src)[src.rsplit(".", 1)[1]]
+        _prune(raw, src.rsplit(".", 1)[0])
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"got {value!r}; verl's reward_kwargs is a mapping (overlong_buffer_cfg, max_resp_len, "
+                              "or the reward manager class's arguments)", src)
+        if "max_resp_len" in value:
+            lengths.append((f"{src}.max_resp_len", value.pop("max_resp_len")))
+        if value:
+            node = raw.setdefault("reward_model", {})
+            kwargs = node.setdefault("reward_manager_kwargs", {}) if isinstance(node, dict) else None
+            if not isinstance(kwargs, dict):
+                raise ConfigError(f"is {kwargs!r}, not a mapping; {src} is read into it",
+                                  "reward_model.reward_manager_kwargs")
+            for leaf, v in value.items():
+                if leaf in kwargs and kwargs[leaf] != v:
+                    raise ConfigError(f"{v!r} disagrees with reward_model.reward_manager_kwargs.{leaf}="
+                                      f"{kwargs[leaf]!r}; {src} is read as reward_model.reward_manager_kwargs, set one "
+                                      "of them", f"{src}.{leaf}")
+                kwargs[leaf] = v
+    return raw, lengths
+
+
+def check_reward_kwargs(merged: dict, lengths: list[tuple[str, Any]]) -> None:
+    """verl's max_resp_len must be the response budget, the length megarl's overlong penalty counts from."""
+    _, budget = _get(merged, MAX_RESP_LEN)
+    for key, value in lengths:
+        if value is not None and (isinstance(value, bool) or value != budget):
+            raise ConfigError(f"{value!r} is not {MAX_RESP_LEN}={budget!r}: megarl's overlong penalty "
+                              f"(algorithm.overlong_buffer) counts from the response budget {MAX_RESP_LEN}; set "
+                              f"{key} to it or remove the key", key)
 
 
 def moved_from(key: str) -> str | None:

@@ -47,7 +47,14 @@ class RewardModelConfig(Section):
         require(self.reward_manager != "dapo", "reward_manager",
                 "verl's dapo manager is megarl's naive one with DAPO's overlong penalty, which megarl applies "
                 "under algorithm.overlong_buffer (enable, len, penalty_factor; verl's reward_model.overlong_buffer "
-                "is read as it); set reward_model.reward_manager=naive")
+                "and reward_kwargs.overlong_buffer_cfg are read as it); set reward_model.reward_manager=naive")
+        # Only a manager class takes arguments: under naive or batch they would be read by nothing.
+        require(not self.reward_manager_kwargs or self.reward_manager not in ("naive", "batch"),
+                "reward_manager_kwargs",
+                f"{sorted(self.reward_manager_kwargs)} would do nothing: the {self.reward_manager} manager takes no "
+                "arguments (verl's reward_kwargs other than overlong_buffer_cfg and max_resp_len land here); pass "
+                "the scoring function's arguments in custom_reward_function.reward_kwargs, or name a manager class "
+                "(reward_model.reward_manager=pkg.module:Class) whose __init__ takes them")
         require(self.timeout_s > 0, "timeout_s", "must be > 0 seconds")
         require(self.batch_deadline_s is None or self.batch_deadline_s > 0, "batch_deadline_s", "must be > 0 seconds")
         require(self.num_workers >= 1, "num_workers", "must be >= 1")
