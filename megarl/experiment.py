@@ -26,11 +26,13 @@ from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.model_path import confine_bootstrap
 from megarl.config.refused import (check_refused, check_reward_kwargs, drop_legacy_nulls, move_sections, rename_keys,
                                    take_reward_kwargs)
+from megarl.config.stack import check_transformer_overrides
 from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, freeze, key_like, not_a_key, open_keys,
                                  to_dict)
 from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys, verl_default
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
+from megarl.models.hf_config import with_overrides
 from megarl.reward import config_checks as reward_rules
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from megarl.rollout import config_checks as rollout_rules
@@ -198,7 +200,9 @@ class ExperimentConfig(Section):
 
     # -- model-dependent rules (need the HF config.json) ----------------------------------------
     def check_model(self, hf_config: dict) -> None:
-        """Refuse layouts that cannot shard this model, before any rank allocates memory."""
+        """Refuse layouts that cannot shard this model (its config.json with model.override_config
+        applied), before any rank allocates memory."""
+        hf_config = with_overrides(hf_config, self.model.override_config)
         for rule in MODEL_RULES:
             rule(self, hf_config)
 
@@ -217,7 +221,8 @@ RULES = (algo_rules.check_group_size, algo_rules.check_critic_on, algo_rules.che
          rollout_rules.check_disaggregated_only_keys, rollout_rules.check_partial_rollout_room,
          worker_rules.check_layout_divides_ranks, worker_rules.check_one_layout, rollout_rules.check_rollout_tp,
          worker_rules.check_train_batch, worker_rules.check_mini_batches, rollout_rules.check_max_model_len,
-         worker_rules.check_token_budgets, worker_rules.check_routing_replay, reward_rules.check_reward_model_keys)
+         worker_rules.check_token_budgets, worker_rules.check_routing_replay, reward_rules.check_reward_model_keys,
+         check_transformer_overrides)
 MODEL_RULES = (worker_rules.check_model_layout, rollout_rules.check_model_positions, worker_rules.check_model_spec,
                rollout_rules.check_model_rollout_tp, rollout_rules.check_model_head_dim,
                worker_rules.check_routing_replay_model)
