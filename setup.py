@@ -39,8 +39,10 @@ setup(
         # checkpoint_engine.delta_compression=zstd|lz4 (delta weight syncs, docs/weight-sync.md)
         "compress": ["zstandard>=0.22", "lz4>=4"],
         # the suite runs the compressed syncs too, so the test extras take the compress ones
-        # peft: the LoRA oracle (tests/test_lora.py)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1"],
+        # peft: the LoRA oracle (tests/test_lora.py); omegaconf: verl's config classes, which the
+        # verl core_algos oracle builds (tests/test_verl_core_algos.py; verl itself installs with --no-deps)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1",
+                 "omegaconf>=2.3"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:program"]},
 )
