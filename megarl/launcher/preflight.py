@@ -34,6 +34,7 @@ from megarl.storage.durable import make_private_dir
 from megarl.engines import EngineInfo, default_name, resolve
 from megarl.launcher.preflight_run import (check_architecture, check_columns, check_loggers, check_score_head,
                                            tokenizer_available)
+from megarl.launcher.preflight_run import check_data_sources_scored, check_engine_kwarg_values, check_output_paths
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
 
@@ -47,7 +48,9 @@ def preflight(cfg) -> None:
     check_data(cfg)
     check_device(cfg, check_engine(cfg))
     check_loggers(cfg)
+    check_engine_kwarg_values(cfg)
     check_reward(cfg)
+    check_data_sources_scored(cfg)
     if tokenizer_available(cfg):               # else after the bootstrap: bootstrap_and_check()
         check_with_tokenizer(cfg)
     check_run_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
@@ -55,6 +58,7 @@ def preflight(cfg) -> None:
     check_free_space(cfg)     # a full disk passes the write check (an empty file needs no blocks)
     if cfg.trainer.log_dir:
         check_run_dir(cfg.trainer.log_dir, "trainer.log_dir")
+    check_output_paths(cfg)
 
 
 def node_checks(cfg) -> None:
@@ -69,7 +73,9 @@ def node_checks(cfg) -> None:
 
 def check_with_tokenizer(cfg) -> None:
     """The data as the ranks tokenize it, and the reward on one real row."""
-    from megarl.launcher.preflight_data import check_datasets, check_reward_on_a_row, load_tokenizer  # torch
+    from megarl.launcher.preflight_data import (check_datasets, check_model_overrides,  # torch
+                                                check_reward_on_a_row, load_tokenizer)
+    check_model_overrides(cfg)
     train = check_datasets(cfg, load_tokenizer(cfg))
     check_reward_on_a_row(cfg, train)
 

@@ -4,6 +4,9 @@ and every launch), so a bad input is one line and exit code 2 before any process
     data      each split's prompt column exists and its first value is a prompt (tokenizer-free)
     model     the architecture is one megarl builds (megarl/models/spec.py)
     loggers   every trainer.logger backend's package is installed
+    outputs   the generation dump directories can be written; TensorBoard's directory is not a file
+    engine    engine_kwargs values vLLM takes unchecked and fails on once it sizes its cache
+    sources   with the built-in scorers, every row's data source has a rule (not only the first row's)
 
 The checks that tokenize the data and score a row live in megarl/launcher/preflight_data.py; the device
 check in megarl/launcher/preflight.py.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 
 from megarl.config.errors import ConfigError
 from megarl.data.dataset import check_prompt
@@ -97,3 +101,100 @@ def _first_json_row(path: str, ext: str):
                 except json.JSONDecodeError:
                     continue
     return None
+
+
+# -- what the ranks would stop on only after the first step -------------------------------------------------
+def check_output_paths(cfg) -> None:
+    """Where the ranks write after they start: the generation dumps (after step 1) and TensorBoard's
+    event directory. A dump directory that cannot be made or written, or a file where TensorBoard
+    wants its directory, stops a run hours in; said here instead."""
+    tr = cfg.trainer
+    for key, path in (("trainer.rollout_data_dir", tr.rollout_data_dir),
+                      ("trainer.validation_data_dir", tr.validation_data_dir)):
+        if path:
+            _check_writable_dir(path, key)
+    if "tensorboard" in tr.logger:
+        board = os.path.join(tr.log_dir or tr.default_local_dir, "tensorboard")
+        if os.path.lexists(board) and not os.path.isdir(board):
+            raise ConfigError(f"{os.path.abspath(board)} is a file, and TensorBoard writes its event files into a "
+                              "directory of that name; move the file away, set trainer.log_dir elsewhere, or remove "
+                              "tensorboard from the list", "trainer.logger")
+
+
+def _check_writable_dir(path: str, key: str) -> None:
+    from megarl.storage.durable import make_private_dir   # as the ranks create it (mode 0700)
+    try:
+        make_private_dir(path)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot create or write {os.path.abspath(path)} ({err.strerror}); choose a writable "
+                          "directory or remove the key", key) from None
+
+
+# vLLM's EngineArgs fields that vLLM itself takes as given and fails on only once its engine sizes
+# its cache (vllm 0.32.0, vllm/config/cache.py: `kv_cache_memory_bytes: int | None`, no bound).
+VLLM_POSITIVE_INTS = ("kv_cache_memory_bytes",)
+
+
+def check_engine_kwarg_values(cfg) -> None:
+    ro = cfg.rollout
+    if ro.name != "vllm":
+        return
+    given = (ro.engine_kwargs or {}).get("vllm") or {}
+    for name in VLLM_POSITIVE_INTS:
+        value = given.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"is {value!r}; give a positive whole number of bytes per GPU, or remove it to size "
+                              "the KV cache from gpu_memory_utilization",
+                              f"actor_rollout_ref.rollout.engine_kwargs.vllm.{name}")
+
+
+def check_data_sources_scored(cfg) -> None:
+    """With the built-in scorers, every distinct data source of every row has a rule: --check scores one
+    row, and a source first seen at step 40 would stop the run there. Reads only that column."""
+    from megarl.reward.rules import check_data_sources, rule_for   # no torch
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    if rm.enable or rm.reward_manager != "naive" or crf.path or (cfg.data.custom_cls or {}).get("path"):
+        return                                   # the user's scorer or dataset: it knows its sources
+    column = cfg.data.reward_fn_key
+    for split, files in (("train", cfg.data.train_files), ("val", cfg.data.val_files)):
+        for path in files:
+            for source, where in _first_of_each(path, column).items():
+                if rule_for(source) is None:
+                    try:
+                        check_data_sources([source], "data.reward_fn_key")
+                    except ValueError as err:
+                        raise ConfigError(f"{path}: {where}: {err}", f"data.{split}_files") from None
+
+
+def _first_of_each(path: str, column: str) -> dict:
+    """Each distinct value of `column` in a data file, with where it first appears ("row 7")."""
+    found: dict = {}
+    if path.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq  # optional dependency: only for .parquet files
+        if column not in pq.read_schema(path).names:
+            return {None: "row 1"}
+        for number, value in enumerate(pq.read_table(path, columns=[column]).column(column).to_pylist(), 1):
+            found.setdefault(_hashable(value), f"row {number}")
+        return found
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        items = json.loads(text)
+        rows = [(f"item {i}", r) for i, r in enumerate(items if isinstance(items, list) else [items], 1)]
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                rows.append((f"line {number}", json.loads(line)))
+            except ValueError:              # the dataset names and skips such lines
+                continue
+    for where, row in rows:
+        if isinstance(row, dict):
+            found.setdefault(_hashable(row.get(column)), where)
+    return found
+
+
+def _hashable(value):
+    return value if isinstance(value, (str, int, float, bool, type(None))) else json.dumps(value, default=str)

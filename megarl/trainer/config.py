@@ -9,6 +9,8 @@ from typing import Literal
 
 from megarl.config.typed import Section, require
 
+MAX_TIMEOUT_S = 365 * 24 * 3600
+
 
 @dataclass
 class TrainerConfig(Section):
@@ -74,6 +76,10 @@ class TrainerConfig(Section):
         require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops",
                 "must be > 0 (TFLOP/s of one device) or null")
         require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 seconds")
+        # torch turns it into a timedelta and gloo/NCCL into a deadline on a clock counted in
+        # nanoseconds: inf or 1e30 overflows on every rank; a year is already "never" for a collective.
+        require(self.collective_timeout_s <= MAX_TIMEOUT_S, "collective_timeout_s",
+                f"must be a finite number of seconds up to {MAX_TIMEOUT_S} (a year)")
         require(self.stop_grace_s > 0, "stop_grace_s", "must be > 0 seconds")
 
     @property
