@@ -6,7 +6,8 @@ test per rule, each raising what the real one raises. The source of each rule is
   TensorRT-LLM's test_logprobs_simple_format_validation (index excerpt, no commit): the simple
       format needs logprobs == 0 and no beam search (the messages that test matches);
   megarl's REFERENCE.md sec. 4 (the issue author's reading of 1.3's _validate): True->0,
-      False->None, the limit of 20, logprobs_mode raw by default (type checked; our wording);
+      False->None, logprobs_mode raw by default (type checked; our wording);
+  executor/params/sampling.py at 1f064c46: the log-prob limit of 100 (messages verbatim);
   executor/ray/gpu_worker.py at a3dfe261: sleep without sleep_config, ExecutorMemoryType(tag),
       int(ray.get_gpu_ids()[0]) (messages verbatim or Python's own);
   pydantic's StrictBaseModel: unknown arguments ("Extra inputs are not permitted").
@@ -66,12 +67,15 @@ def test_logprobs_coercion_per_version(monkeypatch):
 
 
 # -- 1.3's log-prob rules ----------------------------------------------------------------------------------
-def test_logprobs_limit_of_20(t13):
-    assert t13.SamplingParams(logprobs=20).logprobs == 20
-    with pytest.raises(ValueError, match="20"):
-        t13.SamplingParams(logprobs=21)
-    with pytest.raises(ValueError, match="20"):
-        t13.SamplingParams(prompt_logprobs=21)
+def test_logprobs_limit_of_100(t13):
+    """check_logprobs_limit with MAX_TOP_LOGPROBS = 100 (executor/params/sampling.py at 1f064c46)."""
+    assert t13.SamplingParams(logprobs=100).logprobs == 100
+    with pytest.raises(ValueError, match="logprobs must be less than or equal to 100"):
+        t13.SamplingParams(logprobs=101)
+    with pytest.raises(ValueError, match="prompt_logprobs must be less than or equal to 100"):
+        t13.SamplingParams(prompt_logprobs=101)
+    with pytest.raises(ValueError, match="logprobs must be positive, zero or None"):
+        t13.SamplingParams(logprobs=-1)
 
 
 @pytest.mark.parametrize("logprobs", [1, 2, None])

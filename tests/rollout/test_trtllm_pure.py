@@ -215,7 +215,7 @@ def test_sampling_kwargs_budget_and_greedy_n(monkeypatch):
     assert tllm.SamplingParams(**kw).logprobs == 0, "the strict fake accepts the pair (0 = the sampled token only)"
     assert "return_generation_logits" not in kw, "never a full-vocabulary transfer"
     kw = sampling_kwargs(SamplingParams(n=3, do_sample=False, top_k=5), feats, max_tokens=4)
-    assert kw["n"] == 1 and kw["temperature"] == 0.0 and "top_k" not in kw, "greedy asks one, the engine copies"
+    assert kw["n"] == 1 and kw["temperature"] == 0.0 and kw["top_k"] == 0, "greedy asks one, the engine copies"
     assert response_budget(SamplingParams(max_tokens=12), 20, 28) == 8
     assert response_budget(SamplingParams(max_tokens=12), 3, 28) == 12
     with pytest.raises(ValueError, match="no room in max_model_len=28"):

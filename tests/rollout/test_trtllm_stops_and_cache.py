@@ -5,8 +5,14 @@ FAKES: tensorrt_llm cannot run here (no CUDA); nothing here shows the real packa
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import shutil
+
 import pytest
 
+from megarl.config.errors import ConfigError
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import trtllm_fake
@@ -73,3 +79,35 @@ def test_a_sleep_without_a_refit_never_serves_stale_prefix_blocks(monkeypatch, d
     assert max(abs(a - b) for a, b in zip(after.log_probs, before.log_probs)) < 1e-4, after.log_probs
     assert ("reset_prefix_cache", ()) in engine.llm.rpcs
     engine.close()
+
+
+def _with_model_eos(src: str, dst, eos: list[int]) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "generation_config.json")
+    with open(path) as f:
+        gen = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**gen, "eos_token_id": eos}, f)
+    return str(dst)
+
+
+def test_the_models_generation_config_eos_ids_stop_and_ignore_eos_is_refused(monkeypatch, dirs, tmp_path):
+    """SamplingParams._setup (executor/params/sampling.py at 1f064c46) adds every EOS id of the
+    model's generation_config.json but end_id to the stop ids, whatever ignore_eos says: megarl
+    sends them itself (the stop ids it sends are all that stop a response) and refuses ignore_eos
+    in one line instead of returning responses cut short at an EOS it was told to ignore."""
+    trtllm_fake.install(monkeypatch, "trtllm-1.3.0rc29.json")       # per-request seeds: calls repeat
+    sp = SamplingParams(n=1, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    plain = TRTLLMEngine(dirs["a"], cfg(), device="cpu").generate([[3, 17, 42]], sp)[0][0]
+    assert len(plain.token_ids) == 8
+    stop = plain.token_ids[2]
+    model = _with_model_eos(dirs["a"], tmp_path / "eos", [stop])
+    with pytest.raises(ConfigError, match="generation_config.json eos_token_id") as refused:
+        TRTLLMEngine(model, cfg(ignore_eos=True), device="cpu")
+    assert "\n" not in str(refused.value)
+    engine = TRTLLMEngine(model, cfg(), device="cpu")
+    with pytest.raises(ConfigError, match="whatever ignore_eos says"):
+        engine.generate([[3, 17, 42]], sp)
+    out = engine.generate([[3, 17, 42]], dataclasses.replace(sp, ignore_eos=False))[0][0]
+    assert out.token_ids == plain.token_ids[:plain.token_ids.index(stop) + 1] and out.finish_reason == "stop"
+    assert stop in engine.llm.sent[-1].stop_token_ids

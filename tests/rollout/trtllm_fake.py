@@ -128,6 +128,15 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
     llmapi.KvCacheConfig = args.KvCacheConfig
     llmapi.SamplingParams = root.SamplingParams
     root.llmapi = llmapi
+    if snap.get("sampling_module") == "executor.params.sampling":
+        # Where SamplingParams and LogprobMode live on main (executor/params/sampling.py at 1f064c46).
+        sampling_mod = types.ModuleType("tensorrt_llm.executor.params.sampling")
+        sampling_mod.SamplingParams = root.SamplingParams
+        sampling_mod.LogprobMode = enum.Enum("LogprobMode", {"RAW": "raw", "PROCESSED": "processed"}, type=str)
+        for name in ("tensorrt_llm.executor", "tensorrt_llm.executor.params"):
+            mods[name] = types.ModuleType(name)
+            mods[name].__path__ = []
+        mods["tensorrt_llm.executor.params.sampling"] = sampling_mod
     rlhf = types.ModuleType("tensorrt_llm.llmapi.rlhf_utils")
     rlhf.WorkerExtension = _worker_extension(snap)
     llmapi.rlhf_utils = rlhf

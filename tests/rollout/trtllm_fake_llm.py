@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import copy
 import enum
+import json
 import os
 import pickle
 import sys
@@ -287,8 +288,23 @@ class _LLM:
             raise ValueError("one SamplingParams per prompt")
         for sp in params:
             self._check_arguments(sp)
+            self._setup(sp)
         self.sent.extend(params)
         return [self._one(list(p), sp) for p, sp in zip(inputs, params)]
+
+    def _setup(self, sp) -> None:
+        """SamplingParams._setup (executor/params/sampling.py at 1f064c46): every eos_token_id of
+        the model's generation_config.json but end_id joins stop_token_ids, whatever ignore_eos
+        says ("The eos_token_id in generation_config are really mean to stop the text generation")."""
+        path = os.path.join(self.kwargs["model"], "generation_config.json")
+        eos = json.load(open(path)).get("eos_token_id") if os.path.exists(path) else None
+        if eos is None:
+            return
+        stops = list(sp.stop_token_ids or [])
+        for tok in [eos] if isinstance(eos, int) else eos:
+            if tok != sp.end_id and tok not in stops:
+                stops.append(tok)
+        sp.stop_token_ids = stops or None
 
     def _check_arguments(self, sp) -> None:
         """LLM._check_arguments (tensorrt_llm/llmapi/llm.py, the 1.3.0rc28 docs' module source):

@@ -33,8 +33,11 @@ def _validate_logprobs(sp, rules: dict, modes) -> None:
     limit = rules.get("logprobs_max")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(sp, name)
-        if limit is not None and value is not None and not 0 <= value <= limit:
-            raise ValueError(f"{name} must be between 0 and {limit}, got {name}={value}")
+        # check_logprobs_limit (executor/params/sampling.py at 1f064c46), messages verbatim
+        if limit is not None and value is not None and value < 0:
+            raise ValueError(f"{name} must be positive, zero or None")
+        if limit is not None and value is not None and value > limit:
+            raise ValueError(f"{name} must be less than or equal to {limit}")
     if rules.get("simple_format_needs_logprobs") is not None:
         for flag, name in (("logprobs_simple_format", "logprobs"),
                            ("prompt_logprobs_simple_format", "prompt_logprobs")):

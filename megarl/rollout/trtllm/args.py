@@ -39,7 +39,10 @@ only).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +71,19 @@ def require_tensorrt_llm():
             "(pip install 'megarl[trtllm]' --extra-index-url https://pypi.nvidia.com), or use rollout.name=native"
         ) from err
     return tensorrt_llm
+
+
+def sampling_classes(tllm) -> tuple[Any, Any]:
+    """(SamplingParams, LogprobMode or None) from where they live: tensorrt_llm/executor/params/
+    sampling.py on main (1f064c46), tensorrt_llm/sampling_params.py before the move."""
+    for name in ("tensorrt_llm.executor.params.sampling", "tensorrt_llm.sampling_params"):
+        try:
+            mod = importlib.import_module(name)     # optional dependency (megarl[trtllm])
+        except ImportError:
+            continue
+        if hasattr(mod, "SamplingParams"):
+            return mod.SamplingParams, getattr(mod, "LogprobMode", None)
+    return tllm.SamplingParams, None
 
 
 # -- feature detection ------------------------------------------------------------------------------
@@ -135,7 +151,7 @@ def memory_type_enum(args_mod):
 def detect_features(tllm) -> Features:
     """What this tensorrt_llm accepts, read from its classes (dataclass fields, pydantic model fields,
     the LLM constructor's named parameters), not from its version string."""
-    sampling = frozenset(f.name for f in dataclasses.fields(tllm.SamplingParams) if f.init)
+    sampling = frozenset(f.name for f in dataclasses.fields(sampling_classes(tllm)[0]) if f.init)
     from tensorrt_llm.llmapi import llm_args as args_mod  # optional dependency (megarl[trtllm])
     model = getattr(args_mod, "TorchLlmArgs", None) or getattr(args_mod, "LlmArgs")
     llm = frozenset(set(getattr(model, "model_fields", {})) | _init_params(tllm.LLM.__init__))
@@ -221,7 +237,8 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mo
     max_len = max_model_len(cfg)
     kw: dict[str, Any] = {
         "model": model_dir,
-        "backend": "pytorch",
+        # LLM's `backend` argument selects the PyTorch flow; builds whose LLM is that flow only lack it.
+        "backend": "pytorch" if "backend" in feats.llm_fields else None,
         "tensor_parallel_size": cfg.tensor_model_parallel_size,
         "dtype": cfg.dtype,
         "max_batch_size": cfg.max_num_seqs,
@@ -243,7 +260,14 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mo
     if cfg.enable_rollout_routing_replay:  # check_config refused builds without it
         kw["enable_return_routed_experts"] = True
     kw = {k: v for k, v in kw.items() if v is not None}
-    for key, value in (cfg.engine_kwargs.get("trtllm") or {}).items():
+    user = cfg.engine_kwargs.get("trtllm") or {}
+    if user.get("generation_config") is not None:
+        # SamplingParams._apply_generation_config_defaults would fill min_p, no_repeat_ngram_size, ...
+        # from the model's file into requests: sampling megarl's log-probs do not account for.
+        raise ConfigError("engine_kwargs.trtllm.generation_config is reserved: megarl sends every sampling field "
+                          "itself (the model's generation_config.json sampling defaults would change what is "
+                          "sampled behind the trainer's log-probs); remove the key", f"{KEY}.engine_kwargs.trtllm")
+    for key, value in user.items():
         if value is None:
             kw.pop(key, None)
         else:
@@ -269,28 +293,53 @@ def end_id(sp: SamplingParams) -> int:
     return int(ids[0]) if ids else -1
 
 
+def model_eos(model_dir: str) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list), [] without one."""
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    return [] if eos is None else [int(t) for t in ([eos] if isinstance(eos, int) else eos)]
+
+
+def check_model_eos(ignore_eos: bool, eos: list[int], end: int, key: str = f"{KEY}.ignore_eos") -> None:
+    """SamplingParams._setup adds every generation_config.json EOS id but end_id to the stop ids,
+    whatever ignore_eos says (executor/params/sampling.py at 1f064c46): ignore_eos cannot hold."""
+    extra = sorted(set(eos) - {end})
+    if ignore_eos and extra:
+        raise ConfigError(f"ignore_eos=true, but TensorRT-LLM stops on the model's generation_config.json eos_token_id "
+                          f"{extra} whatever ignore_eos says (SamplingParams._setup): remove eos_token_id from that "
+                          "file in a copy of the model, or use rollout.name=vllm or native", key)
+
+
 def sampling_kwargs(sp: SamplingParams, feats: Features, max_tokens: int,
                     pad_token_id: int | None = None, prompt_index: int = 0,
-                    routes: bool = False) -> dict[str, Any]:
+                    routes: bool = False, eos: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
     """Arguments of tensorrt_llm.SamplingParams for prompt `prompt_index` of a call. Greedy always
     asks n=1: TensorRT-LLM refuses greedy n>1 without TLLM_ALLOW_N_GREEDY_DECODING, and greedy
-    samples are identical anyway (the engine copies the one completion n times)."""
+    samples are identical anyway (the engine copies the one completion n times). `eos`: the
+    model's generation_config.json EOS ids, which TensorRT-LLM adds to the stop ids itself; megarl
+    sends them too, so the stop ids it sends are every id that ends a response."""
     mode = logprob_mode(sp)
     end = end_id(sp)
+    check_model_eos(sp.ignore_eos, list(eos), end, "sampling.ignore_eos")
     kw: dict[str, Any] = {
         "n": 1 if sp.greedy else sp.n,
         "max_tokens": max_tokens,
         "temperature": 0.0 if sp.greedy else sp.temperature,
-        "top_k": None if sp.greedy or sp.top_k == -1 else sp.top_k,
-        "top_p": None if sp.greedy or sp.top_p == 1.0 else sp.top_p,
-        "repetition_penalty": None if sp.repetition_penalty == 1.0 else sp.repetition_penalty,
+        # Neutral values rather than None: None lets a build that applies generation_config.json
+        # defaults (SamplingParams._apply_generation_config_defaults) fill them from the model.
+        "top_k": 0 if sp.greedy or sp.top_k == -1 else sp.top_k,          # 0: all logits
+        "top_p": 1.0 if sp.greedy else sp.top_p,
+        "repetition_penalty": sp.repetition_penalty,
         "seed": prompt_seed(sp.seed, prompt_index),
         # The real EOS goes in end_id: TorchSampler, the 1.3 default, stops greedy requests only
         # on it (see `end_id`). Every stop id (EOS included) is also a stop word, and the stop
         # token stays in the output (the policy learns to stop).
         "end_id": end,
         "pad_id": pad_token_id if pad_token_id is not None else (end if end != -1 else None),
-        "stop_token_ids": sorted(sp.stop_ids) or None,
+        "stop_token_ids": sorted(sp.stop_ids | set(eos)) or None,
         "include_stop_str_in_output": True,
         "detokenize": False,
         # The sampled token's log-prob: with the simple format logprobs must be 0 (_validate),

@@ -47,22 +47,14 @@ from megarl.rollout.config import RolloutConfig
 from megarl.rollout.llm_api import copy_greedy
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.trtllm import placement
-from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, completion_from_output, detect_features,
-                                        llm_kwargs, max_model_len, require_tensorrt_llm, response_budget,
-                                        sampling_kwargs, sleep_tags, sleep_weights)
+from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, check_model_eos, completion_from_output,
+                                        detect_features, llm_kwargs, max_model_len, model_eos, require_tensorrt_llm,
+                                        response_budget, sampling_classes, sampling_kwargs, sleep_tags,
+                                        sleep_weights)
 from megarl.rollout.trtllm.comm import WAIT_TIMEOUT_S, Group, bucket_handles, checkpoint_names, vocab_size
 from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
-
-
-def _logprob_mode_enum():
-    """1.3's SamplingParams.logprobs_mode takes its LogprobMode enum where one is defined."""
-    try:
-        from tensorrt_llm.sampling_params import LogprobMode  # optional dependency (megarl[trtllm])
-    except ImportError:
-        return None
-    return LogprobMode
 
 
 class TRTLLMEngine(BaseRollout):
@@ -87,6 +79,8 @@ class TRTLLMEngine(BaseRollout):
             log.info(self.features.summary())
         check_config(cfg, self.features)
         self.max_len = max_model_len(cfg)
+        self.eos = model_eos(model_dir)      # TensorRT-LLM stops on these too (args.py check_model_eos)
+        check_model_eos(bool(cfg.ignore_eos), self.eos, min(cfg.stop_token_ids, default=-1))
         self.sleep_weights = sleep_weights(cfg, self.features)
         self.routes = bool(cfg.enable_rollout_routing_replay)   # check_config refused builds without them
         if cfg.enable_sleep_mode and cfg.load_format == "dummy" and self.sleep_weights == "keep" and self.leader:
@@ -155,14 +149,15 @@ class TRTLLMEngine(BaseRollout):
         prompts = admit(self, prompts, sampling, prompt_limit)
         # On every rank (same prompts everywhere), so a refusal stops every rank alike.
         kws = [sampling_kwargs(sampling, self.features, response_budget(sampling, len(p), self.max_len),
-                               self.pad_token_id, prompt_index=i, routes=self.routes) for i, p in enumerate(prompts)]
+                               self.pad_token_id, prompt_index=i, routes=self.routes, eos=self.eos)
+               for i, p in enumerate(prompts)]
         return self._on_leader(lambda: self._generate(prompts, kws, sampling))
 
     def _generate(self, prompts, kws, sampling: SamplingParams) -> list[list[Completion]]:
-        mode_enum = _logprob_mode_enum()
-        if mode_enum is not None:
+        params_cls, mode_enum = sampling_classes(self.tllm)
+        if mode_enum is not None:                # 1.3's logprobs_mode takes its LogprobMode enum
             kws = [{**kw, "logprobs_mode": mode_enum(kw["logprobs_mode"])} for kw in kws]
-        outputs = self.llm.generate(prompts, [self.tllm.SamplingParams(**kw) for kw in kws])
+        outputs = self.llm.generate(prompts, [params_cls(**kw) for kw in kws])
         return copy_greedy([[completion_from_output(o, self.routes) for o in out.outputs] for out in outputs],
                            sampling)
 
