@@ -14,6 +14,8 @@ from transformers import AutoTokenizer
 from megarl.config.errors import ConfigError
 from megarl.data.build import build_dataset
 from megarl.data.loader import PromptLoader
+from megarl.models.hf_config import find_hf_config
+from megarl.models.hf_overrides import check_override_keys
 from megarl.reward.loading import load_reward_fn
 
 
@@ -24,6 +26,17 @@ def load_tokenizer(cfg):
     except Exception as err:
         raise ConfigError(f"cannot load a tokenizer from {path} ({type(err).__name__}: {str(err).splitlines()[0]})",
                           "actor_rollout_ref.model.tokenizer_path") from None
+
+
+def check_model_overrides(cfg) -> None:
+    """Each role's model.override_config against its model's HF config (megarl/models/hf_overrides.py)."""
+    roles = [("actor_rollout_ref.model", cfg.model, "actor_rollout_ref.actor.megatron")]
+    if cfg.critic.enable:
+        roles.append(("critic.model", cfg.critic.model, "critic.megatron"))
+    for key, model, megatron_key in roles:
+        hf = find_hf_config(model.path) if model.path else None
+        if hf is not None:
+            check_override_keys(hf, model.override_config, f"{key}.override_config", megatron_key)
 
 
 def check_datasets(cfg, tokenizer):

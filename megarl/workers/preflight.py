@@ -15,6 +15,7 @@ import torch
 from megarl.config.dtypes import NAMES, canonical
 from megarl.config.errors import ConfigError
 from megarl.models.hf_checkpoint import HFCheckpoint
+from megarl.models.hf_config import with_overrides
 from megarl.models.spec import ModelSpec, check_layout
 from megarl.workers.checkpoint import read_meta
 from megarl.workers.config import OptimConfig
@@ -65,11 +66,11 @@ def read_spec(es: EngineSpec) -> tuple[ModelSpec, HFCheckpoint | None, torch.dty
     tensors, before anything is allocated. Every rank runs this and fails the same way."""
     if es.dist_checkpoint:
         meta = read_meta(es.dist_checkpoint)
-        spec = ModelSpec.from_hf_config({**meta["hf_config"], **es.override_config})
+        spec = ModelSpec.from_hf_config(with_overrides(meta["hf_config"], es.override_config))
         ckpt, hf_dtype = None, getattr(torch, meta["hf_dtype"])
     else:
         ckpt = HFCheckpoint(es.model_path)
-        spec = ModelSpec.from_hf_config({**ckpt.config, **es.override_config})
+        spec = ModelSpec.from_hf_config(with_overrides(ckpt.config, es.override_config))
         if es.head == "value" and es.head_from_checkpoint and spec.head != "score":
             fix = ("give reward_model.model.path a reward model" if es.role == "reward_model"
                    else "use critic.model.init_from=actor")
