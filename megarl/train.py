@@ -21,9 +21,10 @@ from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.launcher.output import RankOutput
-from megarl.launcher.preflight_run import tokenizer_available
+from megarl.launcher.preflight_run import tighten_run_dir, tokenizer_available
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent, exit_now, tell_launcher
 from megarl.parallel.supervise import LogCopy, run_tree
+from megarl.storage.durable import make_private_dir
 from megarl.launcher.preflight import bootstrap_and_check
 
 
@@ -53,10 +54,12 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
         cmd = [sys.executable, "-m", "megarl.train", *argv]
         env.update(single_process_env())
     run_dir = cfg.trainer.default_local_dir
+    if note := tighten_run_dir(run_dir):
+        print(note, flush=True)
     lock = RunDirLock(run_dir).acquire()
     env[LOCK_HELD_ENV] = lock.path
     log_dir = os.path.join(run_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
+    make_private_dir(log_dir)
     log_path = os.path.join(log_dir, f"megarl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     print(f"megarl: starting {nproc} process{'es' if nproc > 1 else ''}; log {log_path}", flush=True)
     log = LogCopy(log_path)
@@ -99,6 +102,9 @@ def config_error(err: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # What a run writes (config, logs, metrics, checkpoints, dumps, TensorBoard's events) is its
+    # user's alone whatever the shell's umask (000 on some clusters); the ranks inherit it.
+    os.umask(0o077)
     try:
         refuse_hydra_flags(argv)
     except ConfigError as err:
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             return spawn_ranks(cfg, argv)
         lock = None
         if _rank() == 0 and LOCK_HELD_ENV not in os.environ:  # started by torchrun/srun directly
+            if note := tighten_run_dir(cfg.trainer.default_local_dir):
+                print(note, flush=True)
             lock = RunDirLock(cfg.trainer.default_local_dir).acquire()
     except ConfigError as err:
         return config_error(err)

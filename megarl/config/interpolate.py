@@ -7,6 +7,10 @@ reads verl's default for it (the `unset` the caller passes): that key can hold n
 
 Resolved once on the merged plain dict, before typing, so every component sees final values
 (e.g. `default_local_dir: runs/${trainer.experiment_name}` or `${env:SLURM_JOB_ID,local}`).
+
+A string built with an environment variable's value (a token: `api_key: ${oc.env:OPENAI_API_KEY}`) is a
+FromEnv: it reads as the string, and what megarl writes or shows of the config (run/config.yaml,
+--print-config, wandb's config) says `<from env NAME>` in the value's place (public_config).
 """
 from __future__ import annotations
 
@@ -20,6 +24,45 @@ from megarl.config.errors import ConfigError
 from megarl.config.paths import PathInFile
 
 _UNSET = object()
+
+
+class FromEnv(str):
+    """A config string holding environment values; `env`: (name, value) of each."""
+    env: tuple[tuple[str, str], ...]
+
+    def __new__(cls, text: str, env) -> "FromEnv":
+        made = super().__new__(cls, text)
+        made.env = tuple(dict.fromkeys(env))
+        return made
+
+    def __reduce__(self):                 # pickled and copied with its names (Ray workers, deepcopy)
+        return FromEnv, (str(self), self.env)
+
+    def public(self) -> str:
+        """The string with each environment value replaced by `<from env NAME>`; wholly replaced where
+        a value no longer shows in it as it came (a path made absolute, a value cut)."""
+        text, hidden = str(self), True
+        for name, value in sorted(self.env, key=lambda e: -len(e[1])):
+            if value and value in text:
+                text = text.replace(value, f"<from env {name}>")
+            elif value:
+                hidden = False
+        return text if hidden else f"<from env {', '.join(name for name, _ in self.env)}>"
+
+
+def public_config(tree: Any) -> Any:
+    """A plain tree (to_dict's) with every FromEnv value shown as FromEnv.public()."""
+    if isinstance(tree, FromEnv):
+        return tree.public()
+    if isinstance(tree, dict):
+        return {k: public_config(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [public_config(v) for v in tree]
+    return tree
+
+
+# yaml.safe_dump of the config (ExperimentConfig.to_yaml) shows the public form, never the value.
+yaml.add_representer(FromEnv, lambda dumper, value: dumper.represent_str(value.public()), Dumper=yaml.SafeDumper)
 
 
 def _references(text: str) -> list[tuple[int, int, str]]:
@@ -92,7 +135,7 @@ def resolve(root: dict, unset: Callable[[str], tuple[bool, Any]] = _no_default) 
                 if got is None and not default:
                     raise ConfigError(f"environment variable {name.strip()} is not set; export it or give "
                                       f"a default as ${{env:{name.strip()},value}}", where)
-                return got if got is not None else default.strip()
+                return FromEnv(got, [(name.strip(), got)]) if got is not None else default.strip()
             if ref.startswith("oc.select:"):
                 key, comma, default = ref[len("oc.select:"):].partition(",")
                 key = _absolute(key.strip(), where)
@@ -111,15 +154,18 @@ def resolve(root: dict, unset: Callable[[str], tuple[bool, Any]] = _no_default) 
         if len(refs) == 1 and refs[0][:2] == (0, len(text)):   # a lone reference keeps the value's type
             return one(refs[0][2])
         pieces: list[str] = []
+        env: list[tuple[str, str]] = []
         last = 0
         for start, end, body in refs:
-            pieces += [text[last:start], str(one(body))]
+            got = one(body)
+            env += getattr(got, "env", ())
+            pieces += [text[last:start], str(got)]
             last = end
         out = "".join([*pieces, text[last:]])
         if len(out) > MAX_CHARS:
             raise ConfigError(f"references expand to over {MAX_CHARS} characters; reference fewer values, "
                               "or fewer values that are themselves built of references", where)
-        return out
+        return FromEnv(out, env) if env else out
 
     def walk(node: Any, where: str, stack: tuple[str, ...] = ()) -> Any:
         if isinstance(node, dict):

@@ -198,3 +198,19 @@ def _first_of_each(path: str, column: str) -> dict:
 
 def _hashable(value):
     return value if isinstance(value, (str, int, float, bool, type(None))) else json.dumps(value, default=str)
+
+
+def tighten_run_dir(path: str) -> str | None:
+    """A run directory made beforehand with the shell's umask (0755) lets others read the run's
+    config, logs and dumps: it is made 0700, and the line saying so is returned. One that others
+    can write is refused before this (preflight.check_run_dir_private: no resume would trust it)."""
+    import stat
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if not mode & 0o077:
+        return None
+    os.chmod(path, 0o700)
+    return (f"megarl: {os.path.abspath(path)} was readable by other users (mode {mode:o}); made it 0700, as megarl "
+            "keeps a run's files to its user")

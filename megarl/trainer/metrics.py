@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from megarl.config.interpolate import public_config
+
 # (label, candidate metric names, format): the first name present is shown.
 PROGRESS_FIELDS = [
     ("reward", ("critic/score/mean", "critic/rewards/mean"), "{:.3f}"),
@@ -99,7 +101,7 @@ class MetricsLogger:
     def _append(self, line: bytes, step: int) -> None:
         """One write of the whole line; a write that fails (a full disk) or falls short is taken back,
         so metrics.jsonl never ends in a torn line, and the run stops with one line saying so."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)   # private whatever the umask
         try:
             before = os.fstat(fd).st_size
             try:
@@ -141,7 +143,8 @@ class MetricsLogger:
                 elif line.strip() and record["step"] <= step:
                     lines.append(line if line.endswith("\n") else line + "\n")
         tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines(lines)
         os.replace(tmp, path)
 
@@ -187,7 +190,9 @@ class _WandB:
         except ImportError as err:
             raise RuntimeError("trainer.logger includes wandb but the package is missing; "
                                "pip install wandb (or megarl[logging])") from err
-        self.run = wandb.init(project=project, name=experiment, config=config, dir=run_dir, resume="allow")
+        # Values read from the environment (tokens) go to wandb's servers as `<from env NAME>`.
+        self.run = wandb.init(project=project, name=experiment, config=public_config(config), dir=run_dir,
+                              resume="allow")
         self.wandb, self.rows = wandb, []       # verl's validation table: one row per step, all steps kept
 
     def log(self, step: int, record: dict) -> None:

@@ -28,6 +28,7 @@ from megarl.reward.manager import build_reward_manager
 from megarl.rollout.build_args import pad_id
 from megarl.rollout.multiturn import build_agent_loop
 from megarl.rollout.registry import build_rollout
+from megarl.storage.durable import make_private_dir, write_durably
 from megarl.workers.actor import ActorWorker
 from megarl.workers.critic import CriticWorker
 from megarl.workers.reference import ReferenceWorker
@@ -153,9 +154,9 @@ def build_parts(cfg, ranks, log) -> TrainerParts:
 
 
 def write_run_dir(cfg, run_dir: str, config_path: str | None, overrides: list[str]) -> None:
-    """The resolved config (and how it was asked for) next to the run's outputs."""
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(cfg.to_yaml())
-    with open(os.path.join(run_dir, "command.json"), "w") as f:
-        json.dump({"config": config_path, "overrides": list(overrides)}, f, indent=1)
+    """The resolved config (and how it was asked for) next to the run's outputs: mode 0600 whatever the
+    umask, values read from the environment shown as `<from env NAME>` (megarl/config/interpolate.py)."""
+    make_private_dir(run_dir)
+    write_durably(os.path.join(run_dir, "config.yaml"), cfg.to_yaml())
+    write_durably(os.path.join(run_dir, "command.json"),
+                  json.dumps({"config": config_path, "overrides": list(overrides)}, indent=1))
