@@ -20,6 +20,7 @@ import yaml
 
 from megarl.algos import config as algo_rules
 from megarl.algos.config import AlgorithmConfig
+from megarl.algos.registry import check_algorithm_names
 from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
@@ -29,7 +30,8 @@ from megarl.config.refused import (check_refused, check_reward_kwargs, drop_lega
 from megarl.config.stack import check_transformer_overrides
 from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, freeze, key_like, not_a_key, open_keys,
                                  to_dict)
-from megarl.config.verl_keys import refuse_hydra_sections, same_section_hint, strip_verl_keys, verl_default
+from megarl.config.verl_keys import (hint_keys, refuse_hydra_sections, same_section_hint, strip_verl_keys,
+                                    verl_default)
 from megarl.data.config import DataConfig
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.models.hf_config import with_overrides
@@ -214,7 +216,8 @@ class ExperimentConfig(Section):
 
 
 # The rules that span sections, each owned by the component it protects, in the order they run.
-RULES = (algo_rules.check_group_size, algo_rules.check_critic_on, algo_rules.check_bypass_mode,
+RULES = (check_algorithm_names, algo_rules.check_group_size, algo_rules.check_critic_on,
+         algo_rules.check_bypass_mode,
          rollout_rules.check_engine_ranks, rollout_rules.check_process_ray,
          rollout_rules.check_disaggregated_layout,
          rollout_rules.check_async_loop_features, rollout_rules.check_sync_backend, rollout_rules.check_delta_sync,
@@ -258,7 +261,7 @@ def check_known_keys(raw: dict) -> None:
                 raise not_a_key(part, ".".join(parts[:i]))
         below = sorted((p for p in paths if p == path or p.startswith(path + ".")), key=lambda p: -p.count("."))
         for deeper in below:  # `rollout.n` -> `actor_rollout_ref.rollout.n`
-            suffix = sorted(k for k in known if k.endswith("." + deeper))
+            suffix = sorted(k for k in hint_keys(known) if k.endswith("." + deeper))
             if suffix:
                 raise ConfigError(f"unknown key; did you mean '{suffix[0]}'?", deeper)
         hint = same_section_hint(path, known)

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from megarl.config.errors import ConfigError
-from megarl.config.refused import REFUSED
+from megarl.config.refused import MOVED, REFUSED, RENAMED
 from megarl.config.typed import all_keys, open_keys
 
 DEFAULTS_FILE = os.path.join(os.path.dirname(__file__), "verl_defaults.yaml")
@@ -264,12 +264,37 @@ def verl_default(key: str) -> tuple[bool, Any]:
     return (True, plain[0]) if plain else (False, None)
 
 
-def rule_for(key: str) -> str | None:
-    """The reason for `key`, with `<role>` made the key's own role (actor_rollout_ref.actor, critic, ...)."""
-    why = next((why for pattern, why in RULES if fnmatch.fnmatchcase(key, pattern)), None)
+# Rules that depend on the config at hand, consulted first: (glob, what in the raw config makes it apply, why).
+# With LoRA the reference is the actor's frozen base, so <role>.megatron of the reference is refused there.
+_LORA_ON = ("actor_rollout_ref.model.lora_rank", lambda rank: isinstance(rank, int) and rank > 0)
+CONTEXT_RULES: list[tuple[str, tuple[str, Any], str]] = [
+    ("actor_rollout_ref.ref.fsdp_config.*", _LORA_ON,
+     f"{_MEGATRON}; with LoRA (actor_rollout_ref.model.lora_rank > 0) the reference is the actor's frozen base on "
+     "the actor's ranks, offloaded with it: set actor_rollout_ref.actor.megatron.param_offload instead"),
+]
+
+
+def rule_for(key: str, raw: dict | None = None) -> str | None:
+    """The reason for `key`, with `<role>` made the key's own role (actor_rollout_ref.actor, critic, ...);
+    `raw` (the user's config) picks a CONTEXT_RULES reason where one applies."""
+    why = None
+    for pattern, (where, applies), text in CONTEXT_RULES if raw is not None else ():
+        present, value = _lookup(raw, where)
+        if fnmatch.fnmatchcase(key, pattern) and present and applies(value):
+            why = text
+            break
+    why = why or next((why for pattern, why in RULES if fnmatch.fnmatchcase(key, pattern)), None)
     parts = key.split(".")
     role = ".".join(parts[:2]) if parts[0] == "actor_rollout_ref" else parts[0]
     return why.replace("<role>", role) if why else None
+
+
+def _lookup(node: Any, dotted: str) -> tuple[bool, Any]:
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 def _accepted(key: str, defaults: list[Any]) -> list[Any]:
@@ -329,7 +354,7 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
                 if not any(_same(value, d) for d in _accepted(key, table[key])):
                     shown = " or ".join(repr(d) for d in table[key])
                     refused.append((key, f"{value!r} is not supported (a verl key megarl accepts only at verl's "
-                                         f"default {shown}): {rule_for(key)}"))
+                                         f"default {shown}): {rule_for(key, raw)}"))
             elif isinstance(value, dict) and value:
                 kept = walk(value, key)
                 if kept:
@@ -346,12 +371,18 @@ def strip_verl_keys(raw: dict, root: type) -> dict:
     return kept
 
 
+def hint_keys(known) -> set[str]:
+    """The keys a "did you mean" may name: megarl's own (and verl's spellings megarl reads as them), never one
+    that is refused away from its default or that megarl drops (a hint must lead to a key that acts)."""
+    spellings = {k for src in (*MOVED, *RENAMED) for k in (src, src.rsplit(".", 1)[0])}
+    return (set(known) - set(REFUSED) - set(verl_defaults())) | spellings
+
+
 def same_section_hint(path: str, known) -> str | None:
-    """The closest key of the same section, judged on the last name only (a shared prefix such as
-    `trainer.` would make every key of the section look alike)."""
+    """The closest key of the same section that acts (hint_keys), judged on the last name only (a shared
+    prefix such as `trainer.` would make every key of the section look alike)."""
     parent, _, leaf = path.rpartition(".")
-    verl = {".".join(k.split(".")[:i]) for k in verl_defaults() for i in range(1, k.count(".") + 2)}
-    siblings = {k.rpartition(".")[2]: k for k in (*verl, *known) if k.rpartition(".")[0] == parent}
+    siblings = {k.rpartition(".")[2]: k for k in hint_keys(known) if k.rpartition(".")[0] == parent}
     match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
     return siblings[match[0]] if match else None
 
