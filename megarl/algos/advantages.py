@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from megarl.algos.config import AlgorithmConfig
-from megarl.algos.registry import Registry
+from megarl.algos.registry import ADV_ESTIMATORS
 from megarl.algos.tensor_ops import masked_whiten
 
-ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator")
 register_adv_estimator = ADV_ESTIMATORS.register
 
 

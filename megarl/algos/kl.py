@@ -15,10 +15,9 @@ import math
 import torch
 
 from megarl.algos.config import KLControlConfig
-from megarl.algos.registry import Registry
+from megarl.algos.registry import KL_ESTIMATORS
 from megarl.algos.tensor_ops import masked_mean
 
-KL_ESTIMATORS = Registry("KL estimator", "kl_penalty")
 register_kl = KL_ESTIMATORS.register
 
 

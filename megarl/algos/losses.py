@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.algos.registry import Registry
+from megarl.algos.registry import POLICY_LOSSES
 from megarl.algos.tensor_ops import masked_mean
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -80,7 +80,6 @@ class ClipParams:
     dro_beta: float | None = None
 
 
-POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
 register_policy_loss = POLICY_LOSSES.register
 
 

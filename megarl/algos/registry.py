@@ -1,10 +1,18 @@
 """Name -> function registries for the algorithm choices a config makes.
 
 `algorithm.adv_estimator`, `actor.policy_loss.loss_mode` and the KL types are looked up here, so
-the training loop never branches on them. Users can add their own with the decorators.
+the training loop never branches on them. Users add their own with the decorators
+(megarl.algos.advantages.register_adv_estimator, megarl.algos.losses.register_policy_loss,
+megarl.algos.kl.register_kl) in a module imported before the config loads or named by
+actor_rollout_ref.model.external_lib (docs/extending.md).
+
+megarl's own entries are declared below as "module:function" paths, so the config knows every
+built-in name without importing torch; a path's module is imported when its function is first
+asked for, and its decorator must register that very function (a renamed one fails at import).
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,29 +21,98 @@ from megarl.config.typed import closest
 
 
 class Registry:
-    def __init__(self, kind: str, key: str):
+    def __init__(self, kind: str, key: str, builtins: dict[str, str] | None = None):
         self.kind, self.key = kind, key       # "advantage estimator", "algorithm.adv_estimator"
         self._fns: dict[str, Callable[..., Any]] = {}
+        self._paths: dict[str, str] = dict(builtins or {})    # name -> "module:function", loaded lazily
 
     def register(self, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             for name in names:
                 if name in self._fns and self._fns[name] is not fn:
                     raise ValueError(f"{self.kind} {name!r} is already registered to {self._fns[name].__qualname__}")
+                path = self._paths.get(name)
+                if path is not None and path != f"{fn.__module__}:{fn.__name__}":
+                    raise ValueError(f"{self.kind} {name!r} is megarl's built-in {path}; register yours under "
+                                     "another name")
                 self._fns[name] = fn
             return fn
         return deco
 
-    def get(self, name: str) -> Callable[..., Any]:
-        if name not in self._fns:
-            hint = closest(name, sorted(self._fns))
+    def check(self, name: str, key: str | None = None) -> None:
+        """One line naming the known names unless `name` is one (imports nothing)."""
+        if name not in self:
+            names = self.names()
+            hint = closest(name, names)
             fix = f"did you mean {hint!r}? " if hint else ""
-            raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(sorted(self._fns))}",
-                              self.key)
+            raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(names)}",
+                              key or self.key)
+
+    def get(self, name: str) -> Callable[..., Any]:
+        self.check(name)
+        if name not in self._fns:
+            module, _, attr = self._paths[name].partition(":")
+            fn = getattr(importlib.import_module(module), attr)   # its decorator registers it
+            self._fns.setdefault(name, fn)
         return self._fns[name]
 
+    def unregister(self, name: str) -> None:
+        """Remove a user's entry (megarl's built-ins stay)."""
+        if name in self._paths:
+            raise ValueError(f"{self.kind} {name!r} is megarl's built-in; it cannot be unregistered")
+        self._fns.pop(name, None)
+
     def names(self) -> list[str]:
-        return sorted(self._fns)
+        return sorted(set(self._fns) | set(self._paths))
+
+    def builtin(self, name: str) -> str | None:
+        """The "module:function" path of a megarl built-in, None for another name."""
+        return self._paths.get(name)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._fns
+        return name in self._fns or name in self._paths
+
+
+def _paths(module: str, table: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    return {name: f"megarl.algos.{module}:{fn}" for fn, names in table.items() for name in names}
+
+
+ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator", _paths("advantages", {
+    "gae": ("gae",), "grpo": ("grpo",), "drgrpo": ("drgrpo", "dr_grpo"), "rloo": ("rloo",),
+    "grpo_passk": ("grpo_passk",), "reinforce_plus_plus": ("reinforce_plus_plus",),
+    "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline",), "remax": ("remax",)}))
+
+POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode", {
+    **_paths("losses", {"ppo_dual_clip_loss": ("vanilla", "dual_clip"), "ppo_clip_loss": ("ppo_clip",),
+                        "gspo_loss": ("gspo",)}),
+    **_paths("decoupled", {"decoupled_ppo_loss": ("decoupled_ppo",), "m2po_loss": ("m2po",)}),
+    **_paths("pg_variants", {f"{name}_loss": (name,) for name in ("cispo", "sapo", "geo_mean", "clip_cov", "kl_cov",
+                                                                  "gpg", "dro", "dppo_tv", "dppo_kl")})})
+
+# A "+" suffix on any of them takes the k2 gradient (megarl/algos/kl.py)
+KL_ESTIMATORS = Registry("KL estimator", "algorithm.kl_penalty", _paths("kl", {
+    "kl_k1": ("kl", "k1"), "kl_abs": ("abs",), "kl_k2": ("mse", "k2"), "kl_k3": ("low_var_kl", "k3")}))
+
+
+def check_algorithm_names(cfg) -> None:
+    """Every algorithm the config names is registered: megarl's built-ins are known without importing
+    them; a name of the user's is accepted once its module ran its decorator, before the config loads
+    or as actor_rollout_ref.model.external_lib / critic.model.external_lib (imported here for that)."""
+    actor = cfg.actor
+    names: list[tuple[Registry, str, str]] = [
+        (ADV_ESTIMATORS, cfg.algorithm.adv_estimator, "algorithm.adv_estimator"),
+        (POLICY_LOSSES, actor.policy_loss.loss_mode, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        (KL_ESTIMATORS, cfg.algorithm.kl_penalty.removesuffix("+"), "algorithm.kl_penalty"),
+        (KL_ESTIMATORS, actor.kl_loss_type.removesuffix("+"), "actor_rollout_ref.actor.kl_loss_type")]
+    if all(name in registry for registry, name, _ in names):
+        return
+    for key, lib in (("actor_rollout_ref.model.external_lib", cfg.model.external_lib),
+                     ("critic.model.external_lib", cfg.critic.model.external_lib)):
+        if lib:
+            try:
+                importlib.import_module(lib)
+            except Exception as err:
+                raise ConfigError(f"cannot import {lib!r}: {type(err).__name__}: {err}; give a module on "
+                                  "PYTHONPATH or remove the key", key) from None
+    for registry, name, key in names:
+        registry.check(name, key)
