@@ -1,6 +1,12 @@
 """Convert a megatron distributed checkpoint (any TP/PP layout) back to an HF directory.
 
-    python checkpoints_tools/megatron_to_hf.py --ckpt path/to/ckpt --out path/to/hf [--dtype bfloat16]
+    python checkpoints_tools/megatron_to_hf.py --ckpt run/global_step_N/actor --out path/to/hf [--dtype bfloat16]
+
+The role directory of a step megarl saved is checked against the step's manifest first (as a
+resume is); a checkpoint no manifest vouches for (hf_to_megatron.py's output, a link out of a step)
+is refused unless `--trust-unsealed-checkpoint` says every file in it is trusted: torch unpickles
+its `.metadata`. An --out (or --peft-adapter) that already holds weight files is refused unless
+`--overwrite`, which removes them, so no stale shard or index is left beside the export.
 
 Works in one process: the checkpoint's tensors are read whole and mapped with the pure functions
 of megarl/models/convert.py. The output has config.json, safetensors and the tokenizer files
@@ -25,22 +31,29 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | None = None) -> None:
+def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | None = None, *,
+           trust_unsealed: bool = False, overwrite: bool = False) -> None:
+    from megarl.models.hf_checkpoint import check_target, save_hf
+
+    # Refused here, before megatron is imported, a process group starts or the checkpoint is read.
+    step = sealed_step(ckpt, trust_unsealed)
+    for target in (out, peft_adapter):
+        if target:
+            check_target(target, overwrite)
+
     import torch
     import torch.distributed as dist
 
     from megarl.models.convert import checkpoint_to_hf
-    from megarl.models.hf_checkpoint import save_hf
     from megarl.models.lora_options import checkpoint_adapters, is_adapter_name, merge_into_hf
     from megarl.models.spec import ModelSpec
-    from megarl.workers.checkpoint import HF_DIR, plain_tensors, read_meta, saved_converters
-
+    from megarl.workers.checkpoint import HF_DIR, plain_tensors, read_meta
     if not dist.is_initialized():  # megatron's reader wants a process group; one rank is enough
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    with sealed_source(ckpt) as src:   # the checked bytes: in place, or a private copy (staging.py)
+    with sealed_source(ckpt, step) as src:   # the checked bytes: in place, or a private copy (staging.py)
         meta = read_meta(src)
         config = dict(meta["hf_config"])
         spec = ModelSpec.from_hf_config(config)
@@ -51,49 +64,109 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
                           id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         target = getattr(torch, dtype or meta["hf_dtype"])
         config["dtype"] = str(target).replace("torch.", "")
-        whole = plain_tensors(src)
-        lora = saved_converters(meta).get("lora")
+        lora = _saved_lora(ckpt, meta)
         if peft_adapter and not lora:
             raise ValueError(f"{ckpt}: holds no LoRA adapters (saved without lora_rank); drop --peft-adapter")
+        whole = plain_tensors(src)
         adapters = checkpoint_adapters(whole)
         tensors = checkpoint_to_hf({k: v for k, v in whole.items() if not is_adapter_name(k)}, spec, head)
+        _check_adapters(ckpt, whole, adapters, lora, [n for n, _ in tensors])
         if lora:
-            tensors = merge_into_hf(tensors, adapters, lora["alpha"] / lora["rank"])
+            tensors = merge_into_hf(tensors, adapters, lora.scale)
         save_hf(out, ((n, t.to(target)) for n, t in tensors), config,
-                aux_from=os.path.join(src, HF_DIR))
+                aux_from=os.path.join(src, HF_DIR), overwrite=overwrite)
         if peft_adapter:
-            _save_peft(peft_adapter, adapters, lora, target)
+            _save_peft(peft_adapter, adapters, lora, target, overwrite)
 
 
-def _save_peft(out: str, adapters: dict, lora: dict, dtype) -> None:
+def _saved_lora(ckpt: str, meta: dict):
+    """The checkpoint's LoRA options, checked (megarl/models/lora.py), or None without LoRA."""
+    from megarl.models.lora import saved_options
+    from megarl.workers.checkpoint import saved_converters
+    if "lora" not in saved_converters(meta):
+        return None
+    try:
+        return saved_options(saved_converters(meta)["lora"])
+    except ValueError as err:
+        raise ValueError(f"{ckpt}: {err}") from None
+
+
+def _check_adapters(ckpt: str, whole: dict, adapters: dict, lora, hf_names: list[str]) -> None:
+    """Every adapter tensor the checkpoint holds is merged, and every targeted projection has one:
+    an export that left adapters out would write the base model under the trained one's name."""
+    from megarl.models.lora_options import is_adapter_name
+    if lora is None:
+        unused = sorted(k for k in whole if is_adapter_name(k))
+        if unused:
+            raise ValueError(f"{ckpt}: {len(unused)} tensors the export does not use ({', '.join(unused[:3])}"
+                             f"{', ...' if len(unused) > 3 else ''}): LoRA adapters, but the saved metadata has "
+                             "no `lora` entry to merge them with; export from the step as megarl saved it")
+        return
+    merged = {f"base_model.model.{n.removesuffix('.weight')}.lora_{w}.weight"
+              for n in hf_names if n.endswith(".weight") and n.split(".")[-2] in lora.target_modules for w in "AB"}
+    unused = sorted(set(adapters) - merged)
+    if unused:
+        raise ValueError(f"{ckpt}: {len(unused)} tensors the export does not use ({', '.join(unused[:3])}"
+                         f"{', ...' if len(unused) > 3 else ''}): adapters outside the saved "
+                         f"lora.target_modules {list(lora.target_modules)}")
+    missing = sorted(merged - set(adapters))
+    if missing:
+        raise ValueError(f"{ckpt}: the saved lora.target_modules {list(lora.target_modules)} need "
+                         f"{len(missing)} adapter tensors it does not hold ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''})")
+
+
+def _save_peft(out: str, adapters: dict, lora, dtype, overwrite: bool) -> None:
     import json
 
     from safetensors.torch import save_file
 
+    from megarl.models.hf_checkpoint import check_target
     from megarl.models.lora_options import peft_config
+    for name in check_target(out, overwrite):
+        os.remove(os.path.join(out, name))
     os.makedirs(out, exist_ok=True)
+    opts = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
-        json.dump(peft_config(lora, None), f, indent=2)
+        json.dump(peft_config(opts, None), f, indent=2)
     save_file({k: v.to(dtype).contiguous() for k, v in adapters.items()},
               os.path.join(out, "adapter_model.safetensors"))
 
 
+def sealed_step(ckpt: str, trust_unsealed: bool) -> str | None:
+    """The step directory (links resolved) whose manifest vouches for `ckpt`, or None for a
+    checkpoint the user trusts without one. torch's reader unpickles `.metadata`, so a checkpoint
+    nothing vouches for is refused unless the user says in so many words that it is trusted."""
+    from megarl.trainer.verified_io import MANIFEST
+    real = os.path.realpath(ckpt)
+    if os.path.lexists(os.path.join(real, MANIFEST)):
+        raise ValueError(f"{ckpt} is a step directory; point --ckpt at one of its roles ({ckpt}/actor)")
+    step = os.path.dirname(real)
+    if os.path.lexists(os.path.join(step, MANIFEST)):
+        return step
+    if trust_unsealed:
+        return None
+    raise ValueError(f"{ckpt}: no {MANIFEST} in {step} vouches for its files, and torch runs the pickle in "
+                     "its .metadata; export a role directory of a step megarl saved (global_step_N/actor), or "
+                     "pass --trust-unsealed-checkpoint if you trust every file in it")
+
+
 @contextlib.contextmanager
-def sealed_source(ckpt: str):
+def sealed_source(ckpt: str, step: str | None):
     """A role directory of a step megarl saved (global_step_N/actor) is checked against the step's
-    manifest first, as a resume checks it: torch's reader unpickles `.metadata`, so a file changed
-    since the save is refused before it is read (verified_io.Refused). Yields the directory to read:
-    `ckpt`, or its checked private copy where another user could change the path to it
-    (megarl/trainer/staging.py). A checkpoint outside a sealed step is read where it is."""
+    manifest first, as a resume checks it: a file changed since the save is refused before torch
+    reads it (verified_io.Refused). Yields the directory to read: the checked step in place, or its
+    checked private copy where another user could change the path to it (megarl/trainer/staging.py).
+    `step` None: a checkpoint the user trusts, read where it is."""
     from megarl.trainer import staging, verified_io
-    step = os.path.dirname(ckpt)
-    if not os.path.isfile(os.path.join(step, verified_io.MANIFEST)):
+    if step is None:
         yield ckpt
         return
+    role = os.path.basename(os.path.realpath(ckpt))
     try:
         digests = verified_io.verify(step)
-        with staging.megatron_source(step, digests, [os.path.basename(ckpt)], say=print) as src:
-            yield os.path.join(src, os.path.basename(ckpt))
+        with staging.megatron_source(step, digests, [role], say=print) as src:
+            yield os.path.join(src, role)
     except verified_io.Refused as err:
         raise ValueError(f"refused {step}: {err}") from None
 
@@ -106,10 +179,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="tensor dtype (default: the source HF checkpoint's)")
     ap.add_argument("--peft-adapter", default=None,
                     help="a LoRA checkpoint: also write its adapters as a PEFT adapter directory here")
+    ap.add_argument("--trust-unsealed-checkpoint", action="store_true",
+                    help="read a checkpoint no step manifest vouches for (e.g. hf_to_megatron.py's output): "
+                         "torch unpickles its .metadata, so only one whose every file you trust")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the weight files already in --out / --peft-adapter (they are removed first)")
     a = ap.parse_args(argv)
     try:
         export(os.path.abspath(a.ckpt), os.path.abspath(a.out), a.dtype,
-               os.path.abspath(a.peft_adapter) if a.peft_adapter else None)
+               os.path.abspath(a.peft_adapter) if a.peft_adapter else None,
+               trust_unsealed=a.trust_unsealed_checkpoint, overwrite=a.overwrite)
     except ValueError as err:
         print(f"megatron_to_hf: {err}", file=sys.stderr)
         return 2

@@ -156,7 +156,7 @@ def test_roles_match_transformers_on_every_layout(tiny_models, tmp_path):
     assert diff < 1e-5 and lr_saved == lr_resumed == pytest.approx(1e-3 * 0.5)
     # The untrained critic's checkpoint exports back to the reward model's own tensors, bit for bit.
     from checkpoints_tools.megatron_to_hf import export
-    export(str(tmp_path / "critic"), str(tmp_path / "critic_hf"))
+    export(str(tmp_path / "critic"), str(tmp_path / "critic_hf"), trust_unsealed=True)
     assert_same_tensors(tiny_models["rm"], str(tmp_path / "critic_hf"))
 
 

@@ -192,7 +192,7 @@ def test_new_architectures_and_expert_parallel_match_transformers(tiny_models, t
     assert out["resumed_ep4"] < TOL
     # the MoE distributed checkpoint exports back to the HF tensors, bit for bit
     from checkpoints_tools.megatron_to_hf import export
-    export(str(tmp_path / "qwen2_moe"), str(tmp_path / "qwen2_moe_hf"))
+    export(str(tmp_path / "qwen2_moe"), str(tmp_path / "qwen2_moe_hf"), trust_unsealed=True)
     assert_same_tensors(tiny_models["qwen2_moe"], str(tmp_path / "qwen2_moe_hf"))
     for rtp, s in out["sync"].items():
         assert s["logprob"] < TOL and s["logprob_after"] < TOL, (rtp, s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable
 
@@ -26,6 +27,33 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
 # Files besides weights that make an HF directory usable (tokenizer, generation defaults, chat template).
 AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
              "tokenizer.model", "generation_config.json", "chat_template.jinja", "added_tokens.json")
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# What readers take for a model's weights: any *.safetensors (megarl's reader, without an index, reads
+# them all), either index, and transformers' pickled forms. An export replaces all of them or none.
+_WEIGHTS = re.compile(r".*\.safetensors|model\.safetensors\.index\.json|pytorch_model(-\d+-of-\d+)?\.bin"
+                      r"|pytorch_model\.bin\.index\.json")
+
+
+def weight_files(path: str) -> list[str]:
+    """The weight files (and indexes) in `path`, sorted; [] for a missing directory."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if _WEIGHTS.fullmatch(n))
+
+
+def check_target(path: str, overwrite: bool) -> list[str]:
+    """The weight files an export into `path` replaces: ValueError (one line) when there are some
+    and `overwrite` is off, so an export never leaves another model's shards or index beside its own
+    (megarl's reader would follow a stale index, transformers the new file)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a directory; give a directory to export into")
+    old = weight_files(path)
+    if old and not overwrite:
+        shown = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+        raise ValueError(f"{path} already holds model weights ({shown}); export into an empty directory, or pass "
+                         "--overwrite to replace them (they are removed)")
+    return old
 
 
 class HFCheckpoint:
@@ -44,7 +72,11 @@ class HFCheckpoint:
         return self._map
 
     def _weight_map(self) -> dict[str, str]:
-        index = os.path.join(self.path, "model.safetensors.index.json")
+        index = os.path.join(self.path, INDEX)
+        if os.path.isfile(index) and os.path.lexists(os.path.join(self.path, SINGLE)):
+            # Two versions of the weights: transformers reads model.safetensors, the index names others.
+            raise ValueError(f"{self.path}: holds both {SINGLE} and {INDEX}, two versions of the weights "
+                             "(transformers reads the first, the index names others); remove the stale one")
         if os.path.isfile(index):
             try:
                 with open(index) as f:
@@ -121,9 +153,12 @@ class HFCheckpoint:
 
 
 def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
-            aux_from: str | None = None, max_shard_bytes: int = 4 << 30) -> None:
+            aux_from: str | None = None, max_shard_bytes: int = 4 << 30, overwrite: bool = False) -> None:
     """Write an HF directory: config.json, safetensors shards (+ index when more than one), and the
-    tokenizer/generation files copied from `aux_from`."""
+    tokenizer/generation files copied from `aux_from`. Weight files already there are refused
+    (check_target) unless `overwrite`, which removes them first."""
+    for name in check_target(path, overwrite):
+        os.remove(os.path.join(path, name))
     os.makedirs(path, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -135,7 +170,7 @@ def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict
         shards[-1][name] = t.detach().contiguous().cpu()
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_file(shards[0], os.path.join(path, SINGLE), metadata={"format": "pt"})
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
@@ -143,7 +178,7 @@ def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict
             save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
             weight_map.update({k: file for k in shard})
             total += sum(t.numel() * t.element_size() for t in shard.values())
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(path, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -244,6 +244,38 @@ def lora(options: dict) -> Lora:
     return Lora(opts)
 
 
+def saved_options(options) -> LoraOptions:
+    """The `lora` entry of a checkpoint's metadata, checked field by field before an export divides
+    by its rank or reads its targets: one ValueError naming the field, where a hand-edited or foreign
+    entry would otherwise end in a ZeroDivisionError or TypeError deep in the merge."""
+    def bad(field: str, value, want: str) -> ValueError:
+        return ValueError(f"saved LoRA metadata: lora.{field} is {value!r} ({type(value).__name__}); {want}")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not isinstance(options, dict):
+        raise bad("", options, "expected a mapping of rank, alpha, target_modules")
+    rank = options.get("rank")
+    if type(rank) is not int or rank <= 0:
+        raise bad("rank", rank, "a LoRA rank is a positive integer")
+    alpha = options.get("alpha", rank)
+    if not number(alpha):
+        raise bad("alpha", alpha, "lora_alpha is a finite number")
+    dropout = options.get("dropout", 0.0)
+    if not number(dropout) or not 0 <= dropout < 1:
+        raise bad("dropout", dropout, "lora_dropout is a number in [0, 1)")
+    targets = options.get("target_modules", "all-linear")
+    if not (isinstance(targets, str) or isinstance(targets, (list, tuple)) and targets
+            and all(isinstance(t, str) for t in targets)):
+        raise bad("target_modules", targets, "a list of projection names (q_proj ... down_proj) or all-linear")
+    try:
+        parsed = parse_targets(targets)
+    except ValueError as err:
+        raise ValueError(f"saved LoRA metadata: lora.{err}") from None
+    return LoraOptions(rank=rank, alpha=float(alpha), target_modules=parsed, dropout=float(dropout))
+
+
 # -- PEFT's names: load and export ------------------------------------------------------------------
 def _peft_key(adapter: LoraAdapter, part: str, which: str) -> str:
     return peft_key(adapter.layer - 1, adapter.kind, part, which)
