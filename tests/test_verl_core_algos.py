@@ -173,6 +173,21 @@ def test_policy_loss_matches_verl(name, agg):
                 assert float(our_metrics[key]) == pytest.approx(float(value), rel=RTOL, abs=ATOL), (name, key)
 
 
+def test_aggregation_matches_verls_with_the_trainers_counts():
+    """verl's trainer passes agg_loss the mini-batch's counts (global_batch_size: every sequence, an empty
+    one included; batch_num_tokens; loss_scale_factor); megarl's Aggregator gets the same from its worker.
+    Without counts, verl's agg_loss leaves an empty sequence out of a seq-mean while megarl counts it, as
+    verl's trainer does: megarl always aggregates with the trainer's counts (docs/verl.md, Algorithms)."""
+    _, new, _, mask, _ = inputs(5)
+    mask[3] = 0.0                                                   # a response with no token to train
+    for mode in LOSS_AGG_MODES:
+        for tokens, seqs, norm in ((float(mask.sum()), 7, 11), (40.0, 12, 16)):
+            theirs = ca.agg_loss(new, mask, mode, dp_size=1, batch_num_tokens=tokens, global_batch_size=seqs,
+                                 loss_scale_factor=norm)
+            ours = Aggregator(mode, tokens, seqs, norm)(new, mask)
+            assert float(ours) == pytest.approx(float(theirs), rel=RTOL, abs=ATOL), (mode, tokens, seqs)
+
+
 def test_losses_see_the_tokens_they_should():
     """The inputs reach the branches: clipping on both sides, dual clip, clip_cov's and kl_cov's picks."""
     old, new, adv, mask, _ = inputs(0)
