@@ -15,10 +15,12 @@ from megarl.data.loader import PromptLoader
 from megarl.config.plugins import construct, load_class
 
 
-def build_dataset(config, files: list[str], tokenizer, split: str = "train"):
+def build_dataset(config, files: list[str], tokenizer, split: str = "train", tools: list[dict] | None = None):
+    """`tools`: the schemas multi-turn prompts are rendered with (megarl/rollout/multiturn:
+    prompt_tool_schemas), so their lengths are measured as the engine gets them."""
     custom = config.custom_cls or {}
     if not custom.get("path"):
-        return RLDataset(files, tokenizer, config, split)
+        return RLDataset(files, tokenizer, config, split, tools)
     key = "data.custom_cls"
     if not custom.get("name"):
         raise ConfigError("needs both path and name, e.g. {path: my_data.py, name: MyDataset}", key)
@@ -31,14 +33,14 @@ def build_dataset(config, files: list[str], tokenizer, split: str = "train"):
     return dataset
 
 
-def build_loaders(config, tokenizer) -> tuple[PromptLoader, PromptLoader | None]:
+def build_loaders(config, tokenizer, tools: list[dict] | None = None) -> tuple[PromptLoader, PromptLoader | None]:
     """Training loader (shuffled per data.shuffle/seed, partial last batch dropped) and validation
     loader (file order, everything in batches of data.val_batch_size or in one batch)."""
-    train = build_dataset(config, config.train_files, tokenizer, "train")
+    train = build_dataset(config, config.train_files, tokenizer, "train", tools)
     train_loader = PromptLoader(train, config.train_batch_size, config.shuffle, config.seed, drop_last=True)
     val_loader = None
     if config.val_files:
-        val = build_dataset(config, config.val_files, tokenizer, "val")
+        val = build_dataset(config, config.val_files, tokenizer, "val", tools)
         val_loader = PromptLoader(val, config.val_batch_size or len(val), shuffle=False, seed=config.seed,
                                   drop_last=False, split="val")
     return train_loader, val_loader

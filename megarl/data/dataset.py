@@ -1,6 +1,6 @@
 """The RL prompt dataset: verl-format rows -> rendered, tokenised, length-checked prompts.
 
-    ds = RLDataset(["data/train.jsonl"], tokenizer, cfg.data)
+    ds = RLDataset(["data/train.jsonl"], tokenizer, cfg.data)     # tools=schemas: as the agent loop renders
     ds[i] -> {raw_prompt, prompt_token_ids, data_source, reward_model, extra_info, index}
     ds.report -> {"rows", "kept", "malformed", "filtered_overlong", "truncated"}
 
@@ -66,8 +66,10 @@ def _plain(value: Any) -> Any:
 
 
 class RLDataset:
-    def __init__(self, files: str | list[str], tokenizer, config, split: str = "train"):
+    def __init__(self, files: str | list[str], tokenizer, config, split: str = "train",
+                 tools: list[dict] | None = None):
         self.tokenizer, self.config, self.split = tokenizer, config, split
+        self.tools = tools      # the schemas the agent loop renders prompts with (measured with them)
         files = [files] if isinstance(files, str) else list(files)
         key = f"data.{split}_files"
         if not files:
@@ -139,7 +141,8 @@ class RLDataset:
                 row = {**row, cfg.prompt_key: prompt}
                 if ground_truth(row) is None:
                     row["ground_truth"] = answer["content"]
-            text = render_prompt(self.tokenizer, row[cfg.prompt_key], self.template, cfg.apply_chat_template)
+            text = render_prompt(self.tokenizer, row[cfg.prompt_key], self.template, cfg.apply_chat_template,
+                                 self.tools)
             good.append((where, row, text))
         self._account_bad(path, bad, got.total)
         bound = cfg.max_prompt_length * MAX_CHARS_PER_TOKEN

@@ -44,12 +44,15 @@ def resolve_chat_template(name: str | None, tokenizer) -> str | None:
                       "data.chat_template")
 
 
-def render_prompt(tokenizer, prompt, template: str | None, apply: bool = True) -> str:
-    """A prompt (string or chat messages) as the text the model continues."""
+def render_prompt(tokenizer, prompt, template: str | None, apply: bool = True, tools: list[dict] | None = None) -> str:
+    """A prompt (string or chat messages) as the text the model continues; with `tools` (schemas),
+    as the multi-turn agent loop renders it for the engine (the template lists the tools)."""
     if isinstance(prompt, str) and (not apply or template is None):
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if template is None:
         raise ConfigError("prompts are chat messages but the tokenizer has no chat template; set data.chat_template "
                           "(chatml, qwen, llama3, alpaca, plain or a Jinja string)", "data.chat_template")
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                         **extra)

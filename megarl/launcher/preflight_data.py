@@ -17,6 +17,7 @@ from megarl.data.loader import PromptLoader
 from megarl.models.hf_config import find_hf_config
 from megarl.models.hf_overrides import check_override_keys
 from megarl.reward.loading import load_reward_fn
+from megarl.rollout.multiturn import prompt_tool_schemas
 
 
 def load_tokenizer(cfg):
@@ -42,11 +43,12 @@ def check_model_overrides(cfg) -> None:
 def check_datasets(cfg, tokenizer):
     """Build the training and validation datasets as the ranks do; return the training dataset."""
     data = cfg.data
+    tools = prompt_tool_schemas(cfg, tokenizer)     # measured as the agent loop renders them
     splits = [("train", data.train_files)] + ([("val", data.val_files)] if data.val_files else [])
     datasets = {}
     for split, files in splits:
         try:
-            datasets[split] = build_dataset(data, files, tokenizer, split)
+            datasets[split] = build_dataset(data, files, tokenizer, split, tools)
         except ConfigError:
             raise
         except (ValueError, TypeError, KeyError) as err:

@@ -26,7 +26,7 @@ from megarl.data.build import build_loaders
 from megarl.config.plugins import load_object
 from megarl.reward.manager import build_reward_manager
 from megarl.rollout.build_args import pad_id
-from megarl.rollout.multiturn import build_agent_loop
+from megarl.rollout.multiturn import build_agent_loop, prompt_tool_schemas
 from megarl.rollout.registry import build_rollout
 from megarl.storage.durable import make_private_dir, write_durably
 from megarl.workers.actor import ActorWorker
@@ -120,7 +120,7 @@ def build_shared(cfg, ranks, log) -> Shared:
     ensure_model(cfg, ranks)
     m = cfg.model
     tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
-    train_loader, val_loader = build_loaders(cfg.data, tokenizer)
+    train_loader, val_loader = build_loaders(cfg.data, tokenizer, prompt_tool_schemas(cfg, tokenizer))
     for loader in (train_loader, val_loader):
         summary = getattr(getattr(loader, "dataset", None), "summary", None)
         if summary is not None and log is not None:
