@@ -21,8 +21,8 @@ import torch
 
 import megarl.algos.loss_fn  # noqa: F401  (registers every built-in policy loss)
 from megarl.algos.advantages import ADV_ESTIMATORS
-from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
-from megarl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES, Aggregator, ClipParams
+from megarl.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from megarl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES, Aggregator, ClipParams, value_loss
 
 REASON = "the oracle is verl 0.9.1's core_algos: pip install --no-deps verl==0.9.1 (and omegaconf, a [test] extra)"
 if importlib.machinery.PathFinder.find_spec("verl") is None:    # sys.path only, never a stand-in module
@@ -278,6 +278,28 @@ def test_kl_estimator_matches_verl(name, plus):
     ours.sum().backward()
     assert torch.allclose(ours_in.grad, theirs_in.grad, rtol=RTOL, atol=ATOL), name + plus
     DIFFS[f"kl:{name}{plus}"] = float((ours - theirs).detach().abs().max())
+
+
+@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+def test_value_loss_matches_verl(agg):
+    for seed in SEEDS:
+        old, new, _, mask, weights = inputs(seed)
+        returns = old + weights - 1.0
+        theirs, their_clipfrac = ca.compute_value_loss(new, returns, old, mask, cliprange_value=0.2, loss_agg_mode=agg)
+        ours, metrics = value_loss(new, returns, old, mask, 0.2, Aggregator(agg))
+        assert float(ours) == pytest.approx(float(theirs), rel=RTOL, abs=ATOL), (agg, seed)
+        assert float(metrics["critic/vf_clipfrac"]) == pytest.approx(float(their_clipfrac), abs=ATOL)
+        DIFFS[f"value_loss/{agg}"] = max(DIFFS.get(f"value_loss/{agg}", 0.0), abs(float(ours) - float(theirs)))
+
+
+def test_kl_controllers_match_verl():
+    theirs, ours = ca.AdaptiveKLController(0.05, 0.1, 500), AdaptiveKLController(0.05, 0.1, 500)
+    fixed_theirs, fixed_ours = ca.FixedKLController(0.02), FixedKLController(0.02)
+    for kl, n in ((0.3, 64), (0.01, 64), (0.11, 32), (0.0, 128), (0.5, 7)):
+        for a, b in ((theirs, ours), (fixed_theirs, fixed_ours)):
+            a.update(current_kl=kl, n_steps=n)
+            b.update(current_kl=kl, n_steps=n)
+            assert b.value == pytest.approx(a.value, rel=1e-12)
 
 
 def test_report_the_largest_difference():
