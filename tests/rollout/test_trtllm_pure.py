@@ -368,13 +368,12 @@ def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record
 
 
 def _tp2(rank, world, model_dir):
-    import sys
 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    sys.modules.update(trtllm_fake.build(V29))          # seeds repeat (PR #17172): the same tokens after wake
+    trtllm_fake.install_in_process(V29)                 # seeds repeat (PR #17172): the same tokens after wake
     engine = TRTLLMEngine(model_dir, engine_cfg(tensor_model_parallel_size=2, load_format="dummy"),
                           tp_group=dist.group.WORLD, device=f"cpu:{rank}")
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -441,7 +440,7 @@ def test_trtllm_check_report_tables():
 
 def _check_procedure(rank, world, model_dir):
     from benchmarks import trtllm_check
-    sys.modules.update(trtllm_fake.build(V29))
+    trtllm_fake.install_in_process(V29)
     torch.set_num_threads(1)
     result = {"phases": {}}
     trtllm_check._phases(rank, world, model_dir, {"max_tokens": 6, "gpu_memory_utilization": 0.3}, result,

@@ -33,6 +33,7 @@ import types
 from pathlib import Path
 
 from tests.rollout.trtllm_fake_llm import EXTRA_BYTES, KV, KV_BYTES, MODEL, WEIGHTS, FakeCluster, _LLM
+from tests.rollout.trtllm_fake_ipc import reduce_cuda_like
 from tests.rollout.trtllm_fake_ray import make_ray
 from tests.rollout.trtllm_fake_sampling import completion_class, sampling_params_class
 
@@ -111,6 +112,15 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
     args.TorchLlmArgs = _strict_model("TorchLlmArgs", snap["llm_args_fields"])
     args.KvCacheConfig = _strict_model("KvCacheConfig", snap["kv_cache_config_fields"])
     mods = {}
+    if "cuda_graph_config" in snap["llm_args_fields"]:
+        # llm_args.py: BaseCudaGraphConfig's fields at 00043967 (main), what verl passes
+        args.CudaGraphConfig = _strict_model("CudaGraphConfig", ["batch_sizes", "max_batch_size", "enable_padding"])
+    if "scheduler_config" in snap["llm_args_fields"]:
+        # llm_args.py SchedulerConfig and its policy (index excerpts, no commit; the two members read)
+        args.CapacitySchedulerPolicy = enum.Enum("CapacitySchedulerPolicy", {
+            "MAX_UTILIZATION": "MAX_UTILIZATION", "GUARANTEED_NO_EVICT": "GUARANTEED_NO_EVICT"}, type=str)
+        args.SchedulerConfig = _strict_model("SchedulerConfig", ["capacity_scheduler_policy", "context_chunking_policy",
+                                                                 "dynamic_batch_config"])
     if snap.get("executor_memory_types"):
         mem = enum.Enum("ExecutorMemoryType", {t.strip("_").upper(): t for t in snap["executor_memory_types"]},
                         type=str)
@@ -153,6 +163,18 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
 def install(monkeypatch, snapshot_name: str, overrides: dict | None = None) -> types.ModuleType:
     """Put the fake package (and a fake ray) in sys.modules for one test; returns the top module."""
     mods = build(snapshot_name, overrides)
+    # torch's reduce_tensor of a CUDA tensor, which this CPU cannot make (trtllm_fake_ipc.py)
+    from megarl.rollout.trtllm import comm
+    monkeypatch.setattr(comm, "reduce_tensor", reduce_cuda_like)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    return mods["tensorrt_llm"]
+
+
+def install_in_process(snapshot_name: str) -> types.ModuleType:
+    """`install` for a spawned rank's process, which ends with the test: no undo needed."""
+    from megarl.rollout.trtllm import comm
+    mods = build(snapshot_name)
+    sys.modules.update(mods)
+    comm.reduce_tensor = reduce_cuda_like
     return mods["tensorrt_llm"]

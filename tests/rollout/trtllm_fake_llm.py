@@ -9,13 +9,13 @@ import copy
 import enum
 import json
 import os
-import pickle
 import sys
 import types
 
 import numpy as np
 import torch
 
+from tests.rollout import trtllm_fake_ipc as ipc
 from tests.rollout import trtllm_fake_sampling as sampling
 from tests.rollout.trtllm_fake_ray import NODE_LOCAL_VARS
 
@@ -193,11 +193,23 @@ class _LLM:
         self.reload_latch = True
 
     def _decode(self, handles) -> list:
-        for uuid in self.workers:
+        """Every worker opens its own handles (trtllm_fake_ipc.py: the restricted unpickler, the
+        device argument set to its own GPU). The fake holds one model for the TP group, so it
+        refuses workers whose buckets differ; the real ones would each load their own."""
+        buckets = []
+        for slot, uuid in enumerate(self.workers):
             if uuid not in handles:
                 raise ValueError(f"Device UUID {uuid} not found in ipc_handles")
-        blob = pickle.loads(base64.b64decode(handles[self.workers[0]]))
-        return [(name, rebuild(*rebuild_args)) for name, (rebuild, rebuild_args) in blob]
+            blob = ipc.loads(base64.b64decode(handles[uuid]))
+            if not isinstance(blob, list):
+                raise ValueError(f"Deserialized data must be a list, got {type(blob).__name__} instead")
+            buckets.append([(name, ipc.rebuild(func, args, slot)) for name, (func, args) in blob])
+        for slot, other in enumerate(buckets[1:], 1):
+            if [n for n, _ in other] != [n for n, _ in buckets[0]] or \
+                    any(not torch.equal(a, b) for (_, a), (_, b) in zip(other, buckets[0])):
+                raise RuntimeError(f"TP worker {slot} received other tensors than worker 0: the ranks would "
+                                   "serve different models")
+        return buckets[0]
 
     def _load(self, named) -> None:
         """model_loader.reload(model, weights, allow_partial_loading=True): a name the model does

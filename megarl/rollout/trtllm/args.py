@@ -54,6 +54,7 @@ from megarl.rollout.config import RolloutConfig
 # The rules TensorRT-LLM shares with vLLM (log-prob mode, budget, completions): megarl/rollout/llm_api.py
 from megarl.rollout.llm_api import completion_from_output as shared_completion
 from megarl.rollout.llm_api import logprob_mode, prompt_seed, response_budget  # noqa: F401
+from megarl.rollout.trtllm.resources import graph_and_scheduler
 
 KEY = "actor_rollout_ref.rollout"
 KV_TAG = "kv_cache"
@@ -231,10 +232,12 @@ def sleep_config(tllm_args_mod, weights: str):
 
 
 def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mod: Any,
-               extension: str | None = None) -> dict[str, Any]:
+               extension: str | None = None, kv_memory_fraction: float | None = None) -> dict[str, Any]:
     """Arguments of tensorrt_llm.LLM from the rollout config, only those this version has;
-    `engine_kwargs.trtllm` is applied last, verbatim (a key set to null there removes ours)."""
+    `engine_kwargs.trtllm` is applied last, verbatim (a key set to null there removes ours).
+    `kv_memory_fraction`: gpu_memory_utilization converted by `kv_fraction` (None: as given)."""
     max_len = max_model_len(cfg)
+    fraction = cfg.gpu_memory_utilization if kv_memory_fraction is None else kv_memory_fraction
     kw: dict[str, Any] = {
         "model": model_dir,
         # LLM's `backend` argument selects the PyTorch flow; builds whose LLM is that flow only lack it.
@@ -247,7 +250,7 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mo
         # Its default (1024) would cut long prompts; multi-turn continuations hold the response so far.
         "max_input_len": max_len if cfg.multi_turn.enable else cfg.prompt_length,
         "load_format": "dummy" if cfg.load_format == "dummy" else "auto",
-        "kv_cache_config": tllm_args_mod.KvCacheConfig(free_gpu_memory_fraction=cfg.gpu_memory_utilization,
+        "kv_cache_config": tllm_args_mod.KvCacheConfig(free_gpu_memory_fraction=fraction,
                                                        enable_block_reuse=cfg.enable_prefix_caching),
         "enable_chunked_prefill": cfg.enable_chunked_prefill,
         "orchestrator_type": "ray",
@@ -255,6 +258,7 @@ def llm_kwargs(cfg: RolloutConfig, model_dir: str, feats: Features, tllm_args_mo
         # TensorRT-LLM's custom all-reduce was reported to hurt RL convergence across instances.
         "allreduce_strategy": "NCCL",
     }
+    kw.update(graph_and_scheduler(cfg.max_num_seqs, feats.llm_fields, tllm_args_mod))
     if cfg.enable_sleep_mode:
         kw["sleep_config"] = sleep_config(tllm_args_mod, sleep_weights(cfg, feats))
     if cfg.enable_rollout_routing_replay:  # check_config refused builds without it

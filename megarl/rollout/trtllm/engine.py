@@ -46,7 +46,7 @@ from megarl.rollout.build_args import BuildRequest, pad_id
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.llm_api import copy_greedy
 from megarl.rollout.prompts import PromptGuard
-from megarl.rollout.trtllm import placement
+from megarl.rollout.trtllm import placement, resources
 from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, check_model_eos, completion_from_output,
                                         detect_features, llm_kwargs, max_model_len, model_eos, require_tensorrt_llm,
                                         response_budget, sampling_classes, sampling_kwargs, sleep_tags,
@@ -104,7 +104,8 @@ class TRTLLMEngine(BaseRollout):
         self.asleep = False
         from tensorrt_llm.llmapi import llm_args  # optional dependency (megarl[trtllm])
         # Built on every rank, so a bad engine_kwargs key stops every rank alike.
-        kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION)
+        kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION,
+                        kv_memory_fraction=self._kv_fraction(cfg, model_dir))
 
         def start():
             placement.check_process_ray()
@@ -120,6 +121,21 @@ class TRTLLMEngine(BaseRollout):
                 raise
             atexit.register(self.close)      # the Ray instance TensorRT-LLM started goes with the process
         self._on_leader(start)
+
+    def _kv_fraction(self, cfg: RolloutConfig, model_dir: str) -> float | None:
+        """gpu_memory_utilization as TensorRT-LLM's fraction of free memory (resources.py), the
+        smallest over the TP group's GPUs, measured now; None off CUDA (the value as given)."""
+        memory = resources.gpu_memory(self.device)
+        share = resources.checkpoint_bytes(model_dir) // cfg.tensor_model_parallel_size
+        mine = None if memory is None else resources.kv_fraction(cfg.gpu_memory_utilization, *memory, share)
+        fractions = [f for f in self.comm.all_gather(mine) if f is not None]
+        if not fractions:
+            return None
+        if self.leader and memory is not None:
+            log.info("TensorRT-LLM KV cache: free_gpu_memory_fraction=%.3f, about %.2f GiB per GPU "
+                     "(gpu_memory_utilization=%s of %.1f GiB)", min(fractions),
+                     min(fractions) * (memory[0] - share) / 2**30, cfg.gpu_memory_utilization, memory[1] / 2**30)
+        return min(fractions)
 
     def close(self) -> None:
         """Shut the LLM down, and with it the Ray instance it started (leader only; idempotent)."""
