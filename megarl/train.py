@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.trainer.nnodes > 1:
                 raise ConfigError("trainer.nnodes > 1 needs a launcher; use launch/slurm/*.sbatch or torchrun on "
                                   "every node")
+            quiet_known_noise(cpu=cfg.trainer.device == "cpu")    # a bootstrap may import megatron here
             bootstrap_and_check(cfg)
             return spawn_ranks(cfg, argv)
         lock = None

@@ -17,6 +17,7 @@ import pytest
 
 import megarl.train as train_mod
 from megarl.experiment import load_config
+from tests.helpers.checkout import config_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -51,7 +52,8 @@ def test_check_from_another_directory(config, tmp_path, gsm8k_dir, monkeypatch, 
     monkeypatch.setenv("DATA", gsm8k_dir)
     monkeypatch.delenv("MODEL", raising=False)
     monkeypatch.setattr(train_mod, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
-    code = train_mod.main(["--config", config, "--check"])
+    # a copy: the config as written, its ../runs/models unbuilt whatever the checkout's runs/ holds
+    code = train_mod.main(["--config", config_copy(tmp_path / "clone", os.path.basename(config)), "--check"])
     out = capsys.readouterr()
     if os.path.basename(config) in NEEDS_A_DOWNLOAD:
         assert code == 2 and out.err.count("\n") == 1, out.err

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from megarl.trainer.metrics import read_metrics
+from tests.helpers.checkout import unbuilt_model
 
 pytestmark = pytest.mark.slurm
 
@@ -67,6 +68,8 @@ class Cluster:
     def submit(self, script: str, *args: str, sbatch_flags: tuple = (), entry: str = "megarl.launcher.check",
                env: dict | None = None) -> str:
         job_env = {**self.env, "PYTHON": sys.executable, "MEGARL_ENTRY": entry, **(env or {})}
+        if not any("model.path=" in a for a in args):          # not the checkout's runs/models
+            args = (*args, *unbuilt_model(self.dir))
         out = subprocess.run(["sbatch", "--parsable", f"--output={self.dir}/slurm-%j.out", *sbatch_flags,
                               script, *args], env=job_env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr

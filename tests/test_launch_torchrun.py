@@ -15,6 +15,7 @@ from megarl.config import ConfigError
 from megarl.experiment import load_config
 from megarl.trainer.launch_env import check_launch, rank_env, shell_assignments
 from megarl.trainer.metrics import read_metrics
+from tests.helpers.checkout import unbuilt_model
 
 SCRIPT = "launch/torchrun.sh"
 
@@ -22,8 +23,10 @@ SCRIPT = "launch/torchrun.sh"
 def torchrun(run_dir, *overrides, env=None, timeout=120):
     full_env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check", **(env or {})}
     start = time.monotonic()
+    # the model as a fresh clone has it (to be bootstrapped), whatever the checkout's runs/models holds
     out = subprocess.run(["bash", SCRIPT, "configs/quickstart.yaml", f"trainer.default_local_dir={run_dir}",
-                          *overrides], env=full_env, capture_output=True, text=True, timeout=timeout)
+                          *unbuilt_model(os.path.dirname(run_dir)), *overrides], env=full_env, capture_output=True,
+                         text=True, timeout=timeout)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.experiment import load_config
+from tests.helpers.checkout import config_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -32,8 +33,13 @@ def train(args: list[str], cwd: str, timeout: float = 60) -> subprocess.Complete
 def test_readme_quickstart_from_another_directory(tmp_path):
     """`megarl-train --config <abs>/configs/quickstart.yaml` run from an empty directory: the config's
     relative data and model paths resolve against configs/, the run directory (with logs/) lands in
-    the current directory, and the console shows no warning nobody can act on."""
-    out = train(["--config", QUICKSTART, "trainer.total_training_steps=3", "trainer.test_freq=-1"], str(tmp_path),
+    the current directory, and the console shows no warning nobody can act on. The config is a copy
+    beside the shipped data, so its model is bootstrapped there as on a fresh clone, not taken from
+    the checkout's runs/."""
+    config = config_copy(tmp_path / "clone")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    out = train(["--config", config, "trainer.total_training_steps=3", "trainer.test_freq=-1"], str(cwd),
                 timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout + out.stderr
@@ -42,10 +48,12 @@ def test_readme_quickstart_from_another_directory(tmp_path):
     noise = [line for line in text.splitlines() if "Warning" in line]
     assert not noise, noise
     assert "train data: " in text and "val data: 512 of 512 rows kept" in text
-    run_dir = tmp_path / "runs" / "megarl" / "quickstart"
+    run_dir = cwd / "runs" / "megarl" / "quickstart"
     logs = list((run_dir / "logs").glob("megarl-*.log"))
     assert len(logs) == 1 and "step 3/3" in logs[0].read_text()
-    assert sorted(os.listdir(tmp_path)) == ["runs"]          # nothing bootstrapped into the cwd
+    assert sorted(os.listdir(cwd)) == ["runs"]               # nothing bootstrapped into the cwd
+    model = os.path.join(os.path.dirname(os.path.dirname(config)), "runs", "models", "addition-qwen2")
+    assert os.path.isfile(os.path.join(model, "config.json"))        # but beside the config's folder
 
 
 BAD = [  # (overrides, the words of its one line)

@@ -1,6 +1,8 @@
 """The repository's own promises: the README's two commands, CI calling the test one, lazy imports."""
 import re
 
+import pytest
+
 from tests.helpers.python_child import prints
 
 
@@ -18,6 +20,37 @@ def test_readme_starts_with_two_commands_and_ci_runs_the_test_one():
     assert "megarl-train --config configs/quickstart.yaml" in commands[0]
     assert "pytest" in commands[1]
     assert commands[1] in open(".ci/run").read()
+
+
+# What CI may append to the README's first command: step counts only, so the quickstart it runs is
+# the user's, with the same model, data, engine and layout, and leaves the checkout as the user's does.
+STEP_COUNTS = {"trainer.total_training_steps", "actor_rollout_ref.model.bootstrap_kwargs.warm_start_steps"}
+
+
+def quickstart_in_ci(ci: str) -> int:
+    """Where .ci/run runs the README's first command (-1 if it does not), checking what it appends."""
+    first = readme_commands()[0]
+    lines = [line for line in ci.splitlines() if line.startswith(first)]
+    assert len(lines) <= 1, lines
+    if not lines:
+        return -1
+    for extra in lines[0][len(first):].split():
+        key, _, value = extra.partition("=")
+        assert key in STEP_COUNTS and value.isdigit() and int(value) > 0, f"CI appends {extra!r} to {first!r}"
+    return ci.find(lines[0])
+
+
+def test_ci_runs_the_quickstart_before_the_tests():
+    """The README's order: the tests must pass on the checkout the quickstart leaves (its model in
+    runs/models, its run in runs/), so CI runs the first command, shortened, before the second."""
+    ci = open(".ci/run").read()
+    quickstart, tests = quickstart_in_ci(ci), ci.find(readme_commands()[1])
+    assert -1 < quickstart < tests, ci
+    assert ci.find('source "$venv/bin/activate"') < quickstart
+    # the check refuses an appended override that is not a step count
+    widened = ci.replace(readme_commands()[0], readme_commands()[0] + " trainer.test_freq=1")
+    with pytest.raises(AssertionError, match="trainer.test_freq=1"):
+        quickstart_in_ci(widened)
 
 
 def test_the_test_command_installs_vllm_without_its_cuda_extras():

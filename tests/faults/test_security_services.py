@@ -155,8 +155,9 @@ def test_the_run_dir_lock_refuses_a_symlink(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_print_in_a_reward_file_cannot_steer_the_launch(tmp_path):
-    """launch/common.sh used to `eval` the preflight's stdout: a reward file printing shell code ran it."""
+def test_a_print_in_a_reward_file_cannot_steer_the_launch(tmp_path, addition_model_dir):
+    """launch/common.sh must not `eval` the preflight's stdout: a reward file printing shell code would
+    run it. The model is a built one, so the preflight imports and calls the reward on a real row."""
     marker = tmp_path / "marker"
     reward = tmp_path / "reward.py"
     reward.write_text(textwrap.dedent(f"""
@@ -168,10 +169,11 @@ def test_a_print_in_a_reward_file_cannot_steer_the_launch(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check"}
     out = subprocess.run(["bash", "launch/torchrun.sh", "configs/quickstart.yaml",
-                          f"trainer.default_local_dir={run_dir}",
+                          f"trainer.default_local_dir={run_dir}", f"actor_rollout_ref.model.path={addition_model_dir}",
                           "trainer.total_training_steps=1", f"custom_reward_function.path={reward}",
-                          "custom_reward_function.name=compute_score"], env=env, capture_output=True, text=True,
-                         timeout=200)
+                          "custom_reward_function.name=compute_score",
+                          "algorithm.filter_groups.enable=false"],   # the reward gives a number, no 'acc'
+                         env=env, capture_output=True, text=True, timeout=200)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert not marker.exists()

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megarl.trainer.metrics import read_metrics
+from tests.helpers.checkout import unbuilt_model
 from tests.multinode.slurm import FIRST_JOB_ID, NodeSlurm
 
 pytestmark = pytest.mark.slurm
@@ -38,7 +39,8 @@ def slurm(nodes):
 def submit(slurm, run_dir, *overrides, env=None):
     job_env = {"PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check", **(env or {})}
     out = slurm.run("sbatch", "--parsable", "--nodes=2", f"--output={slurm.dir}/slurm-%j.out", SCRIPT, CONFIG,
-                    f"trainer.default_local_dir={run_dir}", *overrides, env=job_env)
+                    f"trainer.default_local_dir={run_dir}", *overrides, *unbuilt_model(os.path.dirname(run_dir)),
+                    env=job_env)
     return out.stdout.strip().split(";")[0]
 
 

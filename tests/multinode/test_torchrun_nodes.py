@@ -12,6 +12,7 @@ import time
 import pytest
 
 from megarl.trainer.metrics import read_metrics
+from tests.helpers.checkout import unbuilt_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "configs/quickstart.yaml")
@@ -21,6 +22,8 @@ def launch(ns, run_dir, overrides, env=None, timeout=300, nodes=None):
     """NNODES=2 NODE_RANK=i MASTER_ADDR=node0 launch/torchrun.sh on node0 and node1 at once;
     [(exit code, output, seconds)] per node."""
     nodes = nodes or [ns[0], ns[1]]
+    if not any("model.path=" in o for o in overrides):       # not the checkout's runs/models
+        overrides = [*overrides, *unbuilt_model(os.path.dirname(run_dir))]
     procs, begin = [], time.monotonic()
     for node in nodes:
         node_env = {**os.environ, "PYTHON": sys.executable, "MEGARL_ENTRY": "megarl.launcher.check",
@@ -132,7 +135,7 @@ def test_bad_master_addresses_and_node_local_run_dirs(nodes, tmp_path):
                          ("nosuchnode", "megarl: MASTER_ADDR=nosuchnode does not resolve on node1; set it to "
                                         "the first node's address")):
         got = nodes[1].run(["bash", "launch/torchrun.sh", CONFIG, f"trainer.default_local_dir={tmp_path / 'x'}",
-                            *one_rank], cwd=REPO, timeout=120,
+                            *one_rank, *unbuilt_model(tmp_path)], cwd=REPO, timeout=120,
                            env={**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": "1",
                                 "MASTER_ADDR": master})
         assert got.returncode == 2 and line in got.stderr, got.stdout + got.stderr
