@@ -120,6 +120,18 @@ def test_dapo_answer_line_rule():
     assert default_compute_score("aime24", "Answer: 72", "72")["score"] == 1.0
 
 
+@pytest.mark.parametrize("truth", [72, 72.0])
+@pytest.mark.parametrize("source", ["math_dapo", "math_dapo_reasoning", "aime24"])
+def test_dapo_number_ground_truth_is_refused_as_verl_fails(source, truth):
+    """verl's math_dapo reads the ground truth as text and fails on a number; megarl refuses it too, in one
+    line naming the fix, instead of scoring 72 right and 72.0 wrong."""
+    with pytest.raises(AttributeError):
+        verl_score(source, "Answer: 72", truth)
+    with pytest.raises(TypeError) as err:
+        default_compute_score(source, "Answer: 72", truth)
+    assert "ground_truth as a string" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_sources_verl_grades_otherwise_are_refused():
     """verl's sympy/code/geometry scorers are not reimplemented: refuse rather than score differently."""
     for source in NOT_REIMPLEMENTED:

@@ -161,7 +161,13 @@ def _last_boxed_brace(text: str) -> str | None:
 
 def minerva_score(solution_str: str, ground_truth, strict_box_verify: bool = False, **_) -> dict:
     """+1/-1 like verl's math_dapo: "Answer: X" first; a boxed answer only when there is no such line."""
-    text, truth = solution_str[-300:], str(ground_truth)
+    if not isinstance(ground_truth, str):
+        # verl's rule reads the ground truth as text and fails on a number; str() would score 72 but not
+        # 72.0 against "Answer: 72", so a number is refused (at --check on the first row, else per sample)
+        raise TypeError(f"the math_dapo rule (verl's) compares answers as text, but this row's ground_truth is "
+                        f"{type(ground_truth).__name__} {ground_truth!r}; write reward_model.ground_truth as a "
+                        f"string in the data (e.g. \"{ground_truth}\")")
+    text, truth = solution_str[-300:], ground_truth
     boxed = _last_boxed_brace(text[-100:])
     if strict_box_verify:
         correct, pred = boxed == truth, boxed
