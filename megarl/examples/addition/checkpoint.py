@@ -10,12 +10,16 @@ like any downloaded checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -41,10 +45,45 @@ def bootstrap(model_dir: str, config=None, *, warm_start_steps: int = DEFAULT_WA
     arguments come from `actor_rollout_ref.model.bootstrap_kwargs`.
 
     Written to a temporary sibling directory and renamed at the end, so an interrupted run never
-    leaves a half-written checkpoint that a later run would take for a finished one.
+    leaves a half-written checkpoint that a later run would take for a finished one. Under a lock
+    beside it: a second launch on the same fresh path waits for the first's model and uses it.
     """
     if os.path.isfile(os.path.join(model_dir, "config.json")) and not overwrite:
         return model_dir
+    with building(model_dir, verbose):
+        if os.path.isfile(os.path.join(model_dir, "config.json")) and not overwrite:
+            return model_dir             # built by the launch this one waited for
+        return _build_threads(model_dir, warm_start_steps, seed, min_digits, max_digits, long_digits, long_fraction,
+                              batch_size, lr, eval_rows, num_threads, verbose, model_overrides)
+
+
+@contextlib.contextmanager
+def building(model_dir: str, verbose: bool = True) -> Iterator[None]:
+    """An exclusive flock on <parent>/.<name>.lock, as the run directory is locked
+    (megarl/parallel/lifecycle.py RunDirLock): "pid host" of the holder inside, dropped by the
+    kernel however the holder exits; a second builder waits, saying for whom."""
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
+    path = os.path.join(parent, f".{os.path.basename(os.path.abspath(model_dir))}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = (os.pread(fd, 256, 0).decode(errors="replace").split() + ["?", "?"])[:2]
+            if verbose:
+                print(f"megarl: waiting for pid {holder[0]} on host {holder[1]}, which is building {model_dir}",
+                      flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _build_threads(model_dir, warm_start_steps, seed, min_digits, max_digits, long_digits, long_fraction, batch_size,
+                   lr, eval_rows, num_threads, verbose, model_overrides) -> str:
     # One intra-op thread: this model's ops are too small to split, and on a busy 2-core machine
     # two OpenMP threads measured far slower than one (benchmarks/addition_task.py --compare-threads).
     previous = torch.get_num_threads()
@@ -83,9 +122,14 @@ def _build(model_dir, warm_start_steps, seed, task: AdditionTask, batch_size, lr
         tok.save_pretrained(tmp)
         with open(os.path.join(tmp, "warmstart.json"), "w") as f:
             json.dump(stats, f, indent=2)
-        if os.path.isdir(model_dir):
-            shutil.rmtree(model_dir)
+        # One rename puts the whole model in place; an old one (overwrite) is moved aside first and
+        # removed after, so the path never holds half of either.
+        old = tempfile.mkdtemp(prefix=".replaced-", dir=parent) if os.path.lexists(model_dir) else None
+        if old is not None:
+            os.replace(model_dir, os.path.join(old, "model"))
         os.replace(tmp, model_dir)
+        if old is not None:
+            shutil.rmtree(old)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)

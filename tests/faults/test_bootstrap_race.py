@@ -1,0 +1,45 @@
+"""Two launches at once on a fresh quickstart model path: one builds the model, the other waits for
+it and uses it; the directory the first returned is never replaced under it. Two real processes
+run the real bootstrap (a short warm start) against one path.
+
+    python -m pytest -q tests/faults/test_bootstrap_race.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+BUILD = textwrap.dedent("""
+    import os, sys, time
+    from megarl.examples.addition import bootstrap
+    while not os.path.exists(sys.argv[2]):        # both imported: start together, or when told
+        time.sleep(0.01)
+    path = bootstrap(sys.argv[1], warm_start_steps=60, eval_rows=8)
+    print("returned", os.stat(path).st_ino, flush=True)
+""")
+
+
+def test_two_bootstraps_of_one_path_build_once_and_replace_nothing(tmp_path):
+    model = tmp_path / "models" / "addition"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    go = [tmp_path / "go1", tmp_path / "go2"]
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(model), str(g)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for g in go]
+    go[0].touch()
+    first = ""
+    while "megarl: bootstrapping the addition model" not in first:   # the first holds the lock, mid-build
+        line = procs[0].stdout.readline()
+        assert line, first
+        first += line
+    go[1].touch()
+    outs = [first + procs[0].communicate(timeout=600)[0], procs[1].communicate(timeout=600)[0]]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    built = [out for out in outs if "megarl: bootstrapping the addition model" in out]
+    waited = [out for out in outs if "megarl: waiting for pid " in out and f"which is building {model}" in out]
+    assert built == [outs[0]] and waited == [outs[1]], outs
+    inodes = {line.split()[1] for out in outs for line in out.splitlines() if line.startswith("returned ")}
+    assert inodes == {str(os.stat(model).st_ino)}, (inodes, outs)      # one directory, never replaced
+    assert (model / "config.json").is_file()
+    assert not [n for n in os.listdir(model.parent) if n.startswith((".bootstrap-", ".replaced-"))]
