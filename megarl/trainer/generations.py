@@ -18,6 +18,7 @@ import numpy as np
 
 from megarl.reward.manager import EXTRA_COLUMN, ground_truth_of
 from megarl.reward.placement import response_lengths
+from megarl.storage.private_out import check_output_dir, new_file
 
 
 @dataclass
@@ -57,20 +58,18 @@ def decode(batch, tokenizer, extra: dict[str, list] | None = None) -> Generation
                        tokenizer.batch_decode(responses, skip_special_tokens=True), gts, scores, dict(extra))
 
 
-def write_jsonl(directory: str, step: int, gen: Generations) -> str:
+def write_jsonl(directory: str, step: int, gen: Generations, key: str = "trainer.rollout_data_dir") -> str:
     """<directory>/<step>.jsonl as verl's _write_generations writes it; an extra column whose length
-    is not the sample count is left out, as verl leaves it."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{step}.jsonl")
+    is not the sample count is left out, as verl leaves it. The directory may be shared: it must be
+    this user's alone, and the file never follows a link planted there (megarl/storage/private_out.py)."""
+    check_output_dir(directory, key)
     n = len(gen.inputs)
     columns = {"input": gen.inputs, "output": gen.outputs, "gts": gen.gts, "score": gen.scores, "step": [step] * n}
     columns.update({k: v for k, v in gen.extra.items() if len(v) == n})
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with new_file(directory, f"{step}.jsonl") as f:
         for i in range(n):
             f.write(json.dumps({k: _plain(v[i]) for k, v in columns.items()}, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)      # a reader never sees half a file
-    return path
+    return os.path.join(directory, f"{step}.jsonl")
 
 
 def _plain(value):
@@ -99,6 +98,6 @@ def dump_rollout(trainer_cfg, tokenizer, step: int, batch) -> None:
 def dump_validation(trainer_cfg, step: int, gen: Generations) -> dict:
     """trainer.validation_data_dir/<step>.jsonl; {SAMPLES_KEY: picked} for log_val_generations."""
     if trainer_cfg.validation_data_dir:
-        write_jsonl(trainer_cfg.validation_data_dir, step, gen)
+        write_jsonl(trainer_cfg.validation_data_dir, step, gen, "trainer.validation_data_dir")
     picked = pick_for_log(gen, trainer_cfg.log_val_generations)
     return {SAMPLES_KEY: picked} if picked else {}

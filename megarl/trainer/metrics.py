@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 from megarl.config.interpolate import public_config
 
+from megarl.storage.private_out import check_output_dir, open_append
+
 # (label, candidate metric names, format): the first name present is shown.
 PROGRESS_FIELDS = [
     ("reward", ("critic/score/mean", "critic/rewards/mean"), "{:.3f}"),
@@ -88,7 +90,8 @@ class MetricsLogger:
         val_generations.jsonl, and verl's table (wandb) or text (TensorBoard) per step."""
         if not self.enabled:
             return
-        with open(os.path.join(os.path.dirname(self.path), "val_generations.jsonl"), "a") as f:
+        # trainer.log_dir may be outside the private run directory: never append through a link
+        with open_append(os.path.join(os.path.dirname(self.path), "val_generations.jsonl"), "trainer.log_dir") as f:
             for text_in, text_out, score in samples:
                 f.write(json.dumps({"step": step, "input": text_in, "output": text_out, "score": score},
                                    ensure_ascii=False) + "\n")
@@ -164,7 +167,8 @@ class _TensorBoard:
         except ImportError as err:  # tensorboard is an optional extra
             raise RuntimeError("trainer.logger includes tensorboard but the package is missing; "
                                "pip install tensorboard (or megarl[logging])") from err
-        self.writer = SummaryWriter(logdir)
+        # trainer.log_dir may be shared: the event directory is held to the run directory's rule
+        self.writer = SummaryWriter(check_output_dir(logdir, "trainer.log_dir"))
 
     def log(self, step: int, record: dict) -> None:
         for key, value in record.items():
