@@ -6,8 +6,9 @@
 Without a launcher it starts TP x PP local processes itself (gloo on CPU, NCCL on GPU). Each rank
 reads only its own slices of the safetensors files. The result reloads under any (TP, PP)
 (megatron dist_checkpointing), e.g. through `megatron.dist_checkpointing_path` in a megarl
-config, and converts back with megatron_to_hf.py. `--head value` writes a critic (the HF
-checkpoint's `score` head when it has one, else zeros).
+config, and converts back with `megatron_to_hf.py --trust-unsealed-checkpoint` (no step manifest
+seals it: the flag says you trust it). `--head value` writes a critic (the HF checkpoint's `score`
+head when it has one, else zeros).
 """
 from __future__ import annotations
 

@@ -12,9 +12,7 @@ Figures for the README table (files tried, markers written) are printed with -s.
 from __future__ import annotations
 
 import os
-import pickle
 import re
-import shlex
 import shutil
 import stat
 import subprocess
@@ -26,28 +24,9 @@ import torch
 from megarl.config import ConfigError
 from megarl.trainer import checkpointing, verified_io
 from tests.faults.runs import overrides
+from tests.helpers.hostile import write_hostile
 
 STEP = 2
-
-
-class Hostile:
-    """Unpickling this runs a shell command (the attack of issue 23, item 1)."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {shlex.quote(self.marker)}",)
-
-
-def write_hostile(path: str, marker: str) -> None:
-    """The same kind of file as the original: a torch zip for .pt files, a bare pickle otherwise."""
-    if path.endswith(".pt"):
-        torch.save({"step": STEP, "x": Hostile(marker)}, path)
-    else:
-        with open(path, "wb") as f:
-            pickle.dump(Hostile(marker), f)
-    os.chmod(path, 0o600)
 
 
 def train(args, timeout=600) -> tuple[int, str]:

@@ -30,7 +30,7 @@ from megarl.models.hf_checkpoint import HFCheckpoint, save_hf, weight_files
 from megarl.models.tiny import make_tiny_hf
 from megarl.trainer import verified_io
 from tests.distributed import run_ranks
-from tests.faults.test_security_checkpoints import write_hostile
+from tests.helpers.hostile import write_hostile
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
 
