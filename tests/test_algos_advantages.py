@@ -130,6 +130,16 @@ def test_remax():
         get_adv_estimator("remax")(r, m)
 
 
+def test_opo_and_rloo_vectorized_hand_computed():
+    r, m = outcome(SCORES, LENS)
+    opo, _ = get_adv_estimator("opo")(r, m, uid=UID)
+    # group a: baseline (2*1 + 4*0 + 1*0) / 7; group b: 1; c alone keeps its score
+    assert per_row(opo, m) == pytest.approx([1 - 2 / 7, -2 / 7, -2 / 7, 0.0, 0.0, 0.5])
+    loo, _ = get_adv_estimator("rloo_vectorized")(r, m, uid=UID)
+    # as rloo, but the lone response of c gets 0
+    assert per_row(loo, m) == pytest.approx([1.0, -0.5, -0.5, 0.0, 0.0, 0.0])
+
+
 def test_group_estimators_need_uid():
     r, m = outcome([1.0], [1])
     with pytest.raises(ValueError, match="uid"):

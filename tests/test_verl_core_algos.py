@@ -81,6 +81,7 @@ MEGARL_ONLY: dict[str, str] = {}      # a registered loss with no verl counterpa
 VERL_LOSSES_MEGARL_REFUSES = {"bypass_mode": "megarl's algorithm.rollout_correction.bypass_mode with vanilla"}
 
 ADV_ORACLE = {"gae": "gae", "grpo": "grpo", "drgrpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo",
+              "grpo_vectorized": "grpo_vectorized", "rloo_vectorized": "rloo_vectorized", "opo": "opo",
               "grpo_passk": "grpo_passk", "reinforce_plus_plus": "reinforce_plus_plus",
               "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "remax": "remax"}
 KL_NAMES_VERL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -240,7 +241,7 @@ def verl_adv(name: str, rewards, mask, uid, values, baselines, gamma, lam, norm)
         return fn(token_level_rewards=rewards, response_mask=mask, config=config)
     if name in ("drgrpo", "dr_grpo"):
         norm = False
-    kwargs = {"norm_adv_by_std_in_grpo": norm} if name in ("grpo", "drgrpo", "dr_grpo") else {}
+    kwargs = {"norm_adv_by_std_in_grpo": norm} if name in ("grpo", "grpo_vectorized", "drgrpo", "dr_grpo") else {}
     return fn(token_level_rewards=rewards.clone(), response_mask=mask, index=uid, config=config, **kwargs)
 
 

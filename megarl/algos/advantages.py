@@ -79,7 +79,7 @@ def gae(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, values: 
     return masked_whiten(adv, mask) * mask, returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", "grpo_vectorized")
 @torch.no_grad()
 def grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,
          norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6, **_) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +115,38 @@ def rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=Non
     mean, n = group_stats(scores, uid)[::2]
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
     adv = adv[:, None] * response_mask.to(adv.dtype)
+    return adv, adv
+
+
+@register_adv_estimator("rloo_vectorized")
+@torch.no_grad()
+def rloo_vectorized(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,
+                    **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorised RLOO: the same leave-one-out advantage, but a lone response gets 0 (no other
+    response to compare with) where `rloo` keeps its raw score."""
+    uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "rloo_vectorized")
+    scores = token_level_rewards.sum(-1)
+    mean, n = group_stats(scores, uid)[::2]
+    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), torch.zeros_like(scores))
+    adv = adv[:, None] * response_mask.to(adv.dtype)
+    return adv, adv
+
+
+@register_adv_estimator("opo")
+@torch.no_grad()
+def opo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,
+        **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): score minus the group's length-weighted mean score, the optimal baseline
+    for a sequence-level reward; a lone response keeps its raw score (verl)."""
+    uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "opo")
+    scores = token_level_rewards.sum(-1)
+    lens = response_mask.to(scores.dtype).sum(-1)
+    gid, n_groups = group_index(uid, scores.device)
+    weighted = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, lens * scores)
+    total = torch.zeros_like(weighted).index_add_(0, gid, lens)
+    count = torch.zeros_like(weighted).index_add_(0, gid, torch.ones_like(scores))
+    baseline = torch.where(count[gid] > 1, weighted[gid] / total[gid].clamp(min=1), torch.zeros_like(scores))
+    adv = (scores - baseline)[:, None] * response_mask.to(scores.dtype)
     return adv, adv
 
 
