@@ -5,7 +5,9 @@ added later without a reader fails here.
 
 The read check is mechanical: an attribute read `x.<leaf>` (or getattr(x, "<leaf>")) in megarl/
 outside the config modules. It is by leaf name, so it cannot tell two keys with one leaf name
-apart (e.g. `rollout.seed` and `trainer.seed`); such keys get behavioural tests of their own.
+apart (e.g. `rollout.seed` and `trainer.seed`); such keys get behavioural tests of their own, and the
+sections several roles share (model, megatron) are checked per role by recording every config read while
+the real bootstrap step and worker builds run (test_shared_sections_are_read_for_every_role).
 """
 from __future__ import annotations
 
@@ -209,3 +211,79 @@ def test_every_verl_key_away_from_its_default_is_named_at_once():
     assert text.startswith("reward_model.rollout.name: 'vllm' is not supported") and "\n" not in text
     assert text.endswith("(also away from verl's defaults: reward_model.rollout.gpu_memory_utilization, "
                          "reward_model.rollout.response_length)")
+
+
+def test_shared_sections_are_read_for_every_role(tmp_path, monkeypatch):
+    """ModelConfig and MegatronConfig serve the actor, the reference and the critic (OptimConfig goes whole to
+    megatron's optimizer, which is not built here; the leaf-name test covers it). The real
+    bootstrap step and worker builds run here (megatron's engine replaced: it reads only the spec) while every
+    config read is recorded per section instance. A field read on one role's instance and not on another's
+    acts for one role only: for the others it must be refused (REFUSED, FOLLOWS_ACTOR) or read."""
+    import torch
+    from megarl.config.refused import FOLLOWS_ACTOR
+    from megarl.config.typed import Section
+    from megarl.trainer import parts
+    from megarl.workers import actor, critic, reference
+
+    class Engine:                      # megatron's engine: the spec is all a worker gives it
+        device = torch.device("cpu")
+
+        def __init__(self, spec):
+            self.spec = spec
+
+    for module in (actor, critic, reference):
+        monkeypatch.setattr(module, "MegatronEngine", Engine)
+    boot = tmp_path / "boot.py"
+    boot.write_text("import os\ndef make(path, cfg, **kw):\n    os.makedirs(path)\n"
+                    "    open(os.path.join(path, 'config.json'), 'w').write('{}')\n")
+    cfg = load_config("configs/quickstart.yaml", [
+        "critic.enable=true", "actor_rollout_ref.actor.use_kl_loss=true",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}", f"actor_rollout_ref.model.bootstrap={boot}:make",
+        "actor_rollout_ref.model.bootstrap_kwargs={a: 1}"])
+    monkeypatch.setattr(type(cfg), "check_model", lambda self, hf: None)
+    ranks = type("Ranks", (), {"global_rank": 0, "barrier_all": lambda self: None})()
+    reads: set[tuple[int, str]] = set()
+    plain = Section.__getattribute__
+
+    def recording(self, name):
+        reads.add((id(self), name))
+        return plain(self, name)
+
+    monkeypatch.setattr(Section, "__getattribute__", recording)
+    try:
+        parts.ensure_model(cfg, ranks)
+        actor.ActorWorker.from_config(cfg), critic.CriticWorker.from_config(cfg)
+        reference.ReferenceWorker.from_config(cfg)
+    finally:
+        monkeypatch.setattr(Section, "__getattribute__", plain)
+    arr = cfg.actor_rollout_ref
+    roles = {"model": {"actor_rollout_ref.model": arr.model, "critic.model": cfg.critic.model},
+             "megatron": {"actor_rollout_ref.actor.megatron": arr.actor.megatron,
+                          "actor_rollout_ref.ref.megatron": arr.ref.megatron, "critic.megatron": cfg.critic.megatron}}
+    idle = []
+    for kind, by_role in roles.items():
+        assert all(v is not None for v in by_role.values()), kind
+        read = {where: {n for i, n in reads if i == id(obj)} & {f.name for f in dataclasses.fields(obj)}
+                for where, obj in by_role.items()}
+        assert all(read.values()), f"no reads recorded on some {kind} section: {read}"
+        for where, names in read.items():
+            own = {f.name for f in dataclasses.fields(by_role[where])}
+            for name in (set().union(*read.values()) & own) - names:
+                key = f"{where}.{name}"
+                if key not in (*REFUSED, *FOLLOWS_ACTOR):
+                    idle.append(key)
+    assert not idle, f"read for another role but not for this one (refuse them or read them): {sorted(idle)}"
+
+
+@pytest.mark.parametrize("key, actor_key, unset", [
+    ("critic.model.tokenizer_path", "actor_rollout_ref.model.path", "null"),
+    ("critic.model.trust_remote_code", "actor_rollout_ref.model.trust_remote_code", "false")])
+def test_critic_model_keys_the_actor_governs_take_only_the_actors_value(key, actor_key, unset):
+    """verl 0.7 defaults them to the actor's; megarl's critic reads the actor's token ids and runs no code."""
+    from megarl.config.refused import FOLLOWS_ACTOR
+    value = "/some/model" if key.endswith("path") else "true"
+    load_config(None, [f"{actor_key}={value}", f"{key}={value}"])
+    load_config(None, [f"{key}={unset}"])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={value}"] if value == "true" else [f"{actor_key}=/a", f"{key}={value}"])
+    assert err.value.key == key and str(err.value).endswith(FOLLOWS_ACTOR[key][1]) and "\n" not in str(err.value)

@@ -64,6 +64,16 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "actor_rollout_ref.rollout.quantization": (
         (None,), "quantized rollout is not supported: every engine runs the trainer's own (bf16/fp32) weights, "
                  "synced each step; remove the key"),
+    # CriticModelConfig inherits the actor's model keys; a bootstrap builds actor_rollout_ref.model.path only
+    **{f"critic.model.{leaf}": (
+        (default,), "a bootstrap builds actor_rollout_ref.model.path only; the critic starts from the actor's "
+                    "checkpoint (critic.model.init_from=actor) or from critic.model.path: set "
+                    f"actor_rollout_ref.model.{leaf} instead")
+       for leaf, default in (("bootstrap", None), ("bootstrap_kwargs", {}))},
+    **{f"actor_rollout_ref.ref.megatron.{leaf}": (
+        (False,), "the reference is frozen: it has no gradients or optimizer state to offload; "
+                  "actor_rollout_ref.ref.megatron.param_offload offloads its weights") for leaf in
+       ("grad_offload", "optimizer_offload")},
     "trainer.max_critic_ckpt_to_keep": (
         (None,), "one step directory holds every role's checkpoint, so trainer.max_actor_ckpt_to_keep prunes them "
                  "all; set that instead"),
@@ -267,8 +277,25 @@ def _get(node: Any, dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
+# Critic model keys that only the actor's model acts on: accepted unset or at the actor's own value (verl
+# 0.7's defaults interpolate the actor's), refused otherwise. key -> (actor keys it may equal, why)
+FOLLOWS_ACTOR: dict[str, tuple[tuple[str, ...], str]] = {
+    "critic.model.tokenizer_path": (
+        ("actor_rollout_ref.model.tokenizer_path", "actor_rollout_ref.model.path"),
+        "the critic scores the actor's token ids, so it reads no tokenizer of its own; remove the key"),
+    "critic.model.trust_remote_code": (
+        ("actor_rollout_ref.model.trust_remote_code",),
+        "megarl reads the critic's config.json and weights itself and runs no code from its checkpoint "
+        "(actor_rollout_ref.model.trust_remote_code governs the tokenizer); remove the key"),
+}
+
+
 def check_refused(merged: dict) -> None:
     """Stop at the first refused value in the merged config (defaults included), as one line."""
+    for key, (actor_keys, why) in FOLLOWS_ACTOR.items():
+        present, value = _get(merged, key)
+        if present and value not in (None, False) and all(_get(merged, k)[1] != value for k in actor_keys):
+            raise ConfigError(f"{value!r} is not the actor's ({', '.join(actor_keys)}): {why}", key)
     for key, (accepted, why) in REFUSED.items():
         present, value = _get(merged, key)
         # `== ok` alone would let 1 pass for True (and 0 for False); a bool must match a bool.
