@@ -140,6 +140,13 @@ def test_opo_and_rloo_vectorized_hand_computed():
     assert per_row(loo, m) == pytest.approx([1.0, -0.5, -0.5, 0.0, 0.0, 0.0])
 
 
+def test_gpg_hand_computed():
+    r, m = outcome([1.0, 0.0, 0.0, 0.0], [2, 2, 1, 3])
+    gpg, _ = get_adv_estimator("gpg")(r, m, uid=np.array(["a", "a", "b", "b"], dtype=object))
+    # one non-zero score in 4 responses: alpha = 4; group a's mean 0.5, group b's 0
+    assert per_row(gpg, m) == pytest.approx([2.0, -2.0, 0.0, 0.0])
+
+
 def test_group_estimators_need_uid():
     r, m = outcome([1.0], [1])
     with pytest.raises(ValueError, match="uid"):

@@ -9,6 +9,7 @@ The names come from megarl's registries, so a name registered without an entry i
 for it) or MEGARL_ONLY (why there is none) fails test_every_registered_name_has_an_oracle.
 """
 import importlib.machinery
+import importlib.util
 import inspect
 import os
 import re
@@ -19,10 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-import megarl.algos.loss_fn  # noqa: F401  (registers every built-in policy loss)
 from megarl.algos.advantages import ADV_ESTIMATORS
 from megarl.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from megarl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES, Aggregator, ClipParams, value_loss
+from megarl.config import ConfigError
+from megarl.experiment import load_config
 
 REASON = "the oracle is verl 0.9.1's core_algos: pip install --no-deps verl==0.9.1 (and omegaconf, a [test] extra)"
 if importlib.machinery.PathFinder.find_spec("verl") is None:    # sys.path only, never a stand-in module
@@ -81,9 +83,15 @@ MEGARL_ONLY: dict[str, str] = {}      # a registered loss with no verl counterpa
 VERL_LOSSES_MEGARL_REFUSES = {"bypass_mode": "megarl's algorithm.rollout_correction.bypass_mode with vanilla"}
 
 ADV_ORACLE = {"gae": "gae", "grpo": "grpo", "drgrpo": "grpo", "dr_grpo": "grpo", "rloo": "rloo",
-              "grpo_vectorized": "grpo_vectorized", "rloo_vectorized": "rloo_vectorized", "opo": "opo",
+              "grpo_vectorized": "grpo_vectorized", "rloo_vectorized": "rloo_vectorized", "opo": "opo", "gpg": "gpg",
               "grpo_passk": "grpo_passk", "reinforce_plus_plus": "reinforce_plus_plus",
               "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "remax": "remax"}
+# verl's estimators megarl does not implement: refused when the config loads (test_verl_only_names_are_refused)
+VERL_ESTIMATORS_MEGARL_REFUSES = {
+    "gdpo": "per-reward-key group normalisation over several reward fields megarl's reward does not return",
+    "optimal_token_baseline": "needs the sum of squared policy probabilities (calculate_sum_pi_squared)",
+    "tir_optimal_token_baseline": "the same, over multi-turn tool rounds",
+}
 KL_NAMES_VERL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 SEEDS = (0, 1, 2)
@@ -155,6 +163,15 @@ def test_every_registered_name_has_an_oracle():
     assert set(KL_ESTIMATORS.names()) == set(KL_NAMES_VERL), "a KL estimator without its verl oracle"
     # and the other way round: every loss verl registers is megarl's, or refused with megarl's way
     assert set(ca.POLICY_LOSS_REGISTRY) == set(ORACLE.values()) | set(VERL_LOSSES_MEGARL_REFUSES)
+    assert set(ca.ADV_ESTIMATOR_REGISTRY) == set(ADV_ORACLE.values()) | set(VERL_ESTIMATORS_MEGARL_REFUSES)
+
+
+@pytest.mark.parametrize("key, name", [("algorithm.adv_estimator", n) for n in VERL_ESTIMATORS_MEGARL_REFUSES]
+                         + [("actor_rollout_ref.actor.policy_loss.loss_mode", n) for n in VERL_LOSSES_MEGARL_REFUSES])
+def test_verl_only_names_are_refused(key, name):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={name}", "actor_rollout_ref.rollout.n=2"])
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 
 def test_loss_agg_modes_are_verls():

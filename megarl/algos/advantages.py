@@ -150,6 +150,20 @@ def opo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None
     return adv, adv
 
 
+@register_adv_estimator("gpg")
+@torch.no_grad()
+def gpg(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,
+        **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025): score minus group mean, scaled by batch size / responses with a non-zero
+    score, so that groups without signal do not dilute the gradient (verl's f_norm is 1)."""
+    uid = _need(uid, "group ids (non_tensor_batch 'uid', one per prompt)", "gpg")
+    scores = token_level_rewards.sum(-1)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    adv = alpha * (scores - group_stats(scores, uid)[0])
+    adv = adv[:, None] * response_mask.to(adv.dtype)
+    return adv, adv
+
+
 @register_adv_estimator("grpo_passk")
 @torch.no_grad()
 def grpo_passk(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uid=None,

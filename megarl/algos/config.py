@@ -10,8 +10,8 @@ from megarl.config.typed import Section, require
 from megarl.engines import EngineInfo, config_info
 
 # Advantage estimators that compare the n responses of one prompt with each other (need n >= 2).
-GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "drgrpo", "dr_grpo", "rloo", "rloo_vectorized", "opo", "grpo_passk",
-                    "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "drgrpo", "dr_grpo", "rloo", "rloo_vectorized", "opo", "gpg",
+                    "grpo_passk", "reinforce_plus_plus_baseline")
 CRITIC_ESTIMATORS = ("gae",)
 
 

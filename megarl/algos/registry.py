@@ -79,7 +79,7 @@ def _paths(module: str, table: dict[str, tuple[str, ...]]) -> dict[str, str]:
 
 ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator", _paths("advantages", {
     "gae": ("gae",), "grpo": ("grpo", "grpo_vectorized"), "drgrpo": ("drgrpo", "dr_grpo"), "rloo": ("rloo",),
-    "rloo_vectorized": ("rloo_vectorized",), "opo": ("opo",),
+    "rloo_vectorized": ("rloo_vectorized",), "opo": ("opo",), "gpg": ("gpg",),
     "grpo_passk": ("grpo_passk",), "reinforce_plus_plus": ("reinforce_plus_plus",),
     "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline",), "remax": ("remax",)}))
 
