@@ -1,7 +1,8 @@
 """RL algorithms as small pure tensor functions, chosen by name from the config.
 
     registry.py            the name registries, megarl's names declared without importing torch
-    advantages.py          gae, grpo, drgrpo, rloo(_vectorized), opo, gpg, reinforce_plus_plus(_baseline), remax, grpo_passk
+    advantages.py          gae, grpo, drgrpo, rloo(_vectorized), opo, gpg, grpo_passk, reinforce_plus_plus(_baseline),
+                           remax
     losses.py              policy losses (vanilla/dual_clip, ppo_clip, gspo), aggregation, value loss
     pg_variants.py         verl's other policy losses: cispo, sapo, geo_mean, clip_cov, kl_cov, gpg, dro, dppo_*
     decoupled.py           decoupled_ppo and m2po: a proximal policy apart from the behaviour policy
