@@ -1,14 +1,20 @@
 """The first command for a TensorRT-LLM user: megarl's TensorRT-LLM path on this node, one report.
 
-    python benchmarks/trtllm_check.py --model <HF checkpoint dir> [--out trtllm_check_report]
+    python benchmarks/trtllm_check.py --model <HF checkpoint dir> [--tp N] [--out trtllm_check_report]
+
+Run it first with a small dense model (Qwen2.5-0.5B-Instruct or 1.5B: minutes, one GPU), then with
+the size you train; the report lists which sizes fit this node's GPUs at each TP.
 
 Nothing in megarl has executed against real TensorRT-LLM before this command; send the report
 (trtllm_check.md and trtllm_check.json under --out) back with an issue.
 
-For TP 1, and TP 2 where two GPUs exist, on spawned ranks of one node:
-  1. build the megatron actor from the checkpoint and the TensorRT-LLM engine (load_format=dummy,
-     sleep mode on), then sync the actor's weights into the engine (the first refit);
-  2. generate with log-probs; score the same tokens with the actor's compute_log_prob (megatron);
+For TP 1, and TP 2 where two GPUs exist (or the --tp given), on spawned ranks of one node:
+  1. build the policy from the checkpoint as megatron holds it, frozen (no optimizer state: the
+     check needs its weights and log-probs only), and the TensorRT-LLM engine (load_format=dummy,
+     sleep mode on), then sync the weights into the engine (the first refit);
+  2. generate with log-probs (prompts sharing a prefix of more than two KV blocks, so block reuse
+     serves it); score the same tokens with megatron; count the responses that end on the
+     model's EOS (its config.json and generation_config.json ids);
   3. generate again with the same seed: does this build repeat a seed (TorchSampler honours
      per-request seeds only from PR #17172 on), and do two equal prompts of one call differ;
   4. sleep tag by tag, recording the GPU memory each memory tag frees and what stays in use;
@@ -34,7 +40,31 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PROMPTS = [[5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4]]
+# A shared prefix of 80 tokens: more than two blocks of KvCacheConfig.tokens_per_block (32), so
+# every prompt after the first is served partly from the prefix cache.
+PREFIX = list(range(100, 180))
+PROMPTS = [PREFIX + p for p in ([5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15, 16, 17, 18], [200, 3, 4])]
+SIZES_B = (0.5, 1.5, 3, 7, 14, 32, 72)   # dense model sizes, billions of parameters
+
+
+def sizes_that_fit(total_bytes: int, tp: int) -> dict[str, bool]:
+    """Which dense bf16 models the check fits at `tp` on GPUs of `total_bytes`: the frozen policy
+    and the engine's weights (2 bytes a parameter each, split over tp), plus 4 GiB of KV cache and
+    buffers, within 90% of the GPU."""
+    return {f"{b}B": 4 * b * 1e9 / tp + 4 * 2**30 <= 0.9 * total_bytes for b in SIZES_B}
+
+
+def model_eos(model: str) -> list[int]:
+    """The EOS ids of the checkpoint: config.json's and generation_config.json's."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            with open(os.path.join(model, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return sorted({int(i) for i in ids})
 TOL = 5e-2                      # bf16 engine against a bf16 trainer: a mismatch far above this is a bug
 
 
@@ -115,8 +145,8 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.hf_weights import buckets
     from megarl.rollout.trtllm import TRTLLMEngine
-    from megarl.workers.actor import ActorWorker
-    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig
+    from megarl.workers.config import MegatronConfig, ModelConfig, RefConfig
+    from megarl.workers.reference import ReferenceWorker
 
     cuda = device == "cuda"
     if cuda:
@@ -133,11 +163,11 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
         return value
 
     state.init_distributed()   # the rank set-up: the engine starts no process group
-    actor = timed("build_actor", lambda: ActorWorker(ModelConfig(path=model), ActorConfig(
-        ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,
-        megatron=MegatronConfig(tensor_model_parallel_size=world))))
+    # Frozen: megatron's weights and log-probs without an optimizer's state (the check trains nothing).
+    policy = timed("build_policy", lambda: ReferenceWorker(ModelConfig(path=model), RefConfig(
+        megatron=MegatronConfig(tensor_model_parallel_size=world)), micro_batch_size=4))
     cfg = RolloutConfig(name="trtllm", tensor_model_parallel_size=world, load_format="dummy", enable_sleep_mode=True,
-                        free_cache_engine=True, prompt_length=32, response_length=args["max_tokens"],
+                        free_cache_engine=True, prompt_length=128, response_length=args["max_tokens"],
                         gpu_memory_utilization=args["gpu_memory_utilization"])
     engine = timed("build_engine", lambda: TRTLLMEngine(model, cfg, tp_group=state.tp_group(),
                                                         device=torch.device("cuda", rank) if cuda else "cpu"))
@@ -145,7 +175,7 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
     result["workers"] = engine.llm._collective_rpc("report_device_id") if engine.leader else None
 
     def refit():
-        for bucket in buckets(actor.hf_tensors(), bucket_bytes=256 << 20):
+        for bucket in buckets(policy.engine.hf_tensors(), bucket_bytes=256 << 20):
             engine.update_weights(bucket)
         engine.finalize_weights()
 
@@ -154,8 +184,7 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
     def generate_and_score(tag):
         batch = timed(f"generate_{tag}", lambda: engine.generate_sequences(DataProto(
             non_tensor_batch={"prompt_token_ids": PROMPTS}, meta_info={"sampling": sp})))
-        log_probs, _ = timed(f"megatron_log_prob_{tag}", lambda: actor.compute_log_prob(
-            batch, temperature=1.0, with_entropy=False))
+        log_probs = timed(f"megatron_log_prob_{tag}", lambda: policy.compute_ref_log_prob(batch, temperature=1.0))
         mask = batch.batch["response_mask"].bool()
         diff = (log_probs.float().cpu() - batch.batch["rollout_log_probs"].float())[mask].abs()
         result[f"logprob_max_abs_diff_{tag}"] = diff.max().item()
@@ -169,6 +198,9 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
         [[c.token_ids for c in g] for g in engine.generate(PROMPTS, sp)]
     twins = engine.generate([PROMPTS[0], PROMPTS[0]], sp.with_(n=1))
     result["equal_prompts_differ"] = twins[0][0].token_ids != twins[1][0].token_ids
+    eos = model_eos(model)
+    ended = [c.finish_reason == "stop" for g in engine.generate(PROMPTS, sp.with_(eos_token_ids=eos)) for c in g]
+    result["eos_ids"], result["eos_stop_rate"] = eos, sum(ended) / len(ended)
 
     # GPU memory in use on this rank's device, whoever holds it (the workers are other processes);
     # on CPU, the conformance fake's byte ledger (the leader's LLM only).
@@ -194,6 +226,8 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
     after = generate_and_score("after_wake")
     result["same_tokens_after_wake"] = before == after
     result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
+    if cuda:
+        result["sizes_that_fit"] = sizes_that_fit(torch.cuda.mem_get_info(rank)[1], world)
     engine.close()
     state.destroy_model_parallel()
 
@@ -255,7 +289,10 @@ def markdown(report: dict) -> str:
                   + ("" if repeats else " (not a verdict: seeds do not repeat here)"),
                   f"- GPU memory in use (rank 0's device): {lead.get('gpu_used_gb_awake')} GB awake, "
                   f"{lead.get('gpu_used_gb_asleep')} GB asleep",
-                  f"- peak GPU memory (rank 0): {lead.get('peak_gpu_gb')} GB", ""]
+                  f"- peak GPU memory (rank 0): {lead.get('peak_gpu_gb')} GB",
+                  f"- responses ending on the model's EOS {lead.get('eos_ids')}: {lead.get('eos_stop_rate')}",
+                  f"- dense bf16 sizes that fit at this TP: "
+                  f"{', '.join(k for k, v in (lead.get('sizes_that_fit') or {}).items() if v) or 'n/a'}", ""]
         lines += ["| memory tag | GB freed by its release |", "|---|---|"]
         lines += [f"| {tag} | {gb} |" for tag, gb in (lead.get("gpu_freed_gb_per_tag") or {}).items()] + [""]
         lines += ["| log-prob vs megatron | max abs | mean abs |", "|---|---|---|"]
@@ -276,6 +313,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--tp", type=int, default=None, help="only this rollout TP (default: 1, and 2 where two GPUs)")
     opts = parser.parse_args(argv)
     problem = preflight()
     if problem:
@@ -288,8 +326,12 @@ def main(argv=None) -> int:
     import torch
     args = {"max_tokens": opts.max_tokens, "gpu_memory_utilization": opts.gpu_memory_utilization,
             "timeout": opts.timeout}
+    gpus = torch.cuda.device_count()
+    if opts.tp is not None and not 1 <= opts.tp <= gpus:
+        print(f"trtllm_check: --tp {opts.tp} needs {opts.tp} GPUs on this node, which has {gpus}", file=sys.stderr)
+        return 2
     runs = []
-    for tp in [1, 2] if torch.cuda.device_count() >= 2 else [1]:
+    for tp in [opts.tp] if opts.tp else [1, 2] if gpus >= 2 else [1]:
         run = run_tp(tp, opts.model, args)
         lead = run["ranks"][0]
         # Tokens are compared only where this build repeats a seed (PR #17172); log-probs always.

@@ -53,3 +53,22 @@ def test_the_decoder_refuses_what_the_workers_refuse(llm2, payload):
     blob = base64.b64encode(pickle.dumps(payload)).decode()
     with pytest.raises(pickle.UnpicklingError, match="is not allowed"):
         llm._collective_rpc("update_weights", ({u: blob for u in llm.workers},))
+
+
+class Clashing:
+    """An extension redefining a method of TensorRT-LLM's worker class."""
+
+    def sleep(self, tags):
+        return None
+
+
+def test_an_extension_that_redefines_a_worker_attribute_is_refused(monkeypatch, tmp_path):
+    """RayWorkerWrapper._inject_worker_extension (executor/ray/gpu_worker.py at 00be09f7): a
+    ValueError for any extension attribute the worker class already has; megarl's passes."""
+    tllm = trtllm_fake.install(monkeypatch, V)
+    save_model(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    with pytest.raises(ValueError, match="already defines 'sleep', which conflicts with extension Clashing"):
+        tllm.LLM(model=str(tmp_path), ray_worker_extension_cls=f"{__name__}.Clashing")
+    from megarl.rollout.trtllm.placement import EXTENSION
+    assert tllm.LLM(model=str(tmp_path), ray_worker_extension_cls=EXTENSION).workers

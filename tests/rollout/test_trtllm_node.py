@@ -57,3 +57,18 @@ def test_cuda_graphs_and_scheduler_by_default_and_replaceable(monkeypatch, dirs)
     cfg = trtllm_config(engine_kwargs={"trtllm": {"cuda_graph_config": mine, "scheduler_config": None}})
     kw = TRTLLMEngine(dirs["a"], cfg, device="cpu").llm.kwargs
     assert kw["cuda_graph_config"] == mine and "scheduler_config" not in kw
+
+
+def test_the_checks_size_table_and_eos_ids(tmp_path):
+    """benchmarks/trtllm_check.py: which dense bf16 sizes fit a GPU at a TP, and the EOS ids it
+    counts stops on (config.json's and generation_config.json's)."""
+    import json
+
+    from benchmarks import trtllm_check
+    fit = trtllm_check.sizes_that_fit(80 * GIB, 1)
+    assert fit["14B"] and not fit["32B"] and trtllm_check.sizes_that_fit(80 * GIB, 4)["32B"]
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert trtllm_check.model_eos(str(tmp_path)) == [2, 7]
+    assert len(trtllm_check.PREFIX) >= 2 * 32 and all(p[:len(trtllm_check.PREFIX)] == trtllm_check.PREFIX
+                                                      for p in trtllm_check.PROMPTS)

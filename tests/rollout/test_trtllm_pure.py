@@ -461,6 +461,7 @@ def test_trtllm_check_procedure_against_megatron_on_the_fake(tmp_path):
     assert freed["kv_cache"] > 0 and freed["model_weights"] > 0 and set(freed) >= {"model", "sampler"}
     assert result["gpu_used_gb_asleep"] == 0 < result["gpu_used_gb_awake"], "every tag leaves the GPU"
     assert result["logprob_max_abs_diff_before_sleep"] <= 1e-4 and result["logprob_max_abs_diff_after_wake"] <= 1e-4
-    assert {"build_actor", "build_engine", "refit_first", "generate_before_sleep", "sleep", "refit_asleep", "wake",
+    assert {"build_policy", "build_engine", "refit_first", "generate_before_sleep", "sleep", "refit_asleep", "wake",
             "generate_after_wake", "megatron_log_prob_after_wake"} <= set(result["phases"])
     assert result["workers"] == ["GPU-fake-0"]
+    assert 0 <= result["eos_stop_rate"] <= 1 and "eos_ids" in result

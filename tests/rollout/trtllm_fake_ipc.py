@@ -17,6 +17,7 @@ What stands in, and what is real:
 """
 from __future__ import annotations
 
+import base64
 import io
 import pickle
 import re
@@ -61,3 +62,23 @@ def rebuild(func, args: list, device_id: int) -> torch.Tensor:
     args[6] = device_id
     opened, opened_args = pickle.loads(args[7])          # the fake's cudaIpcOpenMemHandle
     return opened(*opened_args)
+
+
+def decode(handles: dict, workers: list[str]) -> list:
+    """Every worker opens its own handles (restricted unpickler, its own device). The fake holds
+    one model for the TP group, so it refuses workers whose buckets differ; the real ones would
+    each load their own and serve different models."""
+    buckets = []
+    for slot, uuid in enumerate(workers):
+        if uuid not in handles:
+            raise ValueError(f"Device UUID {uuid} not found in ipc_handles")
+        blob = loads(base64.b64decode(handles[uuid]))
+        if not isinstance(blob, list):
+            raise ValueError(f"Deserialized data must be a list, got {type(blob).__name__} instead")
+        buckets.append([(name, rebuild(func, args, slot)) for name, (func, args) in blob])
+    for slot, other in enumerate(buckets[1:], 1):
+        if [n for n, _ in other] != [n for n, _ in buckets[0]] or \
+                any(not torch.equal(a, b) for (_, a), (_, b) in zip(other, buckets[0])):
+            raise RuntimeError(f"TP worker {slot} received other tensors than worker 0: the ranks would serve "
+                               "different models")
+    return buckets[0]

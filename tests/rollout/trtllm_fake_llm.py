@@ -4,9 +4,9 @@ is built from). FAKE: tensorrt_llm cannot run here.
 """
 from __future__ import annotations
 
-import base64
 import copy
 import enum
+import importlib
 import json
 import os
 import sys
@@ -112,13 +112,24 @@ class _LLM:
                 self._import_extension(extension)
         return workers
 
-    @staticmethod
-    def _import_extension(qualname: str) -> None:
+    # RayGPUWorker's own class attributes (executor/ray/gpu_worker.py at 00be09f7; its bases'
+    # were not read): RayWorkerWrapper._inject_worker_extension refuses an extension defining one.
+    WORKER_ATTRS = ("enqueue_request", "setup_engine", "sleep", "wakeup", "start", "shutdown",
+                    "_get_comm_ranks_device_id")
+
+    @classmethod
+    def _import_extension(cls, qualname: str) -> None:
         top = qualname.split(".")[0]
         paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         if top not in FakeCluster.installed and not any(os.path.isdir(os.path.join(p, top)) for p in paths):
             raise RuntimeError("RayGPUWorker died during initialization") from RuntimeError(
                 f"Failed to load worker extension '{qualname}'")
+        module, name = qualname.rsplit(".", 1)
+        extension = getattr(importlib.import_module(module), name)
+        for attr in dir(extension):
+            if not attr.startswith("__") and attr in cls.WORKER_ATTRS:
+                raise ValueError(f"Worker class RayGPUWorker already defines '{attr}', which conflicts with "
+                                 f"extension {extension.__name__}.")
 
     def _restore_modes(self, kwargs) -> dict | None:
         if kwargs.get("sleep_config") is not None:
@@ -193,23 +204,7 @@ class _LLM:
         self.reload_latch = True
 
     def _decode(self, handles) -> list:
-        """Every worker opens its own handles (trtllm_fake_ipc.py: the restricted unpickler, the
-        device argument set to its own GPU). The fake holds one model for the TP group, so it
-        refuses workers whose buckets differ; the real ones would each load their own."""
-        buckets = []
-        for slot, uuid in enumerate(self.workers):
-            if uuid not in handles:
-                raise ValueError(f"Device UUID {uuid} not found in ipc_handles")
-            blob = ipc.loads(base64.b64decode(handles[uuid]))
-            if not isinstance(blob, list):
-                raise ValueError(f"Deserialized data must be a list, got {type(blob).__name__} instead")
-            buckets.append([(name, ipc.rebuild(func, args, slot)) for name, (func, args) in blob])
-        for slot, other in enumerate(buckets[1:], 1):
-            if [n for n, _ in other] != [n for n, _ in buckets[0]] or \
-                    any(not torch.equal(a, b) for (_, a), (_, b) in zip(other, buckets[0])):
-                raise RuntimeError(f"TP worker {slot} received other tensors than worker 0: the ranks would "
-                                   "serve different models")
-        return buckets[0]
+        return ipc.decode(handles, self.workers)
 
     def _load(self, named) -> None:
         """model_loader.reload(model, weights, allow_partial_loading=True): a name the model does
