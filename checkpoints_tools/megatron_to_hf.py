@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import os
 import socket
+import stat
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,9 +38,10 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
 
     # Refused here, before megatron is imported, a process group starts or the checkpoint is read.
     step = sealed_step(ckpt, trust_unsealed)
-    for target in (out, peft_adapter):
-        if target:
-            check_target(target, overwrite)
+    dirs = [d for d in (out, peft_adapter) if d]
+    for d in dirs:
+        check_target(d, overwrite)
+        private_target(d, make=False)
 
     import torch
     import torch.distributed as dist
@@ -73,6 +75,8 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
         _check_adapters(ckpt, whole, adapters, lora, [n for n, _ in tensors])
         if lora:
             tensors = merge_into_hf(tensors, adapters, lora.scale)
+        for d in dirs:
+            private_target(d, make=True)
         save_hf(out, ((n, t.to(target)) for n, t in tensors), config,
                 aux_from=os.path.join(src, HF_DIR), overwrite=overwrite)
         if peft_adapter:
@@ -119,18 +123,38 @@ def _check_adapters(ckpt: str, whole: dict, adapters: dict, lora, hf_names: list
 def _save_peft(out: str, adapters: dict, lora, dtype, overwrite: bool) -> None:
     import json
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    from megarl.models.hf_checkpoint import check_target
+    from megarl.models.hf_checkpoint import check_target, write_new
     from megarl.models.lora_options import peft_config
     for name in check_target(out, overwrite):
         os.remove(os.path.join(out, name))
-    os.makedirs(out, exist_ok=True)
     opts = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
-    with open(os.path.join(out, "adapter_config.json"), "w") as f:
-        json.dump(peft_config(opts, None), f, indent=2)
-    save_file({k: v.to(dtype).contiguous() for k, v in adapters.items()},
-              os.path.join(out, "adapter_model.safetensors"))
+    write_new(out, "adapter_config.json", json.dumps(peft_config(opts, None), indent=2).encode())
+    write_new(out, "adapter_model.safetensors", save({k: v.to(dtype).contiguous() for k, v in adapters.items()}))
+
+
+def private_target(path: str, make: bool) -> None:
+    """An export directory is checked as a run directory is: yours, and no directory on the way to
+    it open to other users, so nobody else can plant a link or swap a file where the export writes
+    (megarl/trainer/staging.py's rule). `make`: create it first; else check it, or where it will be made."""
+    from megarl.trainer.staging import open_to_others
+    from megarl.trainer.verified_io import check_owner
+    if make:
+        os.makedirs(path, exist_ok=True)
+    have = os.path.abspath(path)
+    while not os.path.lexists(have):        # not made yet: the nearest directory it would be made in
+        have = os.path.dirname(have)
+    real = os.path.join(os.path.realpath(os.path.dirname(have)), os.path.basename(have))   # a link there kept
+    if have == os.path.abspath(path):
+        why = open_to_others(real) or ((bad := check_owner(os.lstat(real))) and f"{real} {bad}")
+    else:       # whose sticky bit, if set, would keep others off the entry we make in it
+        st = os.stat(real)
+        why = open_to_others(real) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and
+                                       f"{real} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    if why:
+        raise ValueError(f"refused to export into {path}: {why}, so another user could plant links or files "
+                         "where the export writes; export into a directory only you can write, then share it")
 
 
 def sealed_step(ckpt: str, trust_unsealed: bool) -> str | None:

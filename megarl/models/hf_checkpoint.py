@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import secrets
 from collections.abc import Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from megarl.models.convert import Slice, hf_shapes
 from megarl.models.hf_config import find_hf_config, read_hf_config
@@ -152,11 +152,30 @@ class HFCheckpoint:
         return self._handle(name).get_tensor(name)
 
 
+def write_new(directory: str, name: str, data: bytes) -> None:
+    """`name` in `directory` written through a fresh file, O_EXCL | O_NOFOLLOW on a random temporary
+    name, then renamed into place: a link planted at either name is replaced or refused, never
+    followed, and a reader never sees a half-written file."""
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, os.path.join(directory, name))
+
+
 def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
             aux_from: str | None = None, max_shard_bytes: int = 4 << 30, overwrite: bool = False) -> None:
     """Write an HF directory: config.json, safetensors shards (+ index when more than one), and the
-    tokenizer/generation files copied from `aux_from`. Weight files already there are refused
-    (check_target) unless `overwrite`, which removes them first."""
+    tokenizer/generation files copied from `aux_from`, each file through write_new. Weight files
+    already there are refused (check_target) unless `overwrite`, which removes them first."""
     for name in check_target(path, overwrite):
         os.remove(os.path.join(path, name))
     os.makedirs(path, exist_ok=True)
@@ -170,20 +189,20 @@ def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict
         shards[-1][name] = t.detach().contiguous().cpu()
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE), metadata={"format": "pt"})
+        write_new(path, SINGLE, save(shards[0], metadata={"format": "pt"}))
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+            write_new(path, file, save(shard, metadata={"format": "pt"}))
             weight_map.update({k: file for k in shard})
             total += sum(t.numel() * t.element_size() for t in shard.values())
-        with open(os.path.join(path, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+        write_new(path, INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                          indent=2).encode())
+    write_new(path, "config.json", json.dumps(config, indent=2).encode())
     if aux_from:
         for name in AUX_FILES:
             src = os.path.join(aux_from, name)
             if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
-                shutil.copyfile(src, os.path.join(path, name))
+                with open(src, "rb") as f:
+                    write_new(path, name, f.read())

@@ -11,12 +11,15 @@ on a real LoRA actor checkpoint (megatron-core, one gloo rank) sealed as megarl 
     the field, exit 2, nothing written;
   - an --out holding an older sharded model: refused without --overwrite; with it the stale shards
     and index are gone and megarl's reader and transformers read the same new weights; megarl's
-    reader refuses a directory holding both model.safetensors and an index.
+    reader refuses a directory holding both model.safetensors and an index;
+  - a link planted where the export writes a file is replaced, its target untouched; an --out that
+    others may write, or whose parent others may write, is refused before anything is read.
 
     python -m pytest -q tests/faults/test_security_export.py
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -142,8 +145,19 @@ def exports(world):
         save_hf(str(root / "out" / name), base.items(), dict(config), max_shard_bytes=200_000)
     cases.append(("stale", ["--ckpt", os.path.join(step, "actor"), *out("stale")]))
     cases.append(("stale-overwrite", ["--ckpt", os.path.join(step, "actor"), *out("stale-overwrite"), "--overwrite"]))
+    # 5. where the export writes: a planted link is replaced, never followed; an open directory refused.
+    (root / "victim.txt").write_text("mine")
+    (root / "out" / "planted").mkdir()
+    os.symlink(root / "victim.txt", root / "out" / "planted" / "config.json")
+    cases.append(("planted", ["--ckpt", os.path.join(step, "actor"), *out("planted")]))
+    (root / "out" / "open").mkdir()
+    os.chmod(root / "out" / "open", 0o777)                    # any user may add entries (no sticky bit)
+    cases.append(("open-parent", ["--ckpt", os.path.join(step, "actor"), "--out", str(root / "out" / "open" / "hf")]))
+    (root / "out" / "group-writable").mkdir()
+    os.chmod(root / "out" / "group-writable", 0o770)
+    cases.append(("group-writable", ["--ckpt", os.path.join(step, "actor"), *out("group-writable")]))
     results = run_ranks(1, _run_exports, (cases,))[0]
-    return {"results": results, "markers": markers, "out": root / "out", "base": base}
+    return {"results": results, "markers": markers, "out": root / "out", "base": base, "root": root}
 
 
 def refusal(exports, name: str) -> str:
@@ -236,3 +250,22 @@ def test_megarls_reader_refuses_a_directory_holding_both_forms(tmp_path):
                                          r"versions of the weights \(transformers reads the first, the index names "
                                          r"others\); remove the stale one"):
         HFCheckpoint(str(tmp_path / "both")).names()
+
+
+def test_an_export_writes_no_file_through_a_link_and_nothing_into_a_directory_others_can_write(exports):
+    status, lines = exports["results"]["planted"]
+    assert status == 0, lines[-20:]
+    planted = exports["out"] / "planted" / "config.json"
+    assert (exports["root"] / "victim.txt").read_text() == "mine"            # the link's target untouched
+    assert not os.path.islink(planted) and json.loads(planted.read_text())["model_type"] == "qwen2"
+    assert not [n for n in os.listdir(exports["out"] / "planted") if n.endswith(".tmp")]
+    open_dir = exports["out"] / "open"
+    status, lines = exports["results"]["open-parent"]
+    assert status == 2 and lines[-1] == (f"megatron_to_hf: refused to export into {open_dir}/hf: {open_dir} is "
+                                         "writable by group or others (mode 777), so another user could plant links "
+                                         "or files where the export writes; export into a directory only you can "
+                                         "write, then share it"), lines[-20:]
+    assert os.listdir(open_dir) == []
+    status, lines = exports["results"]["group-writable"]
+    assert status == 2 and "group-writable is writable by group (mode 770)" in lines[-1], lines[-20:]
+    assert os.listdir(exports["out"] / "group-writable") == []
