@@ -204,6 +204,21 @@ def test_verl_variants_are_exact_however_split(over):
         assert "actor/pg_loss" in metrics
 
 
+def test_clip_cov_metric_is_the_loss_it_trained_on():
+    """clip_cov leaves a random few tokens out; the pg_loss metric is computed on those same tokens."""
+    batch = random_batch(seed=7)
+    theta = batch.batch["old_log_probs"] + 0.3 * torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    cfg = load_config(None, ["data.max_response_length=8", "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+                             "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.3",
+                             "actor_rollout_ref.actor.policy_loss.clip_cov_lb=-3",
+                             "actor_rollout_ref.actor.policy_loss.clip_cov_ub=3"])
+    for seed in range(5):
+        torch.manual_seed(seed)
+        loss, metrics = make_actor_loss_fn(cfg)({"log_probs": theta}, batch)
+        assert float(metrics["actor/pg_clipfrac"]) > 0
+        assert float(metrics["actor/pg_loss"]) == pytest.approx(loss.item(), abs=1e-7)
+
+
 def test_variant_keys_reach_the_loss():
     """tau_pos / tau_neg (sapo) and dro_beta (dro) change the value: they are read, not just accepted."""
     batch = random_batch(seed=6)

@@ -85,6 +85,7 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
                 raise ValueError(f"loss_mode={actor.policy_loss.loss_mode} needs the batch's rollout_log_probs "
                                  "(the behaviour policy); the rollout engine must return log-probs")
             behav = {"behav_log_prob": b["rollout_log_probs"]}
+        rng = torch.get_rng_state()          # clip_cov draws its tokens: the metric below redraws the same
         pg_loss, metrics = policy_loss(old, log_prob, b["advantages"], mask, params, agg, is_weights=weights, **behav)
         loss = pg_loss
         if weights is not None:
@@ -92,7 +93,7 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
             if correction.rollout_is in MASKING:
                 metrics["rollout_corr/masked_token_fraction"] = torch.tensor(masked_token_fraction(weights, mask))
         metrics["actor/pg_loss"] = _local(policy_loss, old, log_prob, b["advantages"], mask, params, agg, weights,
-                                          **behav)
+                                          rng, **behav)
         if probe:
             metrics.update(rollout_mismatch_metrics(log_prob.detach(), b["rollout_log_probs"].to(log_prob.device),
                                                     mask))
@@ -118,9 +119,14 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
 
 
 @torch.no_grad()
-def _local(policy_loss, old, log_prob, adv, mask, params, agg, weights, **behav) -> torch.Tensor:
-    """The micro-batch's own policy loss value (for the metric), independent of global counts."""
+def _local(policy_loss, old, log_prob, adv, mask, params, agg, weights, rng, **behav) -> torch.Tensor:
+    """The micro-batch's own policy loss value (for the metric), independent of global counts. Run from
+    the generator state the loss started from (`rng`), so a loss that draws tokens draws the same ones,
+    and the generator is left where the loss left it."""
+    after = torch.get_rng_state()
+    torch.set_rng_state(rng)
     value, _ = policy_loss(old, log_prob.detach(), adv, mask, params, agg.local(), is_weights=weights, **behav)
+    torch.set_rng_state(after)
     return value
 
 
