@@ -47,11 +47,12 @@ PROMPTS = [PREFIX + p for p in ([5, 17, 42, 8, 9], [55, 12], [11, 12, 13, 14, 15
 SIZES_B = (0.5, 1.5, 3, 7, 14, 32, 72)   # dense model sizes, billions of parameters
 
 
-def sizes_that_fit(total_bytes: int, tp: int) -> dict[str, bool]:
+def sizes_that_fit(total_bytes: int, tp: int, utilization: float) -> dict[str, bool]:
     """Which dense bf16 models the check fits at `tp` on GPUs of `total_bytes`: the frozen policy
     and the engine's weights (2 bytes a parameter each, split over tp), plus 4 GiB of KV cache and
-    buffers, within 90% of the GPU."""
-    return {f"{b}B": 4 * b * 1e9 / tp + 4 * 2**30 <= 0.9 * total_bytes for b in SIZES_B}
+    buffers, within gpu_memory_utilization of the GPU (the engine's share, its weights included,
+    with the policy's weights already in use when it starts)."""
+    return {f"{b}B": 4 * b * 1e9 / tp + 4 * 2**30 <= utilization * total_bytes for b in SIZES_B}
 
 
 def model_eos(model: str) -> list[int]:
@@ -227,7 +228,8 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
     result["same_tokens_after_wake"] = before == after
     result["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
     if cuda:
-        result["sizes_that_fit"] = sizes_that_fit(torch.cuda.mem_get_info(rank)[1], world)
+        result["sizes_that_fit"] = sizes_that_fit(torch.cuda.mem_get_info(rank)[1], world,
+                                                  args["gpu_memory_utilization"])
     engine.close()
     state.destroy_model_parallel()
 
@@ -311,7 +313,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, help="an HF checkpoint directory (config.json + safetensors)")
     parser.add_argument("--out", default="trtllm_check_report")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    # verl's meaning: the engine's share of the GPU, weights included, with the frozen policy's
+    # weights counted as already in use (megarl/rollout/trtllm/resources.py kv_fraction).
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--tp", type=int, default=None, help="only this rollout TP (default: 1, and 2 where two GPUs)")
     opts = parser.parse_args(argv)

@@ -65,8 +65,8 @@ def test_the_checks_size_table_and_eos_ids(tmp_path):
     import json
 
     from benchmarks import trtllm_check
-    fit = trtllm_check.sizes_that_fit(80 * GIB, 1)
-    assert fit["14B"] and not fit["32B"] and trtllm_check.sizes_that_fit(80 * GIB, 4)["32B"]
+    fit = trtllm_check.sizes_that_fit(80 * GIB, 1, 0.85)
+    assert fit["14B"] and not fit["32B"] and trtllm_check.sizes_that_fit(80 * GIB, 4, 0.85)["32B"]
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert trtllm_check.model_eos(str(tmp_path)) == [2, 7]

@@ -28,6 +28,10 @@ back in wake(), after the refit, so it is never resident with a bucket in flight
 finalize_weights() and wake() reset the prefix cache (the worker extension's
 reset_prefix_cache), so block reuse never serves KV computed with other weights or lost in a sleep.
 
+A failed sync: TensorRT-LLM rewrites the live weights from a sync's first bucket on
+(pre_reload_weights), so any failure after it marks them mixed and generate() refuses until a full
+sync; builds with abort_update_weights get it on every worker (`_torn`).
+
 Ray: TensorRT-LLM's executor runs Ray inside the leader's process and shuts it down with the LLM
 (placement.py, `check_process_ray`); megarl's own Ray pools cannot share that process with it.
 """
