@@ -8,6 +8,7 @@ import sys
 
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
+from megarl.rollout.multiturn.executor import UserCodeExit
 from megarl.trainer.checkpointing import CheckpointSaveError
 from megarl.parallel.lifecycle import tell_launcher
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
@@ -65,8 +66,8 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
             print(err.detail, file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
-    except (RewardFailure, CheckpointSaveError, MetricsWriteError) as err:  # a reward, a full disk: one line
-        if rank == 0 or isinstance(err, CheckpointSaveError):
+    except (RewardFailure, CheckpointSaveError, MetricsWriteError, UserCodeExit) as err:  # one line each
+        if rank == 0 or isinstance(err, (CheckpointSaveError, UserCodeExit)):   # a tool runs on its group's leader
             print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
         tell_launcher(err)
         return 3

@@ -4,7 +4,9 @@
     results = ex.run(calls)        # one ToolResult(text, status) per call, in order; never raises
 
 Every problem becomes text for the model and a status the loop counts: parse_error, unknown_tool,
-no_implementation, bad_arguments, error (the tool raised), timeout, over_limit.
+no_implementation, bad_arguments, error (the tool raised), timeout, over_limit. One is not: a tool
+that tries to end its process (os._exit, sys.exit) stops the run with UserCodeExit naming it, as a
+reward that does so stops it (megarl/reward/scoring.py's exits_refused), never as a success.
 
 backend=thread: one thread per running call, at most `workers` at once. Python cannot kill a
 thread, so a call past its limit is abandoned (counted in `abandoned`) and keeps its thread until
@@ -22,11 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.parallel.actor_pool import ActorPool, Job
+from megarl.reward.scoring import RewardExit, exits_refused
 from megarl.rollout.multiturn.parser import ToolCall
 from megarl.rollout.multiturn.tools import Tool, load_implementation, tool_text
 
 STATUSES = ("ok", "parse_error", "unknown_tool", "no_implementation", "bad_arguments", "error", "timeout",
             "over_limit")
+
+
+class UserCodeExit(RuntimeError):
+    """A tool or an interaction tried to end its process; the run stops with this one line, non-zero."""
 
 
 @dataclass
@@ -71,6 +78,9 @@ class ToolExecutor:
             name = calls[i].name
             if status == "ok":
                 out[i] = ToolResult(value, "ok")
+            elif status == "exit":
+                raise UserCodeExit(f"tool {name!r} ({self.tools[name].implementation}) {value} while running a "
+                                   "call; a tool must return its output (or raise), not end the process")
             elif status == "timeout":
                 limit = self.tools[name].timeout_s or self.timeout_s
                 out[i] = ToolResult(f"Error: tool {name!r} timed out after {limit:g}s", "timeout")
@@ -88,8 +98,11 @@ class ToolExecutor:
 
 def _call(fn, arguments: dict[str, Any]) -> tuple[str, str]:
     try:
-        return "ok", tool_text(fn(**arguments))
-    except BaseException as err:  # the user's tool: anything it raises (SystemExit too) goes back to the model
+        with exits_refused():     # os._exit/sys.exit here would end the rank, with exit code 0
+            return "ok", tool_text(fn(**arguments))
+    except RewardExit as err:
+        return "exit", str(err)
+    except BaseException as err:  # the user's tool: anything else it raises goes back to the model
         return "error", f"{type(err).__name__}: {err}"[:1000]
 
 

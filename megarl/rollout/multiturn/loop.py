@@ -45,7 +45,8 @@ from megarl.protocol import DataProto
 from megarl.rollout.base import (Completion, RolloutEngine, SamplingParams, ShardSlice, guard_batch_prompts,
                                  pack_completions)
 from megarl.rollout.config import MultiTurnConfig
-from megarl.rollout.multiturn.executor import ToolExecutor, ToolResult
+from megarl.reward.scoring import RewardExit, exits_refused
+from megarl.rollout.multiturn.executor import ToolExecutor, ToolResult, UserCodeExit
 from megarl.rollout.multiturn.interactions import pick
 from megarl.rollout.multiturn.parser import CLOSE, ToolCall, end_of_call, parse_tool_calls
 from megarl.rollout.multiturn.render import Renderer, truncate_tokens
@@ -328,8 +329,7 @@ class AgentLoop(RolloutEngine):
                 asks.append((t, fn, text, after_eos))
         if not asks:
             return
-        replies = self._agree([fn(text, sample=t.sample, turn=t.turns) for t, fn, text, _ in asks]
-                              if self._leader() else None)
+        replies = self._agree([_ask(fn, text, t) for t, fn, text, _ in asks] if self._leader() else None)
         for (t, _, _, after_eos), reply in zip(asks, replies):
             if reply is None:
                 t.finish = "stop"
@@ -354,6 +354,17 @@ class AgentLoop(RolloutEngine):
                                                 tokenize=False, add_generation_prompt=True)
             out.append(self.tok.encode(text, add_special_tokens=False))
         return out
+
+
+def _ask(fn, text: str, t: Trajectory):
+    """An interaction's reply; one that tries to end the process stops the run naming it, not as a success."""
+    try:
+        with exits_refused():
+            return fn(text, sample=t.sample, turn=t.turns)
+    except RewardExit as err:
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        raise UserCodeExit(f"interaction {getattr(fn, '__module__', '')}.{name} {err} while replying; an "
+                           "interaction must return its reply (or None), not end the process") from None
 
 
 def _tools_kwargs(t: Trajectory):
