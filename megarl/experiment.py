@@ -39,7 +39,7 @@ from megarl.reward import config_checks as reward_rules
 from megarl.reward.config import CustomRewardFunctionConfig, RewardModelConfig
 from megarl.rollout import config_checks as rollout_rules
 from megarl.rollout.config import RolloutConfig
-from megarl.trainer.config import AsyncTrainingConfig, TrainerConfig
+from megarl.trainer.config import AsyncTrainingConfig, TrainerConfig, check_val_only
 from megarl.workers import config_checks as worker_rules
 from megarl.workers.config import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, RefConfig
 
@@ -225,7 +225,7 @@ RULES = (check_algorithm_names, algo_rules.check_group_size, algo_rules.check_cr
          worker_rules.check_layout_divides_ranks, worker_rules.check_one_layout, rollout_rules.check_rollout_tp,
          worker_rules.check_train_batch, worker_rules.check_mini_batches, rollout_rules.check_max_model_len,
          worker_rules.check_token_budgets, worker_rules.check_routing_replay, reward_rules.check_reward_model_keys,
-         check_transformer_overrides)
+         check_transformer_overrides, check_val_only)
 MODEL_RULES = (worker_rules.check_model_layout, rollout_rules.check_model_positions, worker_rules.check_model_spec,
                rollout_rules.check_model_rollout_tp, rollout_rules.check_model_head_dim,
                worker_rules.check_routing_replay_model)

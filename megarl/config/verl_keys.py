@@ -238,8 +238,6 @@ RULES: list[tuple[str, str]] = [
     ("trainer.critic_warmup", "critic warm-up steps are not implemented: the actor updates from the first step; "
                               "remove the key"),
     ("trainer.esi_redundant_time", "elastic-instance saving is not supported; set trainer.save_freq"),
-    ("trainer.val_only", "megarl has no validation-only mode; "
-                         "trainer.val_before_train=true validates before the first step"),
 ]
 
 

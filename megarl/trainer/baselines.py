@@ -6,11 +6,13 @@ then dropped). The loop asks the estimator, not its name, whether it takes basel
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from megarl.algos.advantages import get_adv_estimator
+from megarl.protocol import DataProto
+from megarl.trainer.generation import generate
 
 
 def takes_baselines(adv_estimator: str) -> bool:
@@ -27,3 +29,12 @@ def per_sample(prompt_uids: Sequence, prompt_scores: torch.Tensor, sample_uids: 
         raise RuntimeError(f"no greedy baseline for prompt uid {missing[0]!r}: the engine returned responses to "
                            "prompts it was not given")
     return torch.tensor([by_uid[str(u)] for u in sample_uids], dtype=prompt_scores.dtype)
+
+
+def add_reward_baselines(parts, ranks, prompts: DataProto, batch: DataProto, sampling, score: Callable) -> None:
+    """One greedy response per prompt, scored by `score` (the run's reward, its result on every
+    rank); its summed score goes on the prompt's samples as `reward_baselines`, and the greedy
+    batch is dropped."""
+    greedy = generate(parts.rollout, prompts, sampling.with_(n=1, do_sample=False), ranks, parts.pad_token_id)
+    scores = score(greedy).token_level_scores.sum(-1)
+    batch.batch["reward_baselines"] = per_sample(greedy.non_tensor_batch["uid"], scores, batch.non_tensor_batch["uid"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
 
 MAX_TIMEOUT_S = 365 * 24 * 3600
@@ -17,7 +18,7 @@ class TrainerConfig(Section):
     project_name: str = "megarl"
     experiment_name: str = "run"
     total_epochs: int = 1
-    total_training_steps: int | None = None  # None: epochs x batches per epoch
+    total_training_steps: int | None = None  # None: epochs x batches per epoch; 0: no step is trained
     seed: int = 1
 
     # Layout of the job: processes are nnodes x n_gpus_per_node (CPU slots on CPU).
@@ -41,6 +42,9 @@ class TrainerConfig(Section):
     # Validation and logging.
     test_freq: int = -1
     val_before_train: bool = True
+    # Evaluation only: validate the loaded (or resumed) weights, log val/* at that step and exit 0,
+    # training nothing (whatever val_before_train says).
+    val_only: bool = False
     logger: str | list[str] = field(default_factory=lambda: ["console"])  # console, tensorboard, wandb (one or a list)
     log_dir: str | None = None             # None: <default_local_dir>
     plot_reward_curve: bool = True
@@ -63,8 +67,8 @@ class TrainerConfig(Section):
             require(name in ("console", "tensorboard", "wandb", "jsonl"), "logger",
                     f"unknown logger {name!r}; use console, tensorboard or wandb")
         require(self.total_epochs >= 1, "total_epochs", "must be >= 1")
-        require(self.total_training_steps is None or self.total_training_steps >= 1,
-                "total_training_steps", "must be >= 1 or null")
+        require(self.total_training_steps is None or self.total_training_steps >= 0,
+                "total_training_steps", "must be >= 0 (0: train no step) or null (epochs x batches per epoch)")
         require(self.nnodes >= 1, "nnodes", "must be >= 1")
         require(self.n_gpus_per_node >= 1, "n_gpus_per_node", "must be >= 1")
         require(self.save_freq == -1 or self.save_freq >= 1, "save_freq", "must be -1 (never) or >= 1")
@@ -85,6 +89,18 @@ class TrainerConfig(Section):
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+
+def check_val_only(cfg) -> None:
+    """trainer.val_only needs something to validate, in the loop that runs validation itself."""
+    if not cfg.trainer.val_only:
+        return
+    if not cfg.data.val_files:
+        raise ConfigError("evaluates data.val_files, which is empty; set data.val_files=<file.jsonl|.parquet>",
+                          "trainer.val_only")
+    if cfg.rollout.placement == "disaggregated":
+        raise ConfigError("is not supported with rollout.placement=disaggregated (its rollout ranks validate "
+                          "between steps); use placement=colocated", "trainer.val_only")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from megarl.reward.manager import RewardFailure
 from megarl.rollout.multiturn import multiturn_metrics
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer import checkpointing
-from megarl.trainer.baselines import per_sample, takes_baselines
+from megarl.trainer.baselines import add_reward_baselines, takes_baselines
 from megarl.trainer.bypass import resolve_bypass
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import broadcast_object, generate, sampling_seed
@@ -53,7 +53,7 @@ class RLTrainer:
         self.bypass = resolve_bypass(cfg, ranks.device)   # skip the old-log-prob pass where it is redundant
         self.actor_loss = make_actor_loss_fn(cfg, mismatch_rows=self._first_mini_batch_rows())
         self.critic_loss = make_critic_loss_fn(cfg) if parts.critic else None
-        self.needs_baselines = takes_baselines(cfg.algorithm.adv_estimator)   # ReMax: a greedy response's score
+        self.needs_baselines = takes_baselines(cfg.algorithm.adv_estimator)
         eos = [parts.tokenizer.eos_token_id]
         self.sampling, self.val_sampling = train_sampling(cfg.rollout, eos), val_sampling(cfg.rollout, eos)
         self.timings: dict[str, float] = {}
@@ -70,6 +70,8 @@ class RLTrainer:
     def fit(self) -> None:
         self.resume()
         self.sync_weights()
+        if self.cfg.trainer.val_only:    # evaluation only: the loaded weights validated at their step
+            return self.log_metrics(self.step, self.validate())
         if self.cfg.trainer.val_before_train and self.step == 0:
             self.log_metrics(0, self.validate())
         while self.step < self.total_steps:
@@ -148,18 +150,10 @@ class RLTrainer:
         batch = generate(p.rollout, prompts, sampling, self.ranks, p.pad_token_id)
         if self.cfg.rollout.multi_turn.enable:
             self.extra.update(multiturn_metrics(batch))
-        if self.needs_baselines:
-            self.add_reward_baselines(prompts, batch, sampling)
+        if self.needs_baselines:     # ReMax: a greedy response's score per prompt (megarl/trainer/baselines.py)
+            add_reward_baselines(self.p, self.ranks, prompts, batch, sampling,
+                                 score=lambda greedy: self.reward_result(self.launch_rewards(greedy)))
         return batch
-
-    def add_reward_baselines(self, prompts: DataProto, batch: DataProto, sampling) -> None:
-        """ReMax's baseline (megarl/trainer/baselines.py): one greedy response per prompt, scored by
-        the run's reward; its summed score goes on the prompt's samples and the greedy batch is dropped."""
-        greedy = generate(self.p.rollout, prompts, sampling.with_(n=1, do_sample=False), self.ranks,
-                          self.p.pad_token_id)
-        scores = self.reward_result(self.launch_rewards(greedy)).token_level_scores.sum(-1)
-        batch.batch["reward_baselines"] = per_sample(greedy.non_tensor_batch["uid"], scores,
-                                                     batch.non_tensor_batch["uid"])
 
     def launch_rewards(self, batch: DataProto):
         """Start scoring on rank 0 (in a Ray pool when reward_model.launch_reward_fn_async)."""
