@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
 import time
 
 from megarl.config import ConfigError
@@ -22,6 +23,7 @@ from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.launcher.output import RankOutput
 from megarl.launcher.preflight_run import tighten_run_dir, tokenizer_available
+from megarl.parallel.own_lines import RECORDS_ENV, own_line
 from megarl.parallel.lifecycle import LOCK_HELD_ENV, RunDirLock, die_with_parent, exit_now, tell_launcher
 from megarl.parallel.supervise import LogCopy, run_tree
 from megarl.storage.durable import make_private_dir
@@ -63,7 +65,11 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
     log_path = os.path.join(log_dir, f"megarl-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     print(f"megarl: starting {nproc} process{'es' if nproc > 1 else ''}; log {log_path}", flush=True)
     log = LogCopy(log_path)
-    echo = RankOutput(sys.stdout.buffer, log_path)   # a rank's config error ends the console copy
+    # The ranks record their status lines here (own_line): only those end the console's copy.
+    records_fd, records = tempfile.mkstemp(dir=log_dir, prefix=".own-lines-")
+    os.close(records_fd)
+    env[RECORDS_ENV] = records
+    echo = RankOutput(sys.stdout.buffer, log_path, records)   # a rank's config error ends the console copy
 
     def copy(chunk: bytes) -> None:
         try:
@@ -76,6 +82,7 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
         return echo.exit_code(run_tree(cmd, env, copy))
     finally:
         log.close()
+        os.unlink(records)
         lock.release()
 
 
@@ -94,7 +101,7 @@ def single_process_env() -> dict[str, str]:
 def config_error(err: ConfigError) -> int:
     """One line on stderr (from rank 0 only, when ranks run it), exit code 2."""
     if _rank() == 0:
-        print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
+        own_line(f"megarl: config error: {err}")
     if _launched_by_a_launcher() and "TORCHELASTIC_ERROR_FILE" in os.environ:
         tell_launcher(err)
     return 2

@@ -235,7 +235,9 @@ def test_a_rank_config_error_is_the_last_console_line(tmp_path):
     """Once a rank prints its config error, torchrun's tracebacks go to the log, not the console."""
     import io
     console = io.BytesIO()
-    echo = RankOutput(console, "run/logs/megarl-1.log")
+    records = tmp_path / "own-lines"                 # what the rank recorded as its own (own_line)
+    records.write_text("megarl: config error: data.train_files: x; fix\n")
+    echo = RankOutput(console, "run/logs/megarl-1.log", str(records))
     for chunk in (b"megarl: starting 2 processes\nmegarl: config error: data.train_files: x; fix", b"\nTraceback (most",
                   b" recent call last):\n  File ...\ntorch.distributed.elastic...ChildFailedError\n"):
         echo.write(chunk)

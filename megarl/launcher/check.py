@@ -32,6 +32,7 @@ from megarl.experiment import ExperimentConfig
 from megarl.parallel.shared_storage import check_shared_dir
 from megarl.trainer.launch_env import rank_env
 from megarl.launcher.cli import load_checked, parse_args
+from megarl.parallel.own_lines import own_line
 from megarl.trainer.metrics import MetricsLogger
 
 LATEST = "latest_checkpointed_iteration.txt"  # verl's name for the pointer to the newest step
@@ -98,7 +99,7 @@ def run(cfg: ExperimentConfig) -> int:
     try:
         check_shared_dir(run_dir)
     except ConfigError as err:
-        print(f"megarl: config error: {err}", file=sys.stderr, flush=True)
+        own_line(f"megarl: config error: {err}")
         dist.destroy_process_group()
         return 2
     total = tr.total_training_steps or 10
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_checked(args.config, args.overrides, check_all=False)
             rank_env(cfg)
         except ConfigError as err:
-            print(f"megarl: config error: {err}", file=sys.stderr)
+            own_line(f"megarl: config error: {err}")
             return 2
         return run(cfg)
 

@@ -2,7 +2,14 @@
 memory, or that a stop signal stopped the run, the console keeps that one line and stops there
 (torchrun's tracebacks about the stopped ranks go to the log only).
 
-    echo = RankOutput(sys.stdout.buffer); echo.write(chunk) ...; code = echo.exit_code(proc.wait())
+    echo = RankOutput(sys.stdout.buffer, log_path, records); echo.write(chunk) ...; echo.exit_code(proc.wait())
+
+Only megarl's own lines count: a rank records each of its status lines in the launcher's file
+`records` before printing it (megarl/parallel/own_lines.py), and a line that reads like one but is
+not in the file (a data row, a reward's print) is just output. Native code's out-of-memory words
+cannot be recorded: they count only if the run then fails with no status line of megarl's, and the
+lines after them are held, not dropped, until the run shows it goes on (a progress line, or
+megarl's own line).
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ NATIVE_OOM = re.compile(rb"memory allocation of \d+ bytes failed|memory allocati
 # that cannot map, an allocation inside a C++ library that throws its own error type).
 ABORTED = b"Fatal Python error: Aborted"
 FRAME = re.compile(rb'File "[^"]*/(megarl/[^"]+)", line (\d+)')
+PROGRESS = re.compile(rb"^step \d+(/\d+)? \|")        # megarl/trainer/metrics.py progress_line: a step ended
+HOLD_LINES = 5000
 
 
 def limit_note() -> str:
@@ -49,33 +58,61 @@ def native_out_of_memory(line: bytes) -> bytes | None:
     return None
 
 
+def status_line(line: bytes) -> bool:
+    """Reads as one of the ranks' status lines that end the console's copy."""
+    return line.startswith(b"megarl: ") and MARK in line or line.startswith(STOPPED) or bool(OOM.match(line))
+
+
 class RankOutput:
-    def __init__(self, console, log_path: str | None = None):
-        self.console, self.log_path = console, log_path
+    def __init__(self, console, log_path: str | None, records: str):
+        self.console, self.log_path, self.records = console, log_path, records
         self.pending = b""
         self.error_line: bytes | None = None
         self.native: bytes | None = None      # a native out-of-memory line, then where
         self.where: bytes | None = None
+        self.held: list[bytes] = []           # lines after a native one, until the run shows it goes on
+
+    def own(self, line: bytes) -> bool:
+        """`line` is in the records file: a megarl process wrote it (own_line)."""
+        try:
+            with open(self.records, "rb") as f:
+                return line.rstrip(b"\r") in f.read().split(b"\n")
+        except OSError:
+            return False
 
     def write(self, chunk: bytes) -> None:
         self.pending += chunk
         *lines, self.pending = self.pending.split(b"\n")
         for line in lines:
-            if self.native is not None:
-                if self.where is None and (m := FRAME.search(line)):
-                    self.where = m.group(1) + b":" + m.group(2)
-                if self.native == b"aborted":          # the other rank's words may come after
-                    self.native = native_out_of_memory(line.strip()) or self.native
-                continue
             if self.error_line is not None:
                 continue
-            if (words := native_out_of_memory(line.strip())) is not None:
+            # A line megarl's processes recorded: the run's own word, which beats an allocator's.
+            mine = line.startswith(b"megarl: ") and self.own(line)
+            if self.native is not None and not mine:
+                if PROGRESS.match(line) or len(self.held) >= HOLD_LINES:
+                    self._release()          # a step ended (or a dying rank says no more): the run goes on
+                else:
+                    self.held.append(line)
+                    if self.where is None and (m := FRAME.search(line)):
+                        self.where = m.group(1) + b":" + m.group(2)
+                    if self.native == b"aborted":          # the other rank's words may come after
+                        self.native = native_out_of_memory(line.strip()) or self.native
+                    continue
+            if self.native is None and (words := native_out_of_memory(line.strip())) is not None:
                 self.native = words
+                self.held = [line]
                 continue
+            if mine:
+                self._release()
+                if status_line(line):
+                    self.error_line = line
             self.console.write(line + b"\n")
-            if line.startswith(b"megarl: ") and MARK in line or line.startswith(STOPPED) or OOM.match(line):
-                self.error_line = line
         self.console.flush()
+
+    def _release(self) -> None:
+        for line in self.held:
+            self.console.write(line + b"\n")
+        self.native, self.where, self.held = None, None, []
 
     def exit_code(self, code: int) -> int:
         """The ranks' exit code; 2 once one reported a config error, 5 once one ran out of memory."""
@@ -89,8 +126,9 @@ class RankOutput:
                                f"(the data, the model's size per rank: tensor_model_parallel_size){where}\n".encode())
             self.console.flush()
             return OOM_EXIT_CODE
+        self._release()
         if self.error_line is None or self.error_line.startswith(STOPPED):
-            if self.pending and self.error_line is None and self.native is None:
+            if self.pending and self.error_line is None:
                 self.console.write(self.pending)
                 self.console.flush()
             return code

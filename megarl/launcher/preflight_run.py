@@ -16,11 +16,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
 import tempfile
 
 from megarl.config.errors import ConfigError
 from megarl.data.dataset import check_prompt
 from megarl.models.spec import ModelSpec
+from megarl.reward.rules import check_data_sources, rule_for
+from megarl.storage.durable import make_private_dir
 
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -122,7 +125,6 @@ def check_output_paths(cfg) -> None:
 
 
 def _check_writable_dir(path: str, key: str) -> None:
-    from megarl.storage.durable import make_private_dir   # as the ranks create it (mode 0700)
     try:
         make_private_dir(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
@@ -153,7 +155,6 @@ def check_engine_kwarg_values(cfg) -> None:
 def check_data_sources_scored(cfg) -> None:
     """With the built-in scorers, every distinct data source of every row has a rule: --check scores one
     row, and a source first seen at step 40 would stop the run there. Reads only that column."""
-    from megarl.reward.rules import check_data_sources, rule_for   # no torch
     rm, crf = cfg.reward_model, cfg.custom_reward_function
     if rm.enable or rm.reward_manager != "naive" or crf.path or (cfg.data.custom_cls or {}).get("path"):
         return                                   # the user's scorer or dataset: it knows its sources
@@ -204,7 +205,6 @@ def tighten_run_dir(path: str) -> str | None:
     """A run directory made beforehand with the shell's umask (0755) lets others read the run's
     config, logs and dumps: it is made 0700, and the line saying so is returned. One that others
     can write is refused before this (preflight.check_run_dir_private: no resume would trust it)."""
-    import stat
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:

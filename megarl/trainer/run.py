@@ -8,9 +8,9 @@ import sys
 
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
-from megarl.rollout.multiturn.executor import UserCodeExit
 from megarl.trainer.checkpointing import CheckpointSaveError
 from megarl.parallel.lifecycle import tell_launcher
+from megarl.parallel.own_lines import own_line
 from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
 from megarl.trainer.fit import BadStepLimit, RLTrainer
 from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
@@ -45,9 +45,8 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         else:
             parts = build_parts(cfg, ranks, log)
         log.total_steps = parts.total_steps
-        plan = ("trainer.val_only: validates the loaded weights, trains nothing" if tr.val_only else
-                f"{parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}")
-        log.info(f"megarl: {plan}; run dir {tr.default_local_dir}")
+        log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
+                 f"run dir {tr.default_local_dir}")
         trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
         trainer.stop = stop
         if ranks.is_main:   # after a successful resume: a refused one leaves the run's record as it was
@@ -61,28 +60,27 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
                 plot_after_run(tr.log_dir or tr.default_local_dir, log.info)
             log.close()
     except ConfigError as err:
-        print(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}",
-              file=sys.stderr, flush=True)
+        own_line(f"megarl: config error: {err}" if rank == 0 else f"megarl: rank {rank}: config error: {err}")
         if err.detail:
             print(err.detail, file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
-    except (RewardFailure, CheckpointSaveError, MetricsWriteError, UserCodeExit) as err:  # one line each
-        if rank == 0 or isinstance(err, (CheckpointSaveError, UserCodeExit)):   # a tool runs on its group's leader
-            print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+    except (RewardFailure, CheckpointSaveError, MetricsWriteError) as err:  # a reward, a full disk: one line
+        if rank == 0 or isinstance(err, CheckpointSaveError):
+            own_line(f"megarl: stopped: {err}")
         tell_launcher(err)
         return 3
     except Stopped as err:
         if rank == 0:
-            print(f"megarl: {err}", file=sys.stderr, flush=True)
+            own_line(f"megarl: {err}")
         return EXIT_CODE
     except BadStepLimit as err:
-        print(f"megarl: stopped: {err}", file=sys.stderr, flush=True)
+        own_line(f"megarl: stopped: {err}")
         return 3
     except (MemoryError, RuntimeError) as err:
         if is_out_of_memory(err):      # one line: which phase, what to lower (start-up where no step ran)
             line = f"rank {rank}: {as_out_of_memory('start-up', err)}"
-            print(f"megarl: stopped: {line}", file=sys.stderr, flush=True)
+            own_line(f"megarl: stopped: {line}")
             tell_launcher(RuntimeError(line))
             return 5
         if not _collective_timed_out(err):
@@ -90,7 +88,7 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         # One line instead of torch's trace: the cause is a peer (stopped, hung or far slower), not this rank.
         line = (f"rank {rank}: a collective waited past trainer.collective_timeout_s={tr.collective_timeout_s:g}s "
                 "for another rank; find the rank that stopped (or raise trainer.collective_timeout_s)")
-        print(f"megarl: stopped: {line}", file=sys.stderr, flush=True)
+        own_line(f"megarl: stopped: {line}")
         tell_launcher(RuntimeError(line))
         return 4
     finally:

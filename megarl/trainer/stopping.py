@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 import torch
 import torch.distributed as dist
+
+from megarl.parallel.own_lines import own_line
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_CODE = 128 + signal.SIGTERM
@@ -61,7 +62,7 @@ class StopRequest:
         return bool(flag.item())
 
     def _grace_passed(self) -> None:
-        print(f"megarl: stopped by {self.name}: no step ended within trainer.stop_grace_s={self.grace_s:g}s, so "
-              "nothing was saved; the same command resumes from the last checkpoint (raise trainer.stop_grace_s "
-              "to save on a stop)", file=sys.stderr, flush=True)
+        own_line(f"megarl: stopped by {self.name}: no step ended within trainer.stop_grace_s={self.grace_s:g}s, so "
+                 "nothing was saved; the same command resumes from the last checkpoint (raise trainer.stop_grace_s "
+                 "to save on a stop)")
         os._exit(EXIT_CODE)      # the main thread may be stuck in a collective: end the process from here

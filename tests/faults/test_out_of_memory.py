@@ -57,10 +57,14 @@ def test_out_of_memory_under_ulimit_v_is_one_line_naming_phase_and_fix():
         assert "GiB (ulimit -v)" in line and "\n" not in line and "Traceback" not in line
 
 
-def console_of(chunks: list[bytes], code: int) -> tuple[int, list[str]]:
+def console_of(chunks: list[bytes], code: int, own: tuple[str, ...] = ()) -> tuple[int, list[str]]:
+    """The launcher's console for `chunks`; `own`: the lines the ranks recorded as megarl's (own_line)."""
     import io
+    import tempfile
     console = io.BytesIO()
-    echo = RankOutput(console, "run/logs/megarl-1.log")
+    with tempfile.NamedTemporaryFile("w", suffix=".own-lines", delete=False) as f:
+        f.write("".join(line + "\n" for line in own))
+    echo = RankOutput(console, "run/logs/megarl-1.log", f.name)
     for chunk in chunks:
         echo.write(chunk)
     return echo.exit_code(code), console.getvalue().decode().splitlines()
@@ -70,7 +74,7 @@ def test_the_launcher_ends_on_a_ranks_out_of_memory_line_with_exit_code_5():
     line = ("megarl: stopped: rank 1: ran out of memory during gen (can't allocate memory) under an address-space "
             "limit of 1.9 GiB (ulimit -v); lower data.train_batch_size")
     code, lines = console_of([b"step 1/2 | reward 0.5\n", line.encode() + b"\nTraceback (most recent call last):\n",
-                              b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"], 1)
+                              b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"], 1, (line,))
     assert code == 5 and lines == ["step 1/2 | reward 0.5", line,
                                    "megarl: stopped the ranks; the ranks' full output is in run/logs/megarl-1.log"]
     # native code that aborts the rank (HF tokenizers' Rust allocator): its words and the innermost megarl frame
