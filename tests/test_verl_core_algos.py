@@ -49,6 +49,9 @@ def _core_algos():
     its batch and timing helpers; the loss, advantage and KL functions never call them, so those two
     stand in as names that raise when used, and only while the import runs."""
     root = os.path.dirname(importlib.machinery.PathFinder.find_spec("verl").origin)
+    # another oracle test may have left verl.utils as a bare package (its __init__ not run); ours needs it run
+    if "verl.utils" in sys.modules and getattr(sys.modules["verl.utils"], "__file__", None) is None:
+        del sys.modules["verl.utils"]
     if "verl" not in sys.modules or not hasattr(sys.modules["verl"], "__path__"):
         package = types.ModuleType("verl")
         package.__path__ = [root]
