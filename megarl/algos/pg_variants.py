@@ -22,9 +22,6 @@ import torch
 from megarl.algos.losses import Aggregator, ClipParams, register_policy_loss
 from megarl.algos.tensor_ops import masked_mean
 
-_ZERO = 0.0
-
-
 def _log_ratio(old_log_prob, log_prob, clamp: bool = True) -> torch.Tensor:
     log_ratio = log_prob - old_log_prob
     return log_ratio.clamp(-20.0, 20.0) if clamp else log_ratio
