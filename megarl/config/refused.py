@@ -216,6 +216,64 @@ def check_reward_kwargs(merged: dict, lengths: list[tuple[str, Any]]) -> None:
                               f"{key} to it or remove the key", key)
 
 
+# verl's fully-async and one-step-off-policy recipes (verl/experimental/fully_async_policy/config/
+# fully_async_ppo_megatron_trainer.yaml, 0.9.1): keys whose meaning megarl's async_training does not share.
+# key -> (accepted values, the rest of the one-line error)
+_DYNAMIC = "verl's dynamic resource scheduling (rollout replicas on trainer GPUs) is not implemented; remove the key"
+RECIPE_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "async_training.staleness_threshold": (
+        (), "verl's fraction of extra samples the rollouter may queue per weight sync; megarl bounds staleness in "
+            "policy versions: set async_training.max_staleness (how many versions a sample may lag the weights "
+            "trained on; 1 is one-step-off-policy) instead"),
+    "async_training.trigger_parameter_sync_step": (
+        (1,), "megarl sends the weights to the rollout ranks after every trainer step; to let generation run "
+              "further ahead raise async_training.max_staleness instead"),
+    "async_training.require_batches": (
+        (1,), "megarl's trainer takes one data.train_batch_size batch a step (ppo_mini_batch_size splits it); "
+              "remove the key"),
+    "async_training.use_trainer_do_validate": (
+        (False,), "megarl's rollout ranks validate between steps (trainer.test_freq); remove the key"),
+    "async_training.use_dynamic_resource_scheduling": ((False,), _DYNAMIC),
+    "async_training.dynamic_schedule_policy": (("default",), _DYNAMIC),
+    "async_training.dynamic_schedule_deactivate_ratio": ((0.3,), _DYNAMIC),
+    "async_training.dynamic_schedule_enable_rebalance": ((True,), _DYNAMIC),
+    "async_training.concurrent_samples_per_replica": (
+        (16,), "megarl's engines take a whole batch per call, not a number of concurrent requests; remove the key"),
+    "rollout.total_rollout_steps": ((), "set trainer.total_training_steps (trainer steps) instead"),
+    # HF's from_pretrained argument, which verl users write under model: (verl's trees have no such key)
+    **{f"{role}.model.torch_dtype": (
+        (), "megarl's roles compute in actor_rollout_ref.actor.dtype (auto: bf16 on GPU, fp32 on CPU; the critic "
+            "and reference follow it) and its engine in actor_rollout_ref.rollout.dtype; set those instead")
+       for role in ("actor_rollout_ref", "critic")},
+}
+# verl's rollout pool beside the trainer's: megarl's disaggregated placement, with the trainer's ranks counting both
+POOL = ("rollout.nnodes", "rollout.n_gpus_per_node")
+
+
+def refuse_recipe_keys(raw: dict) -> dict:
+    """One line for the first verl async-recipe key whose meaning megarl's keys do not share; the rest of `raw`."""
+    for key, (accepted, why) in RECIPE_KEYS.items():
+        present, value = _get(raw, key)
+        if present and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+            raise ConfigError(f"{value!r} is not supported: {why}", key)
+        if present:
+            del _parent(raw, key)[key.rsplit(".", 1)[1]]
+            _prune(raw, key.rsplit(".", 1)[0])
+    pool = [_get(raw, k) for k in POOL]
+    if any(present for present, _ in pool):
+        nodes, gpus = (v if present and isinstance(v, int) else 1 for present, v in pool)
+        _, t_nodes = _get(raw, "trainer.nnodes")
+        _, t_gpus = _get(raw, "trainer.n_gpus_per_node")
+        trainer = (t_nodes if isinstance(t_nodes, int) else 1) * (t_gpus if isinstance(t_gpus, int) else 1)
+        n = nodes * gpus
+        raise ConfigError(f"verl's rollout pool of {n} GPUs ({' x '.join(POOL)}) beside the trainer's is megarl's "
+                          f"actor_rollout_ref.rollout.placement=disaggregated actor_rollout_ref.rollout."
+                          f"disaggregated_ranks={n}, with trainer.nnodes x trainer.n_gpus_per_node counting both sides "
+                          f"({trainer} + {n}); set those and remove rollout.*",
+                          next(k for k, (present, _) in zip(POOL, pool) if present))
+    return raw
+
+
 def moved_from(key: str) -> str | None:
     """megarl's key for a leaf under a MOVED verl section, else None."""
     for src, dst in MOVED.items():

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.hydra_flags import refuse_hydra_flags, refuse_hydra_sections  # noqa: F401 (megarl/train.py and experiment.py import them here)
 from megarl.config.refused import MOVED, REFUSED, RENAMED
 from megarl.config.typed import all_keys, open_keys
 
@@ -60,6 +61,9 @@ _DISTILL = ("distillation from a teacher model is not implemented; megarl trains
 _V1 = ("megarl has one trainer, not verl's v1/legacy choice; overlap generation with training through "
        "actor_rollout_ref.rollout.placement=disaggregated and async_training.* (max_staleness); remove the key")
 
+_POOL = ("the rollout runs on the training ranks, or on ranks of its own: actor_rollout_ref.rollout.placement="
+         "disaggregated with actor_rollout_ref.rollout.disaggregated_ranks=<GPUs>, counted in trainer.n_gpus_per_node "
+         "x trainer.nnodes; remove the key")
 _ENGINE = ("megarl trains with megatron-core, not verl's {} engine (model_engine={}); set the layout and offload "
            "under <role>.megatron; remove the key")
 
@@ -179,11 +183,7 @@ RULES: list[tuple[str, str]] = [
     ("actor_rollout_ref.rollout.disaggregation.*", "prefill/decode disaggregation of a vLLM/SGLang server is not "
                                                    "supported; to give generation ranks of their own set "
                                                    "actor_rollout_ref.rollout.placement=disaggregated"),
-    ("actor_rollout_ref.rollout.nnodes", "the rollout runs on the training ranks, or on the ranks "
-                                         "actor_rollout_ref.rollout.placement=disaggregated gives it; remove the key"),
-    ("actor_rollout_ref.rollout.n_gpus_per_node", "the rollout runs on the training ranks, or on the ranks "
-                                                  "actor_rollout_ref.rollout.placement=disaggregated gives it; "
-                                                  "remove the key"),
+    ("actor_rollout_ref.rollout.nnodes", _POOL), ("actor_rollout_ref.rollout.n_gpus_per_node", _POOL),
     ("actor_rollout_ref.rollout.checkpoint_engine.*", "choose megarl's weight transport with "
                                                       "actor_rollout_ref.rollout.checkpoint_engine.backend; "
                                                       "remove the key"),
@@ -383,31 +383,3 @@ def same_section_hint(path: str, known) -> str | None:
     siblings = {k.rpartition(".")[2]: k for k in hint_keys(known) if k.rpartition(".")[0] == parent}
     match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
     return siblings[match[0]] if match else None
-
-
-HYDRA_FLAGS = ("--config-name", "--config-path", "--config-dir", "-cn", "-cp", "-cd")
-
-
-def refuse_hydra_flags(argv: list[str]) -> None:
-    """verl's Hydra flags get one line on megarl's --config instead of argparse's bare usage error."""
-    for arg in argv:
-        if arg.split("=", 1)[0] in HYDRA_FLAGS:
-            raise ConfigError(f"{arg.split('=', 1)[0]} is Hydra's (verl's) flag; megarl takes one YAML file, "
-                              "--config path/to/file.yaml (it may name a base:), then key=value overrides, e.g. "
-                              "--config configs/ppo_gsm8k_qwen2.5_7b.yaml data.train_batch_size=64")
-
-
-# Hydra's own top-level sections in verl's YAML files, and what a megarl config says instead
-HYDRA_SECTIONS = {
-    "hydra": "is Hydra's section of verl's YAML, which megarl does not run; remove it (hydra.run.dir's "
-             "directory is trainer.default_local_dir here)",
-    "defaults": "is Hydra's composition list of verl's YAML; megarl composes with one `base: other.yaml` "
-                "(merged under this file); replace the list with base: or remove it",
-}
-
-
-def refuse_hydra_sections(raw: dict) -> None:
-    """verl's `hydra:` and `defaults:` sections get one line each instead of 'unknown key'."""
-    for key, why in HYDRA_SECTIONS.items():
-        if key in raw:
-            raise ConfigError(why, key)
