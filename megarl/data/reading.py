@@ -119,10 +119,32 @@ def _read_parquet(path: str) -> FileRows:
         table = pq.read_table(path)
     except Exception as err:
         raise ValueError(f"{path}: cannot read parquet ({type(err).__name__}: {err})") from None
-    for number, row in enumerate(table.to_pylist(), start=1):
-        out.total += 1
-        _add(out, f"row {number}", row)
+    number = 0
+    for batch in table.to_batches():
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:     # a string column holds bytes that are not UTF-8: found row by row
+            rows = [_parquet_row(batch, i) for i in range(batch.num_rows)]
+        for row in rows:
+            number += 1
+            out.total += 1
+            if isinstance(row, BadRow):
+                out.bad.append(BadRow(path, f"row {number}", row.reason))
+            else:
+                _add(out, f"row {number}", row)
     return out
+
+
+def _parquet_row(batch, i: int) -> dict | BadRow:
+    """Row `i` of a record batch, or why it cannot be read (as JSONL names a line that is not UTF-8)."""
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column[i].as_py()
+        except UnicodeDecodeError as err:
+            return BadRow("", "", f"bytes that are not UTF-8 in column '{name}' at byte {err.start + 1}; re-save "
+                                  "the file with UTF-8 strings")
+    return row
 
 
 def _add(out: FileRows, where: str, row: Any) -> None:

@@ -76,7 +76,10 @@ def check_columns(path: str, key: str, prompt_key: str) -> None:
         if prompt_key in names:
             table = pq.ParquetFile(path).read_row_group(0, columns=[prompt_key]) if pq.ParquetFile(
                 path).num_row_groups else None
-            first = table.slice(0, 1).to_pylist()[0] if table is not None and table.num_rows else None
+            try:
+                first = table.slice(0, 1).to_pylist()[0] if table is not None and table.num_rows else None
+            except UnicodeDecodeError:       # not UTF-8: the dataset names and skips that row (data/reading.py)
+                first = None
     else:
         first = _first_json_row(path, ext)
         names = sorted(first) if isinstance(first, dict) else []
@@ -176,8 +179,14 @@ def _first_of_each(path: str, column: str) -> dict:
         import pyarrow.parquet as pq  # optional dependency: only for .parquet files
         if column not in pq.read_schema(path).names:
             return {None: "row 1"}
-        for number, value in enumerate(pq.read_table(path, columns=[column]).column(column).to_pylist(), 1):
-            found.setdefault(_hashable(value), f"row {number}")
+        cells = pq.read_table(path, columns=[column]).column(column)
+        try:
+            values = cells.to_pylist()
+        except UnicodeDecodeError:           # not UTF-8: the dataset names and skips such rows
+            values = [_utf8_or_skip(cell) for cell in cells]
+        for number, value in enumerate(values, 1):
+            if value is not _SKIP:
+                found.setdefault(_hashable(value), f"row {number}")
         return found
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         text = f.read()
@@ -195,6 +204,16 @@ def _first_of_each(path: str, column: str) -> dict:
         if isinstance(row, dict):
             found.setdefault(_hashable(row.get(column)), where)
     return found
+
+
+_SKIP = object()
+
+
+def _utf8_or_skip(cell):
+    try:
+        return cell.as_py()
+    except UnicodeDecodeError:
+        return _SKIP
 
 
 def _hashable(value):
