@@ -38,14 +38,22 @@ def test_val_only_validates_the_resumed_weights_and_zero_steps_train_nothing(add
     assert code == 0, out[-3000:]
     saved = step_digests(run / "global_step_1")
 
+    # verl's main_generation (n samples per prompt written out) as megarl runs it: sampled validation,
+    # dumped to trainer.validation_data_dir/<step>.jsonl
     code, out = finish(train(overrides(addition_model_dir, run, *common, "trainer.total_training_steps=1",
-                                       "trainer.val_only=true", "trainer.val_before_train=false")))
+                                       "trainer.val_only=true", "trainer.val_before_train=false",
+                                       "actor_rollout_ref.rollout.val_kwargs.n=2",
+                                       "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                                       "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+                                       f"trainer.validation_data_dir={tmp_path / 'gen'}")))
     assert code == 0, out[-3000:]
     assert "trainer.val_only: validates the loaded weights, trains nothing" in out
     rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == [1, 1]
     assert "actor/pg_loss" in rows[0] and "val/accuracy" not in rows[0]
-    assert rows[1]["val/samples"] == 16 and "actor/pg_loss" not in rows[1]
+    assert rows[1]["val/samples"] == 32 and "actor/pg_loss" not in rows[1]
+    dumped = [json.loads(line) for line in open(tmp_path / "gen" / "1.jsonl")]
+    assert len(dumped) == 32 and len({d["input"] for d in dumped}) == 16
     assert sorted(p for p in os.listdir(run) if p.startswith("global_step_")) == ["global_step_1"]
     assert step_digests(run / "global_step_1") == saved          # nothing trained, nothing saved
 
