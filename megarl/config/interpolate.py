@@ -147,7 +147,8 @@ def resolve(root: dict, unset: Callable[[str], tuple[bool, Any]] = _no_default) 
                 raise ConfigError(f"references form a cycle: {' -> '.join((*stack, ref))}", where)
             if ref not in done:
                 target = _lookup(root, ref, where, unset)
-                done[ref] = walk(target, ref, (*stack, ref)) if isinstance(target, str) else target
+                # a section (or list) is copied with its own references resolved, as a string is
+                done[ref] = walk(target, ref, (*stack, ref)) if isinstance(target, (str, dict, list)) else target
             return done[ref]
 
         refs = _references(text)

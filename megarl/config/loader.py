@@ -100,12 +100,60 @@ def deep_merge(into: dict, new: dict) -> dict:
     return out
 
 
-def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
+# A chain of bases: verl's deepest composed config is 3 levels; a file listed twice is read once.
+MAX_BASE_DEPTH = 32
+MAX_BASE_FILES = 256
+
+
+class _Chain:
+    """One load's files: each parsed and merged once (by absolute path), their count and bytes bounded."""
+
+    def __init__(self, top: str):
+        self.top, self.bytes = top, 0
+        self.merged: dict[str, dict] = {}
+
+    def refuse(self, stack: tuple[str, ...], what: str, fix: str) -> ConfigError:
+        chain = " -> ".join(os.path.basename(p) for p in stack)
+        return ConfigError(f"{self.top}: config bases {what} ({chain}); {fix}")
+
+
+def read_yaml(path: str) -> dict:
     """One config file with its bases resolved, as a plain dict."""
     path = os.path.abspath(path)
-    if path in _seen:
-        chain = " -> ".join(os.path.basename(p) for p in (*_seen, path))
-        raise ConfigError(f"config bases form a cycle ({chain}); remove one '{BASE_KEY}:' entry")
+    return _read(path, (path,), _Chain(path))
+
+
+def _read(path: str, stack: tuple[str, ...], chain: _Chain) -> dict:
+    if path in chain.merged:                     # listed again (a diamond, or the same file twice)
+        return chain.merged[path]
+    if len(stack) > MAX_BASE_DEPTH:
+        raise chain.refuse(stack[:3] + ("...",) + stack[-2:], f"nest over {MAX_BASE_DEPTH} levels",
+                           "flatten the chain: a base may list several files")
+    if len(chain.merged) >= MAX_BASE_FILES:
+        raise chain.refuse(stack, f"name over {MAX_BASE_FILES} files", "merge some of them")
+    chain.bytes += os.path.getsize(path) if os.path.isfile(path) else 0
+    if chain.bytes > MAX_BYTES:              # before parsing: YAML reads about 1 MB a second
+        raise chain.refuse(stack, f"hold over {MAX_BYTES >> 20} MiB together", "a config holds keys, not data")
+    data = _parse(path)
+    resolve_file_paths(data, os.path.dirname(path))
+    bases = data.pop(BASE_KEY, None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    merged: dict = {}
+    for base in bases:
+        base_path = os.path.abspath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
+        real = os.path.realpath(base_path)
+        if not real.endswith((".yaml", ".yml")):   # a link to /etc/shadow: refused by name, never read
+            raise ConfigError(f"{path}: {BASE_KEY}: {base} is {real}, not a .yaml/.yml file; a base is another "
+                              "megarl config")
+        if base_path in stack:
+            raise chain.refuse((*stack, base_path), "form a cycle", f"remove one '{BASE_KEY}:' entry")
+        merged = deep_merge(merged, _read(base_path, (*stack, base_path), chain))
+    chain.merged[path] = deep_merge(merged, data)
+    return chain.merged[path]
+
+
+def _parse(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}; check the --config path")
     size = os.path.getsize(path)
@@ -121,19 +169,7 @@ def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    resolve_file_paths(data, os.path.dirname(path))
-    bases = data.pop(BASE_KEY, None) or []
-    if isinstance(bases, str):
-        bases = [bases]
-    merged: dict = {}
-    for base in bases:
-        base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-        real = os.path.realpath(base_path)
-        if not real.endswith((".yaml", ".yml")):   # a link to /etc/shadow: refused by name, never read
-            raise ConfigError(f"{path}: {BASE_KEY}: {base} is {real}, not a .yaml/.yml file; a base is another "
-                              "megarl config")
-        merged = deep_merge(merged, read_yaml(base_path, (*_seen, path)))
-    return deep_merge(merged, data)
+    return data
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

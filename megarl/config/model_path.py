@@ -26,16 +26,22 @@ def _model(raw: dict) -> dict:
     return node if isinstance(node, dict) else {}
 
 
-def _own_path(config_path: str) -> tuple[bool, Any]:
-    """(whether this file or one of its bases sets a bootstrap, the model path that file names)."""
+def _own_path(config_path: str, seen: set[str] | None = None) -> tuple[bool, Any]:
+    """(whether this file or one of its bases sets a bootstrap, the model path that file names).
+    A file listed again is not searched again (read_yaml has bounded and checked the chain)."""
+    seen = set() if seen is None else seen
+    config_path = os.path.abspath(config_path)
+    if config_path in seen:
+        return False, None
+    seen.add(config_path)
     with open(config_path) as f:
         alone = load_yaml_text(f, config_path) or {}
     if _model(alone).get("bootstrap"):
         return True, _model(read_yaml(config_path)).get("path")
     bases = alone.get(BASE_KEY) or []
     for base in reversed([bases] if isinstance(bases, str) else bases):   # the last base wins the merge
-        base = base if os.path.isabs(base) else os.path.join(os.path.dirname(os.path.abspath(config_path)), base)
-        found, path = _own_path(base)
+        base = base if os.path.isabs(base) else os.path.join(os.path.dirname(config_path), base)
+        found, path = _own_path(base, seen)
         if found:
             return True, path
     return False, None
