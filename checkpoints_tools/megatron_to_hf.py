@@ -135,26 +135,30 @@ def _save_peft(out: str, adapters: dict, lora, dtype, overwrite: bool) -> None:
 
 
 def private_target(path: str, make: bool) -> None:
-    """An export directory is checked as a run directory is: yours, and no directory on the way to
-    it open to other users, so nobody else can plant a link or swap a file where the export writes
-    (megarl/trainer/staging.py's rule). `make`: create it first; else check it, or where it will be made."""
+    """An export directory is checked as a run directory is: yours, and writable by you alone, so
+    nobody else can plant links or swap files in it; every file goes in through that directory
+    opened without following a link (hf_checkpoint.write_new), so a directory above it that others
+    may write (a group's project space) cannot redirect the export, and is only noted. `make`:
+    create it (mode 0755 whatever the umask); else check it if it is there."""
     from megarl.trainer.staging import open_to_others
     from megarl.trainer.verified_io import check_owner
-    if make:
-        os.makedirs(path, exist_ok=True)
-    have = os.path.abspath(path)
-    while not os.path.lexists(have):        # not made yet: the nearest directory it would be made in
-        have = os.path.dirname(have)
-    real = os.path.join(os.path.realpath(os.path.dirname(have)), os.path.basename(have))   # a link there kept
-    if have == os.path.abspath(path):
-        why = open_to_others(real) or ((bad := check_owner(os.lstat(real))) and f"{real} {bad}")
-    else:       # whose sticky bit, if set, would keep others off the entry we make in it
-        st = os.stat(real)
-        why = open_to_others(real) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and
-                                       f"{real} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    if make and not os.path.lexists(real):
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        os.mkdir(real, 0o755)
+        os.chmod(real, 0o755)
+    if not os.path.lexists(real):
+        return
+    st = os.lstat(real)
+    why = ((stat.S_ISLNK(st.st_mode) and f"{real} is a symbolic link")
+           or (not stat.S_ISDIR(st.st_mode) and f"{real} is not a directory")
+           or ((bad := check_owner(st)) and f"{real} {bad}"))
     if why:
         raise ValueError(f"refused to export into {path}: {why}, so another user could plant links or files "
                          "where the export writes; export into a directory only you can write, then share it")
+    if make and (note := open_to_others(real)):
+        print(f"megatron_to_hf: note: {note}; the export's files are written inside {real} without following "
+              "links, but whoever may write above it can move the finished directory", file=sys.stderr)
 
 
 def sealed_step(ckpt: str, trust_unsealed: bool) -> str | None:

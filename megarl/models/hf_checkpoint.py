@@ -154,21 +154,26 @@ class HFCheckpoint:
 
 def write_new(directory: str, name: str, data: bytes) -> None:
     """`name` in `directory` written through a fresh file, O_EXCL | O_NOFOLLOW on a random temporary
-    name, then renamed into place: a link planted at either name is replaced or refused, never
-    followed, and a reader never sees a half-written file."""
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    name, then renamed into place, all relative to the directory opened once without following a
+    link: a link planted at either name, or put in the directory's place, is replaced or refused,
+    never followed, and a reader never sees a half-written file."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dfd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=dfd)
+            raise
         os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, os.path.join(directory, name))
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 def save_hf(path: str, tensors: Iterable[tuple[str, torch.Tensor]], config: dict,

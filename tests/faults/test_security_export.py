@@ -151,10 +151,10 @@ def exports(world):
     os.symlink(root / "victim.txt", root / "out" / "planted" / "config.json")
     cases.append(("planted", ["--ckpt", os.path.join(step, "actor"), *out("planted")]))
     (root / "out" / "open").mkdir()
-    os.chmod(root / "out" / "open", 0o777)                    # any user may add entries (no sticky bit)
+    os.chmod(root / "out" / "open", 0o777)            # a project space: any user may add entries above the export
     cases.append(("open-parent", ["--ckpt", os.path.join(step, "actor"), "--out", str(root / "out" / "open" / "hf")]))
     (root / "out" / "group-writable").mkdir()
-    os.chmod(root / "out" / "group-writable", 0o770)
+    os.chmod(root / "out" / "group-writable", 0o770)  # the export directory itself: others could plant in it
     cases.append(("group-writable", ["--ckpt", os.path.join(step, "actor"), *out("group-writable")]))
     results = run_ranks(1, _run_exports, (cases,))[0]
     return {"results": results, "markers": markers, "out": root / "out", "base": base, "root": root}
@@ -260,12 +260,28 @@ def test_an_export_writes_no_file_through_a_link_and_nothing_into_a_directory_ot
     assert not os.path.islink(planted) and json.loads(planted.read_text())["model_type"] == "qwen2"
     assert not [n for n in os.listdir(exports["out"] / "planted") if n.endswith(".tmp")]
     open_dir = exports["out"] / "open"
-    status, lines = exports["results"]["open-parent"]
-    assert status == 2 and lines[-1] == (f"megatron_to_hf: refused to export into {open_dir}/hf: {open_dir} is "
-                                         "writable by group or others (mode 777), so another user could plant links "
-                                         "or files where the export writes; export into a directory only you can "
-                                         "write, then share it"), lines[-20:]
-    assert os.listdir(open_dir) == []
+    status, lines = exports["results"]["open-parent"]            # written inside its own private directory
+    assert status == 0, lines[-20:]
+    assert any(line.startswith(f"megatron_to_hf: note: {open_dir} is writable by group and others") for line in lines)
+    assert oct(os.stat(open_dir / "hf").st_mode & 0o777) == "0o755"
+    assert json.loads((open_dir / "hf" / "config.json").read_text())["model_type"] == "qwen2"
     status, lines = exports["results"]["group-writable"]
-    assert status == 2 and "group-writable is writable by group (mode 770)" in lines[-1], lines[-20:]
+    assert status == 2 and lines[-1] == (f"megatron_to_hf: refused to export into {exports['out']}/group-writable: "
+                                         f"{exports['out']}/group-writable is writable by group (mode 770), so another "
+                                         "user could plant links or files where the export writes; export into a "
+                                         "directory only you can write, then share it"), lines[-20:]
     assert os.listdir(exports["out"] / "group-writable") == []
+
+
+def test_a_file_is_never_written_through_a_directory_swapped_for_a_link(tmp_path):
+    """write_new opens the export directory without following a link: a directory replaced by a
+    link to another of the user's directories makes the write fail, the other directory untouched."""
+    from megarl.models.hf_checkpoint import write_new
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "hf")
+    with pytest.raises(OSError):
+        write_new(str(tmp_path / "hf"), "config.json", b"{}")
+    assert os.listdir(tmp_path / "elsewhere") == []
+    (tmp_path / "real").mkdir()
+    write_new(str(tmp_path / "real"), "config.json", b"{}")
+    assert os.listdir(tmp_path / "real") == ["config.json"]
