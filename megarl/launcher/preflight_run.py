@@ -223,7 +223,7 @@ def _hashable(value):
 def tighten_run_dir(path: str) -> str | None:
     """A run directory made beforehand with the shell's umask (0755) lets others read the run's
     config, logs and dumps: it is made 0700, and the line saying so is returned. One that others
-    can write is refused before this (preflight.check_run_dir_private: no resume would trust it)."""
+    can write is refused before this where megarl-train checks (preflight.check_run_dir_private)."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -231,5 +231,6 @@ def tighten_run_dir(path: str) -> str | None:
     if not mode & 0o077:
         return None
     os.chmod(path, 0o700)
-    return (f"megarl: {os.path.abspath(path)} was readable by other users (mode {mode:o}); made it 0700, as megarl "
+    what = "writable" if mode & 0o022 else "readable"     # writable: a launch whose launcher did not check
+    return (f"megarl: {os.path.abspath(path)} was {what} by other users (mode {mode:o}); made it 0700, as megarl "
             "keeps a run's files to its user")

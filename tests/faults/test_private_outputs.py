@@ -85,3 +85,17 @@ def test_a_run_under_umask_000_in_a_0755_directory_keeps_everything_private(addi
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 assert TOKEN.encode() not in f.read(), os.path.join(root, name)
+
+
+@pytest.mark.parametrize("mode, words", [(0o755, "readable"), (0o775, "writable"), (0o705, "readable"),
+                                         (0o700, None)])
+def test_a_run_directory_open_to_others_is_made_0700_in_one_line(tmp_path, mode, words):
+    from megarl.launcher.preflight_run import tighten_run_dir
+    os.chmod(tmp_path, mode)
+    note = tighten_run_dir(str(tmp_path))
+    assert stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o700
+    if words is None:
+        assert note is None
+    else:
+        assert note == (f"megarl: {tmp_path} was {words} by other users (mode {mode:o}); made it 0700, as megarl "
+                        "keeps a run's files to its user")
