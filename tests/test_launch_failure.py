@@ -117,3 +117,10 @@ def test_a_task_label_of_thousands_of_digits_is_no_task():
                      f"srun: error: n1: task {huge}: Killed", "srun: error: n1: task 0: Exited with exit code 1"])
     for mode in ("torchrun", "task"):
         assert first_failure(log, mode, ["n1"]).startswith("srun: error: n1: task 9999"), mode
+
+
+def test_a_summary_a_rank_printed_in_the_failed_task_is_not_its_torchruns():
+    # torchrun of task 0 was killed before it could summarise; a rank of it had printed a summary earlier.
+    forged = summary(0, root=("5 (local_rank: 1)", "-11"))
+    log = "\n".join([*forged, "0: step 3/10 | reward 0.5", "srun: error: cn1: task 0: Killed"])
+    assert first_failure(log, "torchrun", ["cn1"]) == "srun: error: cn1: task 0: Killed"

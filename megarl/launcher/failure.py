@@ -95,7 +95,9 @@ def first_failure(log: str, mode: str, nodes: list[str]) -> str:
         tasks = [failed] if failed is not None else sorted(dict.fromkeys(summaries),
                                                           key=lambda t: not ends_with_summary(lines, t))
         for task in tasks:
-            failures = summary_of(lines, task)
+            # The task srun names died without a summary of its torchrun's (killed with it) if its
+            # output goes on after the last one: that one a rank printed; srun's own line says more.
+            failures = summary_of(lines, task) if task != failed or ends_with_summary(lines, task) else []
             if failures:
                 chosen = min(failures, key=Failure.kind)   # min keeps the first of equals: torchrun's order
                 node = nodes[int(task)] if int(task) < len(nodes) else f"task {task}"   # at most 7 digits
