@@ -130,7 +130,9 @@ def build_shared(cfg, ranks, log) -> Shared:
 
 def build_roles(cfg, shared: Shared) -> dict:
     """The megatron roles, each from the run's resolved config (its own optimizer step count)."""
-    run_cfg = cfg.resolved(shared.total_steps)
+    # A run of 0 steps (total_training_steps=0) never steps its optimizers, but their schedules are
+    # built (and a decaying one needs a length): one step long, which no update reaches.
+    run_cfg = cfg.resolved(max(shared.total_steps, 1))
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     actor = ActorWorker.from_config(run_cfg)
     roles = dict(actor=actor, ref=ReferenceWorker.from_config(run_cfg, actor) if needs_ref else None,
