@@ -18,6 +18,7 @@ import time
 
 from megarl.config import ConfigError
 from megarl.experiment import ExperimentConfig
+from megarl.config.own_defaults import own_defaults_note
 from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
+        # Once per run: the launching process, or rank 0 of a job torchrun/srun started directly.
+        note = own_defaults_note(cfg, ExperimentConfig())
+        if note and (not launched or (_rank() == 0 and LOCK_HELD_ENV not in os.environ)):
+            print(note, flush=True)
         if args.check:
             later = ("" if tokenizer_available(cfg) else " (the data is tokenized and scored once the bootstrap has "
                      "built the model, before the first run's ranks start)")
