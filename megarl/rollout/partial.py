@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.rollout.base import Completion, FinishReason, SamplingParams
+from megarl.rollout.partial_state import check_generation
 from megarl.rollout.sampling import step_seed
 
 
@@ -106,10 +107,11 @@ class ChunkedGeneration:
                 "seqs": [{"prompt": s.prompt, "tokens": s.tokens, "log_probs": s.log_probs, "versions": s.versions,
                           "finish": s.finish, "routes": s.routes} for s in self.seqs]}
 
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["seqs"]) != len(self.seqs):
-            raise ValueError(f"the saved generation has {len(state['seqs'])} sequences, this one {len(self.seqs)}")
-        self.chunks_done = state["chunks_done"]
+    def load_state_dict(self, state: dict, max_version: int | None = None, where: str = "generation") -> None:
+        """A checkpoint's state, each field checked first (megarl/rollout/partial_state.py): tokens
+        sampled by weight versions up to `max_version` (the saved step's); `where` names it in a refusal."""
+        check_generation(state, self.prompts, self.n, self.sampling.max_tokens, max_version, where)
+        self.chunks_done = int(state["chunks_done"])
         self.seqs = [_Seq(list(s["prompt"]), list(s["tokens"]), list(s["log_probs"]), list(s["versions"]),
                           s["finish"], s["routes"]) for s in state["seqs"]]
 

@@ -51,7 +51,7 @@ from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import generate, sampling_seed, shard_rows
-from megarl.trainer.stream_buffer import Pending, Period, Round, gather, packed
+from megarl.trainer.stream_buffer import Pending, Period, Round, check_saved_stream, gather, packed
 from megarl.trainer.stream_groups import choose, deferred, ready_mask, saved_ready
 from megarl.trainer.validation import validate
 
@@ -86,6 +86,8 @@ class RolloutWorker:
         if start["step"] == 0 and self.cfg.trainer.val_before_train:
             self._validate(0)
         self.handed = start["step"] + int(start["inflight"])    # the last batch the trainer received
+        check_saved_stream(start.get("partial") or [], len(start.get("ahead", [])), self.handed, start.get("next_t"),
+                           self.version, self.total, self.groups)
         self.buffer = self._restore_buffer(start.get("ahead", []), start.get("partial") or [])
         self.next_t = start.get("next_t") or self.handed + 1 + len(self.buffer)
         self.period = Period()
@@ -285,7 +287,8 @@ class RolloutWorker:
         job = Pending(t, state["prompts"], state["loader"], state["version"], chunks=state["chunks"],
                       in_tail=state.get("in_tail", False), taken=set(state.get("taken", ())))
         self._chunked(job)
-        job.generation.load_state_dict(state["gens"][self.ranks.rollout_dp_rank])
+        dp = self.ranks.rollout_dp_rank
+        job.generation.load_state_dict(state["gens"][dp], self.version, f"the batch {t}'s gens[{dp}]")
         if self.groups:
             job.finished, job.ready = saved_ready(state["gens"], job.size, job.generation.n, job.taken)
         return job

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megarl.protocol import DataProto
 from megarl.rollout.base import pack_completions
 from megarl.rollout.partial import ChunkedGeneration
+from megarl.rollout.partial_state import listed, refuse, whole
 
 
 @dataclass
@@ -102,4 +103,39 @@ def gather(ranks, pieces: list[tuple[int, DataProto]]) -> DataProto:
     return DataProto.concat([rows for _, _, rows in ordered])
 
 
-__all__ = ["Pending", "Period", "Round", "gather", "packed"]
+def check_saved_stream(partial: list | dict, ahead: int, handed: int, next_t, version: int, total: int,
+                       groups: bool = False) -> None:
+    """A checkpoint's batches in flight (`partial`, beside `ahead` finished ones) and the next batch
+    to start, before any is restored: numbered within the run's `total` and after the last hand-off
+    (`handed`; with handoff=finished_groups a batch outlives the step that took its first groups),
+    none twice, started under a version up to the saved one, counts not negative, `next_t` after
+    every batch held. Each generation's own fields: ChunkedGeneration.load_state_dict."""
+    if isinstance(partial, dict):            # one batch at most in flight: numbered after the rest
+        partial = [{"t": handed + 1 + ahead, **partial}]
+    held: set[int] = set()
+    for i, state in enumerate(listed(partial, "buffer_partial")):
+        where = f"buffer_partial[{i}]"
+        if not isinstance(state, dict):
+            raise refuse(where, f"is a {type(state).__name__}, not a dict")
+        t = whole(state.get("t"), f"{where}.t", 1 if groups else handed + 1, total)
+        if t in held:
+            raise refuse(f"{where}.t", f"is {t}, a batch number given twice")
+        held.add(t)
+        whole(state.get("version"), f"{where}.version", -1, version)
+        whole(state.get("chunks"), f"{where}.chunks", 0)
+        if not isinstance(state.get("in_tail", False), bool):
+            raise refuse(f"{where}.in_tail", f"is {state['in_tail']!r}, not true or false")
+        prompts = state.get("prompts")
+        if not isinstance(prompts, DataProto):
+            raise refuse(f"{where}.prompts", f"is a {type(prompts).__name__}, not a batch of prompts")
+        taken = [whole(g, f"{where}.taken[{j}]", 0, len(prompts) - 1)
+                 for j, g in enumerate(listed(state.get("taken", []), f"{where}.taken"))]
+        if len(set(taken)) != len(taken):
+            raise refuse(f"{where}.taken", "names a prompt group twice")
+        listed(state.get("gens"), f"{where}.gens")
+    if next_t is not None:
+        low = max([handed if groups else handed + ahead + len(held), *held]) + 1
+        whole(next_t, "buffer_next_t", low, total + 1)
+
+
+__all__ = ["Pending", "Period", "Round", "check_saved_stream", "gather", "packed"]
