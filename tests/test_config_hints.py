@@ -73,7 +73,10 @@ def test_a_lora_reference_offload_hint_leads_somewhere_valid():
     load_config(None, [*lora, "actor_rollout_ref.actor.megatron.param_offload=True"])
     with pytest.raises(ConfigError):
         load_config(None, [*lora, "actor_rollout_ref.ref.megatron.param_offload=True"])
-    with pytest.raises(ConfigError) as err:        # without LoRA the reference's own section is the way
-        load_config(None, ["actor_rollout_ref.ref.fsdp_config.param_offload=True"])
-    assert "under actor_rollout_ref.ref.megatron" in str(err.value)
+    for leaf in ("param_offload", "optimizer_offload"):   # without LoRA the reference's own weights offload
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"actor_rollout_ref.ref.fsdp_config.{leaf}=True"])
+        assert "actor_rollout_ref.ref.megatron.param_offload" in str(err.value)
     load_config(None, ["actor_rollout_ref.ref.megatron.param_offload=True"])
+    with pytest.raises(ConfigError):             # frozen: nothing else of it to offload
+        load_config(None, ["actor_rollout_ref.ref.megatron.optimizer_offload=True"])

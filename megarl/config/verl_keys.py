@@ -78,6 +78,8 @@ RULES: list[tuple[str, str]] = [
     ("*.optim.lr_start", "megarl's warm-up starts from 0; remove the key"),
     ("*.optim.lr_min", "set <role>.optim.min_lr instead"),
     ("*.optim.min_lr_factor", "set <role>.optim.min_lr (an absolute rate) instead"),
+    ("actor_rollout_ref.ref.fsdp_config.*", f"{_MEGATRON}; to offload the frozen reference's weights set "
+                                            "actor_rollout_ref.ref.megatron.param_offload (it has no optimizer)"),
     ("*fsdp_config.*", _OFFLOAD), ("critic.fsdp.*", _OFFLOAD),
     ("*.strategy", "megarl trains with megatron-core only; remove the key or set megatron"),
     ("*.use_torch_compile", "megarl's roles run megatron-core's own kernels, not torch.compile; remove the key"),
