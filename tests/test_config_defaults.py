@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from megarl.config.own_defaults import EXAMPLES, OWN, SAME, own_defaults_note
+from megarl.config.refused import REFUSED
 from megarl.config.typed import to_dict
 from megarl.experiment import ExperimentConfig, load_config
 
@@ -56,7 +57,7 @@ def test_a_run_names_the_own_defaults_it_uses_once():
     assert "critic.ppo_max_token_len_per_gpu=16384 (verl: 32768)" in on and "max_num_gen_batches=10" in on
     note = own_defaults_note(load_config(None, [*grpo, "trainer.total_epochs=30"]), defaults)
     assert "trainer.total_epochs" not in note        # set by the user: not megarl's default at work
-    at_verl = {k: v for k, (v, _) in OWN.items() if v is not None}
+    at_verl = {k: v for k, (v, _) in OWN.items() if v is not None and k not in REFUSED}   # refused: not settable
     note = own_defaults_note(load_config(None, ["critic.enable=true", "algorithm.filter_groups.enable=true", *(
         f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in at_verl.items())]), defaults)
     assert note is not None and not [k for k in at_verl if f"{k}=" in note], note

@@ -27,7 +27,6 @@ SAME = {
        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")},
     **{f"{role}.megatron.use_distributed_optimizer": "null: on with CUDA, as verl's true; CPU has none"
        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")},
-    "actor_rollout_ref.actor.use_torch_compile": "megatron-core's kernels run either way (megarl/config/refused.py)",
     "actor_rollout_ref.actor.optim.optimizer": "megatron's adam is AdamW (decoupled weight decay): the same update",
     "critic.optim.optimizer": "megatron's adam is AdamW (decoupled weight decay): the same update",
     "actor_rollout_ref.rollout.mode": "both values wait for every generation of a step (refused.py ALREADY)",
@@ -61,6 +60,8 @@ OWN: dict[str, tuple[Any, str]] = {
     "algorithm.filter_groups.max_num_gen_batches": (0, "a reward no group varies on stops the run after 10 rounds "
                                                         "(0: verl's, retries forever)"),
     "trainer.total_epochs": (30, "one pass over the data unless asked"),
+    "actor_rollout_ref.actor.use_torch_compile": (True, "megatron-core's own kernels, not torch.compile (true is "
+                                                        "refused: megarl/config/refused.py)"),
 }
 
 
