@@ -3,8 +3,8 @@
 for the whole mapping, as verl 0.9.1's HFModelConfig reads it).
 
 - the merge itself (nested mappings into the attribute's mapping, plain dicts out of a frozen config);
-- `megarl-train --check` refuses a key the model's HF config class does not define, and a megatron
-  TransformerConfig field given there, in one line naming the key to set;
+- `megarl-train --check` refuses a key the model's HF config class does not define in one line
+  naming the attribute meant or, for a megatron TransformerConfig field, the section it goes in;
 - a real megatron actor built from the frozen config takes the value, and its checkpoint saves.
 """
 import os
@@ -45,11 +45,12 @@ def test_check_refuses_override_keys_the_hf_config_does_not_define(addition_mode
     assert str(err.value).splitlines()[0] == (
         "actor_rollout_ref.model.override_config.model_config.rms_norm_epsilon: the model's HF config (qwen2) has "
         "no attribute 'rms_norm_epsilon'; did you mean 'rms_norm_eps'? override only attributes its config "
-        "class defines")
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.override_config.layernorm_epsilon: "
-                                          r"layernorm_epsilon is a megatron TransformerConfig field.*set "
-                                          r"actor_rollout_ref.actor.megatron.override_transformer_config."
-                                          r"layernorm_epsilon instead"):
+        "class defines (a megatron TransformerConfig field goes in actor_rollout_ref.actor.megatron."
+        "override_transformer_config.rms_norm_epsilon)")
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.override_config.layernorm_epsilon: .*no "
+                                          r"attribute 'layernorm_epsilon'.*\(a megatron TransformerConfig field goes "
+                                          r"in actor_rollout_ref.actor.megatron.override_transformer_config."
+                                          r"layernorm_epsilon\)$"):
         _check(addition_model_dir, "+actor_rollout_ref.model.override_config.layernorm_epsilon=0.00001")
     # the layout checks read the overridden config: positions below the prompt + response are refused
     with pytest.raises(ConfigError, match="max_position_embeddings"):
