@@ -24,6 +24,7 @@ from megarl.data.dataset import check_prompt
 from megarl.models.spec import ModelSpec
 from megarl.reward.rules import check_data_sources, rule_for
 from megarl.storage.durable import make_private_dir
+from megarl.storage.private_out import check_output_dir
 
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -119,12 +120,15 @@ def check_output_paths(cfg) -> None:
                       ("trainer.validation_data_dir", tr.validation_data_dir)):
         if path:
             _check_writable_dir(path, key)
+            check_output_dir(path, key)      # the run directory's rule: others must not plant links there
     if "tensorboard" in tr.logger:
         board = os.path.join(tr.log_dir or tr.default_local_dir, "tensorboard")
         if os.path.lexists(board) and not os.path.isdir(board):
             raise ConfigError(f"{os.path.abspath(board)} is a file, and TensorBoard writes its event files into a "
                               "directory of that name; move the file away, set trainer.log_dir elsewhere, or remove "
                               "tensorboard from the list", "trainer.logger")
+        if os.path.lexists(board):
+            check_output_dir(board, "trainer.log_dir")
 
 
 def _check_writable_dir(path: str, key: str) -> None:

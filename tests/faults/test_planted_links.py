@@ -139,3 +139,16 @@ def test_check_output_dir_says_what_it_cannot_create(tmp_path):
     with pytest.raises(ConfigError, match=words) as err:
         check_output_dir(str(tmp_path / "a_file" / "d"), "trainer.rollout_data_dir")
     assert "\n" not in str(err.value)
+
+
+def test_the_preflight_refuses_a_dump_directory_others_can_write(tmp_path):
+    """Said before any rank starts, not after the first step's dump."""
+    from megarl.experiment import load_config
+    from megarl.launcher.preflight_run import check_output_paths
+    d = dump_dir(tmp_path)
+    os.chmod(d, 0o777)
+    cfg = load_config(None, [f"trainer.rollout_data_dir={d}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"trainer.rollout_data_dir: .*dumps is writable by group and others"):
+        check_output_paths(cfg)
+    os.chmod(d, 0o700)
+    check_output_paths(cfg)                                   # the control
