@@ -45,8 +45,9 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         else:
             parts = build_parts(cfg, ranks, log)
         log.total_steps = parts.total_steps
-        log.info(f"megarl: {parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}; "
-                 f"run dir {tr.default_local_dir}")
+        plan = ("trainer.val_only: validates the loaded weights, trains nothing" if tr.val_only else
+                f"{parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}")
+        log.info(f"megarl: {plan}; run dir {tr.default_local_dir}")
         trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
         trainer.stop = stop
         if ranks.is_main:   # after a successful resume: a refused one leaves the run's record as it was
