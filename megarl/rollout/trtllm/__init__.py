@@ -4,6 +4,7 @@
     args.py        the LLM and SamplingParams arguments, feature detection, completions
     comm.py        the TP group's wait and gather, CUDA-IPC bucket handles
     placement.py   where TensorRT-LLM's Ray workers run, and the extension they load
+    node_ray.py    one Ray cluster per node: the placement group the TP groups share, their bundles
 
 Nothing here imports tensorrt_llm at import time: it loads when an engine is built.
 """
