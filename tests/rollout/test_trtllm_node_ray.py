@@ -70,3 +70,27 @@ def test_another_leader_attaches_to_the_same_cluster_and_group(cluster, tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     pg_hex, address = out.stdout.split()[-2:]
     assert pg_hex == first.pg.id.hex() and address == ray.get_runtime_context().gcs_address
+
+
+class PlacementGroup:
+    """Named as Ray's class: the fake's RayPlacementConfig checks the type by name."""
+
+
+def test_the_fakes_placement_config_refuses_what_tensorrt_llm_refuses(monkeypatch):
+    from tests.rollout import trtllm_fake
+    args = trtllm_fake.install(monkeypatch, "trtllm-1.3.0rc29.json").llmapi.llm_args
+    nb = node_ray.NodeBundles(PlacementGroup(), ("0", "1", "2", "3"))
+    cfg = node_ray.placement_kwargs(args, nb, [3, 1])["ray_placement_config"]
+    assert cfg.placement_bundle_indices == [[3, 1]] and cfg.per_worker_gpu_share == 1.0
+    with pytest.raises(ValueError, match="provided together"):
+        args.RayPlacementConfig(placement_groups=[nb.pg])
+    with pytest.raises(ValueError, match="must equal placement_bundle_indices length"):
+        args.RayPlacementConfig(placement_groups=[nb.pg], placement_bundle_indices=[[0], [1]])
+    with pytest.raises(TypeError, match="must be a Ray PlacementGroup"):
+        args.RayPlacementConfig(placement_groups=["pg"], placement_bundle_indices=[[0]])
+    with pytest.raises(ValueError, match="between 0 and 1.0"):
+        args.RayPlacementConfig(per_worker_gpu_share=1.5)
+    bad = args.RayPlacementConfig(placement_groups=[nb.pg], placement_bundle_indices=[[0]])
+    llm = trtllm_fake.build("trtllm-1.3.0rc29.json")["tensorrt_llm"].LLM
+    with pytest.raises(ValueError, match=r"Total bundle indices \(1\) must equal world_size \(2\)"):
+        llm(model="unused", tensor_parallel_size=2, ray_placement_config=bad)

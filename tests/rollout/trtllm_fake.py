@@ -74,6 +74,23 @@ def _strict_model(name: str, fields: list[str], check=None):
     return type(name, (), {"__init__": __init__, "__eq__": __eq__, "model_fields": {f: None for f in fields}})
 
 
+def _placement_check(kw):
+    """RayPlacementConfig.validate_ray_placement (llm_args.py, index id 7019226376, messages as
+    there). The PlacementGroup test is by class name: the fake's ray module is not Ray's."""
+    pgs, indices, share = kw.get("placement_groups"), kw.get("placement_bundle_indices"), kw.get("per_worker_gpu_share")
+    if (pgs is None) != (indices is None):
+        raise ValueError("placement_groups and placement_bundle_indices must be provided together")
+    if pgs is not None:
+        if len(pgs) != len(indices):
+            raise ValueError(f"placement_groups length ({len(pgs)}) must equal placement_bundle_indices length "
+                             f"({len(indices)})")
+        for i, pg in enumerate(pgs):
+            if type(pg).__name__ != "PlacementGroup":
+                raise TypeError(f"placement_groups[{i}] must be a Ray PlacementGroup, got {type(pg).__name__}")
+    if share is not None and not 0 < share <= 1.0:
+        raise ValueError(f"per_worker_gpu_share must be between 0 and 1.0, got {share}")
+
+
 def _sleep_config_check(snap: dict, mem_enum):
     def check(kw):
         modes = kw.get("restore_modes") or {}
@@ -131,7 +148,8 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
         if snap.get("sleep_config_fields"):
             args.SleepConfig = _strict_model("SleepConfig", snap["sleep_config_fields"], _sleep_config_check(snap, mem))
     if snap.get("ray_placement_config_fields"):
-        args.RayPlacementConfig = _strict_model("RayPlacementConfig", snap["ray_placement_config_fields"])
+        args.RayPlacementConfig = _strict_model("RayPlacementConfig", snap["ray_placement_config_fields"],
+                                                _placement_check)
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
     llmapi.__path__ = []
     llmapi.llm_args = args

@@ -97,6 +97,12 @@ class _LLM:
         r takes Ray GPU slot r; RayWorkerWrapper does int(ray.get_gpu_ids()[0]) (Ray returns the
         entry of the worker's inherited CUDA_VISIBLE_DEVICES) and maps it back through that list
         parsed as integers; the worker then runs on that physical GPU."""
+        placed = self.kwargs.get("ray_placement_config")
+        if placed is not None and getattr(placed, "placement_groups", None) is not None:
+            # RayExecutor._get_placement_group (executor/ray/executor.py at e14a6f64)
+            total = sum(len(i) for i in placed.placement_bundle_indices)
+            if total != self.tp:
+                raise ValueError(f"Total bundle indices ({total}) must equal world_size ({self.tp})")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         entries = visible.split(",") if visible else [str(i) for i in range(len(FakeCluster.gpus))]
         if len(entries) < self.tp:
