@@ -8,6 +8,7 @@ import sys
 
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
+from megarl.rollout.multiturn.executor import UserCodeExit
 from megarl.trainer.checkpointing import CheckpointSaveError
 from megarl.parallel.lifecycle import tell_launcher
 from megarl.parallel.own_lines import own_line
@@ -66,8 +67,8 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
             print(err.detail, file=sys.stderr, flush=True)
         tell_launcher(err)
         return 2
-    except (RewardFailure, CheckpointSaveError, MetricsWriteError) as err:  # a reward, a full disk: one line
-        if rank == 0 or isinstance(err, CheckpointSaveError):
+    except (RewardFailure, CheckpointSaveError, MetricsWriteError, UserCodeExit) as err:  # one line each
+        if rank == 0 or isinstance(err, (CheckpointSaveError, UserCodeExit)):   # a tool runs on its group's leader
             own_line(f"megarl: stopped: {err}")
         tell_launcher(err)
         return 3
