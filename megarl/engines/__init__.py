@@ -25,7 +25,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.typed import closest
 
 # The abilities a user's class may declare as class attributes.
-CLASS_ABILITIES = ("devices", "records_routes", "exact_logprob_dtypes", "captures_cuda_graphs")
+CLASS_ABILITIES = ("devices", "records_routes", "exact_logprob_dtypes", "captures_cuda_graphs", "takes_hf_overrides")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class EngineInfo:
     # only then may the old-log-prob pass be skipped without a tolerance (trainer/bypass.py).
     exact_logprob_dtypes: tuple[str, ...] = ()
     captures_cuda_graphs: bool = False             # rollout.enforce_eager=false means something to it
+    # Builds its model from config.json with model.override_config applied, as the trainer does; an
+    # engine that reads config.json as it is on disk would compute another model (other log-probs).
+    takes_hf_overrides: bool = False
     # Runs a Ray of its own inside the rank's process and shuts it down with itself: megarl's Ray
     # pools (async reward scoring, Ray tool calls) cannot share that process.
     owns_process_ray: bool = False
@@ -71,6 +74,16 @@ class EngineInfo:
         if not declared.get("records_routes"):
             declared["why_no_routes"] = f"{cls.__name__} does not declare records_routes = True"
         return dataclasses.replace(self, **declared)
+
+    def overrides_refusal(self, keys: list[str]) -> str:
+        """One line refusing HF config overrides for an engine that cannot take them, or ""."""
+        if self.takes_hf_overrides or not keys:
+            return ""
+        fix = ("declare takes_hf_overrides = True on the class (it is then built with hf_overrides=<dict>)"
+               if self.user_class else "write them into the checkpoint's config.json")
+        return (f"sets {', '.join(keys)}, but the {self.called} builds its model from config.json as it is on disk, "
+                f"so its log-probs would come from another model than the trainer's; {fix}, or use an engine "
+                f"that takes them (rollout.name={default_name()})")
 
 
 _REGISTERED: dict[str, EngineInfo] = {}

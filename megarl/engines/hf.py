@@ -6,4 +6,5 @@ ENGINE = EngineInfo(
     requires="transformers",
     why_no_routes="transformers' generate returns no per-token routes (its output has no router logits or expert ids)",
     graphs_hint="for hf leave it unset",
+    takes_hf_overrides=True,                  # model.override_config reaches its model (rollout/build_args.py)
 )

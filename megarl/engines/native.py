@@ -9,4 +9,5 @@ ENGINE = EngineInfo(
     # fp16 kernels round differently from megatron's (gaps ~1e-2).
     exact_logprob_dtypes=("float32",),
     captures_cuda_graphs=True,                # native/engine.py: decode steps in CUDA graphs unless eager
+    takes_hf_overrides=True,                  # model.override_config reaches its model (rollout/build_args.py)
 )

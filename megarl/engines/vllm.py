@@ -7,4 +7,5 @@ ENGINE = EngineInfo(
     why_no_routes="vLLM 0.32.0's LLM returns no routed experts in its CompletionOutput",
     graphs_hint="vLLM's CPU backend runs eagerly in megarl: leave enforce_eager unset",
     sleeps=False, min_head_dim=64, tp_colocated_only=True,
+    takes_hf_overrides=True,                  # passed as vLLM's own hf_overrides argument
 )

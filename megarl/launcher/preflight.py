@@ -37,6 +37,7 @@ from megarl.launcher.preflight_run import (check_architecture, check_columns, ch
 from megarl.launcher.preflight_run import check_data_sources_scored, check_engine_kwarg_values, check_output_paths
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
+from megarl.rollout.config_checks import check_engine_overrides
 
 _RO = "actor_rollout_ref.rollout"
 
@@ -298,6 +299,7 @@ def check_engine(cfg) -> EngineInfo:
         info = abilities(ro)
         check_engine_asks(ro, info, _RO)
         check_bypass_mode(cfg, info)
+        check_engine_overrides(cfg, info)
     check_multiturn(cfg)
     return info
 

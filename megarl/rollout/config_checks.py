@@ -8,6 +8,7 @@ from __future__ import annotations
 from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
 from megarl.engines import config_info, default_name
+from megarl.models.hf_config import hf_overrides
 from megarl.rollout.config import codec_problem
 
 
@@ -44,6 +45,16 @@ def check_process_ray(cfg) -> None:
     if cfg.rollout.multi_turn.tool_backend == "ray":
         raise ConfigError(f"ray runs tools in a Ray pool in the same process{fix}: use tool_backend=thread",
                           "actor_rollout_ref.rollout.multi_turn.tool_backend")
+
+
+def check_engine_overrides(cfg, info=None) -> None:
+    """model.override_config changes the trainer's model; an engine that cannot take it (declared:
+    EngineInfo.takes_hf_overrides) would sample from the checkpoint's config.json instead. A user's
+    class is checked where preflight loads it (`info`, what the class declares)."""
+    info = info or config_info(cfg.rollout.name)
+    problem = info.overrides_refusal(sorted(hf_overrides(cfg.model.override_config))) if info else ""
+    if problem:
+        raise ConfigError(problem, "actor_rollout_ref.model.override_config")
 
 
 def check_async_loop_features(cfg) -> None:

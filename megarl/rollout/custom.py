@@ -26,6 +26,8 @@ each left out keeps the conservative default:
     exact_logprob_dtypes = ("float32",)   # its log-probs are the trainer's there (bypass_mode=null skips
                                           # the old-log-prob pass, checked every step)
     captures_cuda_graphs = True           # rollout.enforce_eager=false reaches it through the config
+    takes_hf_overrides = True             # built with hf_overrides=<dict>: model.override_config's HF keys,
+                                          # to apply to its model (else a non-empty one is refused)
 """
 from __future__ import annotations
 
@@ -224,12 +226,17 @@ def build_custom(req: BuildRequest) -> CustomRollout:
     refused here when the config asks what the class does not declare."""
     cfg = req.cfg
     cls = load_user_class(cfg.custom_cls_path, cfg.custom_cls_name)
-    check_engine_asks(cfg, req.info.declared_by(cls), _KEY)
+    info = req.info.declared_by(cls)
+    check_engine_asks(cfg, info, _KEY)
+    refusal = info.overrides_refusal(sorted(req.hf_overrides))
+    if refusal:
+        raise ConfigError(f"{cls.__name__}: {refusal}", "actor_rollout_ref.model.override_config")
     if getattr(cls, "records_routes", False) and cls.generate is BaseRollout.generate:
         raise ConfigError(f"{cls.__name__} declares records_routes but routes reach the batch only through "
                           "generate() (Completion.routed_experts); override generate()", f"{_KEY}.custom_cls_name")
     try:
-        user_engine = cls(cfg, req.role, **req.user_kwargs)
+        given = {"hf_overrides": dict(req.hf_overrides)} if info.takes_hf_overrides else {}
+        user_engine = cls(cfg, req.role, **given, **req.user_kwargs)
     except TypeError as err:
         raise ConfigError(f"{cls.__name__}(config, role, **engine_kwargs.custom) failed: {err}",
                           f"{_KEY}.custom_cls_name") from err

@@ -16,8 +16,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl.config.errors import ConfigError
+from megarl.models.hf_config import read_hf_config
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
-from megarl.rollout.build_args import KEY, BuildRequest, engine_options, pad_id
+from megarl.rollout.build_args import KEY, BuildRequest, engine_options, override_values, pad_id
 from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
@@ -26,16 +27,19 @@ from megarl.rollout.weight_state import WeightState
 class HFEngine(BaseRollout):
     def __init__(self, model_dir: str, *, device: str | torch.device = "cpu", dtype: str = "auto",
                  prompt_length: int | None = None, prompt_truncation: str = "error", pad_token_id: int = 0,
-                 load_format: str = "auto", config=None):
+                 load_format: str = "auto", config=None, hf_overrides: dict | None = None):
         super().__init__(config, role="rollout")
 
         self.device = torch.device(device)
         self.dtype = rollout_dtype(dtype, self.device)
+        # model.override_config, as the trainer's model has it: from_pretrained's keyword arguments
+        # replace whole attributes, so each is passed with its merged value (override_values).
+        overrides = override_values(read_hf_config(model_dir), hf_overrides or {})
+        cfg = AutoConfig.from_pretrained(model_dir, **overrides)
         if load_format == "dummy":              # weights come from the first sync
-            cfg = AutoConfig.from_pretrained(model_dir)
             model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=self.dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
         # A checkpoint's generation_config.json (top_k=50, its own EOS...) must not leak into rollout.
         self.model.generation_config = GenerationConfig()
@@ -129,5 +133,5 @@ def build_hf(req: BuildRequest) -> HFEngine:
                           "or use rollout.name=native for TP", f"{KEY}.tensor_model_parallel_size")
     defaults = dict(dtype=cfg.dtype, prompt_length=cfg.prompt_length, prompt_truncation=cfg.prompt_truncation,
                     pad_token_id=pad_id(req.tokenizer), load_format=cfg.load_format)
-    return HFEngine(req.model_path, device=req.device, config=cfg,
+    return HFEngine(req.model_path, device=req.device, config=cfg, hf_overrides=req.hf_overrides,
                     **engine_options(HFEngine, defaults, req.user_kwargs, cfg.name))

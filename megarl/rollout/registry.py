@@ -13,11 +13,14 @@ loads `model_path`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
+from megarl.config.errors import ConfigError
 from megarl.engines import EngineInfo, resolve
+from megarl.models.hf_config import hf_overrides
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.build_args import BuildRequest
 from megarl.rollout.config import RolloutConfig
@@ -38,7 +41,14 @@ def _builder(info: EngineInfo) -> Callable[[BuildRequest], RolloutEngine]:
 
 
 def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=None,
-                  device: str | torch.device = "cpu", role: str = "rollout") -> RolloutEngine:
+                  device: str | torch.device = "cpu", role: str = "rollout",
+                  override_config: Mapping[str, Any] | None = None) -> RolloutEngine:
+    """`override_config`: the actor's model.override_config, applied to the engine's model as the
+    trainer applies it to its own (refused for an engine that does not declare takes_hf_overrides)."""
     info = resolve(cfg.name)     # a user's class is loaded once, by its builder
-    request = BuildRequest(cfg, model_path, tokenizer, tp_group, torch.device(device), role, info)
+    overrides = hf_overrides(override_config or {})
+    refusal = info.overrides_refusal(sorted(overrides))
+    if refusal and not info.user_class:      # a user's class: refused by build_custom, from what it declares
+        raise ConfigError(refusal, "actor_rollout_ref.model.override_config")
+    request = BuildRequest(cfg, model_path, tokenizer, tp_group, torch.device(device), role, info, overrides)
     return _builder(info)(request)

@@ -92,7 +92,7 @@ def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
 def build_rollout_parts(cfg, ranks, log) -> RolloutParts:
     shared = build_shared(cfg, ranks, log)
     engine = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
-                           device=ranks.device)
+                           device=ranks.device, override_config=cfg.model.override_config)
     receiver = build_checkpoint_engine(cfg, rollout=engine, side=ranks.role, sync_groups=ranks.sync_groups,
                                        device=ranks.device)
     reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main and shared.val_loader is not None else None

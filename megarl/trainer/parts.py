@@ -146,7 +146,7 @@ def build_parts(cfg, ranks, log) -> TrainerParts:
     shared = build_shared(cfg, ranks, log)
     roles = build_roles(cfg, shared)
     rollout = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
-                            device=ranks.device)
+                            device=ranks.device, override_config=cfg.model.override_config)
     if cfg.rollout.multi_turn.enable:
         rollout = build_agent_loop(cfg, rollout, shared.tokenizer)
     weight_sync = build_checkpoint_engine(cfg, roles["actor"], rollout, ranks.rollout_group)

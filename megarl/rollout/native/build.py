@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
-from megarl.models.hf_config import read_hf_config
+from megarl.models.hf_config import read_hf_config, with_overrides
 from megarl.rollout.build_args import KEY, BuildRequest, engine_options
 from megarl.rollout.native import host_budget
 from megarl.rollout.native.engine import NativeEngine
@@ -21,7 +21,8 @@ def build_native(req: BuildRequest) -> NativeEngine:
                     gpu_memory_utilization=cfg.gpu_memory_utilization,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=bool(cfg.enforce_eager))
     held = host_budget.resident_bytes()     # before the engine's weights
-    engine = NativeEngine(read_hf_config(req.model_path), comm=comm, device=device, config=cfg,
+    hf_config = with_overrides(read_hf_config(req.model_path), req.hf_overrides)   # the trainer's model
+    engine = NativeEngine(hf_config, comm=comm, device=device, config=cfg,
                           record_routes=cfg.enable_rollout_routing_replay,
                           **engine_options(NativeEngine, defaults, req.user_kwargs, cfg.name))
     if device.type != "cuda":               # several ranks share the host: stop now if a step cannot fit

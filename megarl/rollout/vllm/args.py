@@ -40,7 +40,8 @@ OWNED = {"model": "model.path", "tokenizer": "model.path", "skip_tokenizer_init"
          "max_num_batched_tokens": "rollout.max_num_batched_tokens", "load_format": "rollout.load_format",
          "enable_prefix_caching": "rollout.enable_prefix_caching",
          "enable_chunked_prefill": "rollout.enable_chunked_prefill", "generation_config": "(megarl passes stop ids)",
-         "distributed_executor_backend": "(vLLM runs inside each rollout rank)", "quantization": "rollout.quantization"}
+         "distributed_executor_backend": "(vLLM runs inside each rollout rank)", "quantization": "rollout.quantization",
+         "hf_overrides": "actor_rollout_ref.model.override_config (set the keys there)"}
 
 
 def require_vllm():

