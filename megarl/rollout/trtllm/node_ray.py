@@ -53,7 +53,7 @@ def bundle_plan(bundle_gpus: list[str] | tuple[str, ...], ordinals: list[int], s
 
 
 def _gpu_of_bundle() -> str:
-    import ray
+    import ray  # optional: only TensorRT-LLM's Ray executor needs it
     return str(ray.get_gpu_ids()[0])
 
 
@@ -63,9 +63,9 @@ class NodePlacement:
     with the leader that made them, which ends with the others."""
 
     def __init__(self, gpus: int):
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        import ray  # optional: only TensorRT-LLM's Ray executor needs it
+        from ray.util.placement_group import placement_group  # optional, as above
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # optional, as above
         self.pg = placement_group([{"GPU": 1, "CPU": 1} for _ in range(gpus)], strategy="STRICT_PACK")
         ray.get(self.pg.ready(), timeout=120)
         probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_of_bundle)
