@@ -219,6 +219,7 @@ class ExperimentConfig(Section):
 RULES = (check_algorithm_names, algo_rules.check_group_size, algo_rules.check_critic_on,
          algo_rules.check_bypass_mode,
          rollout_rules.check_engine_ranks, rollout_rules.check_process_ray, rollout_rules.check_engine_overrides,
+         rollout_rules.check_engine_trust_remote_code,
          rollout_rules.check_disaggregated_layout,
          rollout_rules.check_async_loop_features, rollout_rules.check_sync_backend, rollout_rules.check_delta_sync,
          rollout_rules.check_disaggregated_only_keys, rollout_rules.check_partial_rollout_room,

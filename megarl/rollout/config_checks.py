@@ -57,6 +57,20 @@ def check_engine_overrides(cfg, info=None) -> None:
         raise ConfigError(problem, "actor_rollout_ref.model.override_config")
 
 
+def check_engine_trust_remote_code(cfg) -> None:
+    """trust_remote_code runs the model directory's Python as this user; megarl's own key decides it.
+    An engine's kwargs (vLLM's EngineArgs, TensorRT-LLM's LlmArgs, a user's class) that turn it on
+    behind a false model.trust_remote_code would run that code although the config says not to."""
+    if cfg.model.trust_remote_code:
+        return
+    for name, kwargs in sorted((cfg.rollout.engine_kwargs or {}).items()):
+        if isinstance(kwargs, dict) and kwargs.get("trust_remote_code"):
+            raise ConfigError("=true runs the model directory's code while actor_rollout_ref.model.trust_remote_code "
+                              "is false: megarl's key decides it; remove it here, and set "
+                              "actor_rollout_ref.model.trust_remote_code=true only for a model you trust",
+                              f"actor_rollout_ref.rollout.engine_kwargs.{name}.trust_remote_code")
+
+
 def check_async_loop_features(cfg) -> None:
     """The async loop (megarl/trainer/fit_async.py) hands whole batches over; these need the
     engine inside the trainer's step."""
