@@ -189,13 +189,17 @@ def parity_with_megatron(root: str) -> dict:
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
 
-    path = make_tiny_hf(os.path.join(root, "parity"), "qwen2", seed=1, vocab_size=301, **SHAPE)
+    # model.override_config (rms_norm_eps 0.5 over the checkpoint's 1e-6) on both sides: parity holds
+    # only if vLLM builds its model with it (megarl passes it as vLLM's hf_overrides).
+    path = make_tiny_hf(os.path.join(root, "parity"), "qwen2", seed=1, vocab_size=301, rms_norm_eps=1e-6, **SHAPE)
+    override = {"model_config": {"rms_norm_eps": 0.5}}
     state.init_distributed()   # the rank set-up (megatron's CPU layer); the engine starts no process group
-    actor = ActorWorker(ModelConfig(path=path), ActorConfig(
+    actor = ActorWorker(ModelConfig(path=path, override_config=override), ActorConfig(
         ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, megatron=MegatronConfig(tensor_model_parallel_size=1),
         optim=OptimConfig(lr=3e-2)))
     assert dist.is_initialized() and dist.get_world_size() == 1
-    engine = build_rollout(RolloutConfig(name="vllm", **{**BASE, "prompt_length": 16}), path)
+    engine = build_rollout(RolloutConfig(name="vllm", **{**BASE, "prompt_length": 16}), path, override_config=override)
+    assert engine.llm.model_config.hf_config.rms_norm_eps == 0.5, "the override did not reach vLLM's model config"
     sync = ColocatedSync(ShardSource.from_actor(actor), engine, bucket_bytes=48 << 10)   # buckets split layers
     errors, first = [], None
     for step in range(4):                                  # the first sync brings the weights, three more follow
@@ -211,7 +215,7 @@ def parity_with_megatron(root: str) -> dict:
         actor.update_policy(batch, _policy_loss, TEMP)
     assert batch.batch["responses"].tolist() != first, "the policy updates did not change what vLLM samples"
     assert max(errors) <= 1e-5, f"vLLM vs megatron log-probs per sync: {errors}"
-    return {"megatron_parity_max_abs_err_per_sync": errors}
+    return {"megatron_parity_max_abs_err_per_sync": errors, "rms_norm_eps_override": 0.5}
 
 
 def process_left_intact(engine) -> dict:
