@@ -151,3 +151,15 @@ def test_vllm_takes_them_from_override_config_only():
 def test_engine_kwargs_cannot_set_the_hf_engines_overrides():
     with pytest.raises(ConfigError, match=r"unknown option 'hf_overrides' for the hf engine"):
         build_rollout(RolloutConfig(name="hf", engine_kwargs={"hf": {"hf_overrides": {}}}), "no-model")
+
+
+def test_a_mapping_merges_into_config_jsons_in_every_engine_that_takes_it(tmp_path):
+    """rope_parameters {"rope_theta": 1234}: transformers 5's config.json keeps its rope_type, as the
+    trainer's with_overrides keeps it (from_pretrained's keyword would replace the whole mapping)."""
+    from megarl.models.tiny import make_tiny_hf
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2", seed=1, vocab_size=301)
+    override = {"rope_parameters": {"rope_theta": 1234.0}}
+    hf = build_rollout(RolloutConfig(name="hf"), path, override_config=override)
+    assert hf.model.config.rope_parameters == {"rope_type": "default", "rope_theta": 1234.0}
+    native = build_rollout(RolloutConfig(), path, override_config=override)
+    assert (native.args.rope_theta, dict(native.args.rope_scaling)) == (1234.0, {"rope_type": "default"})
