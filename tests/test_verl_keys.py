@@ -420,22 +420,35 @@ def test_verl_091_naive_checkpoint_engine_is_megarls_colocated_transport():
     assert err.value.key == key and "backend=auto or distributed" in str(err.value)
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
+# verl's fully-async module config and e2e script set keys megarl neither maps nor refuses yet: the
+# row stays in the table with its unknown count, and this case fails loudly once they are handled.
+_FULLY_ASYNC_UNKNOWN = pytest.mark.xfail(strict=True, reason=(
+    "async_training.{use_rollout_log_probs,compute_prox_log_prob,checkpoint_engine.*}, rollout.{n,test_freq,"
+    "total_epochs}, actor_rollout_ref.checkpoint_engine, actor_rollout_ref.actor.use_rollout_log_probs: unknown"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_FULLY_ASYNC_UNKNOWN) if n == "fully_async_e2e" else n
+                                  for n in sorted(SCRIPTS)])
 def test_verl_scripts_overrides_are_each_known(name):
-    """Six of verl's example scripts (tests/helpers/verl_scripts.py), with only docs/verl.md's changes
+    """verl's example scripts (tests/helpers/verl_scripts*.py), with only docs/verl.md's changes
     (model, data, sizes, engine name), loaded through megarl's config in this process: no override
-    is unknown or fails badly; each refusal is one line naming megarl's key or the fix."""
+    is unknown or fails badly; each refusal is one line naming megarl's key or the fix, given
+    beside the script's overrides megarl takes (some refusals hold only with them, e.g. an expert
+    TP size against the script's TP size)."""
     overrides, changed = megarl_overrides(name)
     assert set(changed) <= {key_of(o) for o in overrides}
     classes = classify(overrides)
     assert set(classes) == set(overrides)
     bad = {o: c for o, c in classes.items() if c not in ("implemented", "accepted at verl's default", "refused")}
     assert not bad, bad
+    kept = [o for o in overrides if classes[o] != "refused"]
+    load_config(None, kept)
     for text in (o for o, c in classes.items() if c == "refused"):
         with pytest.raises(ConfigError) as err:
-            load_config(None, [text])
-        assert err.value.key == key_of(text) and "\n" not in str(err.value)
-        assert any(w in str(err.value) for w in ("set ", "remove", "use ")), str(err.value)
+            load_config(None, [*kept, text])
+        key = key_of(text)              # a `+` dict leaf is refused by its dict's key
+        assert (err.value.key == key or key.startswith(f"{err.value.key}.")) and "\n" not in str(err.value)
+        assert any(w in str(err.value) for w in ("set ", "remove", "use ", "leave it")), str(err.value)
 
 
 def test_docs_hold_the_verl_scripts_table():

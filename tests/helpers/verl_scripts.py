@@ -1,4 +1,4 @@
-"""Six of verl's example scripts as a verl user types them, and what megarl makes of each override.
+"""Twenty of verl's example scripts as a verl user types them, and what megarl makes of each override.
 
     python -m tests.helpers.verl_scripts          (from the repository root: prints docs/verl.md's table)
     python -m tests.helpers.verl_scripts grpo_math --model M --data D [--ranks 1]
@@ -27,6 +27,8 @@ from megarl.config import ConfigError
 from megarl.experiment import ExperimentConfig, load_config
 from megarl.config.refused import ALIASES, RENAMED, moved_from
 from megarl.config.verl_keys import megarl_implements
+from tests.helpers.verl_scripts_algos import ALGORITHM_SCRIPTS
+from tests.helpers.verl_scripts_async import LAYOUT_ASYNC_SCRIPTS
 
 COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 CLASSES = ("implemented", "accepted at verl's default", "refused", "unknown", "failed badly")
@@ -189,6 +191,9 @@ SCRIPTS: dict[str, dict] = {
             "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15"]},
 }
 
+SCRIPTS.update(ALGORITHM_SCRIPTS)
+SCRIPTS.update(LAYOUT_ASYNC_SCRIPTS)
+
 # The changes docs/verl.md lists, by key glob: the model and data are local, the sizes small, the
 # engine megarl's. A value given here replaces the script's; any other override is typed as verl's.
 ENGINE = "native"
@@ -201,7 +206,8 @@ def changes(model: str, data: str, ranks: int = 8) -> dict[str, str]:
     return {**(small if ranks < 8 else {}),
         "*.model.path": model,
         "data.train_batch_size": "16", "data.max_prompt_length": "256",
-        "data.max_response_length": "16", "actor_rollout_ref.actor.ppo_mini_batch_size": "16",
+        "data.max_response_length": "16", "reward_model.reward_kwargs.max_resp_len": "16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": "16",
         "*micro_batch_size_per_gpu": "2", "actor_rollout_ref.rollout.n": "2",
         "actor_rollout_ref.rollout.name": ENGINE,
         "trainer.n_gpus_per_node": str(ranks), "trainer.total_epochs": "1", "trainer.total_training_steps": "1",
