@@ -10,9 +10,12 @@ reward that does so stops it (megarl/reward/scoring.py's exits_refused), never a
 
 backend=thread: one thread per running call, at most `workers` at once. Python cannot kill a
 thread, so a call past its limit is abandoned (counted in `abandoned`) and keeps its thread until
-it returns; later calls are not held up by it.
-backend=ray: a pool of `workers` Ray actors (sandboxing: tools run in other processes). An actor
-whose call passes its limit is killed and replaced, so a hanging tool costs nothing afterwards.
+it returns; later calls are not held up by it. A call that holds the interpreter lock in C stalls
+the whole process until it returns, and is then reported as a timeout, never as ok.
+backend=ray: a pool of `workers` Ray actors in other processes of the same user (isolation of
+crashes and timeouts, not a security boundary: docs/security.md). An actor whose call passes its
+limit is killed at the deadline and replaced, whatever the call holds; a result that reaches the
+rollout after its limit is a timeout too.
 """
 from __future__ import annotations
 
@@ -116,19 +119,23 @@ class _ThreadRunner:
         waiting, running = deque(range(len(jobs))), {}   # index -> deadline
 
         def target(i: int, tool: Tool, args: dict) -> None:
-            done.put((i, _call(tool.fn, args)))
+            res = _call(tool.fn, args)
+            done.put((i, time.monotonic(), res))
 
         while waiting or running:
             while waiting and len(running) < self.workers:
                 i = waiting.popleft()
                 tool, args = jobs[i]
-                threading.Thread(target=target, args=(i, tool, args), daemon=True, name=f"megarl-tool-{i}").start()
+                # The deadline is set first: the new thread may hold the interpreter lock from its start.
                 running[i] = time.monotonic() + (tool.timeout_s or default_timeout)
+                threading.Thread(target=target, args=(i, tool, args), daemon=True, name=f"megarl-tool-{i}").start()
             try:
-                i, res = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+                i, finished, res = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
                 if i in running:
-                    del running[i]
-                    out[i] = res
+                    # A tool that holds the interpreter lock in C (a regex, a C extension) keeps this
+                    # thread from checking its deadline until it returns: what it returns late is a
+                    # timeout all the same, and its result is discarded.
+                    out[i] = res if finished < running.pop(i) else ("timeout", "")
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -173,10 +180,12 @@ class _RayRunner:
         return self.pool.replaced
 
     def run(self, jobs: list[tuple[Tool, dict]], default_timeout: float) -> list[tuple[str, str]]:
-        done = self.pool.run([Job("call", (tool.implementation, args), tool.timeout_s or default_timeout)
-                              for tool, args in jobs])
-        return [("timeout", "") if d.timed_out else
-                ("error", f"the tool's worker died: {d.died}") if d.died is not None else d.value for d in done]
+        limits = [tool.timeout_s or default_timeout for tool, _ in jobs]
+        done = self.pool.run([Job("call", (tool.implementation, args), limit)
+                              for (tool, args), limit in zip(jobs, limits)])
+        return [("timeout", "") if d.timed_out or d.seconds > limit else
+                ("error", f"the tool's worker died: {d.died}") if d.died is not None else d.value
+                for d, limit in zip(done, limits)]
 
     def close(self) -> None:
         self.pool.close()
