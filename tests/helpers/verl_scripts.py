@@ -1,4 +1,4 @@
-"""Twenty of verl's example scripts as a verl user types them, and what megarl makes of each override.
+"""Twenty-one of verl's example scripts as a verl user types them, and what megarl makes of each override.
 
     python -m tests.helpers.verl_scripts          (from the repository root: prints docs/verl.md's table)
     python -m tests.helpers.verl_scripts grpo_math --model M --data D [--ranks 1]

@@ -1,5 +1,6 @@
-"""verl's megatron LoRA and Qwen3-MoE scripts, its one-step-off-policy and fully-async e2e scripts and its
-FSDP multi-turn tool e2e script, as a verl user types them; tests/helpers/verl_scripts.py classifies each override.
+"""verl's megatron LoRA and Qwen3-MoE scripts, its one-step-off-policy (FSDP and megatron) and fully-async
+e2e scripts and its FSDP multi-turn tool e2e script, as a verl user types them; tests/helpers/verl_scripts.py
+classifies each override.
 
 Read from volcengine/verl at commit b178a3cd56f58b2d502255daba591e92833930a7: each argument as the
 shell hands it to Hydra (quotes removed, `+` prefixes kept, each variable at the script's value,
@@ -203,6 +204,54 @@ LAYOUT_ASYNC_SCRIPTS: dict[str, dict] = {
             'actor_rollout_ref.ref.fsdp_config.param_offload=True',
             'actor_rollout_ref.ref.ulysses_sequence_parallel_size=2',
             'actor_rollout_ref.actor.fsdp_config.fsdp_size=2',]},
+    'one_step_off_megatron_e2e': {
+        # ACTOR_STRATEGY=megatron; the YAML is the script's --config-name
+        "path": ("tests/special_e2e/run_one_step_off_policy.sh (ACTOR_STRATEGY=megatron) "
+                 "with one_step_off_ppo_megatron_trainer.yaml"),
+        "yaml": [
+            'rollout.nnodes=1', 'rollout.n_gpus_per_node=8', 'actor_rollout_ref.rollout.free_cache_engine=False',
+            'actor_rollout_ref.rollout.calculate_log_probs=True', 'algorithm.rollout_correction.bypass_mode=True',],
+        "overrides": [
+            'data.train_files=gsm8k/train.parquet', 'data.val_files=gsm8k/test.parquet', 'data.prompt_key=prompt',
+            'data.truncation=left', 'data.max_prompt_length=1024', 'data.max_response_length=2048',
+            'data.train_batch_size=8', 'actor_rollout_ref.rollout.n=3', 'algorithm.adv_estimator=grpo',
+            'algorithm.use_kl_in_reward=False', 'algorithm.kl_ctrl.kl_coef=0.0',
+            'actor_rollout_ref.hybrid_engine=False', 'actor_rollout_ref.actor.use_kl_loss=False',
+            'actor_rollout_ref.actor.kl_loss_coef=0.0', 'actor_rollout_ref.actor.clip_ratio_low=0.2',
+            'actor_rollout_ref.actor.clip_ratio_high=0.28', 'actor_rollout_ref.actor.clip_ratio_c=10.0',
+            'actor_rollout_ref.model.path=/HOME/models/Qwen/Qwen2.5-0.5B-Instruct',
+            'actor_rollout_ref.actor.optim.lr=1e-6', 'actor_rollout_ref.actor.optim.lr_warmup_steps=-1',
+            'actor_rollout_ref.actor.optim.weight_decay=0.1', 'actor_rollout_ref.actor.ppo_mini_batch_size=4',
+            'actor_rollout_ref.actor.entropy_coeff=0', 'actor_rollout_ref.actor.loss_agg_mode=token-mean',
+            'actor_rollout_ref.rollout.gpu_memory_utilization=0.80', 'actor_rollout_ref.rollout.temperature=1.0',
+            'actor_rollout_ref.rollout.top_p=1.0', 'actor_rollout_ref.rollout.top_k=-1',
+            'actor_rollout_ref.rollout.val_kwargs.temperature=1.0', 'actor_rollout_ref.rollout.val_kwargs.top_p=0.7',
+            'actor_rollout_ref.rollout.val_kwargs.top_k=-1', 'actor_rollout_ref.rollout.val_kwargs.do_sample=True',
+            'actor_rollout_ref.rollout.val_kwargs.n=1', 'actor_rollout_ref.rollout.enable_chunked_prefill=True',
+            'actor_rollout_ref.rollout.name=vllm', 'reward_model.reward_manager=dapo',
+            '+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True',
+            '+reward_model.reward_kwargs.overlong_buffer_cfg.len=128',
+            '+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0',
+            '+reward_model.reward_kwargs.overlong_buffer_cfg.log=False',
+            '+reward_model.reward_kwargs.max_resp_len=2048', 'trainer.logger=[console]',
+            'trainer.project_name=verl-test',
+            'trainer.experiment_name=qwen2.5-0.5b-instruct-one-step-off-policy-megatron-minimal',
+            'trainer.val_before_train=True', 'trainer.test_freq=-1', 'trainer.save_freq=-1',
+            'trainer.total_epochs=2', 'trainer.total_training_steps=2', 'trainer.resume_mode=disable',
+            'trainer.nnodes=1', 'trainer.n_gpus_per_node=6', 'rollout.nnodes=1', 'rollout.n_gpus_per_node=2',
+            'actor_rollout_ref.actor.strategy=megatron', 'critic.strategy=megatron',
+            'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2',
+            'actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4',
+            'actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4',
+            'actor_rollout_ref.actor.megatron.param_offload=False',
+            'actor_rollout_ref.actor.megatron.optimizer_offload=False',
+            'actor_rollout_ref.actor.megatron.grad_offload=False',
+            'actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2',
+            'actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1',
+            'actor_rollout_ref.rollout.tensor_model_parallel_size=2',
+            'actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2',
+            'actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1',
+            'actor_rollout_ref.ref.megatron.param_offload=True',]},
     'fully_async_e2e': {
         # ACTOR_STRATEGY at its default fsdp2; the YAML is the module's own hydra config
         "path": 'tests/special_e2e/run_fully_async_policy.sh with fully_async_ppo_trainer.yaml',
