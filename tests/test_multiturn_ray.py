@@ -11,7 +11,7 @@ from megarl.rollout.multiturn.parser import ToolCall
 from megarl.rollout.multiturn.tools import load_tools
 
 IMPLS = '''
-import os, time
+import os, signal, time
 
 def pid():
     return os.getpid()
@@ -20,7 +20,7 @@ def hang():
     time.sleep(3600)        # only killing the process ends it
 
 def crash():
-    os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)     # the worker dies (os._exit is refused: it stops the run)
 '''
 
 

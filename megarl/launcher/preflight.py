@@ -5,7 +5,8 @@
 
 What it checks, model first, reading no model weights:
 - the model path is a checkpoint of a supported architecture, or the absent path its own config's
-  bootstrap builds (megarl/config/model_path.py); prompt + response fit its positions;
+  bootstrap builds (megarl/config/model_path.py); prompt + response fit its positions; its
+  safetensors headers add up and its vocabulary tensors match config.json (preflight_weights.py);
 - data files exist, are readable UTF-8 / parquet files with the prompt column;
 - the rollout engine is known and importable; a custom class, the tools file and the
   interactions load (an interaction class is built with its config); the device
@@ -35,6 +36,7 @@ from megarl.engines import EngineInfo, default_name, resolve
 from megarl.launcher.preflight_run import (check_architecture, check_columns, check_loggers, check_score_head,
                                            tokenizer_available)
 from megarl.launcher.preflight_run import check_data_sources_scored, check_engine_kwarg_values, check_output_paths
+from megarl.launcher.preflight_weights import check_vocab_size
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
 from megarl.rollout.config_checks import check_engine_overrides
@@ -189,6 +191,7 @@ def check_model_paths(cfg) -> None:
         check_architecture(hf, config_json)    # before the layout: GPT-2's n_head is not num_attention_heads
         cfg.check_model(hf)   # layout against heads/layers; lengths against positions
         check_weight_format(m.path, key)
+        check_vocab_size(hf, m.path, key)   # headers only; a shape error from every rank otherwise
     bootstrapping = not os.path.isfile(config_json)  # the bootstrap may write the tokenizer too
     if m.tokenizer_path and m.tokenizer_path != m.path and not bootstrapping and not os.path.exists(m.tokenizer_path):
         raise ConfigError(f"{m.tokenizer_path} does not exist; point it at a tokenizer directory or remove it "
