@@ -23,6 +23,16 @@ REFUSED = [  # (overrides, key named, words of the line)
     (["actor_rollout_ref.model.torch_dtype=bfloat16"], "actor_rollout_ref.model.torch_dtype",
      "actor_rollout_ref.actor.dtype"),
     (["critic.model.torch_dtype=bfloat16"], "critic.model.torch_dtype", "actor_rollout_ref.rollout.dtype"),
+    (["async_training.compute_prox_log_prob=true"], "async_training.compute_prox_log_prob",
+     "actor_rollout_ref.actor.policy_loss.loss_mode=decoupled_ppo"),
+    (["async_training.checkpoint_engine.enable=false"], "async_training.checkpoint_engine.enable",
+     "actor_rollout_ref.rollout.checkpoint_engine.bucket_size_mb"),
+    (["rollout.n=16"], "rollout.n", "set that and remove rollout.n"),
+    (["rollout.test_freq=2", "trainer.test_freq=5"], "rollout.test_freq", "read as trainer.test_freq, set one"),
+    (["async_training.use_rollout_log_probs=false", "actor_rollout_ref.actor.use_rollout_log_probs=true"],
+     "actor_rollout_ref.actor.use_rollout_log_probs", "set one of them"),
+    (["async_training.partial_rollout=true"], "async_training.partial_rollout",
+     "set actor_rollout_ref.rollout.placement=disaggregated or remove it"),
 ]
 
 
@@ -55,3 +65,22 @@ def test_rollout_mode_is_accepted_at_both_values_as_docs_say(mode):
     load_config(None, [f"actor_rollout_ref.rollout.mode={mode}"])
     text = open("docs/async.md").read()
     assert "`actor_rollout_ref.rollout.mode` is accepted at both values" in text and "refused everywhere" not in text
+
+
+def test_fully_async_recipe_keys_are_megarls_keys():
+    """verl's fully_async_ppo_trainer.yaml leaves, its `${oc.select:...}` copies included, set megarl's keys."""
+    cfg = load_config(None, [
+        "async_training.use_rollout_log_probs=True", "async_training.compute_prox_log_prob=False",
+        "async_training.checkpoint_engine.enable=True", "async_training.checkpoint_engine.device_buffer_size_M=4096",
+        "async_training.checkpoint_engine.overlap_broadcast_and_consume=False", "rollout.n=4",
+        "rollout.test_freq=3", "rollout.total_epochs=7",
+        "actor_rollout_ref.checkpoint_engine=${oc.select:async_training.checkpoint_engine, null}",
+        "actor_rollout_ref.actor.use_rollout_log_probs=${oc.select:async_training.use_rollout_log_probs, True}"])
+    ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    assert cfg.algorithm.rollout_correction.bypass_mode is True
+    assert (ce.bucket_size_mb, ce.overlap) == (4096, False)
+    assert (cfg.trainer.test_freq, cfg.trainer.total_epochs) == (3, 7)
+    alone = load_config(None, ["actor_rollout_ref.checkpoint_engine=${oc.select:async_training.checkpoint_engine, "
+                               "null}", "async_training.use_rollout_log_probs=false"])
+    assert alone.actor_rollout_ref.rollout.checkpoint_engine.overlap is True
+    assert alone.algorithm.rollout_correction.bypass_mode is False

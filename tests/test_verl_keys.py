@@ -420,15 +420,7 @@ def test_verl_091_naive_checkpoint_engine_is_megarls_colocated_transport():
     assert err.value.key == key and "backend=auto or distributed" in str(err.value)
 
 
-# verl's fully-async module config and e2e script set keys megarl neither maps nor refuses yet: the
-# row stays in the table with its unknown count, and this case fails loudly once they are handled.
-_FULLY_ASYNC_UNKNOWN = pytest.mark.xfail(strict=True, reason=(
-    "async_training.{use_rollout_log_probs,compute_prox_log_prob,checkpoint_engine.*}, rollout.{n,test_freq,"
-    "total_epochs}, actor_rollout_ref.checkpoint_engine, actor_rollout_ref.actor.use_rollout_log_probs: unknown"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_FULLY_ASYNC_UNKNOWN) if n == "fully_async_e2e" else n
-                                  for n in sorted(SCRIPTS)])
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_verl_scripts_overrides_are_each_known(name):
     """verl's example scripts (tests/helpers/verl_scripts*.py), with only docs/verl.md's changes
     (model, data, sizes, engine name), loaded through megarl's config in this process: no override

@@ -125,8 +125,9 @@ def check_disaggregated_only_keys(cfg) -> None:
         raise ConfigError("applies to the distributed transport (placement=disaggregated) only; remove it",
                           "actor_rollout_ref.rollout.checkpoint_engine.keep_previous_weights")
     if cfg.async_training.partial_rollout:
-        raise ConfigError("needs actor_rollout_ref.rollout.placement=disaggregated (the colocated loop is "
-                          "synchronous)", "async_training.partial_rollout")
+        raise ConfigError("=true needs a rollout beside training and the colocated loop is synchronous; set "
+                          "actor_rollout_ref.rollout.placement=disaggregated or remove it",
+                          "async_training.partial_rollout")
 
 
 def check_partial_rollout_room(cfg) -> None:
