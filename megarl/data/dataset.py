@@ -26,6 +26,8 @@ ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
 # than max_prompt_length * this is over-length without tokenising it whole (a 100 MB row would
 # otherwise cost minutes and gigabytes just to be dropped).
 MAX_CHARS_PER_TOKEN = 128
+# Rendered rows tokenized in one call: the tokenizer's batching without holding a whole file's text.
+TOKENIZE_ROWS = 256
 
 
 def check_prompt(prompt: Any, key: str) -> str | None:
@@ -113,47 +115,64 @@ class RLDataset:
 
     # -- loading -----------------------------------------------------------------------------------
     def _load(self, path: str, key: str) -> None:
+        """Rows are rendered, sized and tokenized as they come, TOKENIZE_ROWS at a time: a row whose
+        rendering is over the character bound is dropped (or cut) at once, so a chat template that
+        inflates every prompt never has every rendered row held at the same time."""
         cfg = self.config
         got = read_rows(path, key)
         bad = list(got.bad)
-        good: list[tuple[str, dict, str]] = []
-        for where, row in got.rows:
-            row = _plain(row)
-            if cfg.prompt_key not in row:
-                bad.append(BadRow(path, where, f"missing '{cfg.prompt_key}'"))
+        bound = cfg.max_prompt_length * MAX_CHARS_PER_TOKEN
+        pending: list[tuple[str, dict, str, bool]] = []          # (where, row, text, cut by characters)
+        for where, raw in got.rows:
+            row = self._checked(_plain(raw), path, where, bad)
+            if row is None:
                 continue
-            problem = check_prompt(row[cfg.prompt_key], cfg.prompt_key)
-            if problem is None and row.get("reward_model") is not None and not isinstance(row["reward_model"], dict):
-                problem = "'reward_model' must be an object like {ground_truth: ...}"
-            if problem is None and row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
-                problem = "'extra_info' must be an object"
-            if problem:
-                bad.append(BadRow(path, where, problem))
-                continue
-            if isinstance(row[cfg.prompt_key], list) and row[cfg.prompt_key][-1]["role"] == "assistant":
-                # verl's convention: all but the last message form the prompt, the last one is the
-                # expected response (the ground truth unless the row gives one).
-                *prompt, answer = row[cfg.prompt_key]
-                if not prompt:
-                    bad.append(BadRow(path, where, f"'{cfg.prompt_key}' holds only an assistant message; "
-                                                   "the prompt is all messages but the last"))
-                    continue
-                row = {**row, cfg.prompt_key: prompt}
-                if ground_truth(row) is None:
-                    row["ground_truth"] = answer["content"]
             text = render_prompt(self.tokenizer, row[cfg.prompt_key], self.template, cfg.apply_chat_template,
                                  self.tools)
-            good.append((where, row, text))
-        self._account_bad(path, bad, got.total)
-        bound = cfg.max_prompt_length * MAX_CHARS_PER_TOKEN
-        sized: list[tuple[str, dict, str, bool]] = []          # (where, row, text, cut by characters)
-        for where, row, text in good:
             if len(text) <= bound:
-                sized.append((where, row, text, False))
+                pending.append((where, row, text, False))
             elif cfg.filter_overlong_prompts:
                 self.report["filtered_overlong"] += 1
             else:
-                sized.append((where, row, self._cut_chars(text, bound, path, where), True))
+                pending.append((where, row, self._cut_chars(text, bound, path, where), True))
+            if len(pending) >= TOKENIZE_ROWS:
+                self._keep(pending, path)
+                pending = []
+        self._keep(pending, path)
+        self._account_bad(path, bad, got.total)
+        self.report["rows"] += got.total
+        self.report["kept"] = len(self.items)
+
+    def _checked(self, row: dict, path: str, where: str, bad: list[BadRow]) -> dict | None:
+        """The row with its prompt in verl's shape, or None (the problem added to `bad`)."""
+        cfg = self.config
+        if cfg.prompt_key not in row:
+            bad.append(BadRow(path, where, f"missing '{cfg.prompt_key}'"))
+            return None
+        problem = check_prompt(row[cfg.prompt_key], cfg.prompt_key)
+        if problem is None and row.get("reward_model") is not None and not isinstance(row["reward_model"], dict):
+            problem = "'reward_model' must be an object like {ground_truth: ...}"
+        if problem is None and row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
+            problem = "'extra_info' must be an object"
+        if problem:
+            bad.append(BadRow(path, where, problem))
+            return None
+        if isinstance(row[cfg.prompt_key], list) and row[cfg.prompt_key][-1]["role"] == "assistant":
+            # verl's convention: all but the last message form the prompt, the last one is the
+            # expected response (the ground truth unless the row gives one).
+            *prompt, answer = row[cfg.prompt_key]
+            if not prompt:
+                bad.append(BadRow(path, where, f"'{cfg.prompt_key}' holds only an assistant message; "
+                                               "the prompt is all messages but the last"))
+                return None
+            row = {**row, cfg.prompt_key: prompt}
+            if ground_truth(row) is None:
+                row["ground_truth"] = answer["content"]
+        return row
+
+    def _keep(self, sized: list[tuple[str, dict, str, bool]], path: str) -> None:
+        """Tokenize rendered rows and keep those that fit data.max_prompt_length."""
+        cfg = self.config
         templated = self.template is not None and cfg.apply_chat_template
         texts = [t for _, _, t, _ in sized]
         ids = self.tokenizer(texts, add_special_tokens=not templated)["input_ids"] if texts else []
@@ -171,8 +190,6 @@ class RLDataset:
                 "extra_info": row.get("extra_info") or {},
                 "index": len(self.items),
             })
-        self.report["rows"] += got.total
-        self.report["kept"] = len(self.items)
 
     def _account_bad(self, path: str, bad: list[BadRow], total: int) -> None:
         if not bad:
