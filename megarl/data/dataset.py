@@ -69,8 +69,11 @@ def _plain(value: Any) -> Any:
 
 class RLDataset:
     def __init__(self, files: str | list[str], tokenizer, config, split: str = "train",
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, sample_rows: int | None = None):
+        """sample_rows: a probe of that many rows spread evenly over each file (the launcher's
+        --check); it reports what it kept and dropped and refuses nothing for having kept no row."""
         self.tokenizer, self.config, self.split = tokenizer, config, split
+        self.sample_rows = sample_rows
         self.tools = tools      # the schemas the agent loop renders prompts with (measured with them)
         files = [files] if isinstance(files, str) else list(files)
         key = f"data.{split}_files"
@@ -81,6 +84,8 @@ class RLDataset:
         self.report = {"rows": 0, "kept": 0, "malformed": 0, "filtered_overlong": 0, "truncated": 0}
         for path in files:
             self._load(path, key)
+        if sample_rows is not None:
+            return
         self._check_val_drops(files)
         if not self.items:
             raise ValueError(f"no usable {split} prompts in {', '.join(files)} (report: {self.report}); "
@@ -123,7 +128,12 @@ class RLDataset:
         bad = list(got.bad)
         bound = cfg.max_prompt_length * MAX_CHARS_PER_TOKEN
         pending: list[tuple[str, dict, str, bool]] = []          # (where, row, text, cut by characters)
-        for where, raw in got.rows:
+        rows, total = got.rows, got.total
+        if self.sample_rows is not None and len(rows) > self.sample_rows:
+            rows = [rows[i * len(rows) // self.sample_rows] for i in range(self.sample_rows)]
+        if self.sample_rows is not None:          # the sample's own rows only: a probe, not the file's count
+            bad, total = [], len(rows)
+        for where, raw in rows:
             row = self._checked(_plain(raw), path, where, bad)
             if row is None:
                 continue
@@ -139,8 +149,11 @@ class RLDataset:
                 self._keep(pending, path)
                 pending = []
         self._keep(pending, path)
-        self._account_bad(path, bad, got.total)
-        self.report["rows"] += got.total
+        if self.sample_rows is None:
+            self._account_bad(path, bad, total)
+        else:
+            self.report["malformed"] += len(bad)
+        self.report["rows"] += total
         self.report["kept"] = len(self.items)
 
     def _checked(self, row: dict, path: str, where: str, bad: list[BadRow]) -> dict | None:

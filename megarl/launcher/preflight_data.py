@@ -13,11 +13,14 @@ from transformers import AutoTokenizer
 
 from megarl.config.errors import ConfigError
 from megarl.data.build import build_dataset
+from megarl.data.dataset import RLDataset
 from megarl.data.loader import PromptLoader
 from megarl.models.hf_config import find_hf_config
 from megarl.models.hf_overrides import check_override_keys
 from megarl.reward.loading import load_reward_fn
 from megarl.rollout.multiturn import prompt_tool_schemas
+
+SAMPLED_ROWS = 32        # rows rendered before the whole file: enough to tell a template that inflates every one
 
 
 def load_tokenizer(cfg):
@@ -48,6 +51,7 @@ def check_datasets(cfg, tokenizer):
     datasets = {}
     for split, files in splits:
         try:
+            check_first_rows(data, files, tokenizer, split, tools)
             datasets[split] = build_dataset(data, files, tokenizer, split, tools)
         except ConfigError:
             raise
@@ -59,6 +63,21 @@ def check_datasets(cfg, tokenizer):
     except ValueError as err:
         raise ConfigError(_one_line(err), "data.train_batch_size") from None
     return train
+
+
+def check_first_rows(data, files: list[str], tokenizer, split: str, tools) -> None:
+    """SAMPLED_ROWS rows spread over the first file, rendered as the ranks render them: when every
+    one is over data.max_prompt_length (nearly every row would be dropped), the chat template
+    inflates them or the limit is too low. Said before the whole file is rendered."""
+    if not files or not data.filter_overlong_prompts or (data.custom_cls or {}).get("path"):
+        return
+    r = RLDataset(files[0], tokenizer, data, split, tools, sample_rows=SAMPLED_ROWS).report
+    if r["filtered_overlong"] and r["filtered_overlong"] == r["rows"] - r["malformed"]:
+        template = data.chat_template or "the tokenizer's own"
+        template = template if len(template) <= 40 else "a Jinja string"
+        raise ConfigError(f"all {r['filtered_overlong']} prompts sampled across {files[0]} render to more than "
+                          f"data.max_prompt_length={data.max_prompt_length} tokens (data.chat_template: {template}); "
+                          "fix the template or the rows, or raise data.max_prompt_length", f"data.{split}_files")
 
 
 def check_reward_on_a_row(cfg, dataset) -> None:

@@ -45,3 +45,25 @@ def test_rows_that_fit_are_all_kept_across_tokenizer_chunks(tmp_path):
     ds = RLDataset(files, text_tokenizer(), DataConfig(max_prompt_length=200, chat_template="plain"))
     assert ds.report["kept"] == 600 and [it["index"] for it in ds.items] == list(range(600))
     assert ds.items[599]["raw_prompt"][0]["content"] == f"{599:064d}"
+
+
+def test_check_refuses_in_one_line_when_the_sampled_rows_all_render_over_the_limit(tmp_path):
+    from megarl.config import ConfigError
+    from megarl.launcher.preflight_data import SAMPLED_ROWS, check_first_rows
+    files = [_rows(tmp_path / "train.jsonl", 5000)]
+    with pytest.raises(ConfigError) as err:
+        check_first_rows(DataConfig(max_prompt_length=64, chat_template=INFLATING), files, text_tokenizer(),
+                         "train", None)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("data.train_files: ")
+    assert f"all {SAMPLED_ROWS} prompts sampled across {files[0]} render to more than data.max_prompt_length=64" in line
+    check_first_rows(DataConfig(max_prompt_length=200, chat_template="plain"), files, text_tokenizer(), "train", None)
+
+
+def test_check_does_not_refuse_a_file_whose_first_rows_only_are_long(tmp_path):
+    from megarl.launcher.preflight_data import check_first_rows
+    path = tmp_path / "sorted.jsonl"
+    rows = [{"prompt": "x" * 300 if i < 100 else "short", "reward_model": {"ground_truth": "1"}} for i in range(400)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))           # longest first, as a sorted file is
+    check_first_rows(DataConfig(max_prompt_length=64, chat_template="plain"), [str(path)], text_tokenizer(), "train",
+                     None)
