@@ -115,7 +115,7 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
     ("parquet without prompt", ["data.train_files=@no_prompt.parquet"], "has no 'prompt' column (it has: question"),
     ("no chat template", ["actor_rollout_ref.model.path=@no_template"], "the tokenizer has no chat template"),
     ("every prompt too long", ["data.max_prompt_length=2", "actor_rollout_ref.rollout.max_model_len=null"],
-     "no usable train prompts"),
+     "prompts sampled across"),
     ("batch larger than rows", ["data.train_files=@three.jsonl"],
      "data.train_batch_size: data.train_batch_size=32 is larger than the 3 usable prompts"),
     ("reward raises", ["custom_reward_function.path=@reward_bad.py"], "reward_bad.py:2"),
