@@ -53,3 +53,23 @@ def test_ray_backend_kills_hanging_tools(tmp_path, ray_cluster):
     # the pool is whole again: two calls run on two live actors
     assert [r.status for r in ex.run([ToolCall("pid"), ToolCall("pid")])] == ["ok", "ok"]
     ex.close()
+
+
+@pytest.mark.timeout(180)
+def test_ray_backend_kills_a_tool_holding_the_interpreter_lock_at_its_deadline(tmp_path, ray_cluster):
+    """A catastrophic regular expression holds its actor's interpreter lock in C for hours; the
+    rollout's process is another one, so the deadline is kept and the actor killed."""
+    (tmp_path / "impls.py").write_text("import re\n\ndef backtrack(n):\n"
+                                       "    return str(re.match(r'(a+)+$', 'a' * n + 'b'))\n")
+    (tmp_path / "tools.yaml").write_text(textwrap.dedent('''
+        tools:
+          - {name: backtrack, parameters: [{name: n, type: integer}], implementation: impls.py:backtrack,
+             timeout_s: 1.0}
+        '''))
+    ex = ToolExecutor(load_tools(str(tmp_path / "tools.yaml")), timeout_s=20.0, workers=1, backend="ray")
+    assert ex.run([ToolCall("backtrack", {"n": 4})])[0].status == "ok"       # the actor is up
+    start = time.perf_counter()
+    res = ex.run([ToolCall("backtrack", {"n": 60})])
+    took = time.perf_counter() - start
+    assert res[0].status == "timeout" and took < 15 and ex.runner.replaced == 1
+    ex.close()
