@@ -25,8 +25,9 @@ from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
 from megarl.config.model_path import confine_bootstrap
+from megarl.config.recipe_keys import refuse_recipe_keys
 from megarl.config.refused import (check_refused, check_reward_kwargs, drop_legacy_nulls, move_sections,
-                                   refuse_recipe_keys, rename_keys, take_reward_kwargs)
+                                   rename_keys, take_reward_kwargs)
 from megarl.config.stack import check_transformer_overrides
 from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, freeze, key_like, not_a_key, open_keys,
                                  to_dict)
@@ -291,7 +292,7 @@ def build_config(raw: dict) -> ExperimentConfig:
     raw = move_sections(copy.deepcopy(raw))       # verl's other spellings (megarl/config/refused.py MOVED)
     raw = rename_keys(raw)                        # verl 0.9.1's moved keys (megarl/config/refused.py RENAMED)
     raw, resp_lens = take_reward_kwargs(raw)      # verl's reward_kwargs (megarl/config/refused.py)
-    raw = refuse_recipe_keys(raw)                 # verl's async recipes' keys (megarl/config/refused.py)
+    raw = refuse_recipe_keys(raw)                 # verl's async recipes' keys (megarl/config/recipe_keys.py)
     raw = drop_legacy_nulls(raw)                  # verl 0.9.1's null for "not set" (megarl/config/refused.py)
     raw = strip_verl_keys(raw, ExperimentConfig)  # verl-only keys at verl's default (megarl/config/verl_keys.py)
     check_known_keys(raw)
