@@ -57,8 +57,10 @@ def checkpoint_need(cfg) -> int:
 
 
 def check_free_space(cfg, key: str = "trainer.default_local_dir") -> None:
-    path = cfg.trainer.default_local_dir
-    need, free = checkpoint_need(cfg), shutil.disk_usage(path).free
+    path = probe = os.path.abspath(cfg.trainer.default_local_dir)
+    while not os.path.exists(probe):      # not made yet (--check makes nothing): the filesystem it goes on
+        probe = os.path.dirname(probe)
+    need, free = checkpoint_need(cfg), shutil.disk_usage(probe).free
     if free < need:
         raise ConfigError(f"{os.path.abspath(path)} has {free / 2**20:.1f} MiB free, but a checkpoint of this run "
                           f"needs about {need / 2**20:.1f} MiB; free space there or choose another directory", key)

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import stat
-import tempfile
 
 from megarl.algos.config import check_bypass_mode
 from megarl.config.errors import ConfigError
@@ -35,7 +34,8 @@ from megarl.storage.durable import make_private_dir
 from megarl.engines import EngineInfo, default_name, resolve
 from megarl.launcher.preflight_run import (check_architecture, check_columns, check_loggers, check_score_head,
                                            tokenizer_available)
-from megarl.launcher.preflight_run import check_data_sources_scored, check_engine_kwarg_values, check_output_paths
+from megarl.launcher.preflight_run import (check_creatable_dir, check_data_sources_scored, check_engine_kwarg_values,
+                                           check_output_paths)
 from megarl.launcher.preflight_weights import check_vocab_size
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
@@ -89,6 +89,7 @@ def bootstrap_and_check(cfg) -> None:
     m = cfg.model
     if model_path_state(m.path, m.bootstrap) != "bootstrap":
         return
+    make_private_dir(os.path.dirname(os.path.abspath(m.path)))    # checked creatable, made by the run only
     load_object(m.bootstrap, "actor_rollout_ref.model.bootstrap")(m.path, cfg, **m.bootstrap_kwargs)
     if model_path_state(m.path, None) != "ready":
         raise ConfigError(f"{m.path} still holds no config.json after the bootstrap",
@@ -355,19 +356,15 @@ def import_external_libs(cfg) -> None:
 
 # -- outputs --------------------------------------------------------------------------------------------
 def check_run_dir(path: str, key: str) -> None:
-    """`path` can be created and written (creating it now, as the run would: mode 0700)."""
-    try:
-        make_private_dir(path)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot write to {os.path.abspath(path)} ({err.strerror}); choose a writable directory",
-                          key) from None
+    """`path` can be written, or created: the run makes it (0700) when it starts, --check makes nothing."""
+    check_creatable_dir(path, key, "cannot write to")
 
 
 def check_run_dir_private(path: str, key: str) -> None:
     """Every resume refuses a run directory that another user could write (megarl/trainer/verified_io.py):
     refused here, before a run trains and saves into one it could never resume from."""
+    if not os.path.exists(path):
+        return                    # the run makes it, this user's and 0700
     st = os.stat(path)
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != os.geteuid():

@@ -14,16 +14,15 @@ check in megarl/launcher/preflight.py.
 from __future__ import annotations
 
 import importlib.util
+import errno
 import json
 import os
 import stat
-import tempfile
 
 from megarl.config.errors import ConfigError
 from megarl.data.dataset import check_prompt
 from megarl.models.spec import ModelSpec
 from megarl.reward.rules import check_data_sources, rule_for
-from megarl.storage.durable import make_private_dir
 from megarl.storage.private_out import check_output_dir
 
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -118,8 +117,7 @@ def check_output_paths(cfg) -> None:
     tr = cfg.trainer
     for key, path in (("trainer.rollout_data_dir", tr.rollout_data_dir),
                       ("trainer.validation_data_dir", tr.validation_data_dir)):
-        if path:
-            _check_writable_dir(path, key)
+        if path and check_creatable_dir(path, key, "cannot create or write"):
             check_output_dir(path, key)      # the run directory's rule: others must not plant links there
     if "tensorboard" in tr.logger:
         board = os.path.join(tr.log_dir or tr.default_local_dir, "tensorboard")
@@ -131,14 +129,20 @@ def check_output_paths(cfg) -> None:
             check_output_dir(board, "trainer.log_dir")
 
 
-def _check_writable_dir(path: str, key: str) -> None:
-    try:
-        make_private_dir(path)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".megarl-write-check-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"cannot create or write {os.path.abspath(path)} ({err.strerror}); choose a writable "
-                          "directory or remove the key", key) from None
+def check_creatable_dir(path: str, key: str, fail: str) -> bool:
+    """Whether `path` exists as a directory this user can write; a missing one must be creatable (its
+    nearest existing parent a directory this user can write and search). Nothing is made: --check
+    creates nothing, and the run makes each directory (0700) where it first writes."""
+    where = probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        why = errno.EEXIST if probe == where else errno.ENOTDIR
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        why = errno.EACCES
+    else:
+        return probe == where
+    raise ConfigError(f"{fail} {where} ({os.strerror(why)}); choose a writable directory or remove the key", key)
 
 
 # vLLM's EngineArgs fields that vLLM itself takes as given and fails on only once its engine sizes

@@ -19,6 +19,7 @@ from megarl.config import ConfigError
 from megarl.trainer.launch_env import check_launch, shell_assignments
 from megarl.launcher.preflight import node_checks, preflight
 from megarl.launcher.cli import load_checked  # the exact checks megarl-train applies
+from megarl.storage.durable import make_private_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_checked(args.config, args.overrides, check_all=False)
         check_launch(cfg, args.nnodes, args.nproc_per_node, by=args.by)
-        (node_checks if args.node_only else preflight)(cfg)  # after the layout check: it creates the run directory
+        (node_checks if args.node_only else preflight)(cfg)  # after the layout check
+        # A launch, not --check: the run directory is made here, 0700, before the script's mkdir -p of
+        # its logs would make it with the shell's umask.
+        for path in (cfg.trainer.default_local_dir, cfg.trainer.log_dir):
+            if path:
+                make_private_dir(path)
     except ConfigError as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2
