@@ -51,10 +51,16 @@ def check_one_layout(cfg) -> None:
 
 def check_train_batch(cfg) -> None:
     data, actor = cfg.data, cfg.actor
+    # verl (which needs only train_batch_size >= ppo_mini_batch_size) makes the last mini-batch
+    # smaller, an optimizer step over fewer samples than the others; megarl's mini-batches are equal,
+    # each split evenly over the DP ranks, so the refusal says so and names the nearest divisor
     if data.train_batch_size % actor.ppo_mini_batch_size:
+        size = next(d for d in range(min(actor.ppo_mini_batch_size, data.train_batch_size), 0, -1)
+                    if data.train_batch_size % d == 0)
         raise ConfigError(f"data.train_batch_size={data.train_batch_size} is not a multiple of "
-                          f"ppo_mini_batch_size={actor.ppo_mini_batch_size}; make the mini batch a divisor",
-                          "actor_rollout_ref.actor.ppo_mini_batch_size")
+                          f"ppo_mini_batch_size={actor.ppo_mini_batch_size}: megarl makes every mini-batch the same "
+                          "size (verl would make the last one smaller); set ppo_mini_batch_size to a divisor of "
+                          f"{data.train_batch_size}, e.g. {size}", "actor_rollout_ref.actor.ppo_mini_batch_size")
 
 
 def _vpp_micro(seqs: int, dp: int, pp: int) -> int | None:
