@@ -18,6 +18,10 @@ REFUSED = [  # (overrides, key named, words of the line)
      "actor_rollout_ref.rollout.placement=disaggregated actor_rollout_ref.rollout.disaggregated_ranks=4, with "
      "trainer.nnodes x trainer.n_gpus_per_node counting both sides (4 + 4)"),
     (["rollout.n_gpus_per_node=2"], "rollout.n_gpus_per_node", "disaggregated_ranks=2"),
+    # verl's main_generation: megarl's evaluation-only run, named in the line
+    (["data.n_samples=4"], "data.n_samples", "run trainer.val_only=true with data.val_files=<file>"),
+    (["data.output_path=/tmp/out.parquet"], "data.output_path", "trainer.validation_data_dir=<dir>"),
+    (["data.path=/tmp/test.parquet"], "data.path", "actor_rollout_ref.rollout.val_kwargs.n"),
     (["actor_rollout_ref.rollout.n_gpus_per_node=2"], "actor_rollout_ref.rollout.n_gpus_per_node",
      "actor_rollout_ref.rollout.disaggregated_ranks"),
     (["actor_rollout_ref.model.torch_dtype=bfloat16"], "actor_rollout_ref.model.torch_dtype",

@@ -1,5 +1,6 @@
-"""verl's fully-async and one-step-off-policy recipe keys: megarl's key where the meaning is the same,
-accepted at verl's value where megarl already does what it asks, one line naming megarl's way otherwise.
+"""verl's fully-async and one-step-off-policy recipe keys (and main_generation's): megarl's key where
+the meaning is the same, accepted at verl's value where megarl already does what it asks, one line
+naming megarl's way otherwise.
 
     raw = refuse_recipe_keys(raw)     # before the unknown-key check (megarl/experiment.py build_config)
 """
@@ -48,6 +49,12 @@ RECIPE_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     # verl 0.9.1's fully-async trainer reads actor_rollout_ref.rollout.n; its rollout.n (4) is read by nothing
     "rollout.n": ((4,), "verl's fully-async trainer samples actor_rollout_ref.rollout.n responses a prompt, as "
                         "megarl does; set that and remove rollout.n"),
+    # verl's main_generation (a dataset in, n samples a prompt out): megarl's evaluation-only run does it
+    **{f"data.{leaf}": (
+        (), "megarl has no generation-only entry point: run trainer.val_only=true with data.val_files=<file>, "
+            "actor_rollout_ref.rollout.val_kwargs.n (and do_sample, temperature) and trainer.validation_data_dir="
+            "<dir> (a line per sample in <dir>/<step>.jsonl; docs/verl.md), and remove the key")
+       for leaf in ("path", "n_samples", "output_path")},
     # HF's from_pretrained argument, which verl users write under model: (verl's trees have no such key)
     **{f"{role}.model.torch_dtype": (
         (), "megarl's roles compute in actor_rollout_ref.actor.dtype (auto: bf16 on GPU, fp32 on CPU; the critic "
