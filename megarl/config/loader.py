@@ -131,8 +131,10 @@ def _read(path: str, stack: tuple[str, ...], chain: _Chain) -> dict:
                            "flatten the chain: a base may list several files")
     if len(chain.merged) >= MAX_BASE_FILES:
         raise chain.refuse(stack, f"name over {MAX_BASE_FILES} files", "merge some of them")
-    chain.bytes += os.path.getsize(path) if os.path.isfile(path) else 0
-    if chain.bytes > MAX_BYTES:              # before parsing: YAML reads about 1 MB a second
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    chain.bytes += size
+    # before parsing: YAML reads about 1 MB a second; one file over the bound alone gets _parse's line
+    if chain.bytes > MAX_BYTES and chain.bytes > size:
         raise chain.refuse(stack, f"hold over {MAX_BYTES >> 20} MiB together", "a config holds keys, not data")
     data = _parse(path)
     resolve_file_paths(data, os.path.dirname(path))
