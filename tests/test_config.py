@@ -169,7 +169,7 @@ def test_override_values_are_typed():
 @pytest.mark.parametrize("overrides, key, words", [
     (["actor_rollout_ref.rollout.tmperature=0.3"],
      "actor_rollout_ref.rollout.tmperature", "did you mean 'actor_rollout_ref.rollout.temperature'"),
-    (["rollout.n=5"], "rollout.n", "did you mean 'actor_rollout_ref.rollout.n'"),
+    (["rollout.n=5"], "rollout.n", "samples actor_rollout_ref.rollout.n responses a prompt, as megarl does; set that"),
     (["trainr.save_freq=3"], "trainr", "did you mean 'trainer'"),
     (["actor_rollout_ref.rollout.n=five"], "actor_rollout_ref.rollout.n", "got 'five' (str), expected int"),
     (["trainer.save_freq=1.5"], "trainer.save_freq", "expected int"),
@@ -204,6 +204,18 @@ def test_errors_name_key_and_fix(overrides, key, words):
     assert err.key == key, str(err)
     assert words in str(err)
     assert "\n" not in str(err)
+
+
+def test_token_budgets_ignore_the_row_micro_batch_the_user_never_set():
+    """Under use_dynamic_bsz micro-batches are cut by tokens (as verl does and megarl's update checks),
+    so a small mini batch is not refused for the default ppo_micro_batch_size_per_gpu; by rows it is."""
+    small = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+             "actor_rollout_ref.rollout.n=2",
+             "algorithm.adv_estimator=grpo"]
+    cfg = load_config(None, [*small, "actor_rollout_ref.actor.use_dynamic_bsz=true"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == ExperimentConfig().actor.ppo_micro_batch_size_per_gpu > 2
+    with pytest.raises(ConfigError, match="not divisible by ppo_micro_batch_size_per_gpu"):
+        load_config(None, small)
 
 
 def test_verls_optimizer_spellings():

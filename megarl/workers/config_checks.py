@@ -96,7 +96,9 @@ def check_mini_batches(cfg) -> None:
             continue
         mini, micro = sec.ppo_mini_batch_size, sec.ppo_micro_batch_size_per_gpu
         seqs = mini * n
-        if micro is None:            # token budgets only (use_dynamic_bsz): the mini batch splits over DP
+        # token budgets (use_dynamic_bsz) cut micro-batches by tokens, whatever the row count says (as
+        # in verl and megarl's update): the mini batch need only split over DP
+        if micro is None or sec.use_dynamic_bsz:
             micro = 1
         if seqs % (micro * dp):
             raise ConfigError(
