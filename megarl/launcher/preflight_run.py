@@ -17,6 +17,7 @@ import importlib.util
 import errno
 import json
 import os
+import tempfile
 import stat
 
 from megarl.config.errors import ConfigError
@@ -130,9 +131,10 @@ def check_output_paths(cfg) -> None:
 
 
 def check_creatable_dir(path: str, key: str, fail: str) -> bool:
-    """Whether `path` exists as a directory this user can write; a missing one must be creatable (its
-    nearest existing parent a directory this user can write and search). Nothing is made: --check
-    creates nothing, and the run makes each directory (0700) where it first writes."""
+    """Whether `path` exists as a directory this user can write; a missing one must be creatable: a
+    directory made and removed at once in its nearest existing parent (access() says yes to root
+    everywhere, /proc included). Nothing is left: --check creates nothing, and the run makes each
+    directory (0700) where it first writes."""
     where = probe = os.path.abspath(path)
     while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
@@ -140,8 +142,14 @@ def check_creatable_dir(path: str, key: str, fail: str) -> bool:
         why = errno.EEXIST if probe == where else errno.ENOTDIR
     elif not os.access(probe, os.W_OK | os.X_OK):
         why = errno.EACCES
+    elif probe == where:
+        return True
     else:
-        return probe == where
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".megarl-check-", dir=probe))
+            return False
+        except OSError as err:
+            why = err.errno or errno.EACCES
     raise ConfigError(f"{fail} {where} ({os.strerror(why)}); choose a writable directory or remove the key", key)
 
 
