@@ -27,4 +27,15 @@ def own_line(text: str) -> None:
                 os.close(fd)
         except OSError:                  # the launcher is gone or the disk is full: the line still prints
             pass
-    print(text, file=sys.stderr, flush=True)
+    # One write of line and newline: two ranks that stop at once share one stderr pipe, and print()'s
+    # separate writes of text and end would splice their lines into one the launcher cannot match
+    # (a pipe write up to PIPE_BUF bytes is atomic).
+    data = (text + "\n").encode(errors="replace")
+    try:
+        sys.stderr.flush()
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):     # a replaced stderr (pytest's capture): print to it
+        print(text, file=sys.stderr, flush=True)
+        return
+    while data:
+        data = data[os.write(fd, data):]
