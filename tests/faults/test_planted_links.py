@@ -40,7 +40,7 @@ def one_sample() -> Generations:
 
 def test_a_planted_tmp_link_is_not_written_through(tmp_path):
     d, target = dump_dir(tmp_path), victim(tmp_path)
-    os.symlink(target, os.path.join(d, "3.jsonl.tmp"))      # the name a dump used to write first
+    os.symlink(target, os.path.join(d, "3.jsonl.tmp"))      # a predictable temporary name a writer might use
     os.symlink(target, os.path.join(d, "3.jsonl"))          # and the name it ends as
     path = write_jsonl(d, 3, one_sample())
     assert open(target).read() == "keep me\n"               # not overwritten

@@ -102,7 +102,7 @@ tools:
 @pytest.mark.timeout(900)
 def test_a_run_whose_tool_exits_fails_in_one_line(tmp_path):
     """configs/tool_use.yaml, its calculator replaced by one that calls os._exit(0): the run exits
-    non-zero with one line naming the tool, where it used to end at the first call with exit code 0."""
+    non-zero with one line naming the tool, never as a success at the first call."""
     (tmp_path / "exits.py").write_text(EXITS)
     (tmp_path / "tools.yaml").write_text(TOOLS_YAML)
     model = tmp_path / "model"
