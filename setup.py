@@ -28,6 +28,9 @@ setup(
         "numpy>=1.26",
         "pyarrow>=14",                     # parquet datasets
         "matplotlib>=3.8",                 # the reward-curve PNG
+        # verl's recipes copy keys with ${oc.select:...}: megarl/config/recipe_keys.py resolves them
+        # with OmegaConf itself (also what verl's config classes, the core_algos oracle, build on)
+        "omegaconf>=2.3",
     ],
     extras_require={
         # The 1.3 line megarl was written against (1.3.0rc21, what NeMo-RL 7ea279a pins); not yet run
@@ -39,10 +42,8 @@ setup(
         # checkpoint_engine.delta_compression=zstd|lz4 (delta weight syncs, docs/weight-sync.md)
         "compress": ["zstandard>=0.22", "lz4>=4"],
         # the suite runs the compressed syncs too, so the test extras take the compress ones
-        # peft: the LoRA oracle (tests/test_lora.py); omegaconf: verl's config classes, which the
-        # verl core_algos oracle builds (tests/test_verl_core_algos.py; verl itself installs with --no-deps)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1",
-                 "omegaconf>=2.3"],
+        # peft: the LoRA oracle (tests/test_lora.py)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:program"]},
 )
