@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.plugins import import_external_libs
 from megarl.config.typed import closest
 
 
@@ -107,13 +108,6 @@ def check_algorithm_names(cfg) -> None:
         (KL_ESTIMATORS, actor.kl_loss_type.removesuffix("+"), "actor_rollout_ref.actor.kl_loss_type")]
     if all(name in registry for registry, name, _ in names):
         return
-    for key, lib in (("actor_rollout_ref.model.external_lib", cfg.model.external_lib),
-                     ("critic.model.external_lib", cfg.critic.model.external_lib)):
-        if lib:
-            try:
-                importlib.import_module(lib)
-            except Exception as err:
-                raise ConfigError(f"cannot import {lib!r}: {type(err).__name__}: {err}; give a module on "
-                                  "PYTHONPATH or remove the key", key) from None
+    import_external_libs(cfg)
     for registry, name, key in names:
         registry.check(name, key)

@@ -108,3 +108,17 @@ def construct(cls, available: dict[str, Any], user_kwargs: dict[str, Any], key: 
         raise ConfigError(f"cannot construct {cls.__name__}{sig}: {err}; pass its arguments in "
                           f"{key.rsplit('.', 1)[0]}.reward_manager_kwargs", key) from None
     return cls(**kwargs)
+
+
+def import_external_libs(cfg) -> None:
+    """model.external_lib (verl's key): a module imported before any model is built, e.g. one that
+    registers a custom architecture with transformers. Run in the launcher and on every rank."""
+    for key, lib in (("actor_rollout_ref.model.external_lib", cfg.model.external_lib),
+                     ("critic.model.external_lib", cfg.critic.model.external_lib),
+                     ("reward_model.model.external_lib", (cfg.reward_model.model or {}).get("external_lib"))):
+        if lib:
+            try:
+                importlib.import_module(lib)
+            except Exception as err:
+                raise ConfigError(f"cannot import {lib!r}: {type(err).__name__}: {err}; give a module on "
+                                  "PYTHONPATH or remove the key", key) from None

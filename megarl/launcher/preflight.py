@@ -28,7 +28,7 @@ import stat
 from megarl.algos.config import check_bypass_mode
 from megarl.config.errors import ConfigError
 from megarl.config.model_path import model_path_state
-from megarl.config.plugins import get_attr, import_path, load_class, load_object
+from megarl.config.plugins import get_attr, import_external_libs, import_path, load_class, load_object
 from megarl.launcher.diskspace import check_free_space
 from megarl.storage.durable import make_private_dir
 from megarl.engines import EngineInfo, default_name, resolve
@@ -338,20 +338,6 @@ def check_import_path(ref: str, key: str) -> None:
     path, name = ref.rsplit(":", 1)
     if not callable(get_attr(import_path(path, key), name, key, "function")):
         raise ConfigError(f"{ref} is not callable", key)
-
-
-def import_external_libs(cfg) -> None:
-    """model.external_lib (verl's key): a module imported before any model is built, e.g. one that
-    registers a custom architecture with transformers. Run in the launcher and on every rank."""
-    for key, lib in (("actor_rollout_ref.model.external_lib", cfg.model.external_lib),
-                     ("critic.model.external_lib", cfg.critic.model.external_lib),
-                     ("reward_model.model.external_lib", (cfg.reward_model.model or {}).get("external_lib"))):
-        if lib:
-            try:
-                importlib.import_module(lib)
-            except Exception as err:
-                raise ConfigError(f"cannot import {lib!r}: {type(err).__name__}: {err}; give a module on "
-                                  "PYTHONPATH or remove the key", key) from None
 
 
 # -- outputs --------------------------------------------------------------------------------------------
