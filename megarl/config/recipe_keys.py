@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.errors import ConfigError
-from megarl.config.refused import _get, _parent, _prune, _rename
+from megarl.config.refused import _get, _remove, _rename, accepts
 
 # verl's fully-async and one-step-off-policy recipes (verl/experimental/fully_async_policy/config/
 # fully_async_ppo_megatron_trainer.yaml, 0.9.1): keys whose meaning megarl's async_training does not share.
@@ -86,11 +86,10 @@ def refuse_recipe_keys(raw: dict) -> dict:
     _rename(raw, RECIPE_RENAMED)
     for key, (accepted, why) in RECIPE_KEYS.items():
         present, value = _get(raw, key)
-        if present and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+        if present and not accepts(accepted, value):
             raise ConfigError(f"{value!r} is not supported: {why}", key)
         if present:
-            del _parent(raw, key)[key.rsplit(".", 1)[1]]
-            _prune(raw, key.rsplit(".", 1)[0])
+            _remove(raw, key)
     pool = [_get(raw, k) for k in POOL]
     if any(present for present, _ in pool):
         nodes, gpus = (v if present and isinstance(v, int) else 1 for present, v in pool)
@@ -114,8 +113,7 @@ def _take_copies(raw: dict) -> None:
             continue
         if isinstance(value, str) and "${" in value:
             value = _resolved(raw, copy)
-        del _parent(raw, copy)[copy.rsplit(".", 1)[1]]
-        _prune(raw, copy.rsplit(".", 1)[0])
+        _remove(raw, copy)
         if value is None:
             continue
         has, own = _get(raw, key)

@@ -138,8 +138,7 @@ def _rename(raw: dict, table: dict[str, str]) -> dict:
         present, value = _get(raw, src)
         if not present:
             continue
-        del _parent(raw, src)[src.rsplit(".", 1)[1]]
-        _prune(raw, src.rsplit(".", 1)[0])
+        _remove(raw, src)
         if value is None:
             continue
         node = raw
@@ -187,8 +186,7 @@ def take_reward_kwargs(raw: dict) -> tuple[dict, list[tuple[str, Any]]]:
         present, value = _get(raw, src)
         if not present:
             continue
-        del _parent(raw, src)[src.rsplit(".", 1)[1]]
-        _prune(raw, src.rsplit(".", 1)[0])
+        _remove(raw, src)
         if value is None:
             continue
         if not isinstance(value, dict):
@@ -257,6 +255,18 @@ def move_sections(raw: dict) -> dict:
     return raw
 
 
+def accepts(accepted: tuple[Any, ...], value: Any) -> bool:
+    """`value` is one of `accepted`; `== ok` alone would let 1 pass for True (and 0 for False), so a
+    bool must match a bool."""
+    return any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted)
+
+
+def _remove(raw: dict, dotted: str) -> None:
+    """Delete the present leaf `dotted` and each ancestor section it leaves empty."""
+    del _parent(raw, dotted)[dotted.rsplit(".", 1)[1]]
+    _prune(raw, dotted.rsplit(".", 1)[0])
+
+
 def _prune(raw: dict, dotted: str) -> None:
     """Remove the section at `dotted` and each ancestor of it, while each is left empty."""
     parts = dotted.split(".")
@@ -303,6 +313,5 @@ def check_refused(merged: dict) -> None:
             raise ConfigError(f"{value!r} is not the actor's ({', '.join(actor_keys)}): {why}", key)
     for key, (accepted, why) in REFUSED.items():
         present, value = _get(merged, key)
-        # `== ok` alone would let 1 pass for True (and 0 for False); a bool must match a bool.
-        if present and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in accepted):
+        if present and not accepts(accepted, value):
             raise ConfigError(f"{value!r} is not supported: {why}", key)
