@@ -42,8 +42,9 @@ setup(
         # checkpoint_engine.delta_compression=zstd|lz4 (delta weight syncs, docs/weight-sync.md)
         "compress": ["zstandard>=0.22", "lz4>=4"],
         # the suite runs the compressed syncs too, so the test extras take the compress ones
-        # peft: the LoRA oracle (tests/test_lora.py)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1"],
+        # peft: the LoRA oracle (tests/test_lora.py); orjson: verl's tracking module imports it on the
+        # way to core_algos, the oracle of tests/test_verl_core_algos.py (verl is installed --no-deps)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "zstandard>=0.22", "lz4>=4", "peft>=0.17,<1", "orjson>=3.9"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:program"]},
 )

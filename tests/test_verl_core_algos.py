@@ -2,7 +2,7 @@
 function in verl.trainer.ppo.core_algos, on random tensors with padded masks, several seeds, every
 loss_agg_mode both accept, and the metrics both report.
 
-    pip install --no-deps verl==0.9.1 && pip install omegaconf     (megarl's [test] extras carry omegaconf)
+    pip install --no-deps verl==0.9.1 && pip install -e '.[test]'   (omegaconf, orjson: verl imports them)
     python -m pytest -q tests/test_verl_core_algos.py
 
 The names come from megarl's registries, so a name registered without an entry in ORACLE (verl's function
@@ -26,7 +26,7 @@ from megarl.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES, Aggregator, ClipP
 from megarl.config import ConfigError
 from megarl.experiment import load_config
 
-REASON = "the oracle is verl 0.9.1's core_algos: pip install --no-deps verl==0.9.1 (and omegaconf, a [test] extra)"
+REASON = "the oracle is verl 0.9.1's core_algos: pip install --no-deps verl==0.9.1 (and megarl's [test] extras)"
 if importlib.machinery.PathFinder.find_spec("verl") is None:    # sys.path only, never a stand-in module
     pytest.skip(REASON, allow_module_level=True)
 
