@@ -34,6 +34,7 @@ from megarl.config.typed import (Section, all_keys, build, defaults_of, derive, 
 from megarl.config.verl_keys import (hint_keys, refuse_hydra_sections, same_section_hint, strip_verl_keys,
                                     verl_default)
 from megarl.data.config import DataConfig
+from megarl.models.converter_registry import check_converter_names
 from megarl.models.hf_config import find_hf_config as read_hf_config  # the name its callers import
 from megarl.models.hf_config import with_overrides
 from megarl.reward import config_checks as reward_rules
@@ -217,7 +218,7 @@ class ExperimentConfig(Section):
 
 
 # The rules that span sections, each owned by the component it protects, in the order they run.
-RULES = (check_algorithm_names, algo_rules.check_group_size, algo_rules.check_critic_on,
+RULES = (check_algorithm_names, check_converter_names, algo_rules.check_group_size, algo_rules.check_critic_on,
          algo_rules.check_bypass_mode,
          rollout_rules.check_engine_ranks, rollout_rules.check_process_ray, rollout_rules.check_engine_overrides,
          rollout_rules.check_engine_trust_remote_code,
@@ -230,7 +231,7 @@ RULES = (check_algorithm_names, algo_rules.check_group_size, algo_rules.check_cr
          check_transformer_overrides, check_val_only)
 MODEL_RULES = (worker_rules.check_model_layout, rollout_rules.check_model_positions, worker_rules.check_model_spec,
                rollout_rules.check_model_rollout_tp, rollout_rules.check_model_head_dim,
-               worker_rules.check_routing_replay_model)
+               worker_rules.check_routing_replay_model, worker_rules.check_model_on_cpu)
 
 
 def _leaf_paths(node: dict, prefix: str = "") -> list[str]:

@@ -1,14 +1,16 @@
-"""The algorithm names a config gives are checked against megarl.algos's registries when the config
-loads (so by `megarl-train --check`), without importing torch for megarl's own names; a user's
-registration, imported before the config or named by model.external_lib, is accepted."""
+"""The algorithm and model-converter names a config gives are checked against their registries
+(megarl/config/registry.py's one shape) when the config loads (so by `megarl-train --check`), without
+importing torch for megarl's own names; a user's registration, imported before the config or named by
+model.external_lib, is accepted."""
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from megarl.algos.registry import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, Registry
+from megarl.algos.registry import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 from megarl.config import ConfigError
+from megarl.config.registry import Registry
 from megarl.experiment import load_config
 
 REGISTRIES = (ADV_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS)
@@ -22,6 +24,9 @@ REGISTRIES = (ADV_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS)
     ("actor_rollout_ref.actor.kl_loss_type=lowvar_kl",
      "actor_rollout_ref.actor.kl_loss_type: unknown KL estimator 'lowvar_kl'; did you mean 'low_var_kl'? "),
     ("algorithm.kl_penalty=k9+", "algorithm.kl_penalty: unknown KL estimator 'k9'"),
+    ("actor_rollout_ref.model.converters=[lorra]",
+     "actor_rollout_ref.model.converters: unknown model converter 'lorra'; did you mean 'lora'? choose one of lora"),
+    ("critic.model.converters={fp9_quant: {}}", "critic.model.converters: unknown model converter 'fp9_quant'; "),
 ])
 def test_a_misspelled_name_is_one_line_at_load(override, line):
     with pytest.raises(ConfigError) as err:
@@ -44,6 +49,7 @@ def test_every_name_loads_without_torch():
                                "critic.enable=true"])
         for kl in KL_ESTIMATORS.names():
             load_config(None, [f"algorithm.kl_penalty={kl}+", f"actor_rollout_ref.actor.kl_loss_type={kl}"])
+        load_config(None, ["actor_rollout_ref.model.converters={lora: {rank: 4}}"])
         try:
             load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gpso"])
         except Exception as err:

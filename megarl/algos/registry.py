@@ -7,71 +7,13 @@ megarl.algos.kl.register_kl) in a module imported before the config loads or nam
 actor_rollout_ref.model.external_lib (docs/extending.md).
 
 megarl's own entries are declared below as "module:function" paths, so the config knows every
-built-in name without importing torch; a path's module is imported when its function is first
-asked for, and its decorator must register that very function (a renamed one fails at import).
+built-in name without importing torch (the registry's shape, shared with every kind of extension, is
+megarl/config/registry.py).
 """
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
-from megarl.config.errors import ConfigError
 from megarl.config.plugins import import_external_libs
-from megarl.config.typed import closest
-
-
-class Registry:
-    def __init__(self, kind: str, key: str, builtins: dict[str, str] | None = None):
-        self.kind, self.key = kind, key       # "advantage estimator", "algorithm.adv_estimator"
-        self._fns: dict[str, Callable[..., Any]] = {}
-        self._paths: dict[str, str] = dict(builtins or {})    # name -> "module:function", loaded lazily
-
-    def register(self, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            for name in names:
-                if name in self._fns and self._fns[name] is not fn:
-                    raise ValueError(f"{self.kind} {name!r} is already registered to {self._fns[name].__qualname__}")
-                path = self._paths.get(name)
-                if path is not None and path != f"{fn.__module__}:{fn.__name__}":
-                    raise ValueError(f"{self.kind} {name!r} is megarl's built-in {path}; register yours under "
-                                     "another name")
-                self._fns[name] = fn
-            return fn
-        return deco
-
-    def check(self, name: str, key: str | None = None) -> None:
-        """One line naming the known names unless `name` is one (imports nothing)."""
-        if name not in self:
-            names = self.names()
-            hint = closest(name, names)
-            fix = f"did you mean {hint!r}? " if hint else ""
-            raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(names)}",
-                              key or self.key)
-
-    def get(self, name: str) -> Callable[..., Any]:
-        self.check(name)
-        if name not in self._fns:
-            module, _, attr = self._paths[name].partition(":")
-            fn = getattr(importlib.import_module(module), attr)   # its decorator registers it
-            self._fns.setdefault(name, fn)
-        return self._fns[name]
-
-    def unregister(self, name: str) -> None:
-        """Remove a user's entry (megarl's built-ins stay)."""
-        if name in self._paths:
-            raise ValueError(f"{self.kind} {name!r} is megarl's built-in; it cannot be unregistered")
-        self._fns.pop(name, None)
-
-    def names(self) -> list[str]:
-        return sorted(set(self._fns) | set(self._paths))
-
-    def builtin(self, name: str) -> str | None:
-        """The "module:function" path of a megarl built-in, None for another name."""
-        return self._paths.get(name)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._fns or name in self._paths
+from megarl.config.registry import Registry
 
 
 def _paths(module: str, table: dict[str, tuple[str, ...]]) -> dict[str, str]:

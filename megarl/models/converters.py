@@ -22,7 +22,6 @@ mapping name -> options (a converter's module is imported by `model.external_lib
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,12 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from megarl.models.converter_registry import CONVERTERS
+
 Converter = Callable[[list[nn.Module]], None]          # changes the chunks in place
 ConverterFactory = Callable[[dict[str, Any]], Converter]
 Exports = dict[str, Callable[[], torch.Tensor]]        # local weight name -> its value, computed when read
 
-# Converters megarl ships, imported when the first converters are built (each registers itself).
-BUILT_IN = ("megarl.models.lora",)
 
 
 class ConverterHooks:
@@ -68,27 +67,16 @@ class Registration:
     fix: str = "configure model.converters as at the save"
 
 
-_CONVERTERS: dict[str, Registration] = {}
-
-
 def register_converter(name: str, checkpoint_label: str | None = None,
                        fix: str | None = None) -> Callable[[ConverterFactory], ConverterFactory]:
     def add(factory: ConverterFactory) -> ConverterFactory:
-        if name in _CONVERTERS:
-            raise ValueError(f"model converter {name!r} is already registered")
-        _CONVERTERS[name] = Registration(factory, checkpoint_label, fix or Registration.fix)
+        CONVERTERS.add(name, Registration(factory, checkpoint_label, fix or Registration.fix), origin=factory)
         return factory
     return add
 
 
 def registered_converters() -> list[str]:
-    _import_built_in()
-    return sorted(_CONVERTERS)
-
-
-def _import_built_in() -> None:
-    for module in BUILT_IN:
-        importlib.import_module(module)
+    return CONVERTERS.names()
 
 
 @dataclass(frozen=True)
@@ -155,22 +143,19 @@ def as_options(config: Sequence[str] | Mapping[str, Mapping[str, Any]] | None) -
 def build_model_converters(config: Sequence[str] | Mapping[str, Mapping[str, Any]] | None) -> ModelConverters:
     """Converters from their names (or name -> options); an unknown name is refused in one line."""
     named = as_options(config)
-    if named:
-        _import_built_in()
-    unknown = [n for n in named if n not in _CONVERTERS]
+    unknown = [n for n in named if n not in CONVERTERS]
     if unknown:
         raise ValueError(f"model.converters: unknown converter(s) {', '.join(unknown)}; registered: "
                          f"{', '.join(registered_converters()) or 'none'} (register one with "
                          "megarl.models.converters.register_converter, imported by model.external_lib)")
-    return ModelConverters(tuple((n, _CONVERTERS[n].factory(opts)) for n, opts in named.items()), named)
+    return ModelConverters(tuple((n, CONVERTERS.get(n).factory(opts)) for n, opts in named.items()), named)
 
 
 def checkpoint_mismatch(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
     """Why a checkpoint saved with converters `saved` (name -> options) cannot load into a role
     with `mine`, or None: only converters registered with a checkpoint label shape a checkpoint."""
-    _import_built_in()
     for name in sorted(set(saved) | set(mine)):
-        reg = _CONVERTERS.get(name)
+        reg = CONVERTERS.get(name) if name in CONVERTERS else None
         if reg is not None and reg.label is not None and saved.get(name) != mine.get(name):
             return f"saved with {reg.label} {saved.get(name)}, this role has {mine.get(name)}; {reg.fix}"
     return None

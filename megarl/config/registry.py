@@ -1,0 +1,104 @@
+"""The one shape of a name registry: what a config names (an advantage estimator, a policy loss, a
+KL estimator, a model converter) -> the code that implements it.
+
+megarl's own entries are declared as "module:attribute" paths, so the config knows every built-in
+name without importing torch; a path's module is imported when its entry is first asked for, and
+that module must register the entry under the declared name from the declared attribute (a renamed
+function fails at import, not at the first step). A user's entries register themselves when their
+module runs, imported before the config loads or named by `model.external_lib`.
+
+    ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator", {"grpo": "m.adv:grpo"})
+
+    @ADV_ESTIMATORS.register("my_grpo")          # a function is its own entry
+    def my_grpo(...): ...
+
+    CONVERTERS.add("lora", Registration(lora, ...), origin=lora)   # an entry that wraps a function
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from megarl.config.errors import ConfigError
+from megarl.config.typed import closest
+
+
+def origin_of(obj: Any) -> str:
+    """"module:qualname" of a function or class: what a built-in declaration names."""
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+class Registry:
+    def __init__(self, kind: str, key: str, builtins: dict[str, str] | None = None):
+        self.kind, self.key = kind, key       # "advantage estimator", "algorithm.adv_estimator"
+        self._entries: dict[str, Any] = {}
+        self._paths: dict[str, str] = dict(builtins or {})    # name -> "module:attribute", loaded lazily
+
+    def add(self, name: str, entry: Any, origin: Any) -> None:
+        """Register `entry` under `name`; `origin` is the function or class it comes from (checked
+        against a built-in declaration of the same name)."""
+        if name in self._entries and self._entries[name] is not entry:
+            raise ValueError(f"{self.kind} {name!r} is already registered to {self._describe(self._entries[name])}")
+        path = self._paths.get(name)
+        if path is not None and path != origin_of(origin):
+            raise ValueError(f"{self.kind} {name!r} is megarl's built-in {path}; register yours under another name")
+        self._entries[name] = entry
+
+    def register(self, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: the function itself is the entry under each of `names`."""
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            for name in names:
+                self.add(name, fn, fn)
+            return fn
+        return deco
+
+    def check(self, name: str, key: str | None = None) -> None:
+        """One line naming the known names unless `name` is one (imports nothing)."""
+        if name not in self:
+            names = self.names()
+            hint = closest(name, names)
+            fix = f"did you mean {hint!r}? " if hint else ""
+            raise ConfigError(f"unknown {self.kind} {name!r}; {fix}choose one of {', '.join(names) or 'none'}",
+                              key or self.key)
+
+    def check_all(self, names: Iterable[str], key: str | None = None) -> None:
+        for name in names:
+            self.check(name, key)
+
+    def get(self, name: str) -> Any:
+        self.check(name)
+        if name not in self._entries:
+            module = self._paths[name].partition(":")[0]
+            importlib.import_module(module)             # its registration runs here
+            if name not in self._entries:
+                raise RuntimeError(f"{module} is declared to register {self.kind} {name!r} and did not")
+        return self._entries[name]
+
+    def loaded(self, name: str) -> Any | None:
+        """The entry if registered already, without importing anything."""
+        return self._entries.get(name)
+
+    def load_builtins(self) -> None:
+        for name in self._paths:
+            self.get(name)
+
+    def unregister(self, name: str) -> None:
+        """Remove a user's entry (megarl's built-ins stay)."""
+        if name in self._paths:
+            raise ValueError(f"{self.kind} {name!r} is megarl's built-in; it cannot be unregistered")
+        self._entries.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(set(self._entries) | set(self._paths))
+
+    def builtin(self, name: str) -> str | None:
+        """The "module:attribute" path of a megarl built-in, None for another name."""
+        return self._paths.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or name in self._paths
+
+    @staticmethod
+    def _describe(entry: Any) -> str:
+        return getattr(entry, "__qualname__", None) or type(entry).__qualname__
