@@ -81,6 +81,12 @@ def test_registration_refuses_what_the_registry_could_not_serve():
                            build=ToySync))
     with pytest.raises(ValueError, match="alias"):
         register(Transport(name="auto", placements=("colocated",), delta=False, build=ToySync))
+    # a built-in name is its module's alone, even before that module loads: a user's transport that
+    # took "distributed" would otherwise be replaced (or replace megarl's) depending on import order
+    with pytest.raises(ValueError, match="'distributed' is megarl's built-in megarl.checkpoint_engine.transports"):
+        register(Transport(name="distributed", placements=("disaggregated",), delta=False, build=ToySync))
+    with pytest.raises(ValueError, match="'toy' is already registered"):
+        register(Transport(name="toy", placements=("colocated",), delta=True, build=ToySync))
 
 
 def test_the_config_reads_the_registry_without_torch():

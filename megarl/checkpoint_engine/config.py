@@ -13,20 +13,17 @@ megarl/checkpoint_engine/transport.py.
 """
 from __future__ import annotations
 
-import importlib
-import os
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.registry import Registry, package_modules
 
 KEY = "actor_rollout_ref.rollout.checkpoint_engine"
 PLACEMENTS = ("colocated", "disaggregated")       # rollout.placement's values
 ALIASES = ("auto", "delta_sharded", "naive")      # read by CheckpointEngineConfig, never registered
 _PACKAGE = "megarl.checkpoint_engine.transports"
-_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transports")
 
 
 @dataclass(frozen=True)
@@ -48,30 +45,32 @@ class TransportRules:
             raise ValueError(f"transport {self.name!r}: auto_for {self.auto_for} names a placement it does not serve")
 
 
-_REGISTERED: dict[str, TransportRules] = {}
+# megarl's transports: one module each in megarl/checkpoint_engine/transports/, found by file name
+TRANSPORTS = Registry("transport", f"{KEY}.backend", package_modules(_PACKAGE))
 
 
-def register(entry: TransportRules) -> TransportRules:
-    """Make `entry.name` a backend the config accepts and build_checkpoint_engine builds."""
+def register(entry: TransportRules, module: str | None = None) -> TransportRules:
+    """Make `entry.name` a backend the config accepts and build_checkpoint_engine builds. megarl's
+    own transport modules pass their `__name__` (a built-in name is theirs alone)."""
     if entry.name in ALIASES:
         raise ValueError(f"{entry.name!r} is a backend alias of the config; pick another transport name")
     for placement in entry.auto_for:
-        taken = [e.name for e in _REGISTERED.values() if placement in e.auto_for and e.name != entry.name]
+        loaded = [(n, TRANSPORTS.loaded(n)) for n in TRANSPORTS.names() if n != entry.name]
+        taken = [n for n, other in loaded if other is not None and placement in other.auto_for]
         if taken:
             raise ValueError(f"transport {entry.name!r}: backend=auto already picks {taken[0]!r} for "
                              f"placement={placement}")
-    _REGISTERED[entry.name] = entry
+    TRANSPORTS.add(entry.name, entry, origin=module or f"{entry.name} (a transport of your own)")
     return entry
 
 
-def _module_names() -> list[str]:
-    """The built-in transports, read from the file names (nothing imported)."""
-    return [m.name for m in pkgutil.iter_modules([_DIR]) if not m.name.startswith("_")]
+def unregister(name: str) -> None:
+    TRANSPORTS.unregister(name)
 
 
 def transport_names() -> list[str]:
     """Every registered backend, sorted (torch-free: built-in modules are not imported)."""
-    return sorted({*_module_names(), *_REGISTERED})
+    return TRANSPORTS.names()
 
 
 def unknown_backend(backend: str) -> str:
@@ -81,15 +80,11 @@ def unknown_backend(backend: str) -> str:
 
 
 def transport(name: str) -> TransportRules:
-    """The entry of transport `name`, importing its built-in module on first use."""
-    if name not in _REGISTERED and name in _module_names():
-        # Loaded here rather than at the top: each transport's module imports torch, the config must not.
-        importlib.import_module(f"{_PACKAGE}.{name}")
-        if name not in _REGISTERED:
-            raise RuntimeError(f"{_PACKAGE}.{name} registered no transport named {name!r}")
-    if name not in _REGISTERED:
+    """The entry of transport `name`, importing its built-in module on first use (each transport's
+    module imports torch, the config must not)."""
+    if name not in TRANSPORTS:
         raise ConfigError(unknown_backend(name), f"{KEY}.backend")
-    return _REGISTERED[name]
+    return TRANSPORTS.get(name)
 
 
 def chosen(backend: str, placement: str) -> TransportRules:

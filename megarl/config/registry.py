@@ -13,10 +13,16 @@ module runs, imported before the config loads or named by `model.external_lib`.
     def my_grpo(...): ...
 
     CONVERTERS.add("lora", Registration(lora, ...), origin=lora)   # an entry that wraps a function
+    TRANSPORTS.add("disk", Transport(...), origin=__name__)        # an entry its module makes
+
+A kind whose built-ins are one module each (the weight-sync transports) declares them with
+`package_modules`, so a new built-in is a new file and nothing else.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pkgutil
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,19 +31,31 @@ from megarl.config.typed import closest
 
 
 def origin_of(obj: Any) -> str:
-    """"module:qualname" of a function or class: what a built-in declaration names."""
-    return f"{obj.__module__}:{obj.__qualname__}"
+    """"module:qualname" of a function or class (what a built-in declaration names); a string is a
+    module's name already (an entry made at a module's top level, declared by the module alone)."""
+    return obj if isinstance(obj, str) else f"{obj.__module__}:{obj.__qualname__}"
+
+
+def package_modules(package: str) -> dict[str, str]:
+    """name -> module for every public module of `package`, read from its file names (nothing imported):
+    the built-ins of a kind whose entries are one module each."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"{package} is not a package")
+    return {m.name: f"{package}.{m.name}" for m in pkgutil.iter_modules(spec.submodule_search_locations)
+            if not m.name.startswith("_")}
 
 
 class Registry:
     def __init__(self, kind: str, key: str, builtins: dict[str, str] | None = None):
         self.kind, self.key = kind, key       # "advantage estimator", "algorithm.adv_estimator"
         self._entries: dict[str, Any] = {}
-        self._paths: dict[str, str] = dict(builtins or {})    # name -> "module:attribute", loaded lazily
+        # name -> "module:attribute" (or "module" for an entry made at its top level), loaded lazily
+        self._paths: dict[str, str] = dict(builtins or {})
 
     def add(self, name: str, entry: Any, origin: Any) -> None:
-        """Register `entry` under `name`; `origin` is the function or class it comes from (checked
-        against a built-in declaration of the same name)."""
+        """Register `entry` under `name`; `origin` is the function or class it comes from, or the name
+        of the module that makes it (checked against a built-in declaration of the same name)."""
         if name in self._entries and self._entries[name] is not entry:
             raise ValueError(f"{self.kind} {name!r} is already registered to {self._describe(self._entries[name])}")
         path = self._paths.get(name)

@@ -6,4 +6,4 @@ from megarl.checkpoint_engine.transport import Transport
 
 # Deltas pay over a link; colocated shards move between the ranks of one job, so none are sent.
 register(Transport(name="colocated", placements=("colocated",), delta=False, auto_for=("colocated",),
-                   build="megarl.checkpoint_engine.colocated:build_colocated"))
+                   build="megarl.checkpoint_engine.colocated:build_colocated"), module=__name__)

@@ -15,4 +15,4 @@ def check_disk_dir(cfg) -> None:
 # Placement colocated: the trainer's own loop runs there, and what reads the exports is an engine
 # outside this job, not ranks of this one.
 register(Transport(name="disk", placements=("colocated",), delta=True, checks=(check_disk_dir,),
-                   build="megarl.checkpoint_engine.disk:build_disk"))
+                   build="megarl.checkpoint_engine.disk:build_disk"), module=__name__)

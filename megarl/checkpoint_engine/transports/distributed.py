@@ -7,4 +7,4 @@ from megarl.checkpoint_engine.config import register
 from megarl.checkpoint_engine.transport import Transport
 
 register(Transport(name="distributed", placements=("disaggregated",), delta=True, auto_for=("disaggregated",),
-                   build="megarl.checkpoint_engine.distributed:build_distributed"))
+                   build="megarl.checkpoint_engine.distributed:build_distributed"), module=__name__)
