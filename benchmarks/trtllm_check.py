@@ -14,7 +14,10 @@ For TP 1, and TP 2 where two GPUs exist (or the --tp given), on spawned ranks of
      sleep mode on), then sync the weights into the engine (the first refit);
   2. generate with log-probs (prompts sharing a prefix of more than two KV blocks, so block reuse
      serves it); score the same tokens with megatron; count the responses that end on the
-     model's EOS (its config.json and generation_config.json ids);
+     model's EOS (its config.json and generation_config.json ids); with a MoE checkpoint, the
+     engine returns its routed experts (R3), megatron replays them for its log-probs, and the
+     routes are compared with those megatron's own router picks on the same tokens, per layer
+     (benchmarks/trtllm_check_routes.py: the check fails under R3_MIN in any layer);
   3. generate again with the same seed: does this build repeat a seed (TorchSampler honours
      per-request seeds only from PR #17172 on), and do two equal prompts of one call differ;
   4. sleep tag by tag, recording the GPU memory each memory tag frees and what stays in use;
@@ -146,7 +149,10 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
     from megarl.rollout.config import RolloutConfig
     from megarl.rollout.hf_weights import buckets
     from megarl.rollout.trtllm import TRTLLMEngine
-    from megarl.workers.config import MegatronConfig, ModelConfig, RefConfig
+    from benchmarks.trtllm_check_routes import megatron_routes, route_agreement
+    from megarl.models.hf_config import read_hf_config
+    from megarl.models.spec import ModelSpec
+    from megarl.workers.config import MegatronConfig, ModelConfig, RefConfig, RouterReplayConfig
     from megarl.workers.reference import ReferenceWorker
 
     cuda = device == "cuda"
@@ -164,12 +170,15 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
         return value
 
     state.init_distributed()   # the rank set-up: the engine starts no process group
+    # A MoE checkpoint runs as R3 trains: the engine records routes and megatron replays them.
+    moe = ModelSpec.from_hf_config(read_hf_config(model)).is_moe
     # Frozen: megatron's weights and log-probs without an optimizer's state (the check trains nothing).
     policy = timed("build_policy", lambda: ReferenceWorker(ModelConfig(path=model), RefConfig(
-        megatron=MegatronConfig(tensor_model_parallel_size=world)), micro_batch_size=4))
+        megatron=MegatronConfig(tensor_model_parallel_size=world),
+        router_replay=RouterReplayConfig(mode="R3" if moe else "disabled")), micro_batch_size=4))
     cfg = RolloutConfig(name="trtllm", tensor_model_parallel_size=world, load_format="dummy", enable_sleep_mode=True,
                         free_cache_engine=True, prompt_length=128, response_length=args["max_tokens"],
-                        gpu_memory_utilization=args["gpu_memory_utilization"])
+                        gpu_memory_utilization=args["gpu_memory_utilization"], enable_rollout_routing_replay=moe)
     engine = timed("build_engine", lambda: TRTLLMEngine(model, cfg, tp_group=state.tp_group(),
                                                         device=torch.device("cuda", rank) if cuda else "cpu"))
     result["features"] = engine.features.summary()
@@ -190,6 +199,11 @@ def _phases(rank: int, world: int, model: str, args: dict, result: dict, device:
         diff = (log_probs.float().cpu() - batch.batch["rollout_log_probs"].float())[mask].abs()
         result[f"logprob_max_abs_diff_{tag}"] = diff.max().item()
         result[f"logprob_mean_abs_diff_{tag}"] = diff.mean().item()
+        if moe and tag == "before_sleep":
+            routes, own = timed("megatron_routes", lambda: megatron_routes(policy, batch))
+            result["r3"] = route_agreement(batch, routes)
+            result["r3"]["logprob_max_abs_diff_own_routes"] = \
+                (own.float().cpu() - batch.batch["rollout_log_probs"].float())[mask].abs().max().item()
         return batch.batch["responses"].tolist()
 
     timed("refit_first", refit)
@@ -274,6 +288,7 @@ def versions() -> dict:
 
 
 def markdown(report: dict) -> str:
+    from benchmarks.trtllm_check_routes import markdown as routes_markdown
     lines = [f"# megarl TensorRT-LLM check ({report['date']})", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in report["versions"].items()]
     for run in report["runs"]:
@@ -294,7 +309,8 @@ def markdown(report: dict) -> str:
                   f"- peak GPU memory (rank 0): {lead.get('peak_gpu_gb')} GB",
                   f"- responses ending on the model's EOS {lead.get('eos_ids')}: {lead.get('eos_stop_rate')}",
                   f"- dense bf16 sizes that fit at this TP: "
-                  f"{', '.join(k for k, v in (lead.get('sizes_that_fit') or {}).items() if v) or 'n/a'}", ""]
+                  f"{', '.join(k for k, v in (lead.get('sizes_that_fit') or {}).items() if v) or 'n/a'}",
+                  *routes_markdown(lead.get("r3")), ""]
         lines += ["| memory tag | GB freed by its release |", "|---|---|"]
         lines += [f"| {tag} | {gb} |" for tag, gb in (lead.get("gpu_freed_gb_per_tag") or {}).items()] + [""]
         lines += ["| log-prob vs megatron | max abs | mean abs |", "|---|---|---|"]
@@ -306,6 +322,15 @@ def markdown(report: dict) -> str:
             slowest = max(r["phases"].get(name, 0) for r in run["ranks"] if r.get("ok"))
             lines.append(f"| {name} | {sec:.3f} | {slowest:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def verdict(run: dict) -> bool:
+    """Whether one TP's run passed. Tokens are compared only where this build repeats a seed
+    (PR #17172); log-probs always; R3 routes where the checkpoint is MoE."""
+    lead = run["ranks"][0]
+    return bool(run["ok"] and (lead.get("same_tokens_after_wake") or not lead.get("seed_repeats"))
+                and max(lead["logprob_max_abs_diff_before_sleep"], lead["logprob_max_abs_diff_after_wake"]) <= TOL
+                and (lead.get("r3") is None or lead["r3"]["passed"]))
 
 
 def main(argv=None) -> int:
@@ -337,11 +362,7 @@ def main(argv=None) -> int:
     runs = []
     for tp in [opts.tp] if opts.tp else [1, 2] if gpus >= 2 else [1]:
         run = run_tp(tp, opts.model, args)
-        lead = run["ranks"][0]
-        # Tokens are compared only where this build repeats a seed (PR #17172); log-probs always.
-        run["verdict"] = bool(run["ok"] and (lead.get("same_tokens_after_wake") or not lead.get("seed_repeats"))
-                              and max(lead["logprob_max_abs_diff_before_sleep"],
-                                      lead["logprob_max_abs_diff_after_wake"]) <= TOL)
+        run["verdict"] = verdict(run)
         runs.append(run)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([sys.executable] + sys.argv), "versions": versions(), "tolerance": TOL, "runs": runs}
