@@ -9,10 +9,7 @@ T=1), the accuracy after `--more-sft` further supervised steps (the headroom is 
 after `--rl-steps` of plain single-process GRPO built from megarl.algos (reward-driven training
 closes part of it). This is a sanity check of the task, not of megarl's distributed trainer.
 
-Measured (before 2026-11-23, 2 shared cores, load not recorded, 1 thread; docs/benchmarks.md): warm start
-350 steps in 15 s -> held-out 0.43 greedy / 0.30 sampled; +300 SFT steps -> 0.84 / 0.72; plain
-GRPO (16 prompts x 8, lr 1e-4, one update per batch) -> 0.52 / 0.37 after 60 steps, most of it
-in the first 40; lr 3e-4 and above degrades.
+Figures, with their dates, machines and commands: docs/measurements.md.
 """
 from __future__ import annotations
 

@@ -26,14 +26,9 @@ Dynamic sampling is off in all three (the async loop refuses it). Prints steps/h
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
 and draws accuracy against wall time (accuracy_vs_time.png in --out).
 
-Figures (docs/benchmarks.md keeps them with their dates and commands). The ratio depends on the
-machine's load, so each carries its conditions:
-- quiet 2-core machine (issue 29, default command): one_step 1.79x steps/hour over sync;
-- 2 shared CPU cores, 8 other jobs at once (heavy load; 30 steps x 2 rounds): one_step 2.37x over
-  sync (2.43x over sync_dp2; an earlier run 2.83x / 2.04x), held-out accuracy at step 30 0.496 vs
-  0.486; partial 2.06x, no update landed mid-generation on this task (generation is shorter than
-  the update), accuracy 0.465. Under load the colocated mode loses more (its phases serialise on
-  the shared cores), so the loaded ratio overstates what a quiet machine gives.
+Figures, with their dates, machines and commands: docs/measurements.md. The ratio depends on the
+machine's load: the colocated mode serialises its phases on shared cores, so a loaded machine
+overstates the speed-up a quiet one gives.
 
 The pipeline model (`expected_speedup`) is a small model, not a claim: colocated, a step costs
 gen + train + sync on all G devices; disaggregated, R devices generate while G - R train, so a

@@ -8,7 +8,7 @@ Writes <out>/gpu_check.md and <out>/gpu_check.json: the GPU and versions (torch,
 megatron-core, transformers, Transformer Engine), a bf16 8192^3 matmul (what the GPU really
 reaches), tests/gpu (pass/fail, the bf16 rollout-vs-trainer log-prob mismatch, resume), the
 update-step benchmark on the 0.86B shape (update_policy and compute_log_prob MFU against the
-issue's 0.45 target, peak memory per phase, what offload frees against the <= 10% target,
+0.45 MFU target, peak memory per phase, what offload frees against the <= 10% target,
 weight-sync seconds and GB/s), rollout tokens/s of the built-in engine against transformers'
 generate, and the stream's schedule on the long-tailed task (tail_overlap against whole-batch
 calls, generation alone). Without CUDA (and without --device cpu) it says so in one line and
@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-MFU_TARGET = 0.45              # issue 12: update_policy on the 0.86B benchmark
-OFFLOAD_TARGET = 0.10          # issue 13: trainer memory held during rollout / held now
+MFU_TARGET = 0.45              # update_policy's MFU goal on the 0.86B benchmark shape
+OFFLOAD_TARGET = 0.10          # offload's goal: trainer memory on device during rollout / before offload
 
 
 def versions() -> dict:
@@ -167,7 +167,7 @@ def section(name: str, fn, *args) -> dict:
 
 
 def derived(sections: list[dict]) -> list[dict]:
-    """The MFU and offload figures against the issues' targets, from the update-step sections."""
+    """The MFU and offload figures against their targets (MFU_TARGET, OFFLOAD_TARGET), from the update-step sections."""
     by = {s["name"]: s for s in sections}
     mfu, off = {}, {}
     for name, s in by.items():

@@ -3,7 +3,7 @@
     python benchmarks/rollout_throughput.py                      # CPU, defaults below
     python benchmarks/rollout_throughput.py --device cuda --dtype bfloat16
     python benchmarks/rollout_throughput.py --device cuda --dtype bfloat16 --layers 24 --hidden 1024 \
-        --vocab-size 32000 --prompts 64 --n 8 --max-tokens 256      # issue 16's GPU shape
+        --vocab-size 32000 --prompts 64 --n 8 --max-tokens 256      # the GPU shape
     python benchmarks/rollout_throughput.py --shape quickstart      # seconds per generate, quickstart shape
     python benchmarks/rollout_throughput.py --smoke --model-dir /tmp/toy_smoke   # CI: tiny model, one repeat
 

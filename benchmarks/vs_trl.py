@@ -1,6 +1,6 @@
 """megarl vs TRL's GRPOTrainer on the same GRPO step, side by side in one invocation.
 
-    python benchmarks/vs_trl.py                                  # issue 25's configuration, both models, TP 1 and 2
+    python benchmarks/vs_trl.py                                  # both models, megarl TP 1 and 2
     python benchmarks/vs_trl.py --models quickstart --tp 1       # one model, one layout
     python benchmarks/vs_trl.py --with-pass                      # also megarl with the old-log-prob pass (bypass off)
     python benchmarks/vs_trl.py --rounds 3                       # a busy machine: runs alternated, median round

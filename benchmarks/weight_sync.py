@@ -24,8 +24,8 @@
 Memory per rank at the default shape (M = 545 MB, the model in fp32): the interpreter, torch and
 megatron (~0.35 GB), the actor's shard (M / TP / PP, and once M while its checkpoint loads), the
 engine's (M / rollout TP), the raw buffer (the largest bucket), and during `naive` rank 0's
-full state dict (M) and each sender's copy of its stage. Measured (2026-11-24, docs/benchmarks.md):
-2.5 GB on rank 0 and 1.7-2.0 GB on the others, 7.8 GB in all; `rank MB` and the last line print it.
+full state dict (M) and each sender's copy of its stage; `rank MB` and the last line print it
+(figures: docs/measurements.md).
 
 Seconds are the slowest rank's; GB/s is model GB (what every engine replica receives) per
 second; peak MB is the largest resident-set growth over ranks during that way

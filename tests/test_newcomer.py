@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 18): the README's quickstart from another directory, and each bad
+"""A newcomer's first hour: the README's quickstart from another directory, and each bad
 input stopping with its one line before any rank starts.
 
     python -m pytest -q tests/test_newcomer.py

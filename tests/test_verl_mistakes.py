@@ -1,4 +1,4 @@
-"""A verl user's common mistakes (issue 24), each stopping with its one line and exit code 2 before
+"""A verl user's common mistakes, each stopping with its one line and exit code 2 before
 any rank starts, from a directory other than the repository's.
 
     python -m pytest -q tests/test_verl_mistakes.py
@@ -150,7 +150,7 @@ MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of it
      "model.safetensors says tensor lm_head.weight of shape [32, 256] (F32) takes 8192 bytes, not 32768"),
     ("weight file linked to a secret", ["actor_rollout_ref.model.path=@linked"],
      "model.safetensors is not a safetensors file (no header of a valid length)"),
-    # verl's run_qwen2-7b_rm.sh with a causal LM as the reward model: the ranks used to stop on it with a traceback
+    # verl's run_qwen2-7b_rm.sh with a causal LM as the reward model: --check names it, not a rank's traceback
     ("reward model without a score head", ["reward_model.enable=true", "reward_model.model.path=@model"],
      "Qwen2ForCausalLM, which has no `score` head; give an HF *ForSequenceClassification checkpoint"),
     ("critic from a path without a score head", ["algorithm.adv_estimator=gae", "critic.model.init_from=path",

@@ -7,7 +7,7 @@ turn, and resumes through megarl's own path: the marker is never written, and th
 refusal names the step and the file. End to end, `python -m megarl.train` refuses to resume
 from a step with a hostile actor/.metadata, naming it.
 
-Figures for the README table (files tried, markers written) are printed with -s.
+With -s it prints the files tried and the markers written.
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ cfg = trtllm_config
 # -- Ray in the leader's process ------------------------------------------------------------------------
 def test_trtllm_refuses_a_process_whose_ray_megarl_started(monkeypatch, dirs):
     """megarl's reward pool started Ray first: RayExecutor's ray.init(ignore_reinit_error=True)
-    would reuse it and LLM.shutdown() would end it. Before: the engine started, and closing it
-    shut the pool's Ray down."""
+    would reuse it and LLM.shutdown() would end it, so the engine refuses to start there and
+    leaves the pool's Ray running."""
     trtllm_fake.install(monkeypatch, V29)
     ray = sys.modules["ray"]
     ray.init(num_cpus=2)                                   # what megarl's ensure_ray does
@@ -46,8 +46,8 @@ def test_trtllm_refuses_a_process_whose_ray_megarl_started(monkeypatch, dirs):
 
 def test_megarls_pools_refuse_the_ray_trtllm_started(monkeypatch, dirs):
     """The engine first: its executor's Ray (namespace trtllm) is up in this process, and dies
-    with the LLM (the fake's shutdown calls ray.shutdown(), as RayExecutor.shutdown does). Before:
-    ensure_ray reused it silently, without megarl's token auth."""
+    with the LLM (the fake's shutdown calls ray.shutdown(), as RayExecutor.shutdown does), and it
+    lacks megarl's token auth, so ensure_ray refuses it instead of reusing it."""
     from megarl.parallel.actor_pool import ensure_ray
     trtllm_fake.install(monkeypatch, V29)
     engine = TRTLLMEngine(dirs["a"], cfg(), device="cpu")
@@ -88,9 +88,9 @@ def test_an_explicit_nccl_cumem_setting_is_kept():
 
 # -- memory while asleep --------------------------------------------------------------------------------------
 def test_sleep_releases_every_tag_and_restores_what_it_backed_up(monkeypatch, dirs):
-    """Before: only kv_cache and model_weights left the GPU; `model`, `executor_extra`, `sampler`
-    and the other tags stayed through training. Now every tag goes; only the KV cache and the
-    weights a sync rewrites come back without content (NONE), the rest through a host copy."""
+    """Every memory tag leaves the GPU while asleep (`model`, `executor_extra`, `sampler` too, not
+    only kv_cache and model_weights); only the KV cache and the weights a sync rewrites come back
+    without content (NONE), the rest through a host copy."""
     trtllm_fake.install(monkeypatch, V29)
     named = state_of(dirs["model_a"])
     engine = TRTLLMEngine(dirs["a"], cfg(load_format="dummy"), device="cpu")

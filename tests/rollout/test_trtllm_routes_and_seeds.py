@@ -34,8 +34,8 @@ cfg = trtllm_config
 # -- routing replay ---------------------------------------------------------------------------------
 def test_r3_returns_the_routed_experts_where_the_classes_have_them(monkeypatch, dirs):
     """rc29's classes carry the three pieces: the engine asks for them and every completion carries
-    [prompt + fed tokens, MoE layers, top-k] ids, which pack into the batch's routed_experts.
-    Before: the engine never asked, so R3 with rollout.name=trtllm had no routes to replay."""
+    [prompt + fed tokens, MoE layers, top-k] ids, which pack into the batch's routed_experts, so
+    R3 with rollout.name=trtllm has routes to replay."""
     trtllm_fake.install(monkeypatch, V29)
     engine = TRTLLMEngine(dirs["a"], cfg(enable_rollout_routing_replay=True), device="cpu")
     assert engine.llm.kwargs["enable_return_routed_experts"] is True

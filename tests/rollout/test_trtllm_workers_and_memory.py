@@ -1,7 +1,8 @@
-"""The three failures TensorRT-LLM's own source shows (issue 22), each against the conformance fake
-(tests/rollout/trtllm_fake.py), which places workers, validates SamplingParams and restores
-memory tags as the real files named in the snapshot's "fields" do. Each test failed on the code
-before the fix (see the report of branch `trt`).
+"""Three rules of TensorRT-LLM's own source the engine follows (integer device ordinals for the Ray
+workers, the simple log-prob format, which memory tags a sleep may discard), and how its Ray
+workers import megarl, each against the conformance fake (tests/rollout/trtllm_fake.py), which
+places workers, validates SamplingParams and restores memory tags as the real files named in the
+snapshot's "fields" do.
 
 FAKES: tensorrt_llm cannot run here (no CUDA); nothing here shows the real package behaves so.
 """
