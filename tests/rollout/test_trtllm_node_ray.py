@@ -4,10 +4,13 @@ leaders share the node's placement group and each group's workers land on its ra
     python -m pytest -q tests/rollout/test_trtllm_node_ray.py
 
 A real local Ray cluster on CPU; its GPUs are Ray's logical GPU resource (num_gpus=4), which Ray
-assigns and reports (ray.get_gpu_ids) as it does physical ones.
+assigns and reports (ray.get_gpu_ids) as it does physical ones. Beside it runs an unrelated Ray
+(another user's or job's), which RAY_ADDRESS names: the job never joins it.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 
@@ -19,12 +22,44 @@ ray = pytest.importorskip("ray")
 GPUS = 4
 
 
+KEY = node_ray.job_key({"MASTER_ADDR": "test-node", "MASTER_PORT": str(os.getpid())})
+# A Ray of someone else's on the machine: what address="auto" (and RAY_ADDRESS) would find.
+UNRELATED = ("import ray, sys; ray.init(address='local', num_cpus=1, include_dashboard=False); "
+             "print(ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()")
+AUTH = ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_ADDRESS")
+
+
+def _leader(key: str) -> subprocess.CompletedProcess:
+    """Another TP group's leader: a process of its own (without this one's Ray token) that connects."""
+    code = ("import ray; from megarl.rollout.trtllm import node_ray; address = node_ray.connect(ray, %r, 4, 4); "
+            "nb = node_ray.node_bundles(ray, %r); print(nb.pg.id.hex(), address)" % (key, key))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
+    """The job's cluster, started by this process as its first leader while an unrelated Ray runs
+    on the machine and RAY_ADDRESS names it."""
     assert not ray.is_initialized()
-    ray.init(num_cpus=GPUS, num_gpus=GPUS, namespace=node_ray.NAMESPACE, include_dashboard=False)
-    yield
-    ray.shutdown()
+    saved = {k: os.environ.get(k) for k in AUTH}
+    other = subprocess.Popen([sys.executable, "-c", UNRELATED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        unrelated = other.stdout.readline().strip()
+        assert unrelated, "the unrelated Ray did not start"
+        os.environ["RAY_ADDRESS"] = unrelated
+        address = node_ray.connect(ray, KEY, num_gpus=GPUS, num_cpus=GPUS)
+        yield unrelated, address
+    finally:
+        ray.shutdown()
+        other.stdin.close()
+        other.wait(timeout=60)
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        for suffix in ("", ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(node_ray._record_path(KEY) + suffix)
 
 
 def test_bundle_plan_refuses_what_the_executor_refuses():
@@ -38,15 +73,33 @@ def test_bundle_plan_refuses_what_the_executor_refuses():
         node_ray.bundle_plan(["0", "1"], [1, 1])
 
 
+def test_the_job_key_tells_jobs_apart():
+    one = {"SLURM_JOB_ID": "7", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    assert node_ray.job_key(one) == node_ray.job_key(dict(one))
+    assert node_ray.job_key(one) != node_ray.job_key({**one, "SLURM_JOB_ID": "8"})
+    assert node_ray.job_key(one) != node_ray.job_key({**one, "TORCHELASTIC_RESTART_COUNT": "1"})
+
+
 def _where() -> list:
     return [str(g) for g in ray.get_gpu_ids()]
 
 
+def test_the_job_starts_its_own_cluster_beside_an_unrelated_one(cluster):
+    """RAY_ADDRESS and address="auto" lead to the unrelated Ray: the job's cluster is another one,
+    and a second connect in this process attaches to nothing new."""
+    unrelated, address = cluster
+    assert ray.get_runtime_context().gcs_address == address != unrelated
+    assert ray.cluster_resources().get("GPU") == GPUS
+    assert node_ray.connect(ray, KEY) == address
+    with pytest.raises(RuntimeError, match="not this job's TensorRT-LLM node cluster") as err:
+        node_ray.connect(ray, node_ray.job_key({"MASTER_PORT": "1"}))
+    assert "\n" not in str(err.value)
+
+
 def test_groups_share_one_placement_group_and_land_on_their_gpus(cluster):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    node_ray.connect(ray, GPUS)                      # already attached: nothing new started
-    first = node_ray.node_bundles(ray, GPUS, "job")
-    second = node_ray.node_bundles(ray, GPUS, "job")
+    first = node_ray.node_bundles(ray, KEY)
+    second = node_ray.node_bundles(ray, KEY)
     assert first.pg.id == second.pg.id and sorted(first.gpus) == [str(i) for i in range(GPUS)]
     probe = ray.remote(num_gpus=1, num_cpus=0)(_where)
     for ordinals in ([2, 3], [0], [1]):
@@ -60,16 +113,23 @@ def test_groups_share_one_placement_group_and_land_on_their_gpus(cluster):
             placement_group=first.pg, placement_group_bundle_index=GPUS)).remote()
 
 
-def test_another_leader_attaches_to_the_same_cluster_and_group(cluster, tmp_path):
-    """A second process (another TP group's leader) finds the node's Ray and the same group."""
-    first = node_ray.node_bundles(ray, GPUS, "job")
-    code = ("import ray; from megarl.rollout.trtllm import node_ray; node_ray.connect(ray, 4, %r); "
-            "nb = node_ray.node_bundles(ray, 4, 'job'); print(nb.pg.id.hex(), ray.get_runtime_context().gcs_address)"
-            % str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def test_the_jobs_other_leaders_attach_and_another_job_does_not(cluster):
+    """A second leader of the job (another process, no token of its own) finds the job's cluster
+    and placement group through the record; a leader of another job starts a cluster of its own."""
+    unrelated, address = cluster
+    first = node_ray.node_bundles(ray, KEY)
+    out = _leader(KEY)
     assert out.returncode == 0, out.stderr[-2000:]
-    pg_hex, address = out.stdout.split()[-2:]
-    assert pg_hex == first.pg.id.hex() and address == ray.get_runtime_context().gcs_address
+    assert out.stdout.split()[-2:] == [first.pg.id.hex(), address]
+    other_key = node_ray.job_key({"MASTER_ADDR": "test-node", "MASTER_PORT": "other"})
+    try:
+        out = _leader(other_key)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] not in (address, unrelated)
+    finally:
+        for suffix in ("", ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(node_ray._record_path(other_key) + suffix)
 
 
 class PlacementGroup:

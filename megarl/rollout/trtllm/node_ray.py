@@ -11,23 +11,42 @@ bundles to TensorRT-LLM as verl and NeMo-RL do (RayPlacementConfig; facts in doc
   - RayExecutor._get_placement_group (executor/ray/executor.py at e14a6f64) refuses bundle
     indices that do not add up to the world size, and create_workers schedules worker `rank` with
     num_gpus=per_worker_gpu_share in bundle `indices[rank]` (PlacementGroupSchedulingStrategy);
-  - with placement groups given, it attaches to the running cluster (ray.init(address="auto"))
-    and, having started nothing, leaves it running at LLM.shutdown().
+  - RayExecutor.__init__ (same file) calls ray.init(address="auto", ignore_reinit_error=True) unless
+    TLLM_RAY_FORCE_LOCAL_CLUSTER=1: in a process already attached (connect, below) Ray returns at
+    once, so the executor counts the cluster as not its own; its shutdown then neither calls
+    ray.shutdown() nor removes a placement group it was given (a list of groups: not its own).
+
+The cluster is the job's: its first leader on the node starts it and records its address in a
+file named by the job (job_key) in this user's private directory; the job's other leaders attach
+to that address. address="auto" would join whatever Ray the node runs (RAY_ADDRESS, the last
+`ray start`), another user's or another job's.
 
 Which GPU a bundle holds is Ray's choice, so the node's placement actor asks each bundle once
 (ray.get_gpu_ids() of a task in it) and a group takes the bundles holding its ranks' GPUs: each
-worker runs on its own rank's GPU, as check_worker_devices then confirms.
+worker runs on its own rank's GPU, as check_worker_devices then confirms. ray.get_gpu_ids() maps
+Ray's slot through the worker's own CUDA_VISIBLE_DEVICES (Ray 2.60 worker.py), so TensorRT-LLM's
+workers, which inherit the leader's, must see the launcher's list, not the group's ordinals.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
+import json
+import logging
 import os
-import tempfile
+import sys
 from dataclasses import dataclass
+
+from megarl.parallel.ray_auth import private_temp_dir, ray_token_auth
 
 NAMESPACE = "trtllm"                 # RayExecutor's ray.init namespace (executor.py at 061a914e)
 ACTOR = "megarl_trtllm_node"
 _HELD: dict[str, object] = {}        # Ray ends a named actor that is not detached with its last handle
+log = logging.getLogger(__name__)
+FOREIGN_RAY = ("Ray already runs in this process and is not this job's TensorRT-LLM node cluster (megarl's reward "
+               "or tool pool started it): with rollout.name=trtllm set reward_model.launch_reward_fn_async=false "
+               "and actor_rollout_ref.rollout.multi_turn.tool_backend=thread, or use another engine")
 
 
 @dataclass(frozen=True)
@@ -76,31 +95,113 @@ class NodePlacement:
         return NodeBundles(self.pg, self.gpus)
 
 
+# What tells one job from another on a node: the scheduler's job, torchrun's run and rendezvous
+# (the same on every rank of a launch, different for two launches sharing the node), and the user.
+JOB_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+            "MASTER_ADDR", "MASTER_PORT")
+
+
 def job_key(env: dict[str, str]) -> str:
-    """Names this job's placement actor: torchrun's rendezvous is the same on all its ranks and
-    differs between two jobs sharing a node."""
-    return f"{env.get('MASTER_ADDR', 'local')}_{env.get('MASTER_PORT', '0')}"
+    """Names this job's node cluster and placement actor. Without a launcher's variables the process
+    is a job of its own."""
+    parts = [f"uid={os.getuid()}"] + [f"{k}={env[k]}" for k in JOB_VARS if k in env]
+    if len(parts) == 1:
+        parts.append(f"pid={os.getpid()}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def connect(ray, gpus: int, lock_dir: str | None = None) -> None:
-    """Attach this process to the node's Ray, starting it (with `gpus` GPUs) if no leader has: a
-    file lock keeps two leaders from starting two. The starting leader's process owns it."""
+def _record_path(key: str) -> str:
+    """Where the job's cluster address lives: a file in this user's private 0700 directory, which
+    no other user can write (ray_auth.private_temp_dir's parent)."""
+    return os.path.join(os.path.dirname(private_temp_dir()), f"trtllm-node-{key}.json")
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(int(record["pid"]), 0)               # the cluster lives with the process that started it
+    except (ProcessLookupError, KeyError, ValueError, TypeError):
+        return None
+    except PermissionError:
+        pass                                         # alive, another user's pid: the connect below tells
+    return record if record["pid"] != os.getpid() or _initialized() else None
+
+
+def _initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def _runtime_env() -> dict:
+    """The workers of the job's cluster import megarl (the placement actor, megarl's extension)."""
+    from megarl.rollout.trtllm.placement import megarl_root
+    paths = [megarl_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+
+
+def connect(ray, key: str, num_gpus: int | None = None, num_cpus: int | None = None) -> str:
+    """Attach this process to the job's Ray cluster on this node by its recorded address, starting it
+    (Ray's own GPU and CPU detection, or `num_gpus` / `num_cpus`) if no leader of the job has: a file lock keeps two
+    leaders from starting two. Never address="auto": that finds whichever Ray the node (RAY_ADDRESS,
+    /tmp/ray's last cluster) last started, another user's or another job's. The cluster asks for
+    Ray's token (ray_auth.py); the record passes the token to the job's other leaders. Returns the
+    cluster's address."""
+    path = _record_path(key)
     if ray.is_initialized():
-        return
-    path = os.path.join(lock_dir or tempfile.gettempdir(), f"megarl-trtllm-ray-{os.getuid()}.lock")
-    with open(path, "w") as lock:
+        record = _read(path)
+        here = ray.get_runtime_context().gcs_address
+        if record is None or record["address"] != here:
+            raise RuntimeError(FOREIGN_RAY)
+        return here
+    with open(path + ".lock", "w") as lock, _without("RAY_ADDRESS"):
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            ray.init(address="auto", namespace=NAMESPACE, include_dashboard=False)
-        except ConnectionError:
-            ray.init(num_gpus=gpus, namespace=NAMESPACE, include_dashboard=False)
+        record = _read(path)
+        if record is not None:
+            if record.get("token"):
+                os.environ["RAY_AUTH_TOKEN"] = record["token"]
+            ray_token_auth()
+            ray.init(address=record["address"], namespace=NAMESPACE, runtime_env=_runtime_env())
+            return record["address"]
+        warning = ray_token_auth()
+        if warning:
+            log.warning(warning)
+        ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
+                 _temp_dir=private_temp_dir(), runtime_env=_runtime_env())
+        address = ray.get_runtime_context().gcs_address
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"address": address, "pid": os.getpid(), "token": os.environ.get("RAY_AUTH_TOKEN")}, f)
+        os.replace(path + ".tmp", path)
+        return address
 
 
-def node_bundles(ray, gpus: int, key: str) -> NodeBundles:
-    """This job's placement on the node (made on first use, shared afterwards)."""
+@contextlib.contextmanager
+def _without(name: str):
+    """RAY_ADDRESS names some running Ray; the job's cluster is addressed explicitly, and ray_auth
+    would take the variable for a cluster to join and leave the token off."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def node_bundles(ray, key: str) -> NodeBundles:
+    """This job's placement on the node, one bundle per GPU of the cluster (made on first use,
+    shared afterwards)."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < 1:
+        raise RuntimeError("the job's Ray cluster on this node has no GPU: start the training ranks with the "
+                           "node's GPUs visible (CUDA_VISIBLE_DEVICES as the launcher sets it)")
     actor = ray.remote(num_cpus=0)(NodePlacement).options(
         name=f"{ACTOR}_{key}", namespace=NAMESPACE, get_if_exists=True).remote(gpus)
-    _HELD.setdefault(key, actor)     # the first handle is the one that keeps it
+    # the first handle in this cluster is the one that keeps the actor
+    _HELD.setdefault(f"{ray.get_runtime_context().gcs_address}/{key}", actor)
     return ray.get(actor.bundles.remote(), timeout=180)
 
 
