@@ -5,6 +5,8 @@ MODEL_RULES); `cfg` is the ExperimentConfig.
 """
 from __future__ import annotations
 
+import math
+
 from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
 from megarl.engines import config_info, default_name
@@ -174,9 +176,14 @@ def check_model_rollout_tp(cfg, hf_config: dict) -> None:
     heads = hf_config.get("num_attention_heads")
     kv = hf_config.get("num_key_value_heads") or heads
     rtp = cfg.rollout.tensor_model_parallel_size
-    if heads % rtp or kv % rtp:
-        raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads and {kv} KV "
-                          "groups", "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    # Above the KV heads each rank holds KV head rank * kv // rtp, replicated rtp // kv times: the
+    # rule of vLLM's QKVParallelLinear and TensorRT-LLM's duplicate_kv_weight (and the built-in
+    # engine's ShardPlan), which need one of the two to divide the other.
+    if heads % rtp or (kv % rtp if kv >= rtp else rtp % kv):
+        raise ConfigError(f"rollout TP {rtp} must divide the model's {heads} attention heads, and divide or be a "
+                          f"multiple of its {kv} KV heads (each rank then holds a replica of one); use a TP that "
+                          f"divides {math.gcd(heads, kv)} or a multiple of {kv} that divides {heads}",
+                          "actor_rollout_ref.rollout.tensor_model_parallel_size")
 
 
 def check_model_head_dim(cfg, hf_config: dict) -> None:
