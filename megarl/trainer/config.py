@@ -25,6 +25,9 @@ class TrainerConfig(Section):
     nnodes: int = 1
     n_gpus_per_node: int = 1
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # A model over 3B parameters on CPU is refused as a launch without GPUs unless this says it is meant
+    # (megarl/workers/config_checks.py check_model_on_cpu).
+    allow_large_model_on_cpu: bool = False
     collective_timeout_s: float = 600.0    # a rank that waits this long on a collective fails the job
     # SIGTERM / SIGUSR1 (preemption, a time limit): the ranks save at the next step boundary and exit 143.
     # A step that has not ended this long after the signal is given up: exit 143, no save.

@@ -231,3 +231,33 @@ def check_routing_replay_model(cfg, hf_config: dict) -> None:
     if not spec.is_moe:
         raise ConfigError(f"routing replay needs a mixture-of-experts model, and {spec.architecture} is dense; "
                           "set router_replay.mode=disabled", f"{on[0]}.router_replay.mode")
+
+
+# A model above this many parameters is refused on CPU unless trainer.allow_large_model_on_cpu says
+# so. CPU training holds 16 bytes per parameter in fp32 (weights, gradients, Adam's two moments:
+# 48 GB at 3B) and runs at roughly a TFLOP/s per host: 6 x 3e9 FLOP per token puts one GSM8K step of
+# 1,280 responses of ~1,000 tokens at hours. Nobody trains that on CPU on purpose.
+CPU_MAX_PARAMS = 3_000_000_000
+
+
+def check_model_on_cpu(cfg, hf_config: dict) -> None:
+    """A large model with trainer.device resolving to CPU is a launch without GPUs (an sbatch with
+    no --gpus-per-node, device auto on a login node): refuse it before anything loads the weights."""
+    tr = cfg.trainer
+    if tr.allow_large_model_on_cpu or tr.device == "cuda":
+        return
+    if tr.device == "auto":
+        import torch  # lazy: the launcher loads torch only when it must
+        if torch.cuda.is_available():
+            return
+    try:
+        count = ModelSpec.from_hf_config(hf_config).num_parameters()
+    except ValueError:
+        return                             # the workers refuse the model itself, with its reason
+    if count > CPU_MAX_PARAMS:
+        why = "is cpu" if tr.device == "cpu" else "is auto and this machine has no usable GPU"
+        raise ConfigError(f"{why}, and the model has {count / 1e9:.1f}B parameters (over "
+                          f"{CPU_MAX_PARAMS / 1e9:.0f}B, which CPU training cannot carry: fp32 weights, "
+                          "gradients and Adam need 16 bytes each); set trainer.device=cuda and launch with GPUs "
+                          "(sbatch --gpus-per-node), or trainer.allow_large_model_on_cpu=true to train on CPU anyway",
+                          "trainer.device")
