@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         if note and (not launched or (_rank() == 0 and LOCK_HELD_ENV not in os.environ)):
             print(note, flush=True)
         if args.check:
+            from megarl.launcher.versions import versions_report   # package metadata only, no import
+            print("\n".join(versions_report()), flush=True)
             later = ("" if tokenizer_available(cfg) else " (the data is tokenized and scored once the bootstrap has "
                      "built the model, before the first run's ranks start)")
             print(f"megarl: config and inputs check out{later}; nothing was started")
