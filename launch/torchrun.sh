@@ -59,6 +59,7 @@ else
 fi
 echo "megarl: $MEGARL_NPROC_PER_NODE ranks of $MEGARL_ENTRY on $(hostname) (node $node_rank of $nnodes," \
      "rendezvous $master:$port${GLOO_SOCKET_IFNAME:+, gloo on $GLOO_SOCKET_IFNAME}); run dir $MEGARL_RUN_DIR; log $log" | tee -a "$log"
+(( node_rank == 0 )) && megarl_net_env | tee -a "$log"
 
 set +e
 # supervise: torchrun and everything below it end when this script ends, even by kill -9 (parent-death

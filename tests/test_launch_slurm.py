@@ -24,12 +24,14 @@ import pytest
 
 from megarl.trainer.metrics import read_metrics
 from tests.helpers.checkout import unbuilt_model
+from tests.helpers.containers import container_stand_ins, read_log
 
 pytestmark = pytest.mark.slurm
 
 CLUSTER = "launch/slurm/local_cluster.sh"
 QUICKSTART = "launch/slurm/quickstart.sbatch"
 QUICKSTART_ENTRY = "megarl.train"
+SINGLE_NODE = "launch/slurm/single_node.sbatch"
 CONFIG = os.path.abspath("configs/quickstart.yaml")
 
 
@@ -119,6 +121,10 @@ def cluster(tmp_path_factory):
         assert not os.path.exists(os.path.join(c.dir, f"{name}.pid"))
 
 
+def cluster_repo() -> str:
+    return os.path.abspath(".")
+
+
 def steps_of(run_dir) -> list[int]:
     return [r["step"] for r in read_metrics(str(run_dir))]
 
@@ -131,18 +137,25 @@ def short_run(addition_model_dir, run_dir, steps):
             "algorithm.filter_groups.enable=false")
 
 
-@pytest.mark.timeout(420)
-def test_quickstart_sbatch_trains_then_saves_on_the_time_limit_signal_and_resumes(cluster, addition_model_dir,
-                                                                                  tmp_path):
-    # Near its time limit Slurm sends the batch shell USR1 (the script's --signal=B:USR1@300); job.sh
-    # requeues the job, and Slurm's requeue sends every task (a rank each) SIGTERM, SIGKILL KillWait
-    # (5 s here) later. The ranks finish their step, save it, print one line and exit 143; the requeued
-    # job, the same command, resumes there and completes. USR1 goes by hand (scancel --batch, as
-    # slurmctld sends it): a time limit is at least a minute, and Slurm may signal up to a minute early.
+@pytest.mark.timeout(480)
+def test_time_limit_signal_in_a_container_saves_the_step_then_requeues_and_resumes(cluster, addition_model_dir,
+                                                                                   tmp_path):
+    # The real quickstart in the torchrun form (single_node.sbatch), every srun step inside an
+    # apptainer-style prefix (MEGARL_SRUN_PREFIX), on a host without Python. Near its time limit
+    # Slurm sends the batch shell USR1 (--signal=B:USR1@600); job.sh passes it to the ranks (torchrun
+    # ignores it), which save the step they are in and exit 143; only then does job.sh requeue the
+    # job, which resumes there. USR1 goes by hand (scancel --batch, as slurmctld sends it): a time
+    # limit is at least a minute, and Slurm may signal up to a minute early.
+    root = str(tmp_path / "box")
+    os.makedirs(root)
+    env = {**container_stand_ins(root), "MEGARL_SRUN_PREFIX": f"{root}/apptainer exec --nv {root}/image.sif",
+           "NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "UCX_NET_DEVICES": "mlx5_0:1",
+           "NCCL_TEST_SECRET_TOKEN": "hunter2"}
     run_dir = tmp_path / "run"
     begin = time.monotonic()
-    job_id = cluster.submit(QUICKSTART, *short_run(addition_model_dir, run_dir, 8), entry=QUICKSTART_ENTRY)
-    pointer, deadline = run_dir / "latest_checkpointed_iteration.txt", time.monotonic() + 240
+    job_id = cluster.submit(SINGLE_NODE, CONFIG, *short_run(addition_model_dir, run_dir, 8), entry=QUICKSTART_ENTRY,
+                            sbatch_flags=("--gpus-per-node=0",), env=env)
+    pointer, deadline = run_dir / "latest_checkpointed_iteration.txt", time.monotonic() + 300
     while not pointer.exists():
         assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
             cluster.output(job_id)[-3000:]
@@ -153,30 +166,71 @@ def test_quickstart_sbatch_trains_then_saves_on_the_time_limit_signal_and_resume
     cluster.wait(job_id, until=lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1")
     out = cluster.output(job_id)
     print(f"signal to requeued {time.monotonic() - signalled:.1f}s")
-    stop = re.search(r"megarl: stopped by SIGTERM after step (\d+) of 8; saved (\S+); the same command resumes there",
+    stop = re.search(r"megarl: stopped by SIGUSR1 after step (\d+) of 8; saved (\S+); the same command resumes there",
                      out)
-    assert stop and "is near its time limit; requeueing it" in out, out[-3000:]
+    assert stop and "is near its time limit (" in out and "the ranks save the step they are in" in out, out[-3000:]
     saved = int(stop.group(1))
     assert stop.group(2) == str(run_dir / f"global_step_{saved}") and int(pointer.read_text()) == saved, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
+    assert f"job {job_id} stopped for requeue (srun exit 1)" in out      # torchrun's 1 after the ranks' 143
+    # torchrun's summary calls the ranks' 143 a failure (its one traceback); no rank had one, none was killed
+    assert out.count("Traceback") == 1 and "ChildFailedError" in out and "SIGKILL" not in out, out[-3000:]
+    assert set(re.findall(r"exitcode *: (\d+)", out)) == {"143"}, out[-3000:]
     # Slurm holds a requeued job ~2 min; release it (the old credential's revocation has 1 s granularity).
     time.sleep(2)
     cluster.slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
     job = cluster.wait(job_id, timeout=300)
     out = cluster.output(job_id)
     assert job["JobState"] == "COMPLETED", out[-3000:]
-    assert f"resumed from {run_dir / f'global_step_{saved}'} at step {saved}" in out, out[-3000:]
-    assert job["NumTasks"] == "2" and job["NumNodes"] == "1"
+    resumed = out[out.index(f"job {job_id} (restart 1) on "):]
+    assert f"resumed from {run_dir / f'global_step_{saved}'} at step {saved}" in resumed, out[-3000:]
+    assert "torchrun mode, 1 x 2 ranks" in resumed and "megarl: training layout: TP 2 x PP 1 x DP 1" in resumed
+    # The restart prints the last save's time beside the signal's margin.
+    assert re.search(r"megarl: the stop signal comes 600 s before the time limit .*; the last save took "
+                     r"[0-9.]+ s and a step [0-9.]+ s \(step \d+ in ", out), out[-3000:]
     steps = steps_of(run_dir)
     assert steps[0] == 0 and set(range(9)) <= set(steps) and max(steps) == 8        # validation at 0
     assert all("critic/score/mean" in r for r in read_metrics(str(run_dir)) if r["step"] > 0)
-    assert f"job {job_id} (restart 1) on " in out and "task mode, 1 x 2 ranks" in out
-    # srun labels lines by task; in a clean run only rank 0 speaks (rank 1 used to print only warnings);
-    # the resumed part of the output is read: a resume once made rank 1 print megatron's deprecations
-    resumed = out[out.index(f"job {job_id} (restart 1) on "):]
-    assert "0: megarl: ranks: 2" in resumed and "\n1: " not in resumed, resumed[-3000:]
-    assert "megarl: training layout: TP 2 x PP 1 x DP 1" in resumed
     assert f"megarl: job {job_id} finished" in (run_dir / "logs" / f"slurm-{job_id}.log").read_text()
+    # Every step of both attempts (config check, ranks) ran in the image; the host ran no Python.
+    steps_run = read_log(root, "container.log").splitlines()
+    checks = [s for s in steps_run if "-m megarl.launcher.vars " in s]
+    nodes = [s for s in steps_run if "launch/slurm/node_env.sh" in s]
+    assert len(checks) == 2 and len(nodes) == 2 and len(steps_run) == 4, steps_run
+    assert all(f"image={root}/image.sif" in s for s in steps_run)
+    assert read_log(root, "host-python.log") == ""
+    # The NCCL environment, in the first lines of each attempt, without a secret's value.
+    net = re.findall(r"0: megarl: network environment on \S+: (.*)", out)
+    assert len(net) == 2 and "NCCL_IB_HCA=mlx5_0,mlx5_1" in net[0] and "UCX_NET_DEVICES=mlx5_0:1" in net[0]
+    assert "NCCL_TEST_SECRET_TOKEN=<set, not shown>" in net[0] and "hunter2" not in out
+
+
+@pytest.mark.timeout(240)
+def test_pyxis_container_arguments_reach_every_srun_and_the_host_runs_no_python(cluster, tmp_path):
+    """MEGARL_SRUN_ARGS on every srun of the task form: the config check, the ranks, and the report
+    of the rank that failed (MEGARL_CHECK_FAIL), each in the image; nothing ran Python on the host."""
+    root = str(tmp_path / "box")
+    os.makedirs(root)
+    env = {**container_stand_ins(root), "MEGARL_CHECK_FAIL": "1:2:raise",
+           "MEGARL_SRUN_ARGS": f"--container-image='nvcr.io#nvidia/pytorch:25.01-py3' --container-mounts="
+                               f"/work:/work,{tmp_path}:{tmp_path},/tmp:/tmp --no-container-mount-home"}
+    job_id = cluster.submit(QUICKSTART, "trainer.total_training_steps=3",
+                            f"trainer.default_local_dir={tmp_path / 'run'}", env=env)
+    job = cluster.wait(job_id)
+    out = cluster.output(job_id)
+    node = cluster.slurm("sinfo", "-h", "-o", "%n").split()[0]
+    assert job["JobState"] == "FAILED", out[-3000:]
+    assert f"first failure: srun: error: {node}: task 1: Exited with exit code 1" in out, out[-3000:]
+    image = "image=nvcr.io#nvidia/pytorch:25.01-py3"
+    sruns = read_log(root, "srun.log").splitlines()
+    assert len(sruns) == 3 and all(f"--container-{image}" in s for s in sruns), sruns
+    assert all(f"--container-mounts=/work:/work,{tmp_path}:{tmp_path},/tmp:/tmp" in s and
+               "--no-container-mount-home" in s for s in sruns), sruns
+    steps_run = read_log(root, "container.log").splitlines()
+    assert [s.split(" cmd=")[1].split()[:3] for s in steps_run if "task=0" in s] == [
+        ["python3", "-m", "megarl.launcher.vars"], [f"{cluster_repo()}/launch/slurm/rank_env.sh", "python3", "-m"],
+        ["python3", "-m", "megarl.launcher.failure"]], steps_run
+    assert sum("rank_env.sh" in s for s in steps_run) == 2 and all(image in s for s in steps_run)
+    assert read_log(root, "host-python.log") == ""
 
 
 @pytest.mark.timeout(300)
@@ -192,8 +246,9 @@ def test_requeued_cancelled_and_resubmitted_job_resumes(cluster, tmp_path):
             time.sleep(0.2)
         return int(path.read_text())
 
-    # 1. Near its time limit Slurm sends the batch shell USR1 (--signal=B:USR1@300); it requeues
-    # itself. The signal is sent by hand here rather than by waiting out a time limit.
+    # 1. Near its time limit Slurm sends the batch shell USR1 (--signal=B:USR1@600); it passes it
+    # to the ranks (this check job's ranks die of it) and requeues itself. The signal is sent by
+    # hand here rather than by waiting out a time limit.
     job_id = cluster.submit(QUICKSTART, *args, env=slow)
     first_ckpt = wait_for_checkpoint(2)
     cluster.slurm("scancel", "--batch", "--signal=USR1", job_id)
@@ -214,7 +269,7 @@ def test_requeued_cancelled_and_resubmitted_job_resumes(cluster, tmp_path):
     assert done["JobState"] == "COMPLETED", cluster.output(job2)[-3000:]
 
     out = cluster.output(job_id)
-    assert "is near its time limit; requeueing it" in out and f"job {job_id} (restart 1)" in out
+    assert "is near its time limit (" in out and f"job {job_id} (restart 1)" in out
     records = read_metrics(str(run_dir))
     by_run = {}
     for r in records:

@@ -16,4 +16,10 @@ fi
 # This node's CPUs over its ranks: nodes of one job need not be alike.
 threads=$(( ${SLURM_CPUS_ON_NODE:-$(nproc)} / ${MEGARL_NPROC_PER_NODE:-1} ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
+(( SLURM_NODEID == 0 )) && megarl_net_env
+# job.sh passes the time-limit warning on as USR1 to every process of this step. torchrun would die
+# of it (it handles torch's TORCHELASTIC_SIGNALS_TO_HANDLE, by default TERM, INT, HUP, QUIT), and
+# its ranks with it. Ignored here, it stays ignored in torchrun and whatever it starts, except
+# megarl's ranks, which handle it: they save at the end of their step, then exit 143.
+trap '' USR1
 exec "$@"

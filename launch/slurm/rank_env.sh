@@ -15,4 +15,5 @@ export MASTER_ADDR=${MASTER_ADDR:?set by launch/slurm/job.sh} MASTER_PORT=${MAST
 # The task's own CPUs (--cpus-per-task, set by job.sh), not the batch node's count.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 export MEGARL_SLURM_TASK_PER_RANK=1   # megarl.train: ranks are started, do not start more
+(( RANK == 0 )) && megarl_net_env
 exec "$@"
