@@ -1,6 +1,6 @@
 """docs/architecture.md stays true to the code: every file it names exists, every method its
-one-step sketch calls is defined where it says, and the package order it states holds for every
-import in megarl/ (module level and function level).
+one-step sketch calls is defined where it says, the package order it states holds for every
+import in megarl/ (module level and function level), and its module map names every module.
 
     python -m pytest -q tests/test_docs_architecture.py
 """
@@ -135,3 +135,44 @@ def test_every_module_has_a_place_and_imports_only_from_before_it():
             if mine is not None and theirs is not None and theirs > mine:
                 broken.append(f"{f} imports {dep}")
     assert not broken, "imports against docs/architecture.md's package order: " + "; ".join(broken)
+
+
+def module_map() -> dict[str, str]:
+    """The module map's bullets: top-level package ("" for megarl/ itself) -> the bullet's text."""
+    assert "\n## Module map\n" in DOC, "docs/architecture.md has no '## Module map' section"
+    block = DOC.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
+    bullets = {}
+    for item in re.split(r"\n- ", "\n" + block)[1:]:
+        head = re.match(r"\*\*([\w/]+)\*\*", item)
+        if head:
+            name = head.group(1).rstrip("/")
+            bullets["" if name == "megarl" else name] = item
+    return bullets
+
+
+def test_the_module_map_names_every_module_and_package():
+    """Each file under megarl/ is named (`name.py`) in its top-level package's bullet, each subpackage
+    (`name/`) too, and each name there is a file of that package: a new module is described where a
+    reader looks for it, and a removed one leaves no stale name."""
+    bullets = module_map()
+    missing, stale = [], []
+    for d, dirs, files in os.walk(os.path.join(ROOT, "megarl")):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        rel = os.path.relpath(d, os.path.join(ROOT, "megarl"))
+        parts = [] if rel == "." else rel.split(os.sep)
+        top = parts[0] if parts else ""
+        text = bullets.get(top)
+        if text is None:
+            missing.append(f"megarl/{top}/ (no bullet)")
+            continue
+        for sub in parts[1:]:
+            if f"`{sub}/`" not in text:
+                missing.append(f"megarl/{rel}/")
+        for f in files:
+            if f.endswith(".py") and (f != "__init__.py" or not parts) and f"`{f}`" not in text:
+                missing.append(f"megarl/{rel}/{f}".replace("/./", "/"))
+    for top, text in bullets.items():
+        have = {f for _, _, fs in os.walk(os.path.join(ROOT, "megarl", top)) for f in fs}
+        stale += [f"{top}/{name}" for name in re.findall(r"`(\w+\.py)`", text) if name not in have]
+    assert not missing, f"docs/architecture.md's module map does not name (add each to its package's bullet): {missing}"
+    assert not stale, f"docs/architecture.md's module map names files that do not exist: {stale}"
