@@ -87,8 +87,11 @@ class Registry:
     def get(self, name: str) -> Any:
         self.check(name)
         if name not in self._entries:
-            module = self._paths[name].partition(":")[0]
-            importlib.import_module(module)             # its registration runs here
+            module, _, attr = self._paths[name].partition(":")
+            loaded = importlib.import_module(module)     # its registration runs here
+            if name not in self._entries and attr and not callable(getattr(loaded, attr, None)):
+                # a declaration the module holds as data (an engine's EngineInfo) is the entry itself
+                self._entries[name] = getattr(loaded, attr)
             if name not in self._entries:
                 raise RuntimeError(f"{module} is declared to register {self.kind} {name!r} and did not")
         return self._entries[name]

@@ -4,11 +4,12 @@
     info = lookup("native")          # EngineInfo, or None for a name nobody declared
     info.records_routes, info.devices, info.logprobs_exact_at("float32")
 
-Every module of this package declares one engine as `ENGINE = EngineInfo(...)`; adding an engine is
-adding such a file (its `build` names the function that constructs it, loaded only when a rank builds
-it). The registry, preflight, the bypass decision, routing replay and the config checks read these
-declarations and never compare engine names. This package imports no torch and no engine module:
-the launcher reads it before torch loads (tests/test_repo.py).
+Every module of this package declares one engine as `ENGINE = EngineInfo(...)`, its file name the
+engine's name (the shared registry shape, megarl/config/registry.py); adding an engine is adding such
+a file (its `build` names the function that constructs it, loaded only when a rank builds it). The
+registry, preflight, the bypass decision, routing replay and the config checks read these declarations
+and never compare engine names. This package imports no torch and no engine module: the launcher
+reads it before torch loads (tests/test_repo.py).
 
 A user's class (rollout.name=custom) declares the same abilities as class attributes
 (`records_routes = True`, ...); `EngineInfo.declared_by(cls)` reads them, a missing one keeping the
@@ -17,11 +18,10 @@ conservative default below.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from dataclasses import dataclass
 
 from megarl.config.errors import ConfigError
+from megarl.config.registry import Registry, package_modules
 from megarl.config.typed import closest
 
 # The abilities a user's class may declare as class attributes.
@@ -86,37 +86,33 @@ class EngineInfo:
                 f"that takes them (rollout.name={default_name()})")
 
 
-_REGISTERED: dict[str, EngineInfo] = {}
-_DISCOVERED = False
+# megarl's engines: one module each in this package, holding its declaration as ENGINE
+ENGINES = Registry("rollout engine", "actor_rollout_ref.rollout.name",
+                   {name: f"{module}:ENGINE" for name, module in package_modules(__name__).items()})
 
 
 def register(info: EngineInfo) -> EngineInfo:
-    """Declare an engine from outside this package (a plugin, a test); a name is declared once."""
-    _discover()
-    if _REGISTERED.get(info.name, info) != info:
+    """Declare an engine from outside this package (a plugin, a test); a name is declared once
+    (declaring the same thing again is harmless; a built-in's name is its module's alone)."""
+    existing = lookup(info.name)
+    if existing == info:
+        return info
+    if existing is not None and info.name not in _BUILT_IN:
         raise ValueError(f"rollout engine {info.name!r} is already declared differently")
-    _REGISTERED[info.name] = info
+    ENGINES.add(info.name, info, origin=f"{info.name} (an engine of your own)")
     return info
 
 
+_BUILT_IN = frozenset(ENGINES.names())
+
+
 def unregister(name: str) -> None:
-    _REGISTERED.pop(name, None)
-
-
-def _discover() -> None:
-    """Every module of this package declares one engine (its ENGINE)."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
-    for mod in pkgutil.iter_modules(__path__, __name__ + "."):
-        info = importlib.import_module(mod.name).ENGINE
-        _REGISTERED[info.name] = info
+    if name not in _BUILT_IN:
+        ENGINES.unregister(name)
 
 
 def lookup(name: str) -> EngineInfo | None:
-    _discover()
-    return _REGISTERED.get(name)
+    return ENGINES.get(name) if name in ENGINES else None
 
 
 def config_info(name: str) -> EngineInfo | None:
@@ -129,8 +125,7 @@ def config_info(name: str) -> EngineInfo | None:
 
 def known() -> list[EngineInfo]:
     """Every declared engine, the default first."""
-    _discover()
-    return sorted(_REGISTERED.values(), key=lambda i: (not i.default, i.name))
+    return sorted((ENGINES.get(n) for n in ENGINES.names()), key=lambda i: (not i.default, i.name))
 
 
 def integrated() -> list[EngineInfo]:
