@@ -67,6 +67,12 @@ def test_the_registry_builds_a_declared_engine(declared):
     assert engine.request.user_kwargs == {"x": 1}
     with pytest.raises(ConfigError, match="unknown engine 'tinny'.*did you mean 'tiny'"):
         build_rollout(RolloutConfig(name="tinny"), "no-model")
+    engines.register(TINY)                               # the same declaration again: harmless
+    with pytest.raises(ValueError, match="'tiny' is already declared differently"):
+        engines.register(PLAIN.__class__(**{**PLAIN.__dict__, "name": "tiny"}))
+    # megarl's engines are declared by their files: another module cannot take one's name
+    with pytest.raises(ValueError, match="'vllm' is megarl's built-in megarl.engines.vllm:ENGINE"):
+        engines.register(PLAIN.__class__(**{**PLAIN.__dict__, "name": "vllm"}))
 
 
 def test_preflight_holds_it_to_its_devices(declared, monkeypatch):
