@@ -10,11 +10,14 @@ test per rule, each raising what the real one raises. The source of each rule is
   executor/params/sampling.py at 1f064c46: the log-prob limit of 100 (messages verbatim);
   executor/ray/gpu_worker.py at a3dfe261: sleep without sleep_config, ExecutorMemoryType(tag),
       int(ray.get_gpu_ids()[0]) (messages verbatim or Python's own);
-  pydantic's StrictBaseModel: unknown arguments ("Extra inputs are not permitted").
+  llmapi/llm.py at 1f064c46, _TorchLLM._validate_args_for_torch_backend: an LLM keyword TorchLlmArgs
+      lacks (message verbatim); pydantic's StrictBaseModel (extra="forbid"): the config classes'
+      unknown keywords (pydantic's own ValidationError).
 FAKES: tensorrt_llm cannot run here.
 """
 from __future__ import annotations
 
+import pydantic
 import pytest
 
 from tests.rollout import trtllm_fake
@@ -110,10 +113,11 @@ def test_1_2_has_no_log_prob_mode_nor_simple_format(monkeypatch):
 
 # -- LLM arguments (pydantic StrictBaseModel) ----------------------------------------------------------------
 def test_unknown_llm_and_kv_cache_arguments(any_version):
-    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+    with pytest.raises(ValueError, match=r"not supported by the PyTorch backend: \['gpu_memory_utilization'\]"):
         any_version.LLM(model="x", gpu_memory_utilization=0.5)
-    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
-        any_version.llmapi.KvCacheConfig(gpu_memory_utilization=0.5)
+    for model in (any_version.llmapi.llm_args.TorchLlmArgs, any_version.llmapi.KvCacheConfig):
+        with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+            model(gpu_memory_utilization=0.5)
 
 
 def test_sleep_switch_per_version(monkeypatch):

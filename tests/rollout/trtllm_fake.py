@@ -9,7 +9,8 @@ the snapshot's "fields"). By concern:
                            each version uses it (ignored before PR #17172, per request after);
                            CompletionOutput with the snapshot's fields (routed_experts where
                            PR #18397 is in); TorchSampler's step and log-probs.
-  trtllm_fake_llm.py       LLM: arguments checked as the pydantic model does; Ray attached or
+  trtllm_fake_llm.py       LLM: a keyword TorchLlmArgs lacks refused as _TorchLLM does (llm.py at
+                           1f064c46), then the pydantic model built; Ray attached or
                            started as RayExecutor does it, and ray.shutdown() on LLM.shutdown();
                            workers placed as executor/ray/gpu_worker.py places them, with the
                            leader's environment; the worker extension imported from PYTHONPATH;
@@ -18,8 +19,9 @@ the snapshot's "fields"). By concern:
                            that survives a sleep; stop on end_id with TorchSampler's greedy path;
                            _check_arguments' routed-experts pairing.
   trtllm_fake_ray.py       the ray calls the executor makes in the leader's process.
-  this file                snapshots, the node's GPUs, the pydantic-like config classes,
-                           SleepConfig's checks, and the modules put in sys.modules.
+  this file                snapshots, the node's GPUs, the config classes (pydantic models,
+                           extra="forbid"), SleepConfig's checks, the 1.4 line's LLM.release /
+                           resume (MEMORY_API), and the modules put in sys.modules.
 Generation is real: a transformers model, step by step in fp32, so tokens and log-probs are exact.
 A byte ledger follows what would be resident on the GPU (weights, KV cache, other tags, a bucket).
 """
@@ -31,6 +33,9 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, create_model, model_validator
 
 from tests.rollout.trtllm_fake_llm import EXTRA_BYTES, KV, KV_BYTES, MODEL, WEIGHTS, FakeCluster, _LLM
 from tests.rollout.trtllm_fake_ipc import reduce_cuda_like
@@ -39,8 +44,8 @@ from tests.rollout.trtllm_fake_sampling import completion_class, sampling_params
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "trtllm"
 SNAPSHOTS = sorted(p.name for p in ASSETS.glob("trtllm-*.json"))
-__all__ = ["EXTRA_BYTES", "KV", "KV_BYTES", "MODEL", "WEIGHTS", "FakeCluster", "SNAPSHOTS", "build", "install",
-           "load_snapshot", "sys"]
+__all__ = ["EXTRA_BYTES", "KV", "KV_BYTES", "MEMORY_API", "MODEL", "WEIGHTS", "FakeCluster", "SNAPSHOTS", "build",
+           "install", "load_snapshot", "sys"]
 
 
 def load_snapshot(name: str) -> dict:
@@ -57,21 +62,19 @@ def visible_uuid(index: int) -> str:
 
 
 def _strict_model(name: str, fields: list[str], check=None):
-    """A pydantic-like config class: keyword arguments, unknown ones rejected."""
-    allowed = frozenset(fields)
-
-    def __init__(self, **kw):
-        extra = sorted(set(kw) - allowed)
-        if extra:
-            raise ValueError(f"1 validation error for {name}\n{extra[0]}\n  Extra inputs are not permitted")
-        if check is not None:
-            check(kw)
-        self.__dict__.update(kw)
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self.__dict__ == other.__dict__
-
-    return type(name, (), {"__init__": __init__, "__eq__": __eq__, "model_fields": {f: None for f in fields}})
+    """A pydantic model as TensorRT-LLM's StrictBaseModel subclasses are (llmapi/utils.py;
+    BaseLlmArgs and KvCacheConfig at 1f064c46): extra="forbid", so an unknown keyword is pydantic's
+    own ValidationError ("Extra inputs are not permitted"). Every field is optional and untyped here;
+    `check` stands in for the class's validators, run on the keywords before the fields are set."""
+    config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+    validators = {}
+    if check is not None:
+        def before(cls, data):
+            check(dict(data) if isinstance(data, dict) else {})
+            return data
+        validators["check"] = model_validator(mode="before")(classmethod(before))
+    return create_model(name, __config__=config, __validators__=validators,
+                        **{f: (Any, None) for f in fields})
 
 
 def _placement_check(kw):
@@ -109,6 +112,36 @@ ABORTABLE = {"reload_cycle": "abortable",
                                 "abort_update_weights", "wait_for_engine_idle"]}
 
 
+# The 1.4 line: the LLM's public memory API, and the workers' wait_for_engine_idle.
+MEMORY_API = {"llm_memory_api": True,
+              "worker_methods": ["update_weights", "report_device_id", "sleep", "wakeup", "reset_prefix_cache",
+                                 "wait_for_engine_idle"]}
+
+
+class _MemoryAPI:
+    """LLM.release / resume / get_memory_status. "Both synchronous LLM and asynchronous AsyncLLM
+    expose release(), resume(), and get_memory_status() ... With no tags, release() selects every
+    usable ExecutorMemoryType and resume() reactivates every tag still parked" (Runtime Memory
+    Checkpointing page, current docs, no version); AsyncLLM.release(tags) is collective_rpc("sleep",
+    (tags,)) (async_llm.py, the 1.4.0rc1 docs' module source). The sync LLM's own source was not read:
+    its keyword is taken to be AsyncLLM's `tags`, as verl (release(tags=...)) and NeMo-RL
+    (release(tags), positional) call it."""
+
+    def release(self, tags=None):
+        self.rpcs.append(("LLM.release", tags))
+        usable = [t for t in self.snap["executor_memory_types"] if not t.startswith("_")]
+        return self._sleep([getattr(t, "value", t) for t in usable if t not in self.released]
+                           if tags is None else [getattr(t, "value", t) for t in tags])
+
+    def resume(self, tags=None):
+        self.rpcs.append(("LLM.resume", tags))
+        return self._wakeup(sorted(self.released) if tags is None else [getattr(t, "value", t) for t in tags])
+
+    def get_memory_status(self):
+        """RuntimeMemoryStatus(state, parked_tags) (1.4.0rc4 reference index), as a plain namespace."""
+        return types.SimpleNamespace(state="parked" if self.released else "running", parked_tags=sorted(self.released))
+
+
 def _worker_extension(snap: dict) -> type:
     """rlhf_utils.WorkerExtension: its methods as the snapshot lists them (the workers run them)."""
     return type("WorkerExtension", (), {m: (lambda self, *a: None) for m in snap.get("worker_methods") or []})
@@ -122,7 +155,8 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
     root.__version__ = snap["version"]
     root.__path__ = []
     root.__file__ = str(ASSETS / "site-packages" / "tensorrt_llm" / "__init__.py")   # its bin/ is beside it
-    root.LLM = type("LLM", (_LLM,), {"snap": snap, "mod": root, "instances": []})
+    bases = (_MemoryAPI, _LLM) if snap.get("llm_memory_api") else (_LLM,)
+    root.LLM = type("LLM", bases, {"snap": snap, "mod": root, "instances": []})
     root.SamplingParams = sampling_params_class(snap)
     root.CompletionOutput = completion_class(snap)
     args = types.ModuleType("tensorrt_llm.llmapi.llm_args")
@@ -175,7 +209,7 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
     torch_pkg.__path__ = []
     torch_pkg.utils = utils
     return {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi, "tensorrt_llm.llmapi.llm_args": args,
-            "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, "ray": make_ray(), **mods}
+            "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, **make_ray().modules, **mods}
 
 
 def install(monkeypatch, snapshot_name: str, overrides: dict | None = None) -> types.ModuleType:

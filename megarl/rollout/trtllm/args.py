@@ -96,6 +96,18 @@ class Features:
     memory_tags: tuple[str, ...]           # ExecutorMemoryType values (the "_no_capture" ones left out)
     completion_fields: frozenset[str] = frozenset()   # CompletionOutput's fields
     worker_methods: frozenset[str] = frozenset()      # rlhf_utils.WorkerExtension's public methods
+    llm_methods: frozenset[str] = frozenset()         # LLM's public memory methods (release, resume)
+
+    @property
+    def memory_api(self) -> bool:
+        """LLM.release(tags) / resume(tags) (the 1.4 line; the Runtime Memory Checkpointing docs)."""
+        return {"release", "resume"} <= self.llm_methods
+
+    @property
+    def waits_for_idle(self) -> bool:
+        """WorkerExtension.wait_for_engine_idle (TensorRT-LLM PR #13784): returns once no request
+        is queued or running in the executor."""
+        return "wait_for_engine_idle" in self.worker_methods
 
     @property
     def aborts_reload(self) -> bool:
@@ -126,7 +138,8 @@ class Features:
         return (f"TensorRT-LLM {self.version}: logprobs_mode={self.logprobs_mode} "
                 f"logprobs_simple_format={self.simple_format} sleep={self.sleep or 'none'} "
                 f"weights_tag={WEIGHTS_TAG in self.memory_tags} routed_experts={not self.routes_missing()} "
-                f"abort_update_weights={self.aborts_reload}")
+                f"abort_update_weights={self.aborts_reload} release_resume={self.memory_api} "
+                f"wait_for_engine_idle={self.waits_for_idle}")
 
 
 def _init_params(fn) -> set[str]:
@@ -166,7 +179,8 @@ def detect_features(tllm) -> Features:
         methods = frozenset(m for m in dir(WorkerExtension) if not m.startswith("_"))
     except ImportError:
         methods = frozenset()
-    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags, completion, methods)
+    public = frozenset(m for m in ("release", "resume") if callable(getattr(tllm.LLM, m, None)))
+    return Features(str(getattr(tllm, "__version__", "?")), sampling, llm, tags, completion, methods, public)
 
 
 # -- engine arguments --------------------------------------------------------------------------------

@@ -21,10 +21,12 @@ puts the full tensors on its own GPU, makes CUDA-IPC
 handles keyed by its device UUID; rank 0 gathers them and calls the worker extension's
 `update_weights(handles)`; `finalize_weights` calls it with None once every tensor has arrived.
 
-Sleep (only with enable_sleep_mode=True): releases every memory tag; restore mode NONE for the KV
-cache and, when the weights come from syncs, the `model_weights` tag, a host copy for the rest
-(args.py says why). A sync while asleep resumes every tag but the KV cache; the KV cache comes
-back in wake(), after the refit, so it is never resident with a bucket in flight.
+Sleep (only with enable_sleep_mode=True): releases every memory tag (LLM.release/resume where the
+class has them, else the workers' sleep/wakeup RPCs), after wait_for_engine_idle where the workers
+have it; restore mode NONE for the KV cache and, when the weights come from syncs, the
+`model_weights` tag, a host copy for the rest (args.py says why). A sync while asleep resumes
+every tag but the KV cache; the KV cache comes back in wake(), after the refit, so it is never
+resident with a bucket in flight.
 finalize_weights() and wake() reset the prefix cache (the worker extension's
 reset_prefix_cache), so block reuse never serves KV computed with other weights or lost in a sleep.
 
@@ -32,8 +34,11 @@ A failed sync: TensorRT-LLM rewrites the live weights from a sync's first bucket
 (pre_reload_weights), so any failure after it marks them mixed and generate() refuses until a full
 sync; builds with abort_update_weights get it on every worker (`_torn`).
 
-Ray: TensorRT-LLM's executor runs Ray inside the leader's process and shuts it down with the LLM
-(placement.py, `check_process_ray`); megarl's own Ray pools cannot share that process with it.
+Ray: the leaders of a job on a node share one Ray cluster, the job's (node_ray.py): the first
+starts it, the others attach by its recorded address, and each LLM's workers take the bundles of
+the node's placement group that hold its ranks' GPUs. TLLM_RAY_FORCE_LOCAL_CLUSTER=1, set by the
+user, gives each group's LLM a Ray of its own, shut down with it (placement.py, `check_process_ray`).
+megarl's own Ray pools do not share a leader's process with either (docs/trtllm.md says why).
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ from megarl.rollout.build_args import BuildRequest, pad_id
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.llm_api import copy_greedy
 from megarl.rollout.prompts import PromptGuard
-from megarl.rollout.trtllm import placement, resources
+from megarl.rollout.trtllm import node_ray, placement, resources
 from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, check_model_eos, completion_from_output,
                                         detect_features, llm_kwargs, max_model_len, model_eos, require_tensorrt_llm,
                                         response_budget, sampling_classes, sampling_kwargs, sleep_tags,
@@ -111,11 +116,23 @@ class TRTLLMEngine(BaseRollout):
         kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION,
                         kv_memory_fraction=self._kv_fraction(cfg, model_dir))
 
+        own_ray = os.environ.get("TLLM_RAY_FORCE_LOCAL_CLUSTER") == "1"   # the user's explicit choice
+        if not own_ray and set(kw) & set(placement.PLACEMENT_KEYS):
+            raise ConfigError(f"engine_kwargs.trtllm.{sorted(set(kw) & set(placement.PLACEMENT_KEYS))[0]} is megarl's: "
+                              "it places each TP group's workers on its ranks' GPUs in the node's Ray cluster; "
+                              "remove the key", f"{KEY}.engine_kwargs.trtllm")
+
         def start():
-            placement.check_process_ray()
+            if own_ray:
+                log.info("TLLM_RAY_FORCE_LOCAL_CLUSTER=1: TensorRT-LLM starts a Ray instance of its own for this "
+                         "rollout TP group (one per group, not one per node); unset it to share the node's")
+                placement.check_process_ray()
+                where = {}
+            else:
+                where = self._node_placement(llm_args)
             try:
-                with placement.worker_env(self.group_ordinals, self.tllm):
-                    self.llm = self.tllm.LLM(**kw)
+                with placement.worker_env(self.group_ordinals if own_ray else None, self.tllm):
+                    self.llm = self.tllm.LLM(**kw, **where)
                 placement.check_worker_devices(self.llm._collective_rpc("report_device_id"), self.group_uuids)
             except BaseException as err:
                 self.close()
@@ -123,8 +140,16 @@ class TRTLLMEngine(BaseRollout):
                 if line:
                     raise RuntimeError(line) from err
                 raise
-            atexit.register(self.close)      # the Ray instance TensorRT-LLM started goes with the process
+            atexit.register(self.close)      # with TLLM_RAY_FORCE_LOCAL_CLUSTER=1 the LLM's Ray goes with it
         self._on_leader(start)
+
+    def _node_placement(self, llm_args) -> dict:
+        """Attach the leader to the job's Ray cluster on this node and place the group's workers in
+        the bundles that hold its ranks' GPUs (node_ray.py); the cluster outlives the LLM."""
+        import ray  # optional dependency: TensorRT-LLM's Ray executor needs it
+        key = node_ray.job_key(dict(os.environ))
+        node_ray.connect(ray, key)
+        return node_ray.placement_kwargs(llm_args, node_ray.node_bundles(ray, key), self.group_ordinals)
 
     def _kv_fraction(self, cfg: RolloutConfig, model_dir: str) -> float | None:
         """gpu_memory_utilization as TensorRT-LLM's fraction of free memory (resources.py), the
@@ -164,6 +189,22 @@ class TRTLLMEngine(BaseRollout):
     def _rpc(self, method: str, *args) -> None:
         self._on_leader(lambda: self.llm._collective_rpc(method, args))
 
+    def _memory(self, release: bool, tags: list[str]) -> None:
+        """Release or resume memory tags: the LLM's public release(tags) / resume(tags) where its
+        class has them (the 1.4 line, as verl and NeMo-RL call them), else the workers' sleep /
+        wakeup through _collective_rpc, which every version read has."""
+        if self.features.memory_api:
+            self._on_leader(lambda: getattr(self.llm, "release" if release else "resume")(tags=list(tags)))
+        else:
+            self._rpc("sleep" if release else "wakeup", list(tags))
+
+    def _idle(self) -> None:
+        """Before memory is released or weights rewritten: a request still queued or running in
+        TensorRT-LLM's executor (one whose caller timed out, or another client's) would compute on
+        freed memory or half-written weights. wait_for_engine_idle returns once there is none."""
+        if self.features.waits_for_idle:
+            self._rpc("wait_for_engine_idle")
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
@@ -182,9 +223,11 @@ class TRTLLMEngine(BaseRollout):
                            sampling)
 
     def update_weights(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self.reloading:               # the sync's first bucket
+            self._idle()
         resume = sorted(self.released - {KV_TAG})
         if resume:                           # all but the KV cache, which wakes after the refit
-            self._rpc("wakeup", resume)
+            self._memory(False, resume)
             self.released -= set(resume)
         self.weights.begin_bucket()
         named = [(name, t.to(self.device)) for name, t in bucket]
@@ -233,8 +276,9 @@ class TRTLLMEngine(BaseRollout):
         if self.asleep:
             return
         tags = sleep_tags(self.features)
+        self._idle()
         for part in ([[t] for t in tags] if on_release else [tags]):
-            self._rpc("sleep", part)
+            self._memory(True, part)
             self.released |= set(part)
             if on_release:
                 on_release(part[0])
@@ -246,7 +290,7 @@ class TRTLLMEngine(BaseRollout):
         if not self.cfg_sleep:
             raise RuntimeError("this trtllm engine was built with enable_sleep_mode=false: it cannot wake")
         if self.released:
-            self._rpc("wakeup", sorted(self.released, key=lambda t: t == KV_TAG))
+            self._memory(False, sorted(self.released, key=lambda t: t == KV_TAG))
             self.released = set()
         # The KV blocks came back without their content (restore mode NONE) but block reuse still
         # points at them, and a wake-up without a full refit (keep-weights, validation-only cycles)
