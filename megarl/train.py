@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()                      # a rank never outlives the launcher that started it
     try:
         # --print-config shows the typed tree (defaults included) without looking at files.
-        cfg = load_checked(args.config, args.overrides, check_all=not args.print_config)
+        not_checked: list[str] | None = [] if args.check and not launched else None
+        cfg = load_checked(args.config, args.overrides, check_all=not args.print_config, not_checked=not_checked)
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(versions_report()), flush=True)
             later = ("" if tokenizer_available(cfg) else " (the data is tokenized and scored once the bootstrap has "
                      "built the model, before the first run's ranks start)")
+            from megarl.launcher.check_report import report  # lazy: the plan's model shapes import torch
+            report(cfg, not_checked or [])        # the memory plan; what only the nodes can check
             print(f"megarl: config and inputs check out{later}; nothing was started")
             return 0
         if not launched:

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megarl.launcher.memory_plan import Layout, buffer_layout, static_bytes
+from megarl.launcher.memory_terms import Layout, buffer_layout, static_bytes
 from megarl.models.spec import ModelSpec
 from megarl.models.tiny import make_tiny_hf
 from tests.distributed import run_ranks

@@ -28,15 +28,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 PREFLIGHT_DONE_ENV = "MEGARL_PREFLIGHT_DONE"
 
 
-def load_checked(config: str | None, overrides: list[str], check_all: bool = True) -> ExperimentConfig:
+def load_checked(config: str | None, overrides: list[str], check_all: bool = True,
+                 not_checked: list[str] | None = None) -> ExperimentConfig:
     """The config, validated; with `check_all`, also everything megarl.launcher.preflight can check
     (files, model, lengths, engine, reward, run directory) before any process starts. A rank whose
-    launcher already did that checks only its own node (preflight.node_checks)."""
+    launcher already did that checks only its own node (preflight.node_checks). `not_checked`
+    (--check): where what needs the nodes' GPUs is listed on a machine without one."""
     cfg = load_config(config, overrides)
     if check_all and os.environ.get(PREFLIGHT_DONE_ENV) == "1" and "RANK" in os.environ:
         node_checks(cfg)
     elif check_all:
-        preflight(cfg)
+        preflight(cfg, not_checked)
     elif cfg.model.path:
         hf = read_hf_config(cfg.model.path)
         if hf is not None:

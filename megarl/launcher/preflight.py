@@ -44,12 +44,14 @@ from megarl.rollout.config_checks import check_engine_overrides
 _RO = "actor_rollout_ref.rollout"
 
 
-def preflight(cfg) -> None:
-    """Raise ConfigError (one line) for the first problem found; return quietly otherwise."""
+def preflight(cfg, not_checked: list[str] | None = None) -> None:
+    """Raise ConfigError (one line) for the first problem found; return quietly otherwise.
+    `not_checked` (--check): what needs the nodes' GPUs or their engine package, on a machine
+    without a GPU (a login node), is listed there, one line each, and the other checks go on."""
     import_external_libs(cfg)
     check_model_paths(cfg)                     # first: a missing model is the first thing to fix
     check_data(cfg)
-    check_device(cfg, check_engine(cfg))
+    check_device(cfg, check_engine(cfg, not_checked), not_checked)
     check_loggers(cfg)
     check_engine_kwarg_values(cfg)
     check_reward(cfg)
@@ -270,8 +272,9 @@ def safetensors_problem(path: str) -> str | None:
     return None
 
 
-def check_device(cfg, info: EngineInfo) -> None:
-    """The trainer's device and the engine's declared devices, against this machine."""
+def check_device(cfg, info: EngineInfo, not_checked: list[str] | None = None) -> None:
+    """The trainer's device and the engine's declared devices, against this machine (with
+    `not_checked`, a machine without a GPU is a login node: listed there, not refused)."""
     device, name = cfg.trainer.device, cfg.rollout.name
     if device == "cpu" and "cpu" in info.devices:
         return
@@ -280,6 +283,10 @@ def check_device(cfg, info: EngineInfo) -> None:
                           f"trainer.device={info.devices[0]} or use rollout.name={default_name()}", "trainer.device")
     import torch  # lazy: the launcher loads torch only when a GPU is asked for
     if torch.cuda.is_available():
+        return
+    if not_checked is not None and (device == "cuda" or "cpu" not in info.devices):
+        not_checked.append(f"the GPU: this machine has none (torch.cuda.is_available() is false); trainer.device="
+                           f"{device} with rollout.name={name} is checked on the nodes when the job starts")
         return
     if device == "cuda":
         raise ConfigError("cuda, but this machine has no usable GPU (torch.cuda.is_available() is false); "
@@ -290,12 +297,19 @@ def check_device(cfg, info: EngineInfo) -> None:
 
 
 # -- engine, reward, user imports ----------------------------------------------------------------------
-def check_engine(cfg) -> EngineInfo:
+def check_engine(cfg, not_checked: list[str] | None = None) -> EngineInfo:
     """The engine is declared, integrated and importable; its abilities (a user's class: what the
-    class declares) against what the config asks of it."""
+    class declares) against what the config asks of it. With `not_checked`, a GPU-only engine's
+    package missing on a machine without a GPU (a login node) is listed there, not refused."""
     ro, key = cfg.rollout, f"{_RO}.name"
     info = resolve(ro.name)
-    if info.requires and importlib.util.find_spec(info.requires) is None:
+    missing = info.requires and importlib.util.find_spec(info.requires) is None
+    if missing and not_checked is not None and "cpu" not in info.devices and not _has_gpu():
+        not_checked.append(f"rollout.name={ro.name}: its {info.requires!r} package is not installed on this machine "
+                           "(no GPU either); it is imported on the nodes when the job starts")
+        check_multiturn(cfg)
+        return info
+    if missing:
         raise ConfigError(f"rollout.name={ro.name} needs the {info.requires!r} package, which is not installed "
                           f"here; install it or use rollout.name={default_name()}", key)
     if info.user_class:
@@ -306,6 +320,11 @@ def check_engine(cfg) -> EngineInfo:
         check_engine_overrides(cfg, info)
     check_multiturn(cfg)
     return info
+
+
+def _has_gpu() -> bool:
+    import torch  # lazy, as in check_device
+    return torch.cuda.is_available()
 
 
 def check_multiturn(cfg) -> None:
