@@ -214,7 +214,7 @@ def test_stale_groups_are_regenerated_or_dropped(tiny):
 
 def test_rollout_ranks_sample_with_rollout_seed(tiny):
     """Disaggregated placement: the rollout ranks' sampling seed is rollout.seed when set, as in
-    the colocated loop (it used to be trainer.seed there, so rollout.seed was accepted and ignored)."""
+    the colocated loop, never trainer.seed (which would accept rollout.seed and ignore it)."""
     engine = _native_engine(tiny)
 
     def responses(*overrides):

@@ -57,8 +57,8 @@ def test_hint_still_names_megarls_key():
     assert "did you mean 'trainer.save_freq'" in str(err.value)
 
 
-def test_reward_kwargs_is_no_longer_pointed_at_reward_manager_kwargs():
-    """verl's +reward_model.reward_kwargs.* acts now (tests/test_config_reward_kwargs.py); its near miss
+def test_reward_kwargs_is_not_pointed_at_reward_manager_kwargs():
+    """verl's +reward_model.reward_kwargs.* acts (tests/test_config_reward_kwargs.py); its near miss
     reward_manager_kwargs does nothing under the default manager and is never the hint for it."""
     load_config(None, ["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", "data.max_response_length=64"])
 

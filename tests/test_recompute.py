@@ -1,6 +1,7 @@
 """Activation recompute (gradient checkpointing) on real megatron-core over gloo: the gradients of a
 policy loss are the same with and without it, for every way verl's keys ask for it, and an update
-runs (on CPU megatron's checkpoint used to assert CUDA). The key mapping is checked in-process.
+runs on CPU (megatron's checkpoint saves the CUDA generator's state: megarl/parallel/cpu_compat.py
+maps that to a no-op there). The key mapping is checked in-process.
 
     python -m pytest -q tests/test_recompute.py
 """

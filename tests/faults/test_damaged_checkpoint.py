@@ -4,7 +4,7 @@ and the run directory are unchanged).
 
 In-process over 2 real gloo ranks with the real actor (megatron TP 2) for the 2 x 11 cases, plus
 one real `megarl-train` resume on a truncated .distcp: its whole output has the one line and no
-traceback (torch's CheckpointException, a BaseException, used to print 260 lines)."""
+traceback (torch's CheckpointException, a BaseException, would print 260 lines)."""
 import hashlib
 import os
 import re

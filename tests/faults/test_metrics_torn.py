@@ -1,5 +1,5 @@
 """A kill in the middle of a metrics.jsonl write (a torn last line): the resume works and the line
-is dropped with a notice naming it (it used to fail every later resume with a JSONDecodeError)."""
+is dropped with a notice naming it, so no later resume fails on it with a JSONDecodeError."""
 import pytest
 
 from megarl.trainer.metrics import read_metrics

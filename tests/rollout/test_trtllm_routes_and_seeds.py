@@ -53,7 +53,7 @@ def test_r3_returns_the_routed_experts_where_the_classes_have_them(monkeypatch, 
     engine.close()
 
 
-def test_r3_is_no_longer_refused_by_the_config_for_trtllm():
+def test_r3_is_accepted_by_the_config_for_trtllm():
     from megarl.experiment import load_config
     r3 = ["actor_rollout_ref.actor.router_replay.mode=R3",
           "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "actor_rollout_ref.rollout.name=trtllm"]
