@@ -78,6 +78,25 @@ def test_families_register_once_and_claim_their_configs():
     assert "x" not in families.names()
 
 
+def test_a_family_file_is_a_family(tmp_path, monkeypatch):
+    """megarl's families are found by their file names (no list to edit); a module of a family that
+    does not register what it is declared to is named at the first read."""
+    from megarl.config.registry import Registry, package_modules
+    assert set(package_modules("megarl.models.families")) - {"base", "registry"} == set(families.names())
+    pkg = tmp_path / "demo_families"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "demo.py").write_text("from megarl.models.families.base import ModelFamily, causal_and_score\n"
+                                 "FAMILY = ModelFamily(name='demo', model_type='demo', "
+                                 "architectures=causal_and_score('Demo'))\n")
+    (pkg / "quiet.py").write_text("def FAMILY():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = Registry("model family", "x", {n: f"{m}:FAMILY" for n, m in package_modules("demo_families").items()})
+    assert found.names() == ["demo", "quiet"] and found.get("demo").architectures["DemoForCausalLM"] == "lm"
+    with pytest.raises(RuntimeError, match="demo_families.quiet is declared to register model family 'quiet'"):
+        found.get("quiet")
+
+
 def test_layout_rules_name_the_rule():
     spec = ModelSpec.from_hf_config(QWEN)
     check_layout(spec, 2, 4)

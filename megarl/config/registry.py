@@ -56,8 +56,8 @@ class Registry:
     def add(self, name: str, entry: Any, origin: Any) -> None:
         """Register `entry` under `name`; `origin` is the function or class it comes from, or the name
         of the module that makes it (checked against a built-in declaration of the same name)."""
-        path = self._paths.get(name)
-        if path is not None and path != origin_of(origin):
+        path, made_by = self._paths.get(name), origin_of(origin)
+        if path is not None and made_by not in (path, path.partition(":")[0]):
             raise ValueError(f"{self.kind} {name!r} is megarl's built-in {path}; register yours under another name")
         if name in self._entries and self._entries[name] is not entry:
             raise ValueError(f"{self.kind} {name!r} is already registered to {self._describe(self._entries[name])}")

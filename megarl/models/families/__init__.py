@@ -1,6 +1,6 @@
-"""The registry of model families: one file per family in this package registers a ModelFamily
-(megarl/models/families/base.py says what one holds); spec.py, convert.py, build.py, flops.py and
-the built-in engine read the registered family instead of branching on family names.
+"""The registry of model families: one file per family in this package holds a ModelFamily
+(megarl/models/families/base.py says what one holds), found by its file name; spec.py, convert.py,
+build.py, flops.py and the built-in engine read the registered family instead of branching on family names.
 
     family = for_config(json.load(open("ckpt/config.json")))    # ValueError naming the supported ones
     family = get("qwen2")
@@ -8,9 +8,8 @@ the built-in engine read the registered family instead of branching on family na
 """
 from __future__ import annotations
 
-# Each family file registers itself on import.
-from megarl.models.families import llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: F401
 from megarl.models.families.base import ModelFamily
-from megarl.models.families.registry import architectures, for_config, for_model_type, get, names, register
+from megarl.models.families.registry import (architectures, for_config, for_model_type, get, names, register,
+                                             unregister)
 
-__all__ = ["ModelFamily", "architectures", "for_config", "for_model_type", "get", "names", "register"]
+__all__ = ["ModelFamily", "architectures", "for_config", "for_model_type", "get", "names", "register", "unregister"]

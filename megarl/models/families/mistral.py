@@ -4,4 +4,4 @@ from megarl.models.families.registry import register
 from megarl.models.families.base import NO_BIAS, ModelFamily, causal_and_score
 
 FAMILY = register(ModelFamily(name="mistral", model_type="mistral", architectures=causal_and_score("Mistral"),
-                              sliding_window=True, refused=NO_BIAS, tiny={"sliding_window": 4096}))
+                              sliding_window=True, refused=NO_BIAS, tiny={"sliding_window": 4096}), module=__name__)

@@ -7,4 +7,4 @@ FAMILY = register(ModelFamily(
     name="qwen3_moe", model_type="qwen3_moe", architectures={"Qwen3MoeForCausalLM": "lm"},
     qk_norm=True, mlp=MoeMlp(), refused={**NO_BIAS, **NO_SLIDING_WINDOW},
     tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-          "router_aux_loss_coef": 0.01}))
+          "router_aux_loss_coef": 0.01}), module=__name__)
