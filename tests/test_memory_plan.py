@@ -120,3 +120,43 @@ def test_activation_bytes_by_hand():
     assert activation_bytes(spec, Layout(recompute="full"), s, 8) == s * 2 * h * 28 + s * per_layer
     # 1F1B: stage 0 of 2 holds half the layers for 2 micro-batches in flight
     assert activation_bytes(spec, Layout(pp=2), s, 8) == s * per_layer * 14 * 2
+
+
+# -- the plan against what benchmarks/gpu_update_step.py measures (benchmarks/gpu_check.py's report) ------
+def _benchmark_config(shape: str) -> dict:
+    import transformers
+    from benchmarks.gpu_update_step import SHAPES
+    cfg = transformers.AutoConfig.for_model("qwen2", **SHAPES[shape], tie_word_embeddings=False).to_dict()
+    return {**cfg, "architectures": ["Qwen2ForCausalLM"]}
+
+
+def test_plan_against_given_gpu_numbers():
+    """The 0.86b shape as gpu_check runs it on a GPU (bf16, distributed optimizer, DP 1): the static
+    part is 2 + 4 + 12 bytes a parameter plus megatron's alignment; a measured figure off by one MiB is
+    flagged, a peak within the tolerance of static + activations is not."""
+    from benchmarks.plan_vs_measured import PEAK_TOLERANCE, compare, planned
+    hf = _benchmark_config("0.86b")
+    result = {"device": "cuda:0", "dtype": "bfloat16", "distributed_optimizer": True, "recompute": False,
+              "batch": [32, 256, 768], "micro": 8}
+    plan = planned(hf, result)
+    n = ModelSpec.from_hf_config(hf).num_parameters()
+    assert 18 * n <= plan["static"] <= 18 * (n + 64 * 200 + 128)
+    gib = 2**30
+    exact = {**result, "offload": {"resident_gb_before": plan["static"] / gib},
+             "memory": {"memory/update_actor_peak_gb": plan["update_actor peak"] * 1.1 / gib}}
+    rows = compare(hf, exact)
+    assert [(r["phase"], r["ok"]) for r in rows] == [("static", True), ("update_actor peak", True)]
+    off = {**exact, "offload": {"resident_gb_before": (plan["static"] + 2**20) / gib},
+           "memory": {"memory/update_actor_peak_gb": plan["update_actor peak"] * (1.01 + PEAK_TOLERANCE) / gib}}
+    assert [r["ok"] for r in compare(hf, off)] == [False, False]
+
+
+def test_plan_matches_the_benchmark_on_cpu(tmp_path):
+    """gpu_update_step's own run on CPU (its --smoke shape, fp32, megarl's CPU optimizer): the bytes it
+    measures before offload are the plan's, to the byte. The peak row needs CUDA's allocator."""
+    from benchmarks.gpu_update_step import run
+    from benchmarks.plan_vs_measured import compare
+    result = run(["--smoke", "--micro", "2", "--model-dir", str(tmp_path / "m"), "--json", os.devnull])
+    with open(tmp_path / "m" / "config.json") as f:
+        rows = compare(json.load(f), result)
+    assert [(r["phase"], r["ok"]) for r in rows] == [("static", True)], rows
