@@ -8,11 +8,11 @@ Writes <out>/gpu_check.md and <out>/gpu_check.json: the GPU and versions (torch,
 megatron-core, transformers, Transformer Engine), a bf16 8192^3 matmul (what the GPU really
 reaches), tests/gpu (pass/fail, the bf16 rollout-vs-trainer log-prob mismatch, resume), the
 update-step benchmark on the 0.86B shape (update_policy and compute_log_prob MFU against the
-0.45 MFU target, peak memory per phase, what offload frees against the <= 10% target,
-weight-sync seconds and GB/s), rollout tokens/s of the built-in engine against transformers'
-generate, and the stream's schedule on the long-tailed task (tail_overlap against whole-batch
-calls, generation alone). Without CUDA (and without --device cpu) it says so in one line and
-exits 2.
+0.45 MFU target, peak memory per phase and --check's memory plan against it, what offload
+frees against the <= 10% target, weight-sync seconds and GB/s), rollout tokens/s of the built-in
+engine against transformers' generate, and the stream's schedule on the long-tailed task
+(tail_overlap against whole-batch calls, generation alone). Without CUDA (and without
+--device cpu) it says so in one line and exits 2.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -32,6 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from benchmarks.plan_vs_measured import compare, table as plan_table  # noqa: E402
 
 MFU_TARGET = 0.45              # update_policy's MFU goal on the 0.86B benchmark shape
 OFFLOAD_TARGET = 0.10          # offload's goal: trainer memory on device during rollout / before offload
@@ -108,11 +111,16 @@ def run_tests(out: str, timeout_s: float | None = None) -> dict:
 
 def update_step(device: str, dry: bool, micro: int) -> dict:
     from benchmarks.gpu_update_step import run, table
-    args = ["--micro", str(micro), "--json", os.devnull]
-    args += ["--smoke"] if dry else ["--device", device, "--shape", "0.86b",
-                                     "--model-dir", "/tmp/megarl_gpu_check_0.86b"]
-    result = run(args)
-    print(table(result), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model") if dry else "/tmp/megarl_gpu_check_0.86b"
+        args = ["--micro", str(micro), "--json", os.devnull, "--model-dir", model_dir]
+        args += ["--smoke"] if dry else ["--device", device, "--shape", "0.86b"]
+        result = run(args)
+        print(table(result), flush=True)
+        # --check's memory plan against these measurements: static bytes exact, the update's peak estimated
+        with open(os.path.join(model_dir, "config.json")) as f:
+            result["memory_plan"] = compare(json.load(f), result)
+    print("  memory plan vs measured: " + plan_table(result["memory_plan"]), flush=True)
     return result
 
 
@@ -222,6 +230,8 @@ def markdown(rep: dict) -> str:
             lines.append(f"| weight sync (micro {r['micro']} run) | {w['seconds']:.3f} s, {w['gb_per_s']:.2f} GB/s |")
             mem = ", ".join(f"{k.split('/')[1]} {val:.2f}" for k, val in r["memory"].items())
             lines.append(f"| peak memory per phase, GB | {mem} |")
+            if "memory_plan" in r:
+                lines.append(f"| memory plan vs measured (micro {r['micro']}) | {plan_table(r['memory_plan'])} |")
         elif s["name"] == "rollout":
             tps = r["tokens_per_s"]
             lines.append("| rollout tokens/s | " + ", ".join(f"{k} {val:.0f}" for k, val in tps.items())

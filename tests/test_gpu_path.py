@@ -168,6 +168,9 @@ def test_gpu_check_report_plumbing_on_cpu(tmp_path):
     assert upd["offload"]["resident_gb_after"] == 0 < upd["offload"]["resident_gb_before"]
     md = (out / "gpu_check.md").read_text()
     assert "| update_policy MFU (micro 2, tiny) |" in md and "| rollout tokens/s |" in md
+    # --check's memory plan against the measured bytes: the static part exact on CPU too
+    assert [(r["phase"], r["ok"]) for r in upd["memory_plan"]] == [("static", True)]
+    assert "| memory plan vs measured (micro 2) | static: planned " in md
     assert sections["stream"]["result"]["speedup"] > 0 and "| stream schedule, generation alone" in md
 
 
