@@ -50,8 +50,10 @@ class EngineInfo:
     # engine that reads config.json as it is on disk would compute another model (other log-probs).
     takes_hf_overrides: bool = False
     # Runs a Ray of its own inside the rank's process and shuts it down with itself: megarl's Ray
-    # pools (async reward scoring, Ray tool calls) cannot share that process.
+    # pools (async reward scoring, Ray tool calls) cannot share that process. With a variable
+    # named in process_ray_switch, only where the environment sets it to "1".
     owns_process_ray: bool = False
+    process_ray_switch: str = ""
     graphs_hint: str = "leave enforce_eager unset"  # where its own graph setting lives instead
     sleeps: bool = True                            # free_cache_engine / enable_sleep_mode mean something to it
     min_head_dim: int = 0                          # smallest attention head size its kernels take (0: any)

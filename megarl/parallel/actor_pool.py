@@ -49,17 +49,29 @@ class PoolDeadline(Exception):
         self.done, self.seconds, self.running = done, seconds, running
 
 
+_SHARED: set[str] = set()   # addresses of the Ray clusters megarl started or joined for a job's ranks
+
+
+def share_ray(address: str) -> str:
+    """Mark the cluster this process is attached to as megarl's (TensorRT-LLM's node cluster:
+    megarl's token, outlives every LLM), so a pool in this process runs there. Returns `address`."""
+    _SHARED.add(address)
+    return address
+
+
 def ensure_ray(num_cpus: int) -> None:
     """Start a local Ray if none is running (tests and single-node runs); reuse one otherwise.
     A Ray started here requires a token (parallel/ray_auth.py)."""
     import ray  # optional at run time: loads (about a second) only when a pool is asked for
     if ray.is_initialized():
-        # TensorRT-LLM's executor starts Ray in this process (namespace "trtllm", no token) and
-        # ray.shutdown()s it with its LLM: a pool there would run unauthenticated and die with it.
-        if ray.get_runtime_context().namespace == "trtllm":
+        # With TLLM_RAY_FORCE_LOCAL_CLUSTER=1 TensorRT-LLM's executor starts Ray in this process
+        # (namespace "trtllm", no token) and ray.shutdown()s it with its LLM: a pool there would run
+        # unauthenticated and die with it. The job's node cluster (share_ray) is megarl's own.
+        context = ray.get_runtime_context()
+        if context.namespace == "trtllm" and context.gcs_address not in _SHARED:
             raise RuntimeError("Ray in this process belongs to TensorRT-LLM's rollout engine, which shuts it down "
-                               "with the LLM and runs it without megarl's token: with rollout.name=trtllm set "
-                               "reward_model.launch_reward_fn_async=false and "
+                               "with the LLM and runs it without megarl's token (TLLM_RAY_FORCE_LOCAL_CLUSTER=1): "
+                               "unset that variable, or set reward_model.launch_reward_fn_async=false and "
                                "actor_rollout_ref.rollout.multi_turn.tool_backend=thread")
         return
     warning = ray_token_auth()

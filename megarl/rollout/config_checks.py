@@ -6,6 +6,7 @@ MODEL_RULES); `cfg` is the ExperimentConfig.
 from __future__ import annotations
 
 import math
+import os
 
 from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
 from megarl.config.errors import ConfigError
@@ -38,9 +39,11 @@ def check_process_ray(cfg) -> None:
     """An engine that runs Ray inside the rank's process (TensorRT-LLM) cannot share it with megarl's
     Ray pools: Ray allows one instance per process, and the engine would shut it down with itself."""
     info = config_info(cfg.rollout.name)
-    if info is None or not info.owns_process_ray:
+    switch = info.process_ray_switch if info is not None else ""
+    if info is None or not info.owns_process_ray or (switch and os.environ.get(switch) != "1"):
         return
-    fix = f"; rollout.name={cfg.rollout.name} runs Ray inside the rank's process and shuts it down with its engine"
+    fix = (f"; rollout.name={cfg.rollout.name} runs Ray inside the rank's process and shuts it down with its engine"
+           + (f" under {switch}=1 (unset that variable to share the job's node cluster)" if switch else ""))
     if cfg.reward_model.launch_reward_fn_async:
         raise ConfigError(f"true scores in a Ray pool in the same process{fix}: set it to false (rewards in "
                           "process)", "reward_model.launch_reward_fn_async")

@@ -49,7 +49,9 @@ def test_the_engine_converts_and_logs_the_kv_cache(monkeypatch, dirs, caplog):
 def test_cuda_graphs_and_scheduler_by_default_and_replaceable(monkeypatch, dirs):
     tllm = trtllm_fake.install(monkeypatch, V)
     args = tllm.llmapi.llm_args
-    kw = TRTLLMEngine(dirs["a"], trtllm_config(max_num_seqs=48), device="cpu").llm.kwargs
+    first = TRTLLMEngine(dirs["a"], trtllm_config(max_num_seqs=48), device="cpu")
+    kw = first.llm.kwargs
+    first.close()                            # its workers hold the GPU's bundle until then
     assert kw["cuda_graph_config"] == args.CudaGraphConfig(enable_padding=True, max_batch_size=48)
     assert kw["scheduler_config"] == args.SchedulerConfig(
         capacity_scheduler_policy=args.CapacitySchedulerPolicy.MAX_UTILIZATION)

@@ -132,12 +132,37 @@ def test_the_jobs_other_leaders_attach_and_another_job_does_not(cluster):
                 os.remove(node_ray._record_path(other_key) + suffix)
 
 
+class Where:
+    """A pool actor that says which cluster it runs in."""
+
+    def ready(self) -> bool:
+        return True
+
+    def cluster(self) -> str:
+        return ray.get_runtime_context().gcs_address
+
+
+def test_megarls_pools_run_in_the_jobs_cluster(cluster):
+    """A reward or tool pool in a leader's process shares the job's cluster (megarl's token; it
+    outlives every LLM) instead of refusing it."""
+    from megarl.parallel.actor_pool import ActorPool, Job, ensure_ray
+    _, address = cluster
+    ensure_ray(1)
+    pool = ActorPool(Where, 1)
+    try:
+        (done,) = pool.run([Job("cluster", (), timeout_s=120.0)])
+    finally:
+        pool.close()
+    assert done.value == address and os.environ.get("RAY_AUTH_MODE") == "token"
+
+
 class PlacementGroup:
     """Named as Ray's class: the fake's RayPlacementConfig checks the type by name."""
 
 
 def test_the_fakes_placement_config_refuses_what_tensorrt_llm_refuses(monkeypatch):
     from tests.rollout import trtllm_fake
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)      # the module's unrelated Ray: not this test's
     args = trtllm_fake.install(monkeypatch, "trtllm-1.3.0rc29.json").llmapi.llm_args
     nb = node_ray.NodeBundles(PlacementGroup(), ("0", "1", "2", "3"))
     cfg = node_ray.placement_kwargs(args, nb, [3, 1])["ray_placement_config"]

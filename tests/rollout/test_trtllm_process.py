@@ -1,8 +1,9 @@
-"""TensorRT-LLM in megarl's processes: the Ray instance its executor runs in the leader, the
-environment its Ray workers inherit, GPU memory while asleep, and the torch its wheel wants,
-against the conformance fake (tests/rollout/trtllm_fake*.py).
+"""TensorRT-LLM in megarl's processes: which Ray its executor runs in (the job's node cluster, or
+the LLM's own) beside megarl's Ray pools, the environment its Ray workers inherit, GPU memory
+while asleep, and the torch its wheel wants, against the conformance fake (tests/rollout/trtllm_fake*.py).
 
-FAKES: tensorrt_llm and ray cannot run here; nothing here shows the real packages behave so.
+FAKES: tensorrt_llm cannot run here, and a real Ray per engine test costs seconds (the real one:
+tests/rollout/test_trtllm_node_ray.py); nothing here shows the real packages behave so.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ cfg = trtllm_config
 
 # -- Ray in the leader's process ------------------------------------------------------------------------
 def test_trtllm_refuses_a_process_whose_ray_megarl_started(monkeypatch, dirs):
-    """megarl's reward pool started Ray first: RayExecutor's ray.init(ignore_reinit_error=True)
-    would reuse it and LLM.shutdown() would end it, so the engine refuses to start there and
-    leaves the pool's Ray running."""
+    """megarl's reward pool started a Ray of the process's own first: the job's node cluster cannot
+    be joined from it (one Ray per process), and the LLM's workers would land in a Ray without
+    the node's GPUs. The engine refuses in one line and leaves the pool's Ray alone."""
     trtllm_fake.install(monkeypatch, V29)
     ray = sys.modules["ray"]
     ray.init(num_cpus=2)                                   # what megarl's ensure_ray does
@@ -44,18 +45,32 @@ def test_trtllm_refuses_a_process_whose_ray_megarl_started(monkeypatch, dirs):
     assert ray.is_initialized() and ray.state["shutdowns"] == 0, "the pool's Ray is left alone"
 
 
-def test_megarls_pools_refuse_the_ray_trtllm_started(monkeypatch, dirs):
-    """The engine first: its executor's Ray (namespace trtllm) is up in this process, and dies
-    with the LLM (the fake's shutdown calls ray.shutdown(), as RayExecutor.shutdown does), and it
-    lacks megarl's token auth, so ensure_ray refuses it instead of reusing it."""
+def test_megarls_pools_share_the_jobs_node_cluster(monkeypatch, dirs):
+    """The engine first: the leader's Ray is the job's node cluster, which megarl started (with its
+    token) and which outlives the LLM, so a pool in this process runs there instead of refusing."""
     from megarl.parallel.actor_pool import ensure_ray
     trtllm_fake.install(monkeypatch, V29)
+    engine = TRTLLMEngine(dirs["a"], cfg(), device="cpu")
+    ray = sys.modules["ray"]
+    inits = list(ray.state["inits"])
+    ensure_ray(2)
+    assert ray.state["inits"] == inits and ray.get_runtime_context().namespace == "trtllm", "the same Ray"
+    engine.close()
+    assert ray.is_initialized() and ray.state["shutdowns"] == 0, "the pool's Ray survives the LLM"
+
+
+def test_megarls_pools_refuse_the_llms_own_ray(monkeypatch, dirs):
+    """TLLM_RAY_FORCE_LOCAL_CLUSTER=1: the executor's Ray (namespace trtllm, no token) dies with the
+    LLM (the fake's shutdown calls ray.shutdown(), as RayExecutor.shutdown does): a pool refuses it."""
+    from megarl.parallel.actor_pool import ensure_ray
+    trtllm_fake.install(monkeypatch, V29)
+    monkeypatch.setenv("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1")
     engine = TRTLLMEngine(dirs["a"], cfg(), device="cpu")
     ray = sys.modules["ray"]
     assert ray.state["inits"][-1]["address"] == "local" and ray.get_runtime_context().namespace == "trtllm"
     with pytest.raises(RuntimeError, match="belongs to TensorRT-LLM's rollout engine") as err:
         ensure_ray(2)
-    assert "\n" not in str(err.value) and "tool_backend=thread" in str(err.value)
+    assert "\n" not in str(err.value) and "TLLM_RAY_FORCE_LOCAL_CLUSTER" in str(err.value)
     engine.close()
     assert not ray.is_initialized() and ray.state["shutdowns"] == 1
 
@@ -133,14 +148,20 @@ def test_trtllm_check_reads_the_wheels_torch_pin(monkeypatch):
     assert trtllm_check.torch_versions()["torch_matches"] is True
 
 
-def test_the_config_refuses_megarls_ray_pools_beside_trtllm():
-    """Known before any engine starts: the engine declares that it runs Ray in the rank's process."""
+def test_the_config_refuses_megarls_ray_pools_beside_an_llms_own_ray(monkeypatch):
+    """Known before any engine starts: with TLLM_RAY_FORCE_LOCAL_CLUSTER=1 the engine runs a Ray of
+    the LLM's own in the rank's process (it declares owns_process_ray with that switch); without
+    it the pools share the job's node cluster."""
     from megarl.config.errors import ConfigError
     from megarl.experiment import load_config
     trt = ["actor_rollout_ref.rollout.name=trtllm"]
+    pools = ["reward_model.launch_reward_fn_async=true", "actor_rollout_ref.rollout.multi_turn.tool_backend=ray"]
+    assert load_config(None, trt + pools).reward_model.launch_reward_fn_async
+    monkeypatch.setenv("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1")
     with pytest.raises(ConfigError, match="reward_model.launch_reward_fn_async") as err:
-        load_config(None, trt + ["reward_model.launch_reward_fn_async=true"])
+        load_config(None, trt + pools[:1])
     assert "\n" not in str(err.value) and "set it to false" in str(err.value)
+    assert "unset that variable" in str(err.value)
     with pytest.raises(ConfigError, match="multi_turn.tool_backend.*use tool_backend=thread"):
-        load_config(None, trt + ["actor_rollout_ref.rollout.multi_turn.tool_backend=ray"])
-    assert load_config(None, ["reward_model.launch_reward_fn_async=true"]).reward_model.launch_reward_fn_async
+        load_config(None, trt + pools[1:])
+    assert load_config(None, pools[:1]).reward_model.launch_reward_fn_async

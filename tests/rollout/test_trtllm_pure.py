@@ -272,10 +272,11 @@ def test_workers_land_on_the_groups_gpu_or_start_up_stops(monkeypatch, dirs):
     assert engine.llm.workers == ["GPU-fake-3"] and engine.group_uuids == ["GPU-fake-3"]
     engine.close()
     assert engine.llm is None
-    # Without the visibility restriction the worker lands on GPU 0: the UUID check stops start-up.
+    # Placed in another GPU's bundle the worker lands on GPU 0: the UUID check stops start-up.
     # (The workers still get megarl on their PYTHONPATH, so only the device check can stop them.)
+    from megarl.rollout.trtllm import node_ray
     monkeypatch.setenv("PYTHONPATH", placement.megarl_root())
-    monkeypatch.setattr(placement, "worker_env", lambda ordinals, tllm=None: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(node_ray, "bundle_plan", lambda gpus, ordinals, share=1.0: [0])
     with pytest.raises(RuntimeError, match="TP workers run on GPUs \\['GPU-fake-0'\\] \\(worker 0 on GPU-fake-0\\)"):
         TRTLLMEngine(dirs["a"], engine_cfg(), device="cpu:3")
     assert trtllm_fake.sys.modules["tensorrt_llm"].LLM.instances[-1].shut, "a failed start shuts the LLM down"
@@ -350,9 +351,14 @@ def test_conformance_on_each_snapshot(monkeypatch, dirs, snapshot, check, record
     snap = trtllm_fake.load_snapshot(snapshot)
     trtllm_fake.install(monkeypatch, snapshot)
 
+    made = []
+
     def make(**overrides):
-        return TRTLLMEngine(dirs["a"], engine_cfg(**{"prompt_length": None, "response_length": None, **overrides}),
-                            device="cpu")
+        for old in made:                     # its workers hold the GPU's bundle until closed
+            old.close()
+        made.append(TRTLLMEngine(dirs["a"], engine_cfg(**{"prompt_length": None, "response_length": None,
+                                                          **overrides}), device="cpu"))
+        return made[-1]
     if snap["logprobs_modes"] is None:
         with pytest.raises(ConfigError, match="rollouts need TensorRT-LLM >= 1.3"):
             check(make, dirs)

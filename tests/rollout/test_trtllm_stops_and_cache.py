@@ -98,7 +98,9 @@ def test_the_models_generation_config_eos_ids_stop_and_ignore_eos_is_refused(mon
     in one line instead of returning responses cut short at an EOS it was told to ignore."""
     trtllm_fake.install(monkeypatch, "trtllm-1.3.0rc29.json")       # per-request seeds: calls repeat
     sp = SamplingParams(n=1, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
-    plain = TRTLLMEngine(dirs["a"], cfg(), device="cpu").generate([[3, 17, 42]], sp)[0][0]
+    first = TRTLLMEngine(dirs["a"], cfg(), device="cpu")
+    plain = first.generate([[3, 17, 42]], sp)[0][0]
+    first.close()                            # its workers hold the GPU's bundle until then
     assert len(plain.token_ids) == 8
     stop = plain.token_ids[2]
     model = _with_model_eos(dirs["a"], tmp_path / "eos", [stop])

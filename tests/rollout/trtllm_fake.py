@@ -209,7 +209,7 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
     torch_pkg.__path__ = []
     torch_pkg.utils = utils
     return {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi, "tensorrt_llm.llmapi.llm_args": args,
-            "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, "ray": make_ray(), **mods}
+            "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, **make_ray().modules, **mods}
 
 
 def install(monkeypatch, snapshot_name: str, overrides: dict | None = None) -> types.ModuleType:

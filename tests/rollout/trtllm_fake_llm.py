@@ -17,7 +17,7 @@ import torch
 
 from tests.rollout import trtllm_fake_ipc as ipc
 from tests.rollout import trtllm_fake_sampling as sampling
-from tests.rollout.trtllm_fake_ray import NODE_LOCAL_VARS
+from tests.rollout.trtllm_fake_ray import NODE_LOCAL_VARS, NOSET, RayWorkerWrapper
 
 KV_BYTES = 1 << 20                          # the fake KV cache's size in the ledger
 EXTRA_BYTES = 1 << 16                       # each other tag's allocations (sampler, executor_extra, ...)
@@ -78,8 +78,10 @@ class _LLM:
 
     # -- start-up, as the Ray executor does it ---------------------------------------------------
     def _start_ray(self) -> None:
-        """RayExecutor.__init__ (trtllm_fake_ray.py): attach or start, and remember that it "started"
-        a local cluster, which shutdown() then ends with ray.shutdown()."""
+        """RayExecutor.__init__ (executor/ray/executor.py at e14a6f64; trtllm_fake_ray.py for Ray's
+        side): attach or start, and remember whether it "started" a cluster, which shutdown() then
+        ends with ray.shutdown(). In a process already attached, ray.init returns at once: nothing
+        counts as started, whatever the namespace."""
         self.ray = ray = sys.modules["ray"]      # the process's ray, as `import ray` in the executor
         args = {"include_dashboard": False, "namespace": "trtllm", "ignore_reinit_error": True}
         if os.environ.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "0") != "1":
@@ -93,9 +95,10 @@ class _LLM:
         else:
             ray.init(address="local", **args)
             self.started_ray = True
-        # The workers' environment: the leader's, minus Ray's node-local variables, plus two.
+        # The workers' environment: the leader's, minus Ray's node-local variables, plus the three
+        # the executor sets (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES in the leader's os.environ).
         self.worker_env = {k: v for k, v in os.environ.items() if k not in NODE_LOCAL_VARS}
-        self.worker_env.update({"TLLM_DISABLE_MPI": "1", "MASTER_ADDR": "127.0.0.1"})
+        self.worker_env.update({"TLLM_DISABLE_MPI": "1", "MASTER_ADDR": "127.0.0.1", NOSET: "1"})
 
     def _start_workers(self, extension: str | None) -> list[str]:
         """Ray started here sees the GPUs CUDA_VISIBLE_DEVICES names (all of them without it); worker
@@ -104,10 +107,7 @@ class _LLM:
         parsed as integers; the worker then runs on that physical GPU."""
         placed = self.kwargs.get("ray_placement_config")
         if placed is not None and getattr(placed, "placement_groups", None) is not None:
-            # RayExecutor._get_placement_group (executor/ray/executor.py at e14a6f64)
-            total = sum(len(i) for i in placed.placement_bundle_indices)
-            if total != self.tp:
-                raise ValueError(f"Total bundle indices ({total}) must equal world_size ({self.tp})")
+            return self._start_placed_workers(placed, extension)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         entries = visible.split(",") if visible else [str(i) for i in range(len(FakeCluster.gpus))]
         if len(entries) < self.tp:
@@ -122,6 +122,27 @@ class _LLM:
             if extension:
                 self._import_extension(extension)
         return workers
+
+    def _start_placed_workers(self, placed, extension: str | None) -> list[str]:
+        """RayExecutor._get_placement_group and create_workers (executor.py at e14a6f64): the bundle
+        indices must add up to the world size; rank r is a RayWorkerWrapper actor with
+        num_gpus=per_worker_gpu_share (else TRTLLM_RAY_PER_WORKER_GPUS, 1.0) in bundle r of its group,
+        through PlacementGroupSchedulingStrategy, with the workers' environment."""
+        total = sum(len(i) for i in placed.placement_bundle_indices)
+        if total != self.tp:
+            raise ValueError(f"Total bundle indices ({total}) must equal world_size ({self.tp})")
+        share = placed.per_worker_gpu_share or float(os.environ.get("TRTLLM_RAY_PER_WORKER_GPUS", "1.0"))
+        flat = [(pg, i) for pg, indices in zip(placed.placement_groups, placed.placement_bundle_indices)
+                for i in indices]
+        strategies = importlib.import_module("ray.util.scheduling_strategies")
+        self.ray_workers = [self.ray.remote(RayWorkerWrapper).options(
+            num_gpus=share, runtime_env={"env_vars": self.worker_env},
+            scheduling_strategy=strategies.PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i)).remote(rank)
+            for rank, (pg, i) in enumerate(flat)]
+        if extension:
+            self._import_extension(extension)
+        return [FakeCluster.gpus[g] for g in self.ray.get([w.device.remote() for w in self.ray_workers])]
 
     # RayGPUWorker's own class attributes (executor/ray/gpu_worker.py at 00be09f7; its bases'
     # were not read): RayWorkerWrapper._inject_worker_extension refuses an extension defining one.
@@ -292,6 +313,8 @@ class _LLM:
     def shutdown(self):
         self.shut = True
         ray = self.ray
+        for worker in getattr(self, "ray_workers", []):
+            ray.kill(worker, no_restart=True)  # a placement group it was given stays (executor.py)
         if self.started_ray and ray.is_initialized():
             ray.shutdown()                    # RayExecutor.shutdown, whoever else uses this Ray
 

@@ -34,8 +34,11 @@ A failed sync: TensorRT-LLM rewrites the live weights from a sync's first bucket
 (pre_reload_weights), so any failure after it marks them mixed and generate() refuses until a full
 sync; builds with abort_update_weights get it on every worker (`_torn`).
 
-Ray: TensorRT-LLM's executor runs Ray inside the leader's process and shuts it down with the LLM
-(placement.py, `check_process_ray`); megarl's own Ray pools cannot share that process with it.
+Ray: the leaders of a job on a node share one Ray cluster, the job's (node_ray.py): the first
+starts it, the others attach by its recorded address, and each LLM's workers take the bundles of
+the node's placement group that hold its ranks' GPUs. TLLM_RAY_FORCE_LOCAL_CLUSTER=1, set by the
+user, gives each group's LLM a Ray of its own, shut down with it (placement.py, `check_process_ray`).
+megarl's own Ray pools do not share a leader's process with either (docs/trtllm.md says why).
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ from megarl.rollout.build_args import BuildRequest, pad_id
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.llm_api import copy_greedy
 from megarl.rollout.prompts import PromptGuard
-from megarl.rollout.trtllm import placement, resources
+from megarl.rollout.trtllm import node_ray, placement, resources
 from megarl.rollout.trtllm.args import (KEY, KV_TAG, WEIGHTS_TAG, check_config, check_model_eos, completion_from_output,
                                         detect_features, llm_kwargs, max_model_len, model_eos, require_tensorrt_llm,
                                         response_budget, sampling_classes, sampling_kwargs, sleep_tags,
@@ -113,11 +116,23 @@ class TRTLLMEngine(BaseRollout):
         kw = llm_kwargs(cfg, model_dir, self.features, llm_args, extension=placement.EXTENSION,
                         kv_memory_fraction=self._kv_fraction(cfg, model_dir))
 
+        own_ray = os.environ.get("TLLM_RAY_FORCE_LOCAL_CLUSTER") == "1"   # the user's explicit choice
+        if not own_ray and set(kw) & set(placement.PLACEMENT_KEYS):
+            raise ConfigError(f"engine_kwargs.trtllm.{sorted(set(kw) & set(placement.PLACEMENT_KEYS))[0]} is megarl's: "
+                              "it places each TP group's workers on its ranks' GPUs in the node's Ray cluster; "
+                              "remove the key", f"{KEY}.engine_kwargs.trtllm")
+
         def start():
-            placement.check_process_ray()
+            if own_ray:
+                log.info("TLLM_RAY_FORCE_LOCAL_CLUSTER=1: TensorRT-LLM starts a Ray instance of its own for this "
+                         "rollout TP group (one per group, not one per node); unset it to share the node's")
+                placement.check_process_ray()
+                where = {}
+            else:
+                where = self._node_placement(llm_args)
             try:
-                with placement.worker_env(self.group_ordinals, self.tllm):
-                    self.llm = self.tllm.LLM(**kw)
+                with placement.worker_env(self.group_ordinals if own_ray else None, self.tllm):
+                    self.llm = self.tllm.LLM(**kw, **where)
                 placement.check_worker_devices(self.llm._collective_rpc("report_device_id"), self.group_uuids)
             except BaseException as err:
                 self.close()
@@ -125,8 +140,16 @@ class TRTLLMEngine(BaseRollout):
                 if line:
                     raise RuntimeError(line) from err
                 raise
-            atexit.register(self.close)      # the Ray instance TensorRT-LLM started goes with the process
+            atexit.register(self.close)      # with TLLM_RAY_FORCE_LOCAL_CLUSTER=1 the LLM's Ray goes with it
         self._on_leader(start)
+
+    def _node_placement(self, llm_args) -> dict:
+        """Attach the leader to the job's Ray cluster on this node and place the group's workers in
+        the bundles that hold its ranks' GPUs (node_ray.py); the cluster outlives the LLM."""
+        import ray  # optional dependency: TensorRT-LLM's Ray executor needs it
+        key = node_ray.job_key(dict(os.environ))
+        node_ray.connect(ray, key)
+        return node_ray.placement_kwargs(llm_args, node_ray.node_bundles(ray, key), self.group_ordinals)
 
     def _kv_fraction(self, cfg: RolloutConfig, model_dir: str) -> float | None:
         """gpu_memory_utilization as TensorRT-LLM's fraction of free memory (resources.py), the

@@ -38,7 +38,9 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megarl.parallel.actor_pool import share_ray
 from megarl.parallel.ray_auth import private_temp_dir, ray_token_auth
+from megarl.rollout.trtllm.placement import megarl_root
 
 NAMESPACE = "trtllm"                 # RayExecutor's ray.init namespace (executor.py at 061a914e)
 ACTOR = "megarl_trtllm_node"
@@ -137,9 +139,9 @@ def _initialized() -> bool:
 
 
 def _runtime_env() -> dict:
-    """The workers of the job's cluster import megarl (the placement actor, megarl's extension)."""
-    from megarl.rollout.trtllm.placement import megarl_root
-    paths = [megarl_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    """The workers of the job's cluster import megarl (the placement actor, megarl's extension) and,
+    for megarl's pools sharing it, the user's modules, as ensure_ray's own cluster does."""
+    paths = [megarl_root(), os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
 
 
@@ -156,7 +158,7 @@ def connect(ray, key: str, num_gpus: int | None = None, num_cpus: int | None = N
         here = ray.get_runtime_context().gcs_address
         if record is None or record["address"] != here:
             raise RuntimeError(FOREIGN_RAY)
-        return here
+        return share_ray(here)
     with open(path + ".lock", "w") as lock, _without("RAY_ADDRESS"):
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = _read(path)
@@ -165,7 +167,7 @@ def connect(ray, key: str, num_gpus: int | None = None, num_cpus: int | None = N
                 os.environ["RAY_AUTH_TOKEN"] = record["token"]
             ray_token_auth()
             ray.init(address=record["address"], namespace=NAMESPACE, runtime_env=_runtime_env())
-            return record["address"]
+            return share_ray(record["address"])
         warning = ray_token_auth()
         if warning:
             log.warning(warning)
@@ -176,7 +178,7 @@ def connect(ray, key: str, num_gpus: int | None = None, num_cpus: int | None = N
         with os.fdopen(fd, "w") as f:
             json.dump({"address": address, "pid": os.getpid(), "token": os.environ.get("RAY_AUTH_TOKEN")}, f)
         os.replace(path + ".tmp", path)
-        return address
+        return share_ray(address)
 
 
 @contextlib.contextmanager

@@ -3,9 +3,10 @@
 How TensorRT-LLM's Ray executor assigns GPUs (tensorrt_llm/executor/ray/executor.py at 061a914e,
 executor/ray/gpu_worker.py at a3dfe261; executor/ray_executor.py at 0777969c and
 executor/ray_gpu_worker.py at 8579c297 before the move):
-  - it sets RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, attaches to a running Ray cluster
-    (address="auto") unless TLLM_RAY_FORCE_LOCAL_CLUSTER=1, else starts a local one that sees the
-    GPUs CUDA_VISIBLE_DEVICES names, and makes a PACK placement group of num_gpus=1 workers;
+  - it sets RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, keeps the process's Ray where one is
+    attached, else attaches to a running one (address="auto") unless TLLM_RAY_FORCE_LOCAL_CLUSTER=1,
+    else starts a local one that sees the GPUs CUDA_VISIBLE_DEVICES names; the workers go to the
+    placement groups it is given (ray_placement_config), else to a PACK group it makes;
   - each worker gets the leader's whole environment (runtime_env env_vars = os.environ), so
     CUDA_VISIBLE_DEVICES and PYTHONPATH travel with it;
   - RayWorkerWrapper.__init__ does `int(ray.get_gpu_ids()[0])` (Ray returns the worker's own
@@ -22,17 +23,18 @@ serialise). `worker_env` removes them while the LLM starts, sets NCCL_CUMEM_ENAB
 TensorRT-LLM workers set it; an explicit value is kept) and puts TensorRT-LLM's bin directory
 first on PATH (NeMo-RL finds it, and the NVRTC headers beside it, through `pip show tensorrt_llm`).
 
-So the leader starts the LLM inside `worker_env`: CUDA_VISIBLE_DEVICES = the group's ordinals in
-TP-rank order (each rank's device index translated through the launcher's own
-CUDA_VISIBLE_DEVICES, `device_ordinal`), TLLM_RAY_FORCE_LOCAL_CLUSTER=1 (a Ray instance of its
-own, never another rollout group's on the same node; an explicit setting is kept), and megarl's
-source root prepended to PYTHONPATH so the workers import the extension below without megarl
-being pip-installed (on this node; workers on other nodes of an existing Ray cluster need megarl
-installed there, and `start_failure` says so in one line). A launcher that hides the other ranks'
-GPUs from the leader's process (Slurm with ConstrainDevices and per-task binding) leaves the
+So the leader starts the LLM inside `worker_env`: megarl's source root prepended to PYTHONPATH so
+the workers import the extension below without megarl being pip-installed (on this node; workers
+on other nodes of an existing Ray cluster need megarl installed there, and `start_failure` says so
+in one line). In the node's Ray cluster (node_ray.py, the default) the workers keep the launcher's
+CUDA_VISIBLE_DEVICES and take the bundles holding the group's ordinals (each rank's device index
+translated through the launcher's CUDA_VISIBLE_DEVICES, `device_ordinal`). With
+TLLM_RAY_FORCE_LOCAL_CLUSTER=1 (the user's choice) the LLM starts a Ray of its own that sees
+CUDA_VISIBLE_DEVICES = the group's ordinals in TP-rank order. A launcher that hides the other
+ranks' GPUs from the leader's process (Slurm with ConstrainDevices and per-task binding) leaves the
 workers no GPU: run the rollout TP group's ranks with the node's GPUs visible. Everything is
-restored afterwards; the leader's CUDA context already exists
-and is not affected. After start-up `check_worker_devices` compares the UUIDs the workers report
+restored afterwards; the leader's CUDA context already exists and is not affected.
+After start-up `check_worker_devices` compares the UUIDs the workers report
 (RayWorkerWrapper.report_device_id) with the group's and stops with the fix on any mismatch.
 """
 from __future__ import annotations
@@ -121,14 +123,18 @@ def tensorrt_llm_bin(tllm) -> str | None:
     return os.path.join(os.path.dirname(path), "bin") if path else None
 
 
-def worker_environment(ordinals: list[int], env: dict[str, str], bin_dir: str | None = None) -> dict[str, str | None]:
-    """The variables to change while the LLM starts (None: removed), see the module docstring."""
+def worker_environment(ordinals: list[int] | None, env: dict[str, str], bin_dir: str | None = None
+                       ) -> dict[str, str | None]:
+    """The variables to change while the LLM starts (None: removed), see the module docstring.
+    `ordinals`: the group's, for a Ray of the LLM's own (TLLM_RAY_FORCE_LOCAL_CLUSTER=1); None in
+    the node's cluster, whose workers keep the launcher's CUDA_VISIBLE_DEVICES: Ray maps a worker's
+    GPU slot through it (node_ray.py), and a shorter list would map every worker to its first GPU."""
     paths = [megarl_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != megarl_root()]
     out: dict[str, str | None] = {k: None for k in env if k in TRAINER_VARS or k.startswith(TRAINER_PREFIXES)}
-    out.update({"CUDA_VISIBLE_DEVICES": ",".join(str(o) for o in ordinals),
-                "TLLM_RAY_FORCE_LOCAL_CLUSTER": env.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1"),
-                "PYTHONPATH": os.pathsep.join(paths),
-                "NCCL_CUMEM_ENABLE": env.get("NCCL_CUMEM_ENABLE", "1")})
+    out.update({"PYTHONPATH": os.pathsep.join(paths), "NCCL_CUMEM_ENABLE": env.get("NCCL_CUMEM_ENABLE", "1")})
+    if ordinals is not None:
+        out.update({"CUDA_VISIBLE_DEVICES": ",".join(str(o) for o in ordinals),
+                    "TLLM_RAY_FORCE_LOCAL_CLUSTER": env.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "1")})
     if bin_dir:
         out["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep)
                                                    if p and p != bin_dir])
@@ -136,7 +142,7 @@ def worker_environment(ordinals: list[int], env: dict[str, str], bin_dir: str | 
 
 
 @contextlib.contextmanager
-def worker_env(ordinals: list[int], tllm=None):
+def worker_env(ordinals: list[int] | None, tllm=None):
     """os.environ carries `worker_environment` while the LLM starts; restored afterwards."""
     overrides = worker_environment(ordinals, dict(os.environ), tensorrt_llm_bin(tllm) if tllm else None)
     saved = {k: os.environ.get(k) for k in overrides}
