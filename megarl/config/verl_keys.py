@@ -87,8 +87,6 @@ RULES: list[tuple[str, str]] = [
     ("*.lora.*", _LORA), ("*.exclude_modules", _LORA), ("*.lora_adapter_path", _LORA),
     ("*.megatron.use_dist_checkpointing", _MCORE_CKPT), ("*.megatron.dist_checkpointing_prefix", _MCORE_CKPT),
     ("*.megatron.use_mbridge", _MCORE_CKPT), ("*.megatron.vanilla_mbridge", _MCORE_CKPT),
-    ("*.megatron.override_ddp_config", "megarl sets megatron's DDP options from the layout; tune the model through "
-                                       "<role>.megatron.override_transformer_config"),
     ("*.megatron.override_mcore_model_config", "use <role>.megatron.override_transformer_config"),
     ("*.megatron.use_megatron_fsdp", "megarl shards with megatron-core's distributed optimizer "
                                      "(<role>.megatron.use_distributed_optimizer), not Megatron-FSDP; remove the key"),

@@ -40,6 +40,7 @@ def engine_spec(model: ModelConfig, role_cfg, *, head: str = "lm", trainable: bo
         recompute=model.enable_gradient_checkpointing,
         transformer_overrides={**recompute_overrides(model.gradient_checkpointing_kwargs),
                                **mc.override_transformer_config},
+        ddp_overrides=dict(mc.override_ddp_config),
         converters=converter_config(model),
         # Packed (THD) micro-batches need per-sequence attention; the context-parallel attention
         # splits padded rows only, so CP runs padded.

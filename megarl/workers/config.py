@@ -91,6 +91,35 @@ class ModelConfig(Section):
 
 
 
+# override_ddp_config keys megarl passes to megatron-core's DistributedDataParallelConfig, with the
+# type each takes. overlap_grad_reduce starts each gradient bucket's all-reduce (reduce-scatter under
+# the distributed optimizer) during the backward pass; bucket_size sets the bucket (elements).
+DDP_OVERRIDES = {"overlap_grad_reduce": bool, "bucket_size": int}
+# Parameter-gather overlap defers the all-gather after the step to the next forward pass; megarl's
+# weight sync reads the parameters in between, so it would send stale shards. megatron also ignores
+# the option without the distributed optimizer, which CPU runs lack.
+_DDP_REFUSED = ("overlap_param_gather", "align_param_gather")
+
+
+def check_ddp_overrides(overrides: dict[str, Any]) -> None:
+    key = "override_ddp_config"
+    require(isinstance(overrides, dict), key, "must be a mapping of megatron DDP options, e.g. "
+            "{overlap_grad_reduce: true}")
+    for name, value in overrides.items():
+        if name in _DDP_REFUSED:
+            require(value is False, f"{key}.{name}", "is not supported: megarl's weight sync reads the parameters "
+                    "right after the optimizer step, before the all-gather it would defer to the next forward "
+                    "(and megatron ignores it without the distributed optimizer); remove it or set false")
+            continue
+        want = DDP_OVERRIDES.get(name)
+        require(want is not None, f"{key}.{name}", f"is not one of the DDP options megarl passes to megatron: "
+                f"{', '.join(sorted(DDP_OVERRIDES))} (the overlap settings); remove it")
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        require(ok or (name == "bucket_size" and value is None), f"{key}.{name}",
+                f"must be {'true or false' if want is bool else 'a number of elements or null'}, got {value!r}")
+        require(name != "bucket_size" or value is None or value > 0, f"{key}.{name}", "must be > 0 elements or null")
+
+
 @dataclass
 class MegatronConfig(Section):
     """How one role's model is sharded. TP x CP x PP x DP must equal the number of ranks."""
@@ -113,8 +142,12 @@ class MegatronConfig(Section):
     seed: int = 42
     dist_checkpointing_path: str | None = None  # load from a megatron distributed checkpoint instead of HF
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    # verl's key: megatron-core's DistributedDataParallelConfig options, of which megarl takes the
+    # communication-overlap ones (DDP_OVERRIDES); a frozen role (the reference) has no DDP to tune.
+    override_ddp_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        check_ddp_overrides(self.override_ddp_config)
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                     "expert_model_parallel_size"):
             require(getattr(self, key) >= 1, key, "must be >= 1")

@@ -43,6 +43,7 @@ class EngineSpec:
     routing_replay: bool = False            # MoE: routers built with megatron's RouterReplay (router_replay.mode)
     packing: bool = True                    # THD-packed micro-batches (model.use_remove_padding)
     transformer_overrides: dict = field(default_factory=dict)
+    ddp_overrides: dict = field(default_factory=dict)  # megatron DDP options (<role>.megatron.override_ddp_config)
     converters: list | dict = field(default_factory=list)  # model converters, by name (megarl/models/converters.py)
     seed: int = 42
     role: str = "actor"

@@ -71,13 +71,20 @@ class Shards(cpu_compat.Boundary):
             if self.dtype != torch.float32:
                 model = Float16Module(self.config, model)
             if self.es.trainable:
-                ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                    use_distributed_optimizer=self.es.use_distributed_optimizer)
+                ddp = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+                                                       **self.es.ddp_overrides,
+                                                       "use_distributed_optimizer": self.es.use_distributed_optimizer})
                 model = DistributedDataParallel(self.config, ddp, model)
             out.append(model)
         if not self.es.trainable:
             for p in self.parameters():
                 p.requires_grad_(False)
+        elif self.es.ddp_overrides.get("overlap_grad_reduce"):
+            # As megatron's training loop wires it: the schedule holds each bucket's reduction back
+            # until the last micro-batch (no_sync), and under PP starts a chunk's as its backward ends.
+            one = len(out) == 1
+            self.config.no_sync_func = out[0].no_sync if one else [m.no_sync for m in out]
+            self.config.grad_sync_func = out[0].start_grad_sync if one else [m.start_grad_sync for m in out]
         return out
 
     def _check_names(self) -> None:
