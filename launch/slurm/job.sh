@@ -22,21 +22,24 @@
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/common.sh"
 
-# NAME VALUE: VALUE split into the array NAME as the shell would split words (xargs: quotes and
-# backslashes, no expansion, no eval). Unbalanced quotes stop the job with one line.
+[[ $# -ge 1 && $1 != -* ]] || megarl_die "usage: sbatch launch/slurm/<script>.sbatch CONFIG [section.key=value ...]"
+[[ -n ${SLURM_JOB_ID:-} ]] || megarl_die "launch/slurm/job.sh runs inside a Slurm job; submit an sbatch script"
+
+# ARRAY VARIABLE: the variable's value split into ARRAY as the shell would split words (xargs:
+# quotes and backslashes, no expansion, no eval). Unbalanced quotes stop the job with one line.
 words() {
     local -n into=$1
-    local split
+    local split value=${!2:-}
     into=()
-    [[ -n $2 ]] || return 0
+    [[ -n $value ]] || return 0
     split=$(mktemp) || exit 2
-    xargs -r printf '%s\0' <<<"$2" >"$split" 2>/dev/null ||
-        { rm -f "$split"; megarl_die "$1=$2: cannot split it into words (an unbalanced quote?)"; }
+    xargs -r printf '%s\0' <<<"$value" >"$split" 2>/dev/null ||
+        { rm -f "$split"; megarl_die "$2=$value: cannot split it into words (an unbalanced quote?)"; }
     mapfile -t -d '' into <"$split"
     rm -f "$split"
 }
-words srun_user "${MEGARL_SRUN_ARGS:-}"
-words task_prefix "${MEGARL_SRUN_PREFIX:-}"
+words srun_user MEGARL_SRUN_ARGS
+words task_prefix MEGARL_SRUN_PREFIX
 margin=${MEGARL_SIGNAL_MARGIN_S:-600}
 [[ $margin =~ ^[0-9]+$ ]] || megarl_die "MEGARL_SIGNAL_MARGIN_S=$margin: give --signal's @seconds, e.g. 600"
 # A time limit within the margin would signal at once: the ranks would save after their first step
@@ -48,8 +51,6 @@ if [[ $limit =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]]; then
         "margin plus a minute: ask for more time (--time) or pass --signal=B:USR1@S with MEGARL_SIGNAL_MARGIN_S=S"
 fi
 
-[[ $# -ge 1 && $1 != -* ]] || megarl_die "usage: sbatch launch/slurm/<script>.sbatch CONFIG [section.key=value ...]"
-[[ -n ${SLURM_JOB_ID:-} ]] || megarl_die "launch/slurm/job.sh runs inside a Slurm job; submit an sbatch script"
 config=$1
 shift
 nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
@@ -85,7 +86,7 @@ cpus_node=$(tr ',' '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-$(n
 on_first_node() {
     local rc
     # stderr alone through the filter (stdout stays on fd 3), srun's exit status kept
-    { srun --nodes=1 --ntasks=1 --nodelist="$first" --cpus-per-task="$cpus_node" --kill-on-bad-exit=1 \
+    { srun --nodes=1 --ntasks=1 --nodelist="$first" --cpus-per-task="$cpus_node" \
           "${srun_user[@]}" "${task_prefix[@]}" "$@" 2>&1 1>&3 3>&- |
           grep -vE '^srun: error: [^ ]+: task 0: Exited with exit code [0-9]+$' >&2
       rc=${PIPESTATUS[0]}; } 3>&1
