@@ -55,7 +55,7 @@ def export(ckpt: str, out: str, dtype: str | None = None, peft_adapter: str | No
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    with sealed_source(ckpt, step) as src:   # the checked bytes: in place, or a private copy (staging.py)
+    with sealed_source(ckpt, step) as src:   # the checked bytes, held open (staging.py)
         meta = read_meta(src)
         config = dict(meta["hf_config"])
         spec = ModelSpec.from_hf_config(config)
@@ -183,8 +183,8 @@ def sealed_step(ckpt: str, trust_unsealed: bool) -> str | None:
 def sealed_source(ckpt: str, step: str | None):
     """A role directory of a step megarl saved (global_step_N/actor) is checked against the step's
     manifest first, as a resume checks it: a file changed since the save is refused before torch
-    reads it (verified_io.Refused). Yields the directory to read: the checked step in place, or its
-    checked private copy where another user could change the path to it (megarl/trainer/staging.py).
+    reads it (verified_io.Refused). Yields the directory to read: the checked step, held open so a
+    rename above it changes nothing read (megarl/trainer/staging.py).
     `step` None: a checkpoint the user trusts, read where it is."""
     from megarl.trainer import staging, verified_io
     if step is None:
@@ -192,8 +192,7 @@ def sealed_source(ckpt: str, step: str | None):
         return
     role = os.path.basename(os.path.realpath(ckpt))
     try:
-        digests = verified_io.verify(step)
-        with staging.megatron_source(step, digests, [role], say=print) as src:
+        with staging.checked_step(step, [role], say=print) as (src, _):
             yield os.path.join(src, role)
     except verified_io.Refused as err:
         raise ValueError(f"refused {step}: {err}") from None

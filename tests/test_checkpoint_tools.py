@@ -51,12 +51,13 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(models):
     shutil.copytree(ckpt, os.path.join(step, "actor"))
     os.chmod(os.path.dirname(step), 0o700)
     verified_io.seal(step)
-    # Under a parent any user may write, the tool converts a checked private copy, saying so.
+    # Under a parent any user may write, the tool reads the step through its directory held open, saying so.
     # (The exports go where only this user can write: an export directory is checked as a run directory is.)
     os.chmod(models["root"], 0o777)
     back = os.path.join(os.path.dirname(models["root"]), "tools-back")
     got = run("checkpoints_tools/megatron_to_hf.py", "--ckpt", os.path.join(step, "actor"), "--out", back + "1")
-    assert got.returncode == 0 and "megatron loads a private copy" in got.stdout, got.stdout + got.stderr[-3000:]
+    assert got.returncode == 0 and "but the step is read only through the directory checked, held open" in \
+        got.stdout, got.stdout + got.stderr[-3000:]
     assert_same_tensors(src, back + "1")
     with open(os.path.join(step, "actor", ".metadata"), "ab") as f:
         f.write(b"\x80")

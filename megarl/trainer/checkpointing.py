@@ -279,12 +279,11 @@ def resume_dir(cfg) -> str | None:
 def load(path: str, roles: dict, rank: int, world: int, say=None) -> dict:
     """Load role checkpoints (any TP/PP) and RNG streams; returns the trainer state. Collective.
     Nothing is read before verified_io.verify accepts the whole step (owner, mode, manifest
-    digests); megatron then reads only bytes that were checked (staging.megatron_source, which
-    tells `say` whether it loaded in place or from a private copy). A file that fails either way
-    is one line naming the step, the file and the fix."""
+    digests), through the step directory held open, so megatron reads only the bytes that were
+    checked (staging.checked_step, which tells `say` why that is safe where the step lies). A file
+    that fails is one line naming the step, the file and the fix."""
     try:
-        digests = verified_io.verify(path)
-        with staging.megatron_source(path, digests, list(roles), say) as src:
+        with staging.checked_step(path, list(roles), say) as (src, _):
             for name, worker in roles.items():
                 sub = os.path.join(path, name)
                 if not os.path.isdir(sub):

@@ -1,34 +1,24 @@
-"""Where megatron's checkpoint files of a verified step are loaded from: in place, or a private copy.
+"""Where a resume and an export read a step checkpoint from: the step directory itself, held open.
 
-    with staging.megatron_source(step_dir, digests, ["actor"], say) as src:   # collective
+    with staging.checked_step(step_dir, ["actor"], say) as src:      # collective: verify, then load
         worker.load_checkpoint(os.path.join(src, "actor"))
 
-torch's checkpoint reader opens `.metadata` (a pickle) and the `.distcp` files by path, after
-verified_io.verify() hashed them. Anyone who can change what those paths name in between could
-have torch read bytes nobody checked. Inside the run directory only this user can (verify refuses
-anything group- or world-writable or owned by someone else); above it, a directory another user
-owns or may write (without the sticky bit guarding our entry) lets them rename the run directory
-away and put their own in its place. So: when no directory on the way to the run directory is open
-to others, megatron loads in place (no cost; a process running as you could rewrite the manifest
-too, docs/security.md). Otherwise the step's role files are copied into a fresh 0700 directory,
-each read once through one descriptor and hashed as it is copied against the digests verify()
-checked, and megatron loads the copy; one copy per node, the node's ranks sharing the files.
+torch's checkpoint reader opens `.metadata` (a pickle) and the `.distcp` files by path. Whoever may
+rename an entry in a directory above the run directory (a group-writable project directory, without
+the sticky bit guarding our entry) could move the step away between its check and that read and put
+their own in its place. So the step directory is opened once (no link followed), and verify() and
+megatron both read it through /proc/<pid>/fd/<n>, a name of that open directory that no rename above
+it changes. The directory and all below it are this user's and writable by no one else (verify()
+checks them through it), so only this user can change what it holds: megatron reads the bytes that
+were hashed, with no copy, no temporary space and no second read, wherever the run directory lives.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import shutil
-import socket
 import stat
-import tempfile
 
-import torch.distributed as dist
-
-from megarl.trainer.verified_io import Refused, gather, rank_world, check_owner
-
-_CHUNK = 1 << 22
+from megarl.trainer.verified_io import Refused, gather, verify
 
 
 def open_to_others(path: str) -> str | None:
@@ -52,80 +42,57 @@ def open_to_others(path: str) -> str | None:
     return None
 
 
-def copy_checked(src: str, dst: str, rel: str, digest: str) -> int:
-    """Copy `src` to a new 0600 `dst`, read once through one descriptor (no link followed, a regular
-    file of this user's that others cannot write) and hashed as it is copied; Refused unless the
-    bytes are those verify() checked. Returns the size."""
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+def _hold(real: str) -> tuple[int | None, str | None]:
+    """(descriptor, problem): the directory `real` opened without following a link, and checked
+    reachable as /proc/<pid>/fd/<n> (the name every later read goes through)."""
     try:
-        st = os.fstat(fd)
-        bad = None if stat.S_ISREG(st.st_mode) else "is not a regular file"
-        if bad or (bad := check_owner(st)):
-            raise Refused(f"{rel} {bad} (changed after the step was checked)")
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        h, size = hashlib.sha256(), 0
-        try:
-            while chunk := os.read(fd, _CHUNK):
-                h.update(chunk)
-                size += len(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(out, view):]
-        finally:
-            os.close(out)
-    finally:
-        os.close(fd)
-    if h.hexdigest() != digest:
-        raise Refused(f"{rel} differs from the SHA-256 digest in the manifest (changed after the step was checked)")
-    return size
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as err:
+        return None, f"({real}) cannot be opened ({err.strerror})"
+    try:
+        if os.path.samestat(os.stat(held_path(fd)), os.fstat(fd)):
+            return fd, None
+    except OSError:
+        pass
+    os.close(fd)
+    return None, (f"({real}) cannot be held open as /proc/{os.getpid()}/fd/{fd} (is /proc mounted?); megarl reads "
+                  "a step only through the directory it checked")
+
+
+def held_path(fd: int) -> str:
+    # the pid, not "self": a helper process the reader forks resolves the same directory
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 @contextlib.contextmanager
-def megatron_source(step_dir: str, digests: dict[str, str], roles: list[str], say=None):
-    """Collective. Yields the directory to load `roles`' megatron files from: the step itself when
-    only this user can change the path to it, else a checked private copy (removed on exit).
-    `say` (rank 0's log, or None) gets one line saying which and why."""
-    run_dir = os.path.realpath(os.path.dirname(os.path.abspath(step_dir)))
-    real = os.path.join(run_dir, os.path.basename(os.path.normpath(step_dir)))
-    name = os.path.basename(real)
-    rank, world = rank_world(None)
-    # every rank takes the same branch (the next steps are collective): a copy if any node sees a risk
-    why = next((w for w in gather(open_to_others(run_dir), None) if w), None)
-    if why is None:
-        if say:
-            say(f"megarl: loading {name}'s megatron files in place: only you can change them and the path to them")
-        yield real
-        return
-    hosts = gather(socket.gethostname(), None)
-    mates = [r for r, h in enumerate(hosts) if h == hosts[rank]]     # the ranks of this node share a copy
-    leader = mates[0]
-    made = tempfile.mkdtemp(prefix=f"megarl-load-{name}-") if rank == leader else None
-    stage = gather(made, None)[leader]
-    files = sorted(rel for rel in digests if rel.split("/", 1)[0] in roles)
-    problem, copied = None, 0
+def checked_step(step_dir: str, roles: list[str], say=None, group=None):
+    """Collective. Yields (the path to read the step by, the digests verify() checked) once every
+    rank has opened the same step directory and verify() accepted the whole step through it;
+    raises Refused (one line, the same on every rank) otherwise. `say` (rank 0's log, or None) gets
+    one line saying where the step is read from and why it is safe."""
+    real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(step_dir))),
+                        os.path.basename(os.path.normpath(step_dir)))
+    fd, problem = _hold(real) if not os.path.islink(real) else (None, None)   # verify() names a link
     try:
-        if rank == leader and (unsafe := open_to_others(os.path.realpath(stage))):
-            raise Refused(f"its private copy cannot be made: {unsafe}; set TMPDIR to a directory only you can write")
-        for rel in files[mates.index(rank)::len(mates)]:
-            dst = os.path.join(stage, rel)
-            os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
-            copied += copy_checked(os.path.join(real, rel), dst, rel, digests[rel])
-    except Refused as err:
-        problem = str(err)
-    except OSError as err:
-        problem = f"its private copy in {stage} failed: {err.strerror or err}; free space there or set TMPDIR"
-    found = gather((problem, copied), None)
-    try:
-        bad = sorted(p for p, _ in found if p)
+        through = held_path(fd) if fd is not None else None
+        digests = verify(real, group, through=through)
+        # every rank must read the directory every other rank checked its share of
+        seen = gather((problem, os.fstat(fd).st_ino if fd is not None else None), group)
+        bad = sorted(p for p, _ in seen if p)
         if bad:
             raise Refused(bad[0])
+        if len({ino for _, ino in seen}) != 1:
+            raise Refused(f"({real}) was replaced by another directory while the ranks opened it; whoever may "
+                          "write above it moved it: keep the run directory where only you can rename it")
         if say:
-            size = sum(c for _, c in found)
-            say(f"megarl: {why}, so another user could swap {name}'s files after their check: megatron loads a "
-                f"private copy ({size / 1e6:.1f} MB in {len(files)} files, hashed as they were copied) from {stage}")
-        yield stage
+            why = open_to_others(os.path.dirname(real))
+            guard = (f"{why}, but the step is read only through the directory checked, held open" if why else
+                     "only you can change it and the path to it")
+            rel = sorted(r for r in digests if r.split("/", 1)[0] in roles)
+            size = sum(os.path.getsize(os.path.join(through or real, r)) for r in rel)
+            say(f"megarl: loading {os.path.basename(real)} ({', '.join(roles)}: {size / 1e6:.1f} MB in {len(rel)} "
+                f"files, each hashed) in place: {guard}")
+        yield through or real, digests
     finally:
-        if world > 1:
-            dist.barrier()          # every rank of the node is done reading the copy
-        if rank == leader:
-            shutil.rmtree(stage, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)

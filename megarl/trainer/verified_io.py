@@ -122,17 +122,18 @@ def check_owner(st: os.stat_result) -> str | None:
     return None
 
 
-def _problems(step_dir: str, rank: int, world: int, listed_out: dict) -> tuple[str, str] | None:
-    """(file, problem) for the first thing wrong with `step_dir`, or None; the manifest's digests go
-    into `listed_out`."""
+def _problems(step_dir: str, read: str, rank: int, world: int, listed_out: dict) -> tuple[str, str] | None:
+    """(file, problem) for the first thing wrong with `step_dir` (read through the path `read`), or
+    None; the manifest's digests go into `listed_out`."""
     root = os.path.dirname(step_dir)
     if os.path.islink(step_dir):        # its files would be checked wherever it points
         return f"({step_dir})", f"is a symbolic link (to {os.path.realpath(step_dir)}); a step directory is read " \
                                 "only where it was saved"
-    for path, what in ((root, "the run directory "), (step_dir, "")):
+    for path, what, shown in ((root, "the run directory ", root), (read, "", step_dir)):
         bad = check_owner(os.stat(path))
         if bad:
-            return f"({what}{path})", bad
+            return f"({what}{shown})", bad
+    step_dir = read
     manifest_path = os.path.join(step_dir, MANIFEST)
     if not os.path.lexists(manifest_path):
         return MANIFEST, "is missing (saved by an older megarl, or not by megarl)"
@@ -180,15 +181,15 @@ def _problems(step_dir: str, rank: int, world: int, listed_out: dict) -> tuple[s
     return None
 
 
-def verify(step_dir: str, group=None) -> dict[str, str]:
+def verify(step_dir: str, group=None, through: str | None = None) -> dict[str, str]:
     """Collective: raise Refused (the same one line on every rank) unless the whole step checks out.
-    Returns the digests checked (relative path -> SHA-256), which a later copy is checked against
-    (megarl/trainer/staging.py): a manifest swapped after this call is never read."""
+    Returns the digests checked (relative path -> SHA-256). `through`: the path this rank reads the
+    step by (staging.checked_step's held-open directory); messages still name `step_dir`."""
     step_dir = os.path.abspath(step_dir)
     rank, world = rank_world(group)
     listed: dict[str, str] = {}
     try:
-        mine = _problems(step_dir, rank, world, listed)
+        mine = _problems(step_dir, through or step_dir, rank, world, listed)
     except OSError as err:
         mine = (os.path.basename(err.filename or step_dir), f"cannot be checked ({err.strerror})")
     found = [p for p in gather(mine, group) if p is not None]
@@ -202,16 +203,25 @@ def load_sealed(step_dir: str, rel: str):
     """A megarl file (load_plain's format) of a step verify() accepted, read once through one descriptor
     (no symlink followed), hashed, and loaded from those same bytes: nothing can swap the file between
     its check and its load. Megatron's own files are read by torch's checkpoint reader, by path:
-    staging.megatron_source decides whether that path is the step or a checked private copy."""
-    path = os.path.join(step_dir, rel)
-    with open(os.path.join(step_dir, MANIFEST)) as f:
-        digest = (json.load(f).get("sha256") or {}).get(rel)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read()
-    finally:
-        os.close(fd)
+    staging.checked_step holds the step directory open so that path names the bytes verify() checked."""
+    manifest, data = (_read_owned(os.path.join(step_dir, name), name) for name in (MANIFEST, rel))
+    digest = (json.loads(manifest).get("sha256") or {}).get(rel)
     if digest is None or hashlib.sha256(data).hexdigest() != digest:
         raise Refused(f"{rel} differs from the SHA-256 digest in the manifest (changed after the step was checked)")
     return load_plain(io.BytesIO(data))
+
+
+def _read_owned(path: str, rel: str) -> bytes:
+    """The bytes of a regular file of this user's that no one else may write, read through one
+    descriptor (no link followed): a step directory moved away and replaced by another user's after
+    verify() cannot hand over their manifest and file together."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        bad = None if stat.S_ISREG(st.st_mode) else "is not a regular file"
+        if bad or (bad := check_owner(st)):
+            raise Refused(f"{rel} {bad} (changed after the step was checked)")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)

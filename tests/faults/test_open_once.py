@@ -1,7 +1,9 @@
 """A checkpoint file megarl reads is hashed and loaded from the same bytes, read once through one
 descriptor: a file swapped after verify() checked the step (the window a resume used to leave open,
 24-340 ms on a loaded machine) is refused, never loaded. In-process, on a step sealed here (~1 s);
-megatron's own files on a real two-rank megatron checkpoint (one spawn of 2 gloo ranks).
+megatron's own files on a real two-rank megatron checkpoint (one spawn of 2 gloo ranks), read through
+the step directory held open: a run directory moved away after the check is never read, and nothing
+is copied to TMPDIR.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from megarl.config import ConfigError
 from megarl.parallel import cpu_compat
-from megarl.trainer import checkpointing, staging, verified_io
+from megarl.trainer import checkpointing, verified_io
 from megarl.workers.checkpoint import megatron_results_queue_in_process
 from tests.distributed import run_ranks
 
@@ -80,64 +82,83 @@ class OneTensor(cpu_compat.Boundary):
 
 
 def _swap_megatron_files(rank, world, root):
-    """Two ranks save a real step (1.0, 2.0) and, elsewhere, another valid one (9.0, 10.0). Resuming
-    from the first, megatron's `.metadata` and `.distcp` files are replaced by the other's after
-    megarl's check and before megatron's read: in a run directory whose parent only this user can
-    write (loaded in place: the swap needs this user, who could rewrite the manifest anyway), then
-    in one whose parent anyone may write (a private checked copy is loaded: the swap is never read),
-    then, open again, with the swap before the copy (refused)."""
+    """Two ranks save a real step (1.0, 2.0) and, beside it, another valid run (9.0, 10.0). Resuming
+    from the first: (private) under a parent only this user can write, this user replaces megatron's
+    `.metadata` and `.distcp` files after the check: read (only this user can, who could rewrite
+    the manifest too); (open) under a parent anyone may write, the run directory is renamed away and
+    the other run put in its place after the check: never read; (swapped file) a file changed before
+    the check: refused; (their directory) a directory no longer this user's alone put in the run's
+    place before the check: refused."""
     import shutil
 
+    import tempfile
+
     import torch.distributed as dist
+    tempfile.tempdir = None             # as a fresh process: TMPDIR (run_ranks' env) names the temporary directory
     dist.init_process_group("gloo")
-    other = os.path.join(root, "other")
-    checkpointing.save(other, 2, {"actor": OneTensor(rank, world, 9)}, {"step": 2, "world": world}, rank, None)
-    theirs = os.path.join(other, "global_step_2", "actor")
     out = {}
-    for case, mode in (("private", 0o700), ("open", 0o777), ("before the copy", 0o777)):
+    for case, mode in (("private", 0o700), ("open", 0o777), ("swapped file", 0o777), ("their directory", 0o777)):
         parent = os.path.join(root, case.replace(" ", "_"))
         if rank == 0:
             os.makedirs(parent)
             os.chmod(parent, mode)             # not 0700 by umask: a parent open to every user
         dist.barrier()
-        run = os.path.join(parent, "run")
+        run, other = os.path.join(parent, "run"), os.path.join(parent, "other")
+        checkpointing.save(other, 2, {"actor": OneTensor(rank, world, 9)}, {"step": 2, "world": world}, rank, None)
         checkpointing.save(run, 2, {"actor": OneTensor(rank, world, 1)}, {"step": 2, "world": world}, rank, None)
-        step = os.path.join(run, "global_step_2", "actor")
+        step = os.path.join(run, "global_step_2")
+        theirs, ours = (os.path.join(d, "global_step_2", "actor") for d in (other, run))
 
-        def swap():
+        def replace_files():
             if rank == 0:
                 for name in os.listdir(theirs):
                     if name == ".metadata" or name.endswith(".distcp"):
-                        shutil.copy(os.path.join(theirs, name), os.path.join(step, name + ".new"))
-                        os.replace(os.path.join(step, name + ".new"), os.path.join(step, name))
+                        shutil.copy(os.path.join(theirs, name), os.path.join(ours, name + ".new"))
+                        os.replace(os.path.join(ours, name + ".new"), os.path.join(ours, name))
+            dist.barrier()
+
+        def replace_run():
+            if case == "open":          # after the check, while megatron loads
+                out["TMPDIR while loading"] = os.listdir(tempfile.gettempdir())
+            if rank == 0:
+                os.rename(run, run + ".away")
+                os.rename(other, run)
+                if case == "their directory":    # another user's: root gives it away, else opens it
+                    for d, _, files in os.walk(run):
+                        for p in [d] + [os.path.join(d, f) for f in files]:
+                            os.chown(p, 4321, 4321) if os.geteuid() == 0 else os.chmod(p, 0o770)
             dist.barrier()
         said = []
-        role = OneTensor(rank, world, 0, before_load=None if case == "before the copy" else swap)
-        if case == "before the copy":        # between verify() and the copy: the copy refuses it
-            digests = verified_io.verify(os.path.dirname(step))
-            swap()
-            try:
-                with staging.megatron_source(os.path.dirname(step), digests, ["actor"]):
-                    out[case] = "loaded"
-            except verified_io.Refused as err:
-                out[case] = str(err)
-            continue
-        checkpointing.load(os.path.dirname(step), {"actor": role}, rank, world, say=said.append)
-        out[case] = (role.w.flatten().tolist(), said)
+        after = {"private": replace_files, "open": replace_run}.get(case)
+        role = OneTensor(rank, world, 0, before_load=after)
+        if case == "swapped file":
+            replace_files()
+        if case == "their directory":
+            replace_run()
+        try:
+            checkpointing.load(step, {"actor": role}, rank, world, say=said.append)
+            out[case] = (role.w.flatten().tolist(), said)
+        except ConfigError as err:
+            out[case] = str(err)
     return out
 
 
 def test_megatron_files_swapped_after_the_check_are_never_read(tmp_path):
-    results = run_ranks(2, _swap_megatron_files, (str(tmp_path),))
+    tmp = tmp_path / "tmpdir"           # the step is read in place: not one byte goes to TMPDIR
+    tmp.mkdir()
+    results = run_ranks(2, _swap_megatron_files, (str(tmp_path),), env={"TMPDIR": str(tmp)})
     for rank, out in enumerate(results):
-        # open to others: the checked copy is what megatron reads; the swapped bytes are never read
+        assert out["TMPDIR while loading"] == [], out
+        # open to others: the directory checked is what megatron reads; the one moved in is never read
         assert out["open"][0] == [1.0 + rank] * 4, out["open"]
         said = out["open"][1]
-        assert len(said) == 1 and "is writable by group and others (mode 777)" in said[0], said
-        assert "private copy" in said[0], said
-        # the control: loading in place, megatron reads what the path names when it reads (the swap)
+        assert len(said) == 1 and "is writable by group and others (mode 777), but the step is read only " \
+                                  "through the directory checked, held open" in said[0], said
+        # the control: this user's own swap inside the step is read (only this user could make it)
         assert out["private"][0] == [9.0 + rank] * 4, out["private"]
         said = out["private"][1]
-        assert len(said) == 1 and "in place: only you can change them" in said[0], said
-        assert out["before the copy"].startswith("actor/.metadata differs from the SHA-256 digest"), out
-    assert not [n for n in os.listdir("/tmp") if n.startswith("megarl-load-global_step_2")]   # copies removed
+        assert len(said) == 1 and "in place: only you can change it and the path to it" in said[0], said
+        assert "cannot resume from global_step_2: actor/.metadata " in out["swapped file"], out   # size or digest
+        whose = "is owned by uid 4321" if os.geteuid() == 0 else "is writable by group"
+        assert f"(the run directory {tmp_path}/their_directory/run) {whose}" in out["their directory"], out
+    assert os.listdir(tmp) == []
