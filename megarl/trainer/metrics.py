@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, TextIO
 
 from megarl.config.interpolate import public_config
 
+from megarl.storage.durable import write_durably
 from megarl.storage.private_out import check_output_dir, open_append
 
 # (label, candidate metric names, format): the first name present is shown.
@@ -196,7 +198,7 @@ class _WandB:
                                "pip install wandb (or megarl[logging])") from err
         # Values read from the environment (tokens) go to wandb's servers as `<from env NAME>`.
         self.run = wandb.init(project=project, name=experiment, config=public_config(config), dir=run_dir,
-                              resume="allow")
+                              id=wandb_run_id(run_dir, wandb.util.generate_id), resume="allow")
         self.wandb, self.rows = wandb, []       # verl's validation table: one row per step, all steps kept
 
     def log(self, step: int, record: dict) -> None:
@@ -209,6 +211,32 @@ class _WandB:
 
     def close(self) -> None:
         self.run.finish()
+
+
+WANDB_ID_FILE = "wandb_run_id"
+_WANDB_ID = re.compile(r"^[^\s:;,#?/']{1,128}$")       # wandb's rule (wandb_settings.validate_run_id)
+
+
+def wandb_run_id(run_dir: str, generate) -> str:
+    """The run's wandb id: the user's WANDB_RUN_ID, else the one kept in the run directory, made once
+    by `generate` (wandb.util.generate_id) on the first start. resume="allow" without an id starts a
+    new wandb run on every resume; with the same id each resume continues the one run."""
+    if os.environ.get("WANDB_RUN_ID"):
+        return os.environ["WANDB_RUN_ID"]
+    path = os.path.join(run_dir, WANDB_ID_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        made = generate()
+        write_durably(path, made + "\n")
+        return made
+    with os.fdopen(fd) as f:
+        kept = f.read(100).strip()
+    if not _WANDB_ID.match(kept):
+        raise RuntimeError(f"{path} holds {kept[:20]!r}, not a wandb run id (1-128 characters, none of "
+                           ":;,#?/' or spaces); delete it to start a new wandb run, or write the id of the run "
+                           "to continue")
+    return kept
 
 
 def _has_step(record: dict) -> bool:

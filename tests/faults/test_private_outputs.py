@@ -41,10 +41,11 @@ def test_wandb_gets_the_config_without_the_value(monkeypatch, tmp_path):
     # wandb is not installed here: a stand-in with wandb.init's keywords records what it is given.
     got = {}
 
-    def init(*, project, name, config, dir, resume):
+    def init(*, project, name, config, dir, id, resume):
         got.update(project=project, name=name, config=config)
         return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    util = types.SimpleNamespace(generate_id=lambda: "x1")
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, util=util))
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)
     cfg = load_config("configs/quickstart.yaml", WITH_TOKEN)
