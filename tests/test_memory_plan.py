@@ -105,6 +105,8 @@ def test_static_bytes_of_the_7b_layout_by_hand(monkeypatch):
     assert 0 <= actor.static.grads - 4 * per_rank <= 4 * slack
     assert abs(actor.static.optimizer - 12 * per_rank // 2) <= 12 * slack
     assert plan.engine_weights == 7_615_616_512 * 2 // 4
+    ref = next(r for r in plan.rows if r.role == "ref")          # frozen: its weights only, unpadded
+    assert ref.static.params == 2 * per_rank and ref.static.grads == ref.static.optimizer == 0
     assert plan.kv_token_bytes == 2 * 28 * 1 * 128 * 2          # 4 KV heads over rollout TP 4
 
 
@@ -160,3 +162,19 @@ def test_plan_matches_the_benchmark_on_cpu(tmp_path):
     with open(tmp_path / "m" / "config.json") as f:
         rows = compare(json.load(f), result)
     assert [(r["phase"], r["ok"]) for r in rows] == [("static", True)], rows
+
+
+def test_the_critic_is_the_actor_without_its_lm_head(monkeypatch):
+    """The shipped PPO config: the critic (the actor's backbone, a one-row value head) holds the
+    actor's bytes less the LM head's vocabulary rows on this TP rank, for each static part."""
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "80")
+    cfg = load_config(os.path.join(ROOT, "configs", "ppo_gsm8k_qwen2.5_7b.yaml"),
+                      [f"actor_rollout_ref.model.path={ASSETS}/{SEVEN_B}",
+                       "actor_rollout_ref.rollout.tensor_model_parallel_size=4"])
+    plan = memory_plan(cfg, _seven_b())
+    rows = {r.role: r for r in plan.rows}
+    assert set(rows) == {"actor", "critic"}                       # no KL term: no reference
+    head = 152064 // 4 * 3584 - 3584                              # lm_head's rows here, less the value head
+    a, c = rows["actor"].static, rows["critic"].static
+    assert abs((a.params - c.params) - 2 * head) <= 2 * 256 and abs((a.grads - c.grads) - 4 * head) <= 4 * 256
+    assert rows["critic"].activations == rows["actor"].activations   # same layer stack, same micro-batches

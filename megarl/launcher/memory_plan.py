@@ -198,8 +198,11 @@ def memory_plan(cfg, hf_config: dict, critic_hf: dict | None = None) -> Plan:
         mc = mc or MegatronConfig()
         lay = _role_layout(cfg, mc, dtype, gpu, _recompute(cfg.model, mc) if trainable else None)
         micro_rows = (rcfg.ppo_micro_batch_size_per_gpu or 1) if rcfg is not None else 0
-        dynamic = rcfg is not None and bool(rcfg.use_dynamic_bsz)
-        tokens = (rcfg.ppo_max_token_len_per_gpu if dynamic else micro_rows * seq) if rcfg is not None else 0
+        # the critic's null batching keys mean the actor's (ExperimentConfig fills only some of them)
+        dynamic = rcfg is not None and bool(actor.use_dynamic_bsz if rcfg.use_dynamic_bsz is None
+                                            else rcfg.use_dynamic_bsz)
+        budget = (rcfg.ppo_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu) if rcfg is not None else 0
+        tokens = (budget if dynamic else micro_rows * seq) if rcfg is not None else 0
         mini_rows = (rcfg.ppo_mini_batch_size or 1) * ro.n // max(lay.dp, 1) if rcfg is not None else 0
         n_micro = max(1, -(-mini_rows // max(micro_rows, 1)))
         for pp_rank in range(lay.pp):
