@@ -44,8 +44,7 @@ from megarl.checkpoint_engine.transport import BuildParts
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec
 from megarl.parallel.bridge import Bridge
-from megarl.rollout.base import RolloutEngine
-from megarl.rollout.native.engine import rollout_dtype
+from megarl.rollout.base import RolloutEngine, rollout_dtype
 
 log = logging.getLogger(__name__)
 

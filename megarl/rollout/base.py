@@ -1,4 +1,7 @@
-"""The rollout contract every engine implements (native, trtllm, hf, a user's class).
+"""The rollout contract every engine implements (native, trtllm, vllm, hf, a user's class).
+
+An engine implements three abstract methods (a class missing one is refused at construction,
+Python's TypeError naming them); everything else the trainer calls or reads has a default here.
 
     engine.generate(prompts, sampling, prompt_limit=None)
                                        -> per prompt, n Completions (token ids, the log-prob of
@@ -6,18 +9,22 @@
                                           call's longest prompt (None: rollout.prompt_length)
     engine.update_weights(bucket)      -> load one bucket of HF-named full tensors
     engine.finalize_weights()          -> all buckets are in: the new weights become active
+
+    engine.generate_sequences(batch)   -> what the trainer calls: generate() over the batch's
+                                          prompt_token_ids, packed per megarl/protocol.py
     engine.weight_shard(name)          -> optional: the part of a tensor this rank holds, so a sync
     engine.update_weight_shards(bucket)   can send just that part (None: full tensors only)
     engine.sleep() / engine.wake()     -> free / restore KV cache and weight memory
+    engine.guard, .asleep, .weights    -> the state admit() checks before generating: the prompt
+                                          guard, sleep, the last sync's completeness
 
 Log-prob convention (shared with the actor's compute_log_prob): the log-prob of a sampled token
 is log_softmax(logits / temperature) at that token, before top-k/top-p truncation and before the
 repetition penalty; with temperature 0 (greedy) it is log_softmax(logits). So the trainer can
 recompute it exactly from the same weights.
 
-A user's class subclasses BaseRollout and overrides either `generate` (token level) or
-`generate_sequences(batch) -> batch` (verl's form). `BaseRollout.generate_sequences`
-turns token-level completions into the batch fields documented in megarl/protocol.py.
+A user's class for `rollout.name=custom` subclasses BaseRollout (verl's) and overrides either
+`generate` (token level) or `generate_sequences(batch) -> batch` (verl's form).
 """
 from __future__ import annotations
 
@@ -29,9 +36,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from megarl.storage import plain_state
+from megarl.config.dtypes import NAMES, canonical
 from megarl.config.errors import ConfigError
 from megarl.protocol import DataProto
+from megarl.rollout.prompts import PromptGuard
+from megarl.rollout.weight_state import WeightState
+from megarl.storage import plain_state
 
 # "paused": a pausable engine stopped the sequence at a chunk boundary, unfinished (partial
 # rollouts continue it: megarl/rollout/partial.py); never part of a finished rollout.
@@ -118,13 +128,55 @@ class Completion:
     routed_experts: torch.Tensor | None = None
 
 
+def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
+    """An engine's weights dtype from `rollout.dtype` (the trainer's is workers.preflight.resolve_dtype).
+    `auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    known = canonical(name)
+    if known is None:
+        raise ValueError(f"rollout.dtype={name!r}: use auto, {NAMES}")
+    return getattr(torch, known)
+
+
 class RolloutEngine(ABC):
-    """Token-level engine contract. Engines are built per rank by megarl.rollout.registry."""
+    """Token-level engine contract. Engines are built per rank by megarl.rollout.registry; one that
+    implements the three abstract methods runs in the trainer as it is (the rest has defaults)."""
 
     # What a failed weight sync leaves (checkpoint_engine/base.py says it to the user): True, the
     # old weights while no bucket has reached the engine and a refusal to generate after; False,
     # a refusal to generate whatever was sent (an engine that rewrites weights as a sync starts).
     keeps_weights_on_failed_sync: bool = True
+    # Between sleep() and wake(): admit() refuses to generate.
+    asleep: bool = False
+
+    # The state admit() reads is created on first use, so an engine whose __init__ never calls
+    # super().__init__() still has it; an engine replaces either by assigning its own.
+    @property
+    def guard(self) -> PromptGuard:
+        """The prompt checks run before generating (admit(), generate_sequences). Built-in engines
+        assign PromptGuard(rollout.prompt_length, rollout.prompt_truncation, vocab_size=V); the
+        default refuses empty prompts and strings and limits no length."""
+        if "_guard" not in self.__dict__:
+            self._guard = PromptGuard()
+        return self._guard
+
+    @guard.setter
+    def guard(self, value: PromptGuard) -> None:
+        self._guard = value
+
+    @property
+    def weights(self) -> WeightState:
+        """The weight sync's bookkeeping (megarl/rollout/weight_state.py): admit() refuses to
+        generate unless the last sync was complete. Engines that load in place assign
+        WeightState(expected names, ready=False); the default expects no names and starts ready."""
+        if "_weights" not in self.__dict__:
+            self._weights = WeightState((), ready=True)
+        return self._weights
+
+    @weights.setter
+    def weights(self, value: WeightState) -> None:
+        self._weights = value
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -170,10 +222,19 @@ class RolloutEngine(ABC):
         engines that load in place (native, hf) refuse to generate until a full sync succeeds."""
 
     def sleep(self) -> None:
-        """Release KV cache (and weights where the engine can restore them)."""
+        """Release KV cache (and weights where the engine can restore them). An engine that
+        overrides it sets `asleep` itself."""
+        self.asleep = True
 
     def wake(self) -> None:
         """Undo sleep()."""
+        self.asleep = False
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        """What the trainer calls (megarl/trainer/generation.py): generate() over the batch's
+        `prompt_token_ids` (meta_info: `sampling`, `pad_token_id`), packed per megarl/protocol.py.
+        An engine that needs the rows themselves (raw prompts, tools) overrides it."""
+        return generate_sequences_via(self, batch, batch.meta_info.get("pad_token_id", 0))
 
 
 class BaseRollout(RolloutEngine):
@@ -199,14 +260,10 @@ class BaseRollout(RolloutEngine):
     def finalize_weights(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot take new weights")
 
-    def generate_sequences(self, batch: DataProto) -> DataProto:
-        """Default: token-level generate() over `prompt_token_ids`, packed per megarl/protocol.py."""
-        return generate_sequences_via(self, batch, batch.meta_info.get("pad_token_id", 0))
 
-
-def admit(engine, prompts: list[list[int]], sampling: SamplingParams,
+def admit(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingParams,
           prompt_limit: int | None = None) -> list[list[int]]:
-    """What every built-in engine checks before generating: sampling parameters, its prompt
+    """What an engine checks before generating (every built-in one does): sampling parameters, its prompt
     guard (refuse or left-truncate, at prompt_limit when given), that it is awake, and that its
     last weight sync completed."""
     sampling.validate()
@@ -223,7 +280,7 @@ def generate_sequences_via(engine: RolloutEngine, batch: DataProto, pad_token_id
     ones included), so input_ids are what the trainer must score."""
     sampling: SamplingParams = batch.meta_info["sampling"]
     sampling.validate()
-    prompts = guard_batch_prompts(getattr(engine, "guard", None), batch,
+    prompts = guard_batch_prompts(engine.guard, batch,
                                   [list(p) for p in batch.non_tensor_batch["prompt_token_ids"]])
     groups = engine.generate(prompts, sampling)
     return pack_completions(batch, groups, pad_token_id=pad_token_id)

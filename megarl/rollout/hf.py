@@ -17,9 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from megarl.config.errors import ConfigError
 from megarl.models.hf_config import read_hf_config
-from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit, rollout_dtype
 from megarl.rollout.build_args import KEY, BuildRequest, engine_options, override_values, pad_id
-from megarl.rollout.native.engine import rollout_dtype
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
 

@@ -6,7 +6,8 @@
 Validation takes temperature / top_p / top_k / n / do_sample from `val_kwargs` (verl's default:
 greedy, n=1) and everything else (length, stops, penalty) from the training settings. A seed
 given in the config is offset per call by the caller (e.g. seed + step) so steps differ but a
-resumed run repeats them exactly.
+resumed run repeats them exactly. `mix64` is the hash every engine's counter-based sampling and the
+agent loop's per-turn seeds are built from.
 """
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 
 _MASK62 = (1 << 62) - 1
+MASK64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """splitmix64 finaliser: a bijective 64-bit hash with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 def step_seed(base: int, step: int, stream: int = 0) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.config.dtypes import short
-from megarl.rollout.native.engine import rollout_dtype
+from megarl.rollout.base import rollout_dtype
 from megarl.rollout.registry import abilities
 from megarl.workers.preflight import resolve_dtype
 

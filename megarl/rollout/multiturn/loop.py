@@ -51,7 +51,7 @@ from megarl.rollout.multiturn.interactions import pick
 from megarl.rollout.multiturn.parser import CLOSE, ToolCall, end_of_call, parse_tool_calls
 from megarl.rollout.multiturn.render import Renderer, truncate_tokens
 from megarl.rollout.multiturn.tools import Tool
-from megarl.rollout.native.sampler import mix64
+from megarl.rollout.sampling import mix64
 
 
 @dataclass
@@ -112,14 +112,12 @@ class AgentLoop(RolloutEngine):
         self.totals: Counter = Counter()
 
     # -- the rest of the rollout contract: the wrapped engine's ------------------------------------------
-    @property
-    def guard(self):
-        """The engine's prompt guard (None for an engine without one)."""
-        return getattr(self.engine, "guard", None)
+    guard = property(lambda self: self.engine.guard)              # the state admit() reads
+    asleep = property(lambda self: self.engine.asleep)
+    weights = property(lambda self: self.engine.weights)
 
     def weight_shard(self, name: str) -> ShardSlice | None:
-        shard = getattr(self.engine, "weight_shard", None)
-        return shard(name) if shard is not None else None
+        return self.engine.weight_shard(name)
 
     def update_weight_shards(self, bucket) -> None:
         self.engine.update_weight_shards(bucket)

@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megarl.config.dtypes import NAMES, canonical
-from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit
+from megarl.rollout.base import BaseRollout, Completion, SamplingParams, ShardSlice, admit, rollout_dtype
 from megarl.models.hf_config import read_hf_config
 from megarl.rollout.hf_weights import buckets, iter_hf_weights
 from megarl.rollout.native import host_budget
@@ -46,17 +45,6 @@ from megarl.rollout.native.rows import DecodeStep, Rows
 from megarl.rollout.native.tp import ShardPlan, TPComm
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.weight_state import WeightState
-
-
-def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The engine's weights dtype from `rollout.dtype` (the trainer's is workers.preflight.resolve_dtype).
-    `auto`: fp32 on CPU (log-probs exact to the trainer's), bf16 on GPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    known = canonical(name)
-    if known is None:
-        raise ValueError(f"rollout.dtype={name!r}: use auto, {NAMES}")
-    return getattr(torch, known)
 
 
 class NativeEngine(BaseRollout):

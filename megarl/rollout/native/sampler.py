@@ -20,15 +20,7 @@ from __future__ import annotations
 
 import torch
 
-_M64 = (1 << 64) - 1
-
-
-def mix64(x: int) -> int:
-    """splitmix64 finaliser: a bijective 64-bit hash with good avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
+from megarl.rollout.sampling import MASK64 as _M64, mix64
 
 
 def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
