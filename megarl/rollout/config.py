@@ -14,6 +14,7 @@ from megarl.checkpoint_engine.config import ALIASES, transport_names, unknown_ba
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
 from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
+from megarl.rollout.cost_model import CostModelConfig
 
 
 CODEC_MODULES = {"zstd": "zstandard", "lz4": "lz4"}   # delta_compression -> its package (megarl[compress])
@@ -222,6 +223,8 @@ class RolloutConfig(Section):
     engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # {engine name: kwargs}
     # Over-long prompts: refuse ("error") or keep the last prompt_length tokens ("left").
     prompt_truncation: Literal["error", "left"] = "error"
+    # Paces the engine like a GPU (megarl/rollout/cost_model.py): benchmarks and CI on CPU only.
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
 
     def __post_init__(self):
         check_sampling(self)

@@ -24,6 +24,7 @@ from megarl.models.hf_config import hf_overrides
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.build_args import BuildRequest
 from megarl.rollout.config import RolloutConfig
+from megarl.rollout.cost_model import pace
 from megarl.rollout.custom import load_user_class
 
 
@@ -51,4 +52,4 @@ def build_rollout(cfg: RolloutConfig, model_path: str, tokenizer=None, tp_group=
     if refusal and not info.user_class:      # a user's class: refused by build_custom, from what it declares
         raise ConfigError(refusal, "actor_rollout_ref.model.override_config")
     request = BuildRequest(cfg, model_path, tokenizer, tp_group, torch.device(device), role, info, overrides)
-    return _builder(info)(request)
+    return pace(_builder(info)(request), cfg.cost_model)

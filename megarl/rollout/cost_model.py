@@ -1,0 +1,140 @@
+"""The engine cost model (`actor_rollout_ref.rollout.cost_model.*`): any engine's calls take at
+least the wall time a GPU's would, by sleeping, so a CPU run is in the regime a GPU run is in
+(generation the long phase) while its tokens, log-probs and weight versions stay the engine's own.
+
+    megarl-train ... actor_rollout_ref.rollout.cost_model.enable=true actor_rollout_ref.rollout.cost_model.scale=100
+
+A decode step costs at least `decode_s + decode_row_s * rows` and a prefill `prefill_token_s` per
+prompt token, all times `scale`. The defaults are the built-in engine's on one H100 (docs/measurements.md,
+"2026-11-27: async training on the long-tailed task"): 0.46 ms a decode step, the same for few rows as
+for many (CUDA graph replays), so no per-row term; 0.058 s of prefill for 512 prompts of that task,
+7.15 tokens each on average (16 us a token). `scale` stretches the GPU's time by the factor a CPU
+trainer is slower than a GPU's, so the two phases keep a GPU node's proportion; it is a choice, named
+beside every figure taken under the model (`describe()`).
+
+The sleep happens where the engine's time is observable: at every chunk boundary of a pausable call
+(the built-in engine's `generate_pausable`, where updates land) and at the end of every call. Decode
+steps are the engine's own count where it keeps one (`stats["decode_steps"]`), else the longest
+response of the call; rows per step come from who is still running.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.typed import Section, require
+
+
+@dataclass
+class CostModelConfig(Section):
+    enable: bool = False
+    decode_s: float = 0.46e-3           # a: seconds per decode step (H100, built-in engine)
+    decode_row_s: float = 0.0           # b: seconds per row of a decode step (flat on the H100)
+    prefill_token_s: float = 16e-6      # c: seconds per prefilled prompt token (H100, 0.058 s / 3,661 tokens)
+    scale: float = 1.0                  # every term times this (the trainer's slowdown against a GPU)
+
+    def __post_init__(self):
+        for key in ("decode_s", "decode_row_s", "prefill_token_s"):
+            require(getattr(self, key) >= 0, key, f"got {getattr(self, key)}, must be >= 0 seconds")
+        require(self.scale > 0, "scale", f"got {self.scale}, must be > 0 (1 = the GPU's own time)")
+
+
+def describe(cfg: CostModelConfig) -> str:
+    """One line naming the model, printed beside every figure taken under it."""
+    return (f"under the cost model: decode step >= ({cfg.decode_s * 1e3:.3g} ms + "
+            f"{cfg.decode_row_s * 1e6:.3g} us x rows) x {cfg.scale:g}, "
+            f"prefill {cfg.prefill_token_s * 1e6:.3g} us/token x {cfg.scale:g} "
+            "(built-in engine on one H100, docs/measurements.md 2026-11-27)")
+
+
+class Pacer:
+    """The modelled seconds owed by one call, and the sleep that makes its wall time reach them."""
+
+    def __init__(self, cfg: CostModelConfig, engine: Any, prefill_tokens: int):
+        self.cfg, self.engine = cfg, engine
+        self.start = time.perf_counter()
+        self.steps0 = self._steps()
+        self.counted = 0                          # decode steps already charged
+        self.owed = cfg.scale * cfg.prefill_token_s * prefill_tokens
+
+    def _steps(self) -> int | None:
+        stats = getattr(self.engine, "stats", None)
+        return stats.get("decode_steps") if isinstance(stats, dict) else None
+
+    def charge(self, steps: int, rows: int) -> None:
+        """`steps` decode steps of `rows` rows each."""
+        c = self.cfg
+        self.owed += c.scale * steps * (c.decode_s + c.decode_row_s * rows)
+        self.counted += steps
+
+    def steps_since_start(self, fallback: int) -> int:
+        now = self._steps()
+        return fallback if now is None or self.steps0 is None else now - self.steps0
+
+    def wait(self) -> None:
+        left = self.start + self.owed - time.perf_counter()
+        if left > 0:
+            time.sleep(left)                      # the CPU is free for the trainer meanwhile
+        stats = getattr(self.engine, "stats", None)
+        if isinstance(stats, dict):               # what the model asked of this call, and what it slept
+            stats["paced_owed_s"] = self.owed
+            stats["paced_s"] = stats.get("paced_s", 0.0) + max(0.0, left)
+
+
+def _prefill_tokens(prompts: list[list[int]], n: int, prefixes: list | None) -> int:
+    # A prompt is prefilled once for its n samples; a continued sample's response so far once more.
+    tokens = sum(map(len, prompts))
+    if prefixes is not None:
+        tokens += sum(len(r) for p in prefixes for r in p)
+    return tokens
+
+
+def _charge_completions(pacer: Pacer, groups: list) -> None:
+    """The call's decode steps not charged yet (the engine's count, else the longest response less
+    the token its prefill samples), rows per step from who ran that long."""
+    lengths = [len(c.token_ids) for g in groups for c in g]
+    steps = pacer.steps_since_start(max(lengths, default=1) - 1)
+    for t in range(pacer.counted, steps):
+        pacer.charge(1, sum(1 for x in lengths if x > t + 1) or 1)
+
+
+def pace(engine: Any, cfg: CostModelConfig) -> Any:
+    """Wrap `engine`'s generate (and generate_pausable, where it has one) in place: same results,
+    at least the modelled wall time. Returns the engine."""
+    if not cfg.enable:
+        return engine
+    generate = engine.generate
+
+    def paced_generate(prompts, sampling, prompt_limit=None):
+        pacer = Pacer(cfg, engine, _prefill_tokens(prompts, sampling.n, None))
+        out = generate(prompts, sampling, prompt_limit)
+        _charge_completions(pacer, out)
+        pacer.wait()
+        return out
+
+    engine.generate = paced_generate
+    if hasattr(engine, "generate_pausable"):
+        pausable = engine.generate_pausable
+
+        def paced_pausable(prompts, sampling, pause, every, budgets=None, samples=None, prefixes=None):
+            pacer = Pacer(cfg, engine, _prefill_tokens(prompts, sampling.n, prefixes))
+            boundaries = 0
+
+            def paced_pause(unfinished: dict[int, int]) -> bool:
+                # The steps since the last boundary ran with at most the rows still running now
+                # plus those that finished in them; the rows now are the charge (b = 0 on the H100).
+                nonlocal boundaries
+                boundaries += 1
+                done = pacer.steps_since_start(boundaries * every)
+                pacer.charge(done - pacer.counted, sum(unfinished.values()))
+                pacer.wait()
+                return pause(unfinished)
+
+            out = pausable(prompts, sampling, paced_pause, every, budgets, samples, prefixes)
+            _charge_completions(pacer, out)
+            pacer.wait()
+            return out
+
+        engine.generate_pausable = paced_pausable
+    return engine
