@@ -77,8 +77,9 @@ def test_megarls_pools_refuse_the_llms_own_ray(monkeypatch, dirs):
 
 # -- the workers' environment -------------------------------------------------------------------------------
 def test_ray_workers_inherit_none_of_torchruns_variables(monkeypatch, dirs):
-    """RayExecutor copies os.environ into its workers: under torchrun that was the trainer's rank,
-    world size, rendezvous port and megatron's CUDA_DEVICE_MAX_CONNECTIONS=1."""
+    """RayExecutor copies os.environ into its workers, on top of the environment of the process
+    that started the node's cluster: under torchrun both carry the trainer's rank, world size,
+    rendezvous port and megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 unless megarl removes them."""
     tllm = trtllm_fake.install(monkeypatch, V29)
     trainer = {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_PORT": "29500",
                "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -88,6 +89,8 @@ def test_ray_workers_inherit_none_of_torchruns_variables(monkeypatch, dirs):
     engine = TRTLLMEngine(dirs["a"], cfg(), device="cpu")
     env = engine.llm.worker_env
     assert not set(trainer) & set(env), sorted(set(trainer) & set(env))
+    # what a worker process sees: the node cluster's environment, the env_vars above on top
+    assert not set(trainer) & set(engine.llm.effective_env), sorted(set(trainer) & set(engine.llm.effective_env))
     assert env["NCCL_CUMEM_ENABLE"] == "1" and env["TLLM_DISABLE_MPI"] == "1"
     bin_dir = os.path.join(os.path.dirname(tllm.__file__), "bin")
     assert env["PATH"].split(os.pathsep)[0] == bin_dir, "TensorRT-LLM's bin directory first"

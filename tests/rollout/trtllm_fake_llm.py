@@ -142,6 +142,7 @@ class _LLM:
             for rank, (pg, i) in enumerate(flat)]
         if extension:
             self._import_extension(extension)
+        self.effective_env = self.ray.get(self.ray_workers[0].environment.remote())
         return [FakeCluster.gpus[g] for g in self.ray.get([w.device.remote() for w in self.ray_workers])]
 
     # RayGPUWorker's own class attributes (executor/ray/gpu_worker.py at 00be09f7; its bases'

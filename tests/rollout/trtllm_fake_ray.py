@@ -8,7 +8,8 @@ ray/_private/services.py get_ray_address_from_environment):
     without doing anything (so the caller keeps the process's cluster, namespace and all);
   - address="local" starts a cluster; "auto" and None take RAY_ADDRESS, else "auto" any running
     cluster (ConnectionError without one) and None a new one; an explicit address must be running;
-  - a new cluster detects the GPUs its starter's CUDA_VISIBLE_DEVICES names (all without it);
+  - a new cluster detects the GPUs its starter's CUDA_VISIBLE_DEVICES names (all without it), and
+    its workers start from its starter's environment, a runtime_env's env_vars set on top;
   - ray.get_gpu_ids() maps the worker's GPU slots through the CUDA_VISIBLE_DEVICES its process
     started with (all of that list when a slot is past its end); Ray sets CUDA_VISIBLE_DEVICES in
     a worker unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1;
@@ -263,7 +264,7 @@ class RayWorkerWrapper:
     def __init__(self, rank: int):
         import ray  # the fake above, or the real one (tests/rollout/test_trtllm_real_ray.py)
         env = ray.worker_env() if hasattr(ray, "worker_env") else os.environ
-        self.rank, self.gpu = rank, int(ray.get_gpu_ids()[0])
+        self.rank, self.gpu, self.env = rank, int(ray.get_gpu_ids()[0]), dict(env)
         visible = env.get("CUDA_VISIBLE_DEVICES")
         self.local = list(map(int, visible.split(","))).index(self.gpu) if visible else self.gpu
         self.physical = int(visible.split(",")[self.local]) if visible else self.local
@@ -271,3 +272,7 @@ class RayWorkerWrapper:
     def device(self) -> int:
         """The GPU this worker runs on, as CUDA numbers it without CUDA_VISIBLE_DEVICES."""
         return self.physical
+
+    def environment(self) -> dict:
+        """The worker process's environment: its raylet's, with the runtime_env's env_vars on top."""
+        return self.env

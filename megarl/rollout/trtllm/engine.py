@@ -148,7 +148,10 @@ class TRTLLMEngine(BaseRollout):
         the bundles that hold its ranks' GPUs (node_ray.py); the cluster outlives the LLM."""
         import ray  # optional dependency: TensorRT-LLM's Ray executor needs it
         key = node_ray.job_key(dict(os.environ))
-        node_ray.connect(ray, key)
+        # Ray's workers start from the environment of the process that started the cluster, with
+        # TensorRT-LLM's env_vars only added on top: start it without the trainer's variables.
+        with placement.worker_env(None, self.tllm):
+            node_ray.connect(ray, key)
         return node_ray.placement_kwargs(llm_args, node_ray.node_bundles(ray, key), self.group_ordinals)
 
     def _kv_fraction(self, cfg: RolloutConfig, model_dir: str) -> float | None:
