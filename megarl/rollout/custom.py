@@ -5,6 +5,9 @@ The class subclasses megarl.rollout.base.BaseRollout and overrides either
     generate(prompts: list[list[int]], sampling) -> list[list[Completion]]      (token level), or
     generate_sequences(batch: DataProto) -> DataProto                           (verl's form)
 
+and implements update_weights(bucket) and finalize_weights() (megarl/rollout/base.py): the trainer
+syncs the policy's weights into it before every step, so a class without them is refused when built.
+
 In the second form the input batch has one row per prompt with `prompt_token_ids`, `prompts`
 (the decoded text, when a tokenizer is known) and `meta_info["sampling"]`; the returned batch
 must have n rows per prompt, the n of one prompt adjacent (`batch.repeat(n)`; with n=1 the
@@ -79,6 +82,20 @@ def load_user_class(path: str, name: str) -> type:
 
 def _overrides(obj: object, method: str) -> bool:
     return getattr(type(obj), method) is not getattr(BaseRollout, method)
+
+
+def unimplemented(cls: type) -> str:
+    """What a training run calls that `cls` leaves to BaseRollout's refusals, in one line, or "".
+    The trainer syncs the policy into its engine before every generation, so a class without the
+    weight methods would be refused at the first sync, after the models were built."""
+    if cls.generate is BaseRollout.generate and cls.generate_sequences is BaseRollout.generate_sequences:
+        return f"{cls.__name__} overrides neither generate() nor generate_sequences()"
+    missing = [f"{m}()" for m in ("update_weights", "finalize_weights") if getattr(cls, m) is getattr(BaseRollout, m)]
+    if missing:
+        return (f"{cls.__name__} does not implement {' or '.join(missing)}: the trainer syncs the policy's weights "
+                "into its rollout engine before every step; implement update_weights(bucket) and "
+                "finalize_weights() (megarl/rollout/base.py)")
+    return ""
 
 
 def _rows(value, what: str) -> list:
@@ -234,6 +251,9 @@ def build_custom(req: BuildRequest) -> CustomRollout:
     if getattr(cls, "records_routes", False) and cls.generate is BaseRollout.generate:
         raise ConfigError(f"{cls.__name__} declares records_routes but routes reach the batch only through "
                           "generate() (Completion.routed_experts); override generate()", f"{_KEY}.custom_cls_name")
+    missing = unimplemented(cls)
+    if missing:
+        raise ConfigError(missing, f"{_KEY}.custom_cls_name")
     try:
         given = {"hf_overrides": dict(req.hf_overrides)} if info.takes_hf_overrides else {}
         user_engine = cls(cfg, req.role, **given, **req.user_kwargs)

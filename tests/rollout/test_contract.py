@@ -52,6 +52,28 @@ def test_an_engine_missing_a_method_is_refused_when_built():
     assert "\n" not in line and "Half" in line and "update_weights" in line and "finalize_weights" in line, line
 
 
+def test_a_users_class_without_the_weight_methods_is_refused_when_built(tmp_path):
+    """rollout.name=custom: BaseRollout's weight methods refuse, so a class leaving them out would
+    fail at the trainer's first sync; it is refused in one line when built, before it is constructed."""
+    from megarl.config.errors import ConfigError
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.registry import build_rollout
+    path = tmp_path / "frozen.py"
+    path.write_text("from megarl.rollout.base import BaseRollout\n"
+                    "class Frozen(BaseRollout):\n"
+                    "    def __init__(self, config, role):\n"
+                    "        raise AssertionError('constructed')\n"
+                    "    def generate(self, prompts, sampling, prompt_limit=None):\n"
+                    "        return []\n"
+                    "    def update_weights(self, bucket):\n"
+                    "        pass\n")
+    with pytest.raises(ConfigError) as err:
+        build_rollout(RolloutConfig(name="custom", custom_cls_path=str(path), custom_cls_name="Frozen"), "no-model")
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("actor_rollout_ref.rollout.custom_cls_name: Frozen does not "
+                                                 "implement finalize_weights(): the trainer syncs"), line
+
+
 def test_the_contract_gives_what_the_trainer_and_admit_use():
     engine = Echo()
     out = engine.generate_sequences(prompt_batch([[3, 4, 5], [6]], n=2, max_tokens=1))

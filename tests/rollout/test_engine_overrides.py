@@ -121,7 +121,11 @@ def _user_class(tmp_path, declares: bool) -> list[str]:
                     "        super().__init__(config, role)\n"
                     "        self.hf_overrides = hf_overrides\n"
                     "    def generate(self, prompts, sampling, prompt_limit=None):\n"
-                    "        return []\n")
+                    "        return []\n"
+                    "    def update_weights(self, bucket):\n"
+                    "        pass\n"
+                    "    def finalize_weights(self):\n"
+                    "        pass\n")
     return ["actor_rollout_ref.rollout.name=custom", f"actor_rollout_ref.rollout.custom_cls_path={path}",
             "actor_rollout_ref.rollout.custom_cls_name=Engine", "trainer.device=cpu", OVERRIDE]
 
