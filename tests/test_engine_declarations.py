@@ -105,7 +105,7 @@ def test_routes_and_graphs_are_asked_only_of_engines_that_declare_them(declared)
                                           "rollout.name=tiny"):
         cfg("plain", *R3)
     with pytest.raises(ConfigError, match="enforce_eager: false asks for CUDA graphs, which the plain engine does "
-                                          "not capture \\(engines that do: native, tiny\\)"):
+                                          "not capture \\(engines that do: native, tiny, vllm\\)"):
         cfg("plain", "actor_rollout_ref.rollout.enforce_eager=false")
 
 

@@ -22,6 +22,7 @@ import stat
 
 from megarl.config.errors import ConfigError
 from megarl.data.dataset import check_prompt
+from megarl.engines.vllm import check_cpu as check_vllm_cpu
 from megarl.models.spec import ModelSpec
 from megarl.reward.rules import check_data_sources, rule_for
 from megarl.storage.private_out import check_output_dir
@@ -169,6 +170,21 @@ def check_engine_kwarg_values(cfg) -> None:
             raise ConfigError(f"is {value!r}; give a positive whole number of bytes per GPU, or remove it to size "
                               "the KV cache from gpu_memory_utilization",
                               f"actor_rollout_ref.rollout.engine_kwargs.vllm.{name}")
+
+
+def check_vllm_on_cpu(cfg, has_gpu) -> None:
+    """rollout.name=vllm where the trainer's device resolves to cpu (`has_gpu()` decides auto): the
+    CPU backend's limits (megarl/engines/vllm.py check_cpu), the model's head size where its
+    config.json already exists (a bootstrapped model is checked where the engine is built)."""
+    device = cfg.trainer.device
+    if cfg.rollout.name != "vllm" or device == "cuda" or (device == "auto" and has_gpu()):
+        return
+    config_json = os.path.join(cfg.model.path or "", "config.json")
+    hf_config = {}
+    if os.path.isfile(config_json):
+        with open(config_json) as f:
+            hf_config = json.load(f)
+    check_vllm_cpu(cfg.rollout, hf_config)
 
 
 def check_data_sources_scored(cfg) -> None:

