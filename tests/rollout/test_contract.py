@@ -124,3 +124,18 @@ def test_an_engine_written_from_the_contract_alone_trains(addition_model_dir, tm
     step = next(r for r in records if r["step"] == 1)
     assert step["response_length/mean"] > 0 and torch.isfinite(torch.tensor(step["actor/pg_loss"]))
     assert step["rollout_corr/max_abs_log_prob_diff"] < 1e-3, step["rollout_corr/max_abs_log_prob_diff"]
+
+
+def test_the_agent_loop_reports_its_engines_state():
+    """AgentLoop implements the contract around an engine: admit()'s state is the wrapped engine's."""
+    from megarl.examples.tool_use.model import build_tokenizer
+    from megarl.rollout.multiturn import AgentLoop
+    engine = Echo()
+    loop = AgentLoop(engine, build_tokenizer(), {})
+    assert loop.guard is engine.guard and loop.weights is engine.weights and not loop.asleep
+    loop.sleep()
+    assert engine.asleep and loop.asleep
+    with pytest.raises(RuntimeError, match="asleep: call wake"):
+        loop.generate_sequences(prompt_batch([[3, 4]], max_tokens=1))
+    loop.wake()
+    assert loop.generate_sequences(prompt_batch([[3, 4]], max_tokens=1)).batch["responses"].tolist() == [[4]]
