@@ -63,7 +63,7 @@ def model_dirs(tmp_path_factory):
     for name in MODELS:
         d = tmp_path_factory.mktemp(name)
         shutil.copy(os.path.join(ASSETS, name, "config.json"), d / "config.json")
-        tok = save_tokenizer(str(d))
+        tok = save_tokenizer(str(d), size=json.loads((d / "config.json").read_text())["vocab_size"])
         tok.chat_template = CHATML
         tok.save_pretrained(str(d))
         sparse_safetensors(str(d / "model.safetensors"), json.loads((d / "config.json").read_text()))

@@ -33,7 +33,7 @@ def inputs(tmp_path_factory) -> tuple[str, str]:
     from tests.rollout.fixtures import save_tokenizer
     model = tmp_path_factory.mktemp(SEVEN_B)
     (model / "config.json").write_text(json.dumps(_seven_b()))
-    tok = save_tokenizer(str(model))
+    tok = save_tokenizer(str(model), size=_seven_b()["vocab_size"])
     tok.chat_template = CHATML
     tok.save_pretrained(str(model))
     sparse_safetensors(str(model / "model.safetensors"), _seven_b())
@@ -43,7 +43,8 @@ def inputs(tmp_path_factory) -> tuple[str, str]:
 
 
 def _run(inputs, monkeypatch, capsys, tmp_path, *overrides):
-    return _check(CONFIG, inputs[0], inputs[1], monkeypatch, capsys, *AS_SHIPPED,
+    # no saves: a 7B checkpoint (~100 GiB) is more than this machine's disk, which the free-space check refuses
+    return _check(CONFIG, inputs[0], inputs[1], monkeypatch, capsys, *AS_SHIPPED, "trainer.save_freq=-1",
                   f"trainer.default_local_dir={tmp_path}/run", *overrides)
 
 
@@ -178,3 +179,16 @@ def test_the_critic_is_the_actor_without_its_lm_head(monkeypatch):
     a, c = rows["actor"].static, rows["critic"].static
     assert abs((a.params - c.params) - 2 * head) <= 2 * 256 and abs((a.grads - c.grads) - 4 * head) <= 4 * 256
     assert rows["critic"].activations == rows["actor"].activations   # same layer stack, same micro-batches
+
+
+def test_lora_plans_the_frozen_base_and_says_what_it_leaves_out(monkeypatch):
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "80")
+    cfg = load_config(os.path.join(ROOT, "configs", CONFIG), [f"actor_rollout_ref.model.path={ASSETS}/{SEVEN_B}",
+                                                              "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                                                              "actor_rollout_ref.model.lora_rank=8",
+                                                              "actor_rollout_ref.ref.param_offload=false"])
+    plan = memory_plan(cfg, _seven_b())
+    assert [r.role for r in plan.rows] == ["actor"]              # the reference is LoRA's base: no model of its own
+    actor = plan.rows[0]
+    assert actor.static.grads == actor.static.optimizer == 0 and actor.static.params > 0
+    assert "lora: the base's weights; what it adds is not planned" in actor.note

@@ -35,8 +35,8 @@ from megarl.engines import EngineInfo, default_name, resolve
 from megarl.launcher.preflight_run import (check_architecture, check_columns, check_loggers, check_score_head,
                                            tokenizer_available)
 from megarl.launcher.preflight_run import (check_creatable_dir, check_data_sources_scored, check_engine_kwarg_values,
-                                           check_output_paths, check_vllm_on_cpu)
-from megarl.launcher.preflight_weights import check_vocab_size
+                                           check_output_paths)
+from megarl.launcher.preflight_weights import check_tokenizer_size, check_vocab_size
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
 from megarl.rollout.config_checks import check_engine_overrides
@@ -52,7 +52,6 @@ def preflight(cfg, not_checked: list[str] | None = None) -> None:
     check_model_paths(cfg)                     # first: a missing model is the first thing to fix
     check_data(cfg)
     check_device(cfg, check_engine(cfg, not_checked), not_checked)
-    check_vllm_on_cpu(cfg, _has_gpu)
     check_loggers(cfg)
     check_engine_kwarg_values(cfg)
     check_reward(cfg)
@@ -82,7 +81,9 @@ def check_with_tokenizer(cfg) -> None:
     from megarl.launcher.preflight_data import (check_datasets, check_model_overrides,  # torch
                                                 check_reward_on_a_row, load_tokenizer)
     check_model_overrides(cfg)
-    train = check_datasets(cfg, load_tokenizer(cfg))
+    tokenizer = load_tokenizer(cfg)
+    check_tokenizer_size(len(tokenizer), cfg.model.path, cfg.model.tokenizer_path or cfg.model.path)
+    train = check_datasets(cfg, tokenizer)
     check_reward_on_a_row(cfg, train)
 
 
@@ -221,8 +222,8 @@ def check_model_paths(cfg) -> None:
 
 
 def check_weight_format(path: str, key: str) -> None:
-    """Weights only as pickles (pytorch_model*.bin): megarl reads safetensors only and never unpickles a
-    model file, so the ranks would refuse it after start-up; said here, with the conversion."""
+    """Weights only as pickles (pytorch_model*.bin), or none at all: megarl reads safetensors only and
+    never unpickles a model file, so the ranks would refuse it after start-up; said here, with the fix."""
     names = os.listdir(path)
     if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
         for name in sorted(n for n in names if n.endswith(".safetensors")):
@@ -235,6 +236,9 @@ def check_weight_format(path: str, key: str) -> None:
         raise ConfigError(f"{path} holds its weights only as {pickles[0]}, a pickle megarl does not load (loading one "
                           "can run code); convert it once where you trust the file: AutoModelForCausalLM."
                           "from_pretrained(path).save_pretrained(path, safe_serialization=True)", key)
+    raise ConfigError(f"{path} holds config.json but no weights (no *.safetensors file); the ranks would stop on it "
+                      "after start-up: download the whole checkpoint there (`hf download <repo id> --local-dir "
+                      f"{path}`) or point the key at a directory with config.json and *.safetensors", key)
 
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,

@@ -4,6 +4,9 @@
     vocab   the embedding's and lm_head's rows equal config.json's vocab_size; otherwise the
             ranks build the model from config.json, load every other tensor, and stop at the
             first of these with a shape error from each rank
+    tokenizer  its size is config.json's vocab_size less at most the rows models pad the
+            vocabulary with; a directory without tokenizer files gives a 1-token tokenizer
+            (transformers builds one from config.json alone), which tokenizes every prompt to nothing
 """
 from __future__ import annotations
 
@@ -55,3 +58,31 @@ def check_vocab_size(hf_config: dict, path: str, key: str = "actor_rollout_ref.m
                                       f"{name} of shape {list(shape)} ({shape[0]} rows); the config and the weights "
                                       f"disagree: set vocab_size to {shape[0]} if the weights are right, or re-save "
                                       "the model", key)
+
+
+# Models pad the embedding past the tokenizer for tensor-parallel shards (Megatron pads to 128 per
+# TP rank, so up to 1024 at TP 8): Qwen2.5-7B holds 152064 rows for 151665 tokens, DeepSeek-V3 129280
+# for 128815. More missing tokens than that (or than an eighth of a small vocabulary) is another
+# model's tokenizer, or none at all.
+VOCAB_PADDING = 1024
+
+
+def vocab_padding(vocab: int) -> int:
+    return min(VOCAB_PADDING, vocab // 8)
+
+
+def check_tokenizer_size(tokens: int, model_path: str, tokenizer_path: str,
+                         key: str = "actor_rollout_ref.model.tokenizer_path") -> None:
+    """The tokenizer's size (len(tokenizer), added tokens included) against the vocab_size of the
+    model's config.json (read and checked before: check_model_paths)."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        vocab = _vocab_size(json.load(f))
+    if vocab is None or tokens >= vocab - vocab_padding(vocab):
+        return
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    found = [f for f in files if os.path.isfile(os.path.join(tokenizer_path, f))]
+    why = (f"it holds none of {', '.join(files)}, so transformers built a tokenizer from config.json alone" if not found
+           else "it is not this model's tokenizer")
+    raise ConfigError(f"the tokenizer in {tokenizer_path} has {tokens} tokens, but the model's vocab_size is {vocab} "
+                      f"(more than the {vocab_padding(vocab)} rows a model pads its vocabulary with): {why}; copy the "
+                      "model's tokenizer files there or set actor_rollout_ref.model.tokenizer_path to them", key)

@@ -29,14 +29,14 @@ def save_model(out_dir: str, kind: str = "qwen2", seed: int = 0, **overrides):
     return model
 
 
-def save_tokenizer(out_dir: str):
+def save_tokenizer(out_dir: str, size: int = VOCAB):
     """In a directory of its own: transformers 5 picks a tokenizer class from a config.json's
     model_type and would swap in that class's decoder. Word-level: token i is the word "w{i:02d}",
 so text and ids round-trip exactly (fixed width,
     so the special tokens w00 / w01 never match inside another word)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
-    vocab = {f"w{i:02d}": i for i in range(VOCAB)}
+    vocab = {f"w{i:02d}": i for i in range(size)}     # size: a model's vocab_size, for --check's size check
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w00"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
