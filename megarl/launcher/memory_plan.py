@@ -191,7 +191,10 @@ def memory_plan(cfg, hf_config: dict, critic_hf: dict | None = None) -> Plan:
     if cfg.critic.enable:
         cspec = spec if critic_hf is None else ModelSpec.from_hf_config(critic_hf)
         roles.append(("critic", cfg.critic.megatron, actor.dtype, cspec, "value", True, cfg.critic))
-    if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    # A model converter (LoRA) freezes the base and trains what it adds: the plan holds the base's
+    # weights and says that the added parameters' bytes are not in it.
+    converted = sorted(cfg.model.converter_options())
+    if (actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not cfg.model.reference_is_base:
         ref = cfg.actor_rollout_ref.ref
         roles.append(("ref", ref.megatron or actor.megatron, actor.dtype, spec, "lm", False, None))
     for role, mc, dtype, rspec, head, trainable, rcfg in roles:
@@ -206,12 +209,14 @@ def memory_plan(cfg, hf_config: dict, critic_hf: dict | None = None) -> Plan:
         mini_rows = (rcfg.ppo_mini_batch_size or 1) * ro.n // max(lay.dp, 1) if rcfg is not None else 0
         n_micro = max(1, -(-mini_rows // max(micro_rows, 1)))
         for pp_rank in range(lay.pp):
-            static = static_bytes(rspec, lay, pp_rank, head, trainable)
+            base_only = role == "actor" and bool(converted)
+            static = static_bytes(rspec, lay, pp_rank, head, trainable and not base_only)
             act = activation_bytes(rspec, lay, tokens, n_micro, lay.param_bytes) if trainable and pp_rank == 0 else 0
             offl = _offloaded(mc, static, gpu)
             if role == "ref" and gpu and cfg.actor_rollout_ref.ref.param_offload:
                 offl = static.params
             note = ", ".join(filter(None, [
+                f"{'/'.join(converted)}: the base's weights; what it adds is not planned" if base_only else "",
                 f"DP {lay.dp}" + (" distributed optimizer" if lay.distributed_optimizer and trainable else ""),
                 f"recompute {lay.recompute}" if lay.recompute else "",
                 (f"{tokens}-token micro-batches" if act else "")]))
