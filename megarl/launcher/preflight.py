@@ -35,7 +35,7 @@ from megarl.engines import EngineInfo, default_name, resolve
 from megarl.launcher.preflight_run import (check_architecture, check_columns, check_loggers, check_score_head,
                                            tokenizer_available)
 from megarl.launcher.preflight_run import (check_creatable_dir, check_data_sources_scored, check_engine_kwarg_values,
-                                           check_output_paths)
+                                           check_output_paths, check_vllm_on_cpu)
 from megarl.launcher.preflight_weights import check_tokenizer_size, check_vocab_size
 from megarl.reward.loading import RewardFnSpec, load_reward_fn
 from megarl.rollout.config import check_engine_asks
@@ -52,6 +52,7 @@ def preflight(cfg, not_checked: list[str] | None = None) -> None:
     check_model_paths(cfg)                     # first: a missing model is the first thing to fix
     check_data(cfg)
     check_device(cfg, check_engine(cfg, not_checked), not_checked)
+    check_vllm_on_cpu(cfg, _has_gpu)
     check_loggers(cfg)
     check_engine_kwarg_values(cfg)
     check_reward(cfg)
