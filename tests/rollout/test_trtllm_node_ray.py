@@ -156,6 +156,26 @@ def test_megarls_pools_run_in_the_jobs_cluster(cluster):
     assert done.value == address and os.environ.get("RAY_AUTH_MODE") == "token"
 
 
+def test_the_engine_places_its_workers_in_the_jobs_cluster(cluster, monkeypatch, tmp_path, one_torch_thread):
+    """TRTLLMEngine on the fake tensorrt_llm and this real Ray: the fake executor (RayExecutor's
+    create_workers) starts a real Ray actor in the bundle of the rank's GPU, which reports the GPU
+    Ray gave it through the launcher's CUDA_VISIBLE_DEVICES as RayWorkerWrapper reads it."""
+    from megarl.rollout.trtllm import TRTLLMEngine
+    from tests.rollout import trtllm_fake
+    from tests.rollout.fixtures import model_dirs, trtllm_config
+    _, address = cluster
+    dirs = model_dirs(str(tmp_path))
+    trtllm_fake.install(monkeypatch, "trtllm-1.3.0rc29.json", real_ray=True)
+    monkeypatch.setattr(node_ray, "job_key", lambda env: KEY)        # this module's job
+    engine = TRTLLMEngine(dirs["a"], trtllm_config(), device="cpu:1")
+    try:
+        assert engine.llm.workers == ["GPU-fake-1"]
+        assert engine.llm.kwargs["ray_placement_config"].placement_groups[0].id == node_ray.node_bundles(ray, KEY).pg.id
+    finally:
+        engine.close()
+    assert ray.is_initialized() and ray.get_runtime_context().gcs_address == address, "the cluster outlives the LLM"
+
+
 class PlacementGroup:
     """Named as Ray's class: the fake's RayPlacementConfig checks the type by name."""
 

@@ -212,9 +212,13 @@ def build(snapshot_name: str, overrides: dict | None = None) -> dict[str, types.
             "tensorrt_llm._torch": torch_pkg, "tensorrt_llm._torch.utils": utils, **make_ray().modules, **mods}
 
 
-def install(monkeypatch, snapshot_name: str, overrides: dict | None = None) -> types.ModuleType:
-    """Put the fake package (and a fake ray) in sys.modules for one test; returns the top module."""
+def install(monkeypatch, snapshot_name: str, overrides: dict | None = None, real_ray: bool = False
+            ) -> types.ModuleType:
+    """Put the fake package (and a fake ray, unless `real_ray`) in sys.modules for one test;
+    returns the top module."""
     mods = build(snapshot_name, overrides)
+    if real_ray:
+        mods = {k: v for k, v in mods.items() if k != "ray" and not k.startswith("ray.")}
     # torch's reduce_tensor of a CUDA tensor, which this CPU cannot make (trtllm_fake_ipc.py)
     from megarl.rollout.trtllm import comm
     monkeypatch.setattr(comm, "reduce_tensor", reduce_cuda_like)
