@@ -179,3 +179,16 @@ def test_the_critic_is_the_actor_without_its_lm_head(monkeypatch):
     a, c = rows["actor"].static, rows["critic"].static
     assert abs((a.params - c.params) - 2 * head) <= 2 * 256 and abs((a.grads - c.grads) - 4 * head) <= 4 * 256
     assert rows["critic"].activations == rows["actor"].activations   # same layer stack, same micro-batches
+
+
+def test_lora_plans_the_frozen_base_and_says_what_it_leaves_out(monkeypatch):
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "80")
+    cfg = load_config(os.path.join(ROOT, "configs", CONFIG), [f"actor_rollout_ref.model.path={ASSETS}/{SEVEN_B}",
+                                                              "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                                                              "actor_rollout_ref.model.lora_rank=8",
+                                                              "actor_rollout_ref.ref.param_offload=false"])
+    plan = memory_plan(cfg, _seven_b())
+    assert [r.role for r in plan.rows] == ["actor"]              # the reference is LoRA's base: no model of its own
+    actor = plan.rows[0]
+    assert actor.static.grads == actor.static.optimizer == 0 and actor.static.params > 0
+    assert "lora: the base's weights; what it adds is not planned" in actor.note
