@@ -19,6 +19,7 @@ import pytest
 from megarl.rollout.trtllm import node_ray
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow           # three Ray clusters and their actors start
 GPUS = 4
 
 
