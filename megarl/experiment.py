@@ -24,7 +24,7 @@ from megarl.algos.registry import check_algorithm_names
 from megarl.config.errors import ConfigError
 from megarl.config.interpolate import resolve
 from megarl.config.loader import apply_overrides, deep_merge, read_yaml
-from megarl.config.model_path import confine_bootstrap
+from megarl.config.model_path import confine_bootstrap, use_hub_cache
 from megarl.config.recipe_keys import refuse_recipe_keys
 from megarl.config.refused import (check_refused, check_reward_kwargs, drop_legacy_nulls, move_sections,
                                    rename_keys, take_reward_kwargs)
@@ -308,6 +308,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     raw = read_yaml(path) if path else {}
     raw = apply_overrides(raw, list(overrides))
     confine_bootstrap(raw, path, list(overrides))   # a bootstrap builds only its own path (config/model_path.py)
+    use_hub_cache(raw)                              # a hub id already in HF_HOME's cache: its snapshot, no download
     try:
         return build_config(raw)
     except ConfigError as err:

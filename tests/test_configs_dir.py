@@ -57,7 +57,7 @@ def test_check_from_another_directory(config, tmp_path, gsm8k_dir, monkeypatch, 
     out = capsys.readouterr()
     if os.path.basename(config) in NEEDS_A_DOWNLOAD:
         assert code == 2 and out.err.count("\n") == 1, out.err
-        assert "huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir models/Qwen2.5-7B-Instruct" in out.err
+        assert "hf download Qwen/Qwen2.5-7B-Instruct --local-dir models/Qwen2.5-7B-Instruct" in out.err
     elif (os.path.basename(config) in CHECK_ONLY and importlib.util.find_spec("vllm") is None
           and not os.environ.get("CI")):
         # Where vLLM is not installed (CI installs it), --check must say so in one line.

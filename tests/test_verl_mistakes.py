@@ -108,7 +108,7 @@ def run_main(args, cwd, monkeypatch, capsys):
 
 MISTAKES = [  # (id, overrides (MODEL = the working tiny model), the words of its one line)
     ("hub id as model.path", ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct"],
-     "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct"),
+     "hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct"),
     ("typo in model.path", ["actor_rollout_ref.model.path=models/qwen-typo"], "models/qwen-typo does not exist"),
     ("model.path is a file", ["actor_rollout_ref.model.path=@model_file"], "is a file; give the HF checkpoint"),
     ("unsupported architecture", ["actor_rollout_ref.model.path=@gpt2"], "unsupported architecture model_type='gpt2'"),

@@ -5,7 +5,10 @@
   only when that path does not exist yet. A config that inherits a bootstrap but points
   `model.path` elsewhere (verl's `model.path=Qwen/Qwen2.5-0.5B-Instruct`, or a typo) loads that
   path, so a missing one is an error, not a toy model built there.
-- A missing path that looks like a Hugging Face hub id (ORG/NAME) says how to download it.
+- A path that looks like a Hugging Face hub id (ORG/NAME) and is no directory here is read from the
+  Hugging Face cache (HF_HOME) when a complete snapshot of it is there (`use_hub_cache`, at config
+  load, on the launcher and every rank alike: local files only, nothing is downloaded); otherwise
+  the error says how to download it.
 - A path that is a file, or a directory without config.json, is an error; nothing is created.
 """
 from __future__ import annotations
@@ -13,9 +16,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
 from megarl.config.errors import ConfigError
 from megarl.config.loader import BASE_KEY, load_yaml_text, read_yaml
-from megarl.config.paths import looks_like_hub_id
+from megarl.config.paths import HUB_ID_OR_DIR, looks_like_hub_id
 
 MODEL = ("actor_rollout_ref", "model")
 KEY = "actor_rollout_ref.model.path"
@@ -61,12 +67,37 @@ def confine_bootstrap(raw: dict, config_path: str | None, overrides: list[str]) 
     return raw
 
 
+def cached_snapshot(repo_id: str) -> str | None:
+    """The directory of `repo_id`'s snapshot (refs/main) in the Hugging Face cache when huggingface_hub
+    finds it there complete, else None. Local files only: a rank never downloads."""
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def use_hub_cache(raw: dict) -> dict:
+    """`raw` with each model key that holds a hub id, where no such directory exists, set to that
+    id's snapshot in the Hugging Face cache when one is there (in place; returned for chaining)."""
+    for key in sorted(HUB_ID_OR_DIR):
+        *parents, leaf = key.split(".")
+        node: Any = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if (isinstance(value, str) and "${" not in value and looks_like_hub_id(value) and not os.path.isabs(value)
+                and not os.path.exists(value) and (snapshot := cached_snapshot(value))):
+            node[leaf] = snapshot
+    return raw
+
+
 def missing_model(path: str) -> ConfigError:
     if looks_like_hub_id(path) and not os.path.isabs(path):
         name = path.split("/")[-1]
-        return ConfigError(f"{path} does not exist here; it looks like a Hugging Face hub id, and megarl loads "
-                           f"local checkpoints: run `huggingface-cli download {path} --local-dir models/{name}` "
-                           f"and set {KEY}=models/{name}", KEY)
+        return ConfigError(f"{path} does not exist here and is not in the Hugging Face cache "
+                           f"({constants.HF_HUB_CACHE}); it looks like a hub id, and megarl downloads nothing: run "
+                           f"`hf download {path}` (into the cache; this path then works) or `hf download {path} "
+                           f"--local-dir models/{name}` and set {KEY}=models/{name}", KEY)
     hint = " (relative paths in a config file are taken from that file's folder)" if not os.path.isabs(path) else ""
     return ConfigError(f"{path} does not exist{hint}; point it at an HF checkpoint directory (config.json + "
                        "*.safetensors). A model.bootstrap builds only the path its own config names", KEY)

@@ -74,7 +74,7 @@ def vocab_padding(vocab: int) -> int:
 def check_tokenizer_size(tokens: int, model_path: str, tokenizer_path: str,
                          key: str = "actor_rollout_ref.model.tokenizer_path") -> None:
     """The tokenizer's size (len(tokenizer), added tokens included) against the vocab_size of the
-    model's config.json (read and checked before: check_model_paths)."""
+    model's config.json (which check_model_paths has read and checked)."""
     with open(os.path.join(model_path, "config.json")) as f:
         vocab = _vocab_size(json.load(f))
     if vocab is None or tokens >= vocab - vocab_padding(vocab):
