@@ -7,6 +7,7 @@ quickstart's addition task: same model, steps, seed and batch for the three.
     python benchmarks/async_speedup.py --longtail --steps 16 --test-freq 16 --rounds 1 --out runs/bench/longtail
     python benchmarks/async_speedup.py --seeds 1 2 3 --steps 100 --test-freq 50 --out runs/bench/seeds
     python benchmarks/async_speedup.py --longtail --engine-only --out runs/bench/longtail   # generation alone
+    python benchmarks/async_speedup.py --paced --steps 12 --test-freq 4 --out runs/bench/paced  # the GPU regime
                                                                  # (benchmarks/async_engine.py)
 
 Each mode is one `python -m megarl.train` run on the same 2 processes (one per core):
@@ -22,6 +23,11 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
     stream_k2_groups       stream_k2_tail with handoff=finished_groups: a step takes the first
                            finished groups, the tail's last ones go to a later step
     stream_k4_decoupled    stream_k4 trained with the decoupled PPO loss (--seeds: its accuracy question)
+    stream_k2_paced, stream_k4_paced   stream_k2/4 with tail_overlap=0.5 and handoff=finished_groups
+--paced runs sync, one_step and both paced streams on the 30-digit long-tailed task under the engine
+cost model (megarl/rollout/cost_model.py: a decode step and a prefill take what the built-in engine's
+take on an H100, times --pace-scale), so generation is the long phase as on a GPU node; every figure
+it prints is labelled as taken under the model, and the model is printed beside them.
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
 and draws accuracy against wall time (accuracy_vs_time.png in --out).
@@ -75,6 +81,15 @@ MODES["stream_k2_groups"] = [*MODES["stream_k2_tail"], "async_training.handoff=f
 # the correction for samples up to 4 versions old, against stream_k4's plain clipped loss.
 MODES["stream_k4_decoupled"] = [*MODES["stream_k4"], "actor_rollout_ref.actor.policy_loss.loss_mode=decoupled_ppo",
                                 "actor_rollout_ref.actor.policy_loss.behav_imp_weight_cap=5"]
+# The stream as built for a long tail: the next batch in the tail of the one before, steps made of
+# the first finished groups.
+for _k in (2, 4):
+    MODES[f"stream_k{_k}_paced"] = [*MODES[f"stream_k{_k}"], "async_training.tail_overlap=0.5",
+                                    "async_training.handoff=finished_groups"]
+# --paced: the long-tailed task under the engine cost model (the task of docs/measurements.md's
+# long-tailed section: 1 problem in 25 with 30-digit operands).
+PACED = dict(long_digits=30, long_fraction=0.04)
+PACED_MODES = ["sync", "one_step", "stream_k2_paced", "stream_k4_paced"]
 # --seeds: held-out accuracy at equal samples, one round per seed (the correction's question)
 SEED_MODES = ["sync", "stream_k4_decoupled", "stream_k4"]
 
@@ -169,7 +184,7 @@ def expected_speedup(gen: float, train: float, sync: float, devices: int = 64, a
     return best
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str, label: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,12 +195,35 @@ def plot(results: dict, path: str) -> None:
         ax.plot(*zip(*pts), "o-", label=name)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("held-out accuracy")
-    ax.set_title("addition task: sync colocated vs one-step off-policy vs partial rollout")
+    ax.set_title(label or "addition task: sync colocated vs one-step off-policy vs partial rollout", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def paced_report(summary: dict, results: dict, args) -> None:
+    """--paced: the speed-ups against the goals, the time to a held-out accuracy and the sync step's
+    phases, each line labelled with the cost model."""
+    print(f"[{args.label}]")
+    base, one = summary.get("sync"), summary.get("one_step")
+    for name, s in summary.items():
+        over = [f"{ref['step_s'] / s['step_s']:.2f}x {what}" for ref, what in ((one, "one_step"), (base, "sync"))
+                if ref]
+        phases = " ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
+        print(f"  {name:16s} {s['step_s']:.2f} s/step, {', '.join(over)} | {phases} (under the cost model)")
+    if base and "gen" in base["phases"]:
+        print(f"  sync step: generation {base['phases']['gen'] / base['step_s']:.0%} of it (under the cost model)")
+    finals = [x for s in summary.values() for x in s["final_val_per_round"] if x is not None]
+    target = args.target_accuracy if args.target_accuracy is not None else min(finals, default=None)
+    if target is None:
+        return
+    for name, rows in results.items():
+        t0 = rows[0]["time"]
+        hit = next((r["time"] - t0 for r in rows if r.get("val/accuracy", -1) >= target), None)
+        when = f"{hit:.0f} s" if hit is not None else "not reached"
+        print(f"  {name:16s} wall time to held-out accuracy {target:.3f}: {when} (under the cost model)")
 
 
 def main() -> None:
@@ -211,16 +249,30 @@ def main() -> None:
                     help=f"the long-tailed task, modes {' '.join(LONGTAIL_MODES)} unless --modes")
     ap.add_argument("--long-digits", type=int, default=LONGTAIL["long_digits"])
     ap.add_argument("--long-fraction", type=float, default=LONGTAIL["long_fraction"])
+    ap.add_argument("--paced", action="store_true",
+                    help=f"the long-tailed task {PACED} under the engine cost model, modes {' '.join(PACED_MODES)}")
+    ap.add_argument("--pace-scale", type=float, default=100.0,
+                    help="--paced: the cost model's scale (the H100's times, stretched to a CPU trainer's)")
+    ap.add_argument("--target-accuracy", type=float,
+                    help="--paced: wall time to this held-out accuracy (default: the lowest final one of the modes)")
     ap.add_argument("--engine-only", action="store_true", help="--longtail: generation alone, whole batch vs chunks")
     ap.add_argument("--batches", type=int, default=16, help="--engine-only: batches timed")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="--engine-only: the engine's device")
     ap.add_argument("--phases", action="store_true",
                     help="--engine-only: seconds in prefill, decode steps and the rest per schedule (synchronised)")
     args = ap.parse_args()
-    args.model_bootstrap = False
+    args.model_bootstrap, args.label = False, ""
+    if args.paced:
+        from megarl.rollout.cost_model import CostModelConfig, describe
+        args.label = describe(CostModelConfig(enable=True, scale=args.pace_scale))
+        vars(args).update(longtail=True, long_digits=PACED["long_digits"], long_fraction=PACED["long_fraction"],
+                          extra=["actor_rollout_ref.rollout.cost_model.enable=true",
+                                 f"actor_rollout_ref.rollout.cost_model.scale={args.pace_scale}", *args.extra])
+        if "--modes" not in sys.argv:
+            args.modes = PACED_MODES
     if args.longtail:
         model, extra = longtail_extra(args.out, args.long_digits, args.long_fraction)
-        if "--modes" not in sys.argv:
+        if "--modes" not in sys.argv and not args.paced:
             args.modes = LONGTAIL_MODES
         vars(args).update(model=model, extra=extra + args.extra, model_bootstrap=True)
     if args.engine_only:
@@ -286,8 +338,10 @@ def main() -> None:
             s, r = expected_speedup(p.get("gen", 0), train, p.get("sync", 0), alpha=alpha, tail=tail)
             print(f"pipeline model at 64 devices from the sync phases (alpha {alpha}, tail {tail}): "
                   f"{s:.2f}x with {r} generating")
+    if args.paced:
+        paced_report(summary, results, args)
     path = os.path.join(args.out, "accuracy_vs_time.png")
-    plot(results, path)
+    plot(results, path, args.label)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"plot: {path}")

@@ -1,0 +1,48 @@
+"""The stream under the engine cost model (megarl/rollout/cost_model.py), one process: the rollout
+ranks' loop with handoff=finished_groups on a long-tailed stream, its engine paced like a GPU,
+hands over exactly what it hands over unpaced, and the regime's events happen in it and are
+counted: steps of two batches' groups, deferred groups, stale groups regenerated, updates landing
+inside a pausable call, the model's sleeps.
+
+    python -m pytest -q tests/test_stream_paced.py
+"""
+from __future__ import annotations
+
+import torch
+
+from megarl.rollout.cost_model import CostModelConfig, pace
+from tests.test_async_pieces import _native_engine, _stream_worker, tiny  # noqa: F401  (tiny: a fixture)
+
+EXTRA = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
+         "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+         "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=16",
+         "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5",
+         "async_training.handoff=finished_groups")
+
+
+def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regime(tiny):  # noqa: F811
+    total, k, stops = 8, 2, list(range(80))
+    _, plain = _stream_worker(_native_engine(tiny), k, total, {}, EXTRA, stops)
+    engine = pace(_native_engine(tiny), CostModelConfig(enable=True, decode_s=2e-3, prefill_token_s=1e-4))
+    pausable, paused_calls = engine.generate_pausable, []
+
+    def counted(prompts, sampling, pause, every, *args, **kwargs):
+        answers = []
+        out = pausable(prompts, sampling, lambda left: answers.append(pause(left)) or answers[-1], every, *args,
+                       **kwargs)
+        paused_calls.append(any(answers))
+        return out
+    engine.generate_pausable = counted
+    _, paced = _stream_worker(engine, k, total, {}, EXTRA, stops)
+    assert len(paced) == len(plain) == total + 1
+    for a, b in zip(plain[:-1], paced[:-1]):
+        for key in ("responses", "token_versions", "rollout_log_probs", "input_ids"):
+            assert torch.equal(a["batch"].batch[key], b["batch"].batch[key]), key
+    metrics = [p["batch"].meta_info["async_metrics"] for p in paced[:-1]]
+    counts = {"two-batch steps": sum(m["handoff_batches"] == 2 for m in metrics),
+              "deferred groups": sum(m["deferred_groups"] for m in metrics),
+              "regenerated groups": sum(m["regenerated_groups"] for m in metrics),
+              "updates inside a call": sum(paused_calls),
+              "decode steps paced": engine.stats["decode_steps"]}
+    assert all(v > 0 for v in counts.values()), counts
+    assert engine.stats["paced_owed_s"] > 0 and "paced_s" in engine.stats
