@@ -124,13 +124,13 @@ class _LLM:
         return [0]
 
 
-def _engine(device: str, sleep_mode: bool):
+def _engine(device: str, sleeps: bool):
     """The engine's state after __init__, on a recording LLM (its constructor needs vLLM itself)."""
     from megarl.rollout.vllm.engine import VLLMEngine
     from megarl.rollout.weight_state import WeightState
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.device, engine.llm, engine.shapes = torch.device(device), _LLM(), {"w": (2,)}
-    engine.weights, engine.asleep, engine.sleep_mode = WeightState(["w"], ready=True), False, sleep_mode
+    engine.weights, engine.asleep, engine.sleeps = WeightState(["w"], ready=True), False, sleeps
     engine._weights_awake, engine._reloading, engine._broken = True, False, ""
     return engine
 
@@ -138,13 +138,13 @@ def _engine(device: str, sleep_mode: bool):
 def test_buckets_are_copied_to_the_engines_device():
     """On CUDA the bucket stays on the GPU; the meta device stands in for it here (a copy to the
     host would show as cpu)."""
-    engine = _engine("meta", sleep_mode=False)
+    engine = _engine("meta", sleeps=False)
     engine.update_weights([("w", torch.ones(2))])
     assert ("load_bucket", [("w", "meta")]) in engine.llm.calls
 
 
 def test_sleep_is_level_one_and_a_sync_wakes_the_weights_first():
-    engine = _engine("cpu", sleep_mode=True)
+    engine = _engine("cpu", sleeps=True)
     engine.sleep()
     engine.sleep()                                              # twice: once
     engine.update_weights([("w", torch.ones(2))])
@@ -158,15 +158,15 @@ def test_sleep_is_level_one_and_a_sync_wakes_the_weights_first():
 
 
 def test_a_wake_without_a_sync_wakes_everything():
-    engine = _engine("cpu", sleep_mode=True)
+    engine = _engine("cpu", sleeps=True)
     engine.sleep()
     engine.wake()
     assert engine.llm.calls == [("sleep", 1), ("wake_up", None), ("reset_prefix_cache",)]
 
 
 def test_an_engine_without_sleep_mode_refuses_to_sleep():
-    with pytest.raises(RuntimeError, match="built without sleep mode"):
-        _engine("cpu", sleep_mode=False).sleep()
+    with pytest.raises(RuntimeError, match="no sleep mode"):
+        _engine("cpu", sleeps=False).sleep()
 
 
 def test_check_accepts_vllm_on_cuda_without_a_gpu_here(tmp_path, addition_model_dir):

@@ -102,7 +102,8 @@ class VLLMEngine(BaseRollout):
         names = expected_names if expected_names is not None else list(self.shapes)
         self.weights = WeightState(names, ready=cfg.load_format != "dummy")
         self.asleep = False
-        self.sleep_mode = self.device.type == "cuda" and bool(cfg.free_cache_engine or cfg.enable_sleep_mode)
+        # read by the contract's checks (tests/rollout/conformance.py): False on CPU, where vLLM has none
+        self.sleeps = self.device.type == "cuda" and bool(cfg.free_cache_engine or cfg.enable_sleep_mode)
         self._weights_awake = True           # asleep: whether a sync already woke the weights
         self._mode: str | None = None
         self._reloading = False
@@ -207,9 +208,9 @@ class VLLMEngine(BaseRollout):
         self._end_reload()
 
     def sleep(self) -> None:
-        if not self.sleep_mode:
-            raise RuntimeError("this vLLM engine was built without sleep mode (on CPU, or with free_cache_engine and "
-                               "enable_sleep_mode false): it cannot sleep")
+        if not self.sleeps:
+            raise RuntimeError("this vLLM engine has no sleep mode (vLLM's CPU backend has none; on CUDA it is built "
+                               "with free_cache_engine or enable_sleep_mode true)")
         if self.asleep:
             return
         self.llm.sleep(level=1)
