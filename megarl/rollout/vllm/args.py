@@ -68,9 +68,9 @@ def set_environment() -> None:
 
 
 def check_config(cfg: RolloutConfig) -> None:
-    """verl's keys that vLLM cannot honour here, refused before vLLM loads. Sleep keys, and rollout
-    TP > 1 outside the colocated placement, are refused where the config is built, from
-    megarl/engines/vllm.py's declaration (sleeps=False, tp_colocated_only=True)."""
+    """verl's keys that vLLM cannot honour on any device, refused before vLLM loads. Rollout TP > 1
+    outside the colocated placement is refused where the config is built (megarl/engines/vllm.py:
+    tp_colocated_only=True); the CPU backend's own limits are check_cpu's there."""
     if cfg.quantization:
         raise ConfigError(f"={cfg.quantization!r}: megarl's weight sync sends full-precision HF tensors and its "
                           "log-probs must match the trainer's; remove it", f"{KEY}.quantization")
