@@ -6,7 +6,7 @@ least the wall time a GPU's would, by sleeping, so a CPU run is in the regime a 
 
 A decode step costs at least `decode_s + decode_row_s * rows` and a prefill `prefill_token_s` per
 prompt token, all times `scale`. The defaults are the built-in engine's on one H100 (docs/measurements.md,
-"2026-11-27: async training on the long-tailed task"): 0.46 ms a decode step, the same for few rows as
+the section on async training on the long-tailed task): 0.46 ms a decode step, the same for few rows as
 for many (CUDA graph replays), so no per-row term; 0.058 s of prefill for 512 prompts of that task,
 7.15 tokens each on average (16 us a token). `scale` stretches the GPU's time by the factor a CPU
 trainer is slower than a GPU's, so the two phases keep a GPU node's proportion; it is a choice, named
