@@ -8,6 +8,7 @@ is copied to TMPDIR.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -45,6 +46,12 @@ def test_a_file_swapped_after_the_check_is_refused_at_its_load(tmp_path):
     with pytest.raises(ConfigError, match="trainer_state.pt") as err:      # a resume's one line
         checkpointing.read_trainer_state(step)
     assert "\n" not in str(err.value)
+    # the same bytes in a file others may write (another user's directory moved in): refused, not read
+    shutil.copy(os.path.join(step, "rng", "rank_0.pt"), tmp_path / "open.pt")
+    os.chmod(tmp_path / "open.pt", 0o664)
+    os.replace(tmp_path / "open.pt", os.path.join(step, "rng", "rank_0.pt"))
+    with pytest.raises(verified_io.Refused, match=r"rng/rank_0.pt is writable by group \(mode 664\)"):
+        verified_io.load_sealed(step, "rng/rank_0.pt")
     # a link put in its place is not followed
     os.remove(os.path.join(step, "rng", "rank_0.pt"))
     os.symlink(os.path.join(step, "trainer_state.pt"), os.path.join(step, "rng", "rank_0.pt"))
