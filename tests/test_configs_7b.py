@@ -15,45 +15,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 
 import pytest
 
-import megarl.train as train_mod
 from megarl.experiment import load_config
-from megarl.models.convert import hf_shapes
 from megarl.models.spec import ModelSpec
+from tests.helpers.real_models import ASSETS, CHATML, ROOT, check_config, sparse_safetensors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ASSETS = os.path.join(ROOT, "tests", "assets", "models")
 GPU_CONFIGS = ["grpo_gsm8k_qwen2.5_7b.yaml", "ppo_gsm8k_qwen2.5_7b.yaml"]
 MODELS = {"qwen2.5-7b-instruct": 7.6, "qwen3-30b-a3b": 30.5}      # billions of parameters
 # The largest rollout TP of one 8-GPU node: both models have 4 KV heads; 30B-A3B's 32 query heads take
 # TP 8 (two ranks per KV head, replicated); 8 does not divide 7B's 28, so a node runs it at TP 4.
 ROLLOUT_TP = {"qwen2.5-7b-instruct": 4, "qwen3-30b-a3b": 8}
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Where the machine has neither, the engine and the device are the two things --check cannot judge here.
 ON_CPU = ["actor_rollout_ref.rollout.name=native", "trainer.device=cpu", "trainer.logger=[console]"]
 # A 30B checkpoint wants ~230 GB free beside the run, which a cluster's project storage has and this
 # machine's disk may not: the test saves nothing.
 NO_SAVES = "trainer.save_freq=-1"
-
-
-def sparse_safetensors(path: str, hf_config: dict) -> None:
-    """model.safetensors with every tensor megarl reads, bf16 at its real shape; the body is a hole."""
-    header, offset = {}, 0
-    for name, shape in hf_shapes(ModelSpec.from_hf_config(hf_config), "lm").items():
-        size = 2
-        for dim in shape:
-            size *= dim
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        f.truncate(8 + len(text) + offset)
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +62,11 @@ def test_gpu_configs_ask_for_cuda(config):
     assert load_config(os.path.join(ROOT, "configs", config)).trainer.device == "cuda"
 
 
-def _check(config: str, model: str, data: str, monkeypatch, capsys, *overrides: str) -> tuple[int, str, str]:
-    monkeypatch.setenv("MODEL", model)
-    monkeypatch.setenv("DATA", data)
-    monkeypatch.setattr(train_mod, "spawn_ranks", lambda *a, **k: pytest.fail("a rank was started"))
-    code = train_mod.main(["--config", os.path.join(ROOT, "configs", config), "--check", *overrides])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("config", GPU_CONFIGS)
 def test_shipped_config_checks_out_on_the_real_model(config, model, model_dirs, data_dir, monkeypatch, capsys,
                                                      tmp_path):
-    code, out, err = _check(config, model_dirs[model], data_dir, monkeypatch, capsys, *ON_CPU,
+    code, out, err = check_config(config, model_dirs[model], data_dir, monkeypatch, capsys, *ON_CPU,
                             "trainer.allow_large_model_on_cpu=true", NO_SAVES,
                             f"trainer.default_local_dir={tmp_path}/run",
                             f"actor_rollout_ref.rollout.tensor_model_parallel_size={ROLLOUT_TP[model]}")
@@ -107,13 +76,13 @@ def test_shipped_config_checks_out_on_the_real_model(config, model, model_dirs, 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_large_model_on_cpu_is_refused_in_one_line(model, model_dirs, data_dir, monkeypatch, capsys):
-    code, _, err = _check(GPU_CONFIGS[0], model_dirs[model], data_dir, monkeypatch, capsys, *ON_CPU)
+    code, _, err = check_config(GPU_CONFIGS[0], model_dirs[model], data_dir, monkeypatch, capsys, *ON_CPU)
     assert code == 2 and err.count("\n") == 1, err
     billions = f"{MODELS[model]:.1f}B parameters"
     assert f"trainer.device: is cpu, and the model has {billions}" in err
     assert "trainer.allow_large_model_on_cpu=true" in err and "trainer.device=cuda" in err
     if not __import__("torch").cuda.is_available():    # auto without a GPU is CPU too
-        code, _, err = _check(GPU_CONFIGS[0], model_dirs[model], data_dir, monkeypatch, capsys, *ON_CPU,
+        code, _, err = check_config(GPU_CONFIGS[0], model_dirs[model], data_dir, monkeypatch, capsys, *ON_CPU,
                               "trainer.device=auto")
         assert code == 2 and "is auto and this machine has no usable GPU" in err, err
 

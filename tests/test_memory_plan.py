@@ -17,7 +17,7 @@ from megarl.experiment import load_config
 from megarl.launcher.memory_plan import DEVICE_MEMORY_ENV, memory_plan
 from megarl.launcher.memory_terms import Layout, activation_bytes
 from megarl.models.spec import ModelSpec
-from tests.test_configs_7b import ASSETS, CHATML, ROOT, _check, sparse_safetensors
+from tests.helpers.real_models import ASSETS, CHATML, ROOT, check_config, sparse_safetensors
 
 CONFIG = "grpo_gsm8k_qwen2.5_7b.yaml"
 SEVEN_B = "qwen2.5-7b-instruct"
@@ -44,7 +44,7 @@ def inputs(tmp_path_factory) -> tuple[str, str]:
 
 def _run(inputs, monkeypatch, capsys, tmp_path, *overrides):
     # no saves: a 7B checkpoint (~100 GiB) is more than this machine's disk, which the free-space check refuses
-    return _check(CONFIG, inputs[0], inputs[1], monkeypatch, capsys, *AS_SHIPPED, "trainer.save_freq=-1",
+    return check_config(CONFIG, inputs[0], inputs[1], monkeypatch, capsys, *AS_SHIPPED, "trainer.save_freq=-1",
                   f"trainer.default_local_dir={tmp_path}/run", *overrides)
 
 

@@ -5,6 +5,8 @@ that ExperimentConfig runs once when built (megarl/experiment.py RULES, MODEL_RU
 """
 from __future__ import annotations
 
+import sys
+
 from megarl.config.errors import ConfigError
 from megarl.models.spec import ModelSpec, check_experts, check_window
 
@@ -247,8 +249,10 @@ def check_model_on_cpu(cfg, hf_config: dict) -> None:
     if tr.allow_large_model_on_cpu or tr.device == "cuda":
         return
     if tr.device == "auto":
-        import torch  # lazy: the launcher loads torch only when it must
-        if torch.cuda.is_available():
+        # What auto means is known where torch is loaded (the preflight's device check, the ranks);
+        # a config read before that, torch-free, leaves it to them.
+        torch = sys.modules.get("torch")
+        if torch is None or torch.cuda.is_available():
             return
     try:
         count = ModelSpec.from_hf_config(hf_config).num_parameters()
