@@ -219,7 +219,7 @@ def paced_report(summary: dict, results: dict, args) -> None:
     target = args.target_accuracy if args.target_accuracy is not None else min(finals, default=None)
     if target is None:
         return
-    for name, rows in results.items():
+    for name, (rows, *_) in results.items():
         t0 = rows[0]["time"]
         hit = next((r["time"] - t0 for r in rows if r.get("val/accuracy", -1) >= target), None)
         when = f"{hit:.0f} s" if hit is not None else "not reached"
