@@ -2,11 +2,13 @@
 ranks' loop with handoff=finished_groups on a long-tailed stream, its engine paced like a GPU,
 hands over exactly what it hands over unpaced, and the regime's events happen in it and are
 counted: steps of two batches' groups, deferred groups, stale groups regenerated, updates landing
-inside a pausable call, the model's sleeps.
+inside a pausable call, updates waited for with the buffer full, decode steps paced.
 
     python -m pytest -q tests/test_stream_paced.py
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -20,8 +22,16 @@ EXTRA = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disag
          "async_training.handoff=finished_groups")
 
 
-def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regime(tiny):  # noqa: F811
+def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regime(tiny, monkeypatch):  # noqa: F811
+    from megarl.trainer.fit_async import RolloutWorker
     total, k, stops = 8, 2, list(range(80))
+    full = []                 # updates waited for in serve(): nothing in flight and no room to start one
+    take = RolloutWorker._take_update
+
+    def counted_take(self):
+        full.append(sys._getframe(1).f_code.co_name == "serve")
+        return take(self)
+    monkeypatch.setattr(RolloutWorker, "_take_update", counted_take)
     _, plain = _stream_worker(_native_engine(tiny), k, total, {}, EXTRA, stops)
     engine = pace(_native_engine(tiny), CostModelConfig(enable=True, decode_s=2e-3, prefill_token_s=1e-4))
     pausable, paused_calls = engine.generate_pausable, []
@@ -42,7 +52,7 @@ def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regim
     counts = {"two-batch steps": sum(m["handoff_batches"] == 2 for m in metrics),
               "deferred groups": sum(m["deferred_groups"] for m in metrics),
               "regenerated groups": sum(m["regenerated_groups"] for m in metrics),
-              "updates inside a call": sum(paused_calls),
+              "updates inside a call": sum(paused_calls), "waits with the buffer full": sum(full),
               "decode steps paced": engine.stats["decode_steps"]}
     assert all(v > 0 for v in counts.values()), counts
     assert engine.stats["paced_owed_s"] > 0 and "paced_s" in engine.stats
