@@ -264,7 +264,11 @@ def main() -> None:
     args.model_bootstrap, args.label = False, ""
     if args.paced:
         from megarl.rollout.cost_model import CostModelConfig, describe
-        args.label = describe(CostModelConfig(enable=True, scale=args.pace_scale))
+        # the label is the model the runs get: --extra may override its terms
+        prefix = "actor_rollout_ref.rollout.cost_model."
+        terms = {k[len(prefix):]: float(v) for k, _, v in (e.partition("=") for e in args.extra)
+                 if k.startswith(prefix) and k[len(prefix):] not in ("enable", "scale")}
+        args.label = describe(CostModelConfig(enable=True, scale=args.pace_scale, **terms))
         vars(args).update(longtail=True, long_digits=PACED["long_digits"], long_fraction=PACED["long_fraction"],
                           extra=["actor_rollout_ref.rollout.cost_model.enable=true",
                                  f"actor_rollout_ref.rollout.cost_model.scale={args.pace_scale}", *args.extra])
