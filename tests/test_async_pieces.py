@@ -2,13 +2,14 @@
 hand-computed numbers, and partial (chunked) generation on the native engine against
 transformers as the oracle, with a weight update between two chunks."""
 import math
-import pickle
 
 import pytest
 import torch
 
 from megarl.algos.rollout_correction import masked_token_fraction, rollout_is_metrics, rollout_is_weights
 from megarl.algos.staleness import sample_versions, stale_rows, staleness_metrics
+from tests.helpers.stream_parts import PROMPTS3, TrainerSide, native_engine, rollout_worker, stream_worker
+from tests.helpers.stream_parts import prompts as three_prompts
 
 # ratios r = pi_old / pi_rollout per token: 1.0, 2.0, 0.5, 4.0 | 1.2, 0.25, (pad), (pad)
 R = torch.tensor([[1.0, 2.0, 0.5, 4.0], [1.2, 0.25, 1.0, 1.0]])
@@ -148,55 +149,12 @@ def test_partial_rollout_continues_under_new_weights(tiny):
     assert all(math.isfinite(lp) and lp <= 0 for gr in runs[0] for c in gr for lp in c.log_probs)
 
 
-def _native_engine(path):
-    from transformers import AutoModelForCausalLM
-
-    from megarl.rollout.config import RolloutConfig
-    from megarl.rollout.registry import build_rollout
-    engine = build_rollout(RolloutConfig(name="native", dtype="float32"), path)
-    engine.update_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
-    engine.finalize_weights()
-    return engine
-
-
-def _rollout_worker(engine, overrides):
-    """A RolloutWorker of one rollout rank (no torch.distributed), on a real native engine."""
-    from megarl.experiment import load_config
-    from megarl.parallel.state import Layout
-    from megarl.rollout.sampling import train_sampling
-    from megarl.trainer.fit_async import RolloutWorker
-    from megarl.trainer.parts import RolloutParts
-    from megarl.trainer.ranks import Ranks
-
-    cfg = load_config(None, ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=4",
-                             *overrides])
-    w = RolloutWorker.__new__(RolloutWorker)
-    w.cfg, w.acfg, w.version = cfg, cfg.async_training, 3
-    w.p = RolloutParts(tokenizer=None, pad_token_id=0, train_loader=None, val_loader=None, total_steps=0,
-                       rollout=engine, weight_sync=None, reward=None)
-    w.ranks = Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu"), train=Layout(1, 1, 1, 0, 0, 0),
-                    rollout_tp=1, rollout_dp=1, rollout_dp_rank=0, rollout_tp_rank=0, rollout_group=None)
-    w.sampling = train_sampling(cfg.rollout, [2])
-    return w
-
-
-PROMPTS3 = [[5, 17, 42], [3, 3, 9], [7, 8]]
-
-
-def _prompts():
-    import numpy as np
-
-    from megarl.protocol import DataProto
-    return DataProto(non_tensor_batch={"prompt_token_ids": np.array(PROMPTS3, dtype=object),
-                                       "uid": np.array(["a", "b", "c"], dtype=object)})
-
-
 def test_stale_groups_are_regenerated_or_dropped(tiny):
     """RolloutWorker.enforce_staleness on a real native engine (one rollout rank)."""
     import dataclasses
 
-    w = _rollout_worker(_native_engine(tiny), ["async_training.max_staleness=1"])
-    prompts = _prompts()
+    w = rollout_worker(native_engine(tiny), ["async_training.max_staleness=1"])
+    prompts = three_prompts()
     batch = w.generate(prompts, t=4)
     assert (batch.batch["token_versions"][batch.batch["response_mask"] > 0] == 3).all()
     # Pretend prompt "b"'s second sample began under version 1: 2 behind version 3 (batch 4).
@@ -215,59 +173,14 @@ def test_stale_groups_are_regenerated_or_dropped(tiny):
 def test_rollout_ranks_sample_with_rollout_seed(tiny):
     """Disaggregated placement: the rollout ranks' sampling seed is rollout.seed when set, as in
     the colocated loop, never trainer.seed (which would accept rollout.seed and ignore it)."""
-    engine = _native_engine(tiny)
+    engine = native_engine(tiny)
 
     def responses(*overrides):
-        return _rollout_worker(engine, overrides).generate(_prompts(), t=4).batch["responses"]
+        return rollout_worker(engine, overrides).generate(three_prompts(), t=4).batch["responses"]
 
     by_rollout_seed = responses("trainer.seed=1", "actor_rollout_ref.rollout.seed=5")
     assert torch.equal(by_rollout_seed, responses("trainer.seed=5"))
     assert not torch.equal(by_rollout_seed, responses("trainer.seed=1"))
-
-
-class _TrainerSide:
-    """The trainer's half of the bridge, played by the test: it takes every hand-off and, as a
-    trainer slower than the engine, never signals an update ahead of time; an update becomes
-    available when the engine blocks for it. The engine's weights stay those of version 0 (the
-    sync carries no tensors here): the schedule and the version labels are what is under test."""
-
-    def __init__(self, start):
-        self.start, self.payloads = start, []
-
-    def broadcast_object(self, payload, src):
-        if payload is None:
-            return self.start            # send_start
-        self.payloads.append(pickle.loads(pickle.dumps(payload)))     # a copy, as the wire makes one
-        return payload
-
-    def arrived(self, version):
-        return False
-
-    def take(self, version):
-        return version
-
-    def sync(self):
-        return {}
-
-
-def _stream_worker(engine, k, total, start, extra=(), stops=None):
-    import dataclasses
-    from collections import deque
-
-    from megarl.data.loader import PromptLoader
-    from megarl.trainer.rollout_stream import Period
-    w = _rollout_worker(engine, [f"async_training.max_staleness={k}", "trainer.test_freq=-1", "trainer.save_freq=2",
-                                 *extra])
-    loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 6)], 3, seed=2)
-    start = {"step": 0, "inflight": False, "loader": loader.sampler.state_dict(), **start}
-    side = _TrainerSide(start)
-    w.ranks = dataclasses.replace(w.ranks, world_group=side, handoff_group=side, n_trainers=1)
-    w.p = dataclasses.replace(w.p, train_loader=loader, weight_sync=side, total_steps=total)
-    w.signal, w.total, w.depth, w.val, w.period, w.buffer = side, total, max(1, k), {}, Period(), deque()
-    if stops is not None:
-        w.sampling = w.sampling.with_(stop_token_ids=stops)
-    w._run()
-    return w, side.payloads
 
 
 def test_rollout_stream_runs_k_batches_ahead_and_resumes_its_buffer(tiny):
@@ -279,8 +192,8 @@ def test_rollout_stream_runs_k_batches_ahead_and_resumes_its_buffer(tiny):
     schedule, k=0's regeneration test_stale_groups_are_regenerated_or_dropped.)"""
     from megarl.algos.staleness import sample_staleness
 
-    engine, total, k = _native_engine(tiny), 5, 2
-    w, payloads = _stream_worker(engine, k, total, {})
+    engine, total, k = native_engine(tiny), 5, 2
+    w, payloads = stream_worker(engine, k, total, {})
     assert len(payloads) == total + 1 and payloads[-1]["batch"] is None and w.version == total
     for t, payload in enumerate(payloads[:-1], start=1):
         b = payload["batch"]
@@ -297,7 +210,7 @@ def test_rollout_stream_runs_k_batches_ahead_and_resumes_its_buffer(tiny):
 
     # Resume after step 2's checkpoint: handed batch 3, batch 4 ahead, the data position after 4.
     ahead = payloads[2]["ahead"]
-    _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": ahead,
+    _, resumed = stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": ahead,
                                                    "loader": payloads[2]["loader"]})
     assert len(resumed) == 3 and resumed[-1]["batch"] is None
     for a, b in zip(payloads[3:5], resumed[:2]):
@@ -317,8 +230,8 @@ def test_rollout_stream_resumes_a_batch_half_generated(tiny):
     extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
              "async_training.partial_chunk_tokens=1", "async_training.update_at_chunk=1")
-    engine, total, k = _native_engine(tiny), 5, 2
-    w, payloads = _stream_worker(engine, k, total, {}, extra)
+    engine, total, k = native_engine(tiny), 5, 2
+    w, payloads = stream_worker(engine, k, total, {}, extra)
     assert len(payloads) == total + 1 and payloads[-1]["batch"] is None and w.version == total
     for t, payload in enumerate(payloads[:-1], start=1):
         b = payload["batch"]
@@ -333,7 +246,7 @@ def test_rollout_stream_resumes_a_batch_half_generated(tiny):
     assert payloads[2]["ahead"] == [] and partial["version"] == 1 and partial["chunks"] == 1
     assert all(s["versions"] == [1] for s in seqs) and any(s["finish"] is None for s in seqs)
     assert payloads[2]["loader"]["batch"] == 4
-    _, resumed = _stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": [], "partial": [partial],
+    _, resumed = stream_worker(engine, k, total, {"step": 2, "inflight": True, "ahead": [], "partial": [partial],
                                                    "loader": payloads[2]["loader"]}, extra)
     assert len(resumed) == 3 and resumed[-1]["batch"] is None
     for a, b in zip(payloads[3:5], resumed[:2]):
@@ -372,14 +285,14 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
              "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=8",
              "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5")
-    engine, total, k, stops = _native_engine(tiny), 8, 3, list(range(80))
+    engine, total, k, stops = native_engine(tiny), 8, 3, list(range(80))
     if not pausable:
         engine = _OneCallPerChunk(engine)
-    _, off = _stream_worker(engine, k, total, {}, (*extra, "async_training.tail_overlap=0"), stops)
+    _, off = stream_worker(engine, k, total, {}, (*extra, "async_training.tail_overlap=0"), stops)
     assert [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in off[:-1]] == [0.0] * total
     if not pausable:
         engine.samples.clear()
-    w, payloads = _stream_worker(engine, k, total, {}, extra, stops)
+    w, payloads = stream_worker(engine, k, total, {}, extra, stops)
     assert len(payloads) == total + 1 and payloads[-1]["batch"] is None
     in_tail = [p["batch"].meta_info["async_metrics"]["started_in_tail"] for p in payloads[:-1]]
     assert in_tail[0] == 0.0 and sum(in_tail) >= 3, in_tail
@@ -395,7 +308,7 @@ def test_the_next_batch_starts_in_the_long_tail_of_the_one_before(tiny, pausable
     for i in (i for i, n in enumerate(in_flight) if n):
         start = {"step": i, "inflight": True, "ahead": payloads[i]["ahead"], "partial": payloads[i]["partial"],
                  "loader": payloads[i]["loader"]}
-        _, resumed = _stream_worker(engine, k, total, start, extra, stops)
+        _, resumed = stream_worker(engine, k, total, start, extra, stops)
         assert len(resumed) == total - i and resumed[-1]["batch"] is None
         for a, b in zip(payloads[i + 1:-1], resumed[:-1]):
             for key in ("responses", "token_versions", "rollout_log_probs"):
@@ -430,10 +343,10 @@ def test_a_step_takes_the_first_finished_groups_and_leaves_the_tail_to_a_later_o
              "async_training.partial_chunk_tokens=2", "actor_rollout_ref.rollout.response_length=16",
              "async_training.update_at_chunk=1", "trainer.save_freq=1", "async_training.tail_overlap=0.5",
              "async_training.handoff=finished_groups")
-    engine, total, k, stops = _native_engine(tiny), 8, 2, list(range(80))
+    engine, total, k, stops = native_engine(tiny), 8, 2, list(range(80))
     if not pausable:
         engine = _OneCallPerChunk(engine)
-    w, payloads = _stream_worker(engine, k, total, {}, extra, stops)
+    w, payloads = stream_worker(engine, k, total, {}, extra, stops)
     assert len(payloads) == total + 1 and payloads[-1]["batch"] is None
     metrics = [p["batch"].meta_info["async_metrics"] for p in payloads[:-1]]
     assert all(len(p["batch"]) == 3 * 2 for p in payloads[:-1])
@@ -454,7 +367,7 @@ def test_a_step_takes_the_first_finished_groups_and_leaves_the_tail_to_a_later_o
     for i in range(total - 1):
         start = {"step": i, "inflight": True, "ahead": [], "partial": payloads[i]["partial"],
                  "loader": payloads[i]["loader"], "next_t": payloads[i]["next_t"]}
-        _, resumed = _stream_worker(engine, k, total, start, extra, stops)
+        _, resumed = stream_worker(engine, k, total, start, extra, stops)
         assert len(resumed) == total - i and resumed[-1]["batch"] is None
         for a, b in zip(payloads[i + 1:-1], resumed[:-1]):
             for key in ("responses", "token_versions", "rollout_log_probs", "input_ids"):
@@ -479,10 +392,10 @@ def test_a_round_ends_the_call_once_a_step_of_finished_groups_can_be_handed_over
     extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
              "async_training.tail_overlap=0.5", "async_training.handoff=finished_groups")
-    w = _rollout_worker(None, list(extra))
+    w = rollout_worker(None, list(extra))
     loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 2)], 3, seed=2)
     w.p = dataclasses.replace(w.p, train_loader=loader)
-    w.signal = _TrainerSide({})
+    w.signal = TrainerSide({})
     w.depth, w.total, w.handed, w.next_t = 2, 8, 1, 9     # (no batch left to start: no overlap stop)
 
     def batch(t, finished):

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from megarl.rollout.cost_model import CostModelConfig, pace
-from tests.test_async_pieces import _native_engine, _stream_worker, tiny  # noqa: F401  (tiny: a fixture)
+from tests.helpers.stream_parts import native_engine, stream_worker, tiny  # noqa: F401  (tiny: a fixture)
 
 EXTRA = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
          "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
@@ -32,8 +32,8 @@ def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regim
         full.append(sys._getframe(1).f_code.co_name == "serve")
         return take(self)
     monkeypatch.setattr(RolloutWorker, "_take_update", counted_take)
-    _, plain = _stream_worker(_native_engine(tiny), k, total, {}, EXTRA, stops)
-    engine = pace(_native_engine(tiny), CostModelConfig(enable=True, decode_s=2e-3, prefill_token_s=1e-4))
+    _, plain = stream_worker(native_engine(tiny), k, total, {}, EXTRA, stops)
+    engine = pace(native_engine(tiny), CostModelConfig(enable=True, decode_s=2e-3, prefill_token_s=1e-4))
     pausable, paused_calls = engine.generate_pausable, []
 
     def counted(prompts, sampling, pause, every, *args, **kwargs):
@@ -43,7 +43,7 @@ def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regim
         paused_calls.append(any(answers))
         return out
     engine.generate_pausable = counted
-    _, paced = _stream_worker(engine, k, total, {}, EXTRA, stops)
+    _, paced = stream_worker(engine, k, total, {}, EXTRA, stops)
     assert len(paced) == len(plain) == total + 1
     for a, b in zip(plain[:-1], paced[:-1]):
         for key in ("responses", "token_versions", "rollout_log_probs", "input_ids"):

@@ -14,7 +14,6 @@ from megarl.checkpoint_engine.config import ALIASES, transport_names, unknown_ba
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
 from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
-from megarl.rollout.cost_model import CostModelConfig
 
 
 CODEC_MODULES = {"zstd": "zstandard", "lz4": "lz4"}   # delta_compression -> its package (megarl[compress])
@@ -151,6 +150,21 @@ class CheckpointEngineConfig(Section):
         require(0 < self.delta_dense_above <= 1, "delta_dense_above", "must be in (0, 1]")
         require(self.bucket_size_mb > 0, "bucket_size_mb", "must be > 0 (MiB)")
         require(self.disk_keep >= 1, "disk_keep", "must be >= 1 (the newest export is always kept)")
+
+
+@dataclass
+class CostModelConfig(Section):
+    """The engine cost model's terms (megarl/rollout/cost_model.py says where they come from)."""
+    enable: bool = False
+    decode_s: float = 0.46e-3           # a: seconds per decode step (H100, built-in engine)
+    decode_row_s: float = 0.0           # b: seconds per row of a decode step (flat on the H100)
+    prefill_token_s: float = 16e-6      # c: seconds per prefilled prompt token (H100, 0.058 s / 3,661 tokens)
+    scale: float = 1.0                  # every term times this (the trainer's slowdown against a GPU)
+
+    def __post_init__(self):
+        for key in ("decode_s", "decode_row_s", "prefill_token_s"):
+            require(getattr(self, key) >= 0, key, f"got {getattr(self, key)}, must be >= 0 seconds")
+        require(self.scale > 0, "scale", f"got {self.scale}, must be > 0 (1 = the GPU's own time)")
 
 
 @dataclass

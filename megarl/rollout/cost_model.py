@@ -20,24 +20,9 @@ response of the call; rows per step come from who is still running.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.typed import Section, require
-
-
-@dataclass
-class CostModelConfig(Section):
-    enable: bool = False
-    decode_s: float = 0.46e-3           # a: seconds per decode step (H100, built-in engine)
-    decode_row_s: float = 0.0           # b: seconds per row of a decode step (flat on the H100)
-    prefill_token_s: float = 16e-6      # c: seconds per prefilled prompt token (H100, 0.058 s / 3,661 tokens)
-    scale: float = 1.0                  # every term times this (the trainer's slowdown against a GPU)
-
-    def __post_init__(self):
-        for key in ("decode_s", "decode_row_s", "prefill_token_s"):
-            require(getattr(self, key) >= 0, key, f"got {getattr(self, key)}, must be >= 0 seconds")
-        require(self.scale > 0, "scale", f"got {self.scale}, must be > 0 (1 = the GPU's own time)")
+from megarl.rollout.config import CostModelConfig
 
 
 def describe(cfg: CostModelConfig) -> str:
