@@ -169,3 +169,29 @@ def test_megatron_files_swapped_after_the_check_are_never_read(tmp_path):
         whose = "is owned by uid 4321" if os.geteuid() == 0 else "is writable by group"
         assert f"(the run directory {tmp_path}/their_directory/run) {whose}" in out["their directory"], out
     assert os.listdir(tmp) == []
+
+
+def _ranks_hold_different_steps(rank, world, root):
+    """Rank 1 opens another (valid, sealed) step directory at the same path, as a rename above the
+    run directory between the two ranks' opens would give it: the ranks' inodes differ, refused."""
+    import torch.distributed as dist
+
+    from megarl.trainer import staging
+    dist.init_process_group("gloo")
+    steps = [os.path.join(root, name, "global_step_2") for name in ("a", "b")]
+    if rank == 1:
+        real = staging._hold
+        staging._hold = lambda path: real(steps[1])
+    try:
+        with staging.checked_step(steps[0], ["rng"]):
+            return "read"
+    except verified_io.Refused as err:
+        return str(err)
+
+
+def test_ranks_that_opened_different_directories_are_refused(tmp_path):
+    for name in ("a", "b"):
+        sealed_step(tmp_path / name)
+    for got in run_ranks(2, _ranks_hold_different_steps, (str(tmp_path),)):
+        assert got.startswith(f"({tmp_path}/a/global_step_2) was replaced by another directory while the ranks "
+                              "opened it"), got
