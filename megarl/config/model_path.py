@@ -25,6 +25,8 @@ from megarl.config.paths import HUB_ID_OR_DIR, looks_like_hub_id
 
 MODEL = ("actor_rollout_ref", "model")
 KEY = "actor_rollout_ref.model.path"
+
+
 def _model(raw: dict) -> dict:
     node: Any = raw
     for part in MODEL:
