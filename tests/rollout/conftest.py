@@ -10,3 +10,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, request):
+    """The rollout tests' tiny checkpoints (tests/rollout/fixtures.py model_dirs), made once per
+    test module in a directory named after it."""
+    from tests.rollout.fixtures import model_dirs
+    return model_dirs(str(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])))

@@ -33,11 +33,6 @@ def factory(name: str, dirs: dict, **base):
     return make
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("rollout_models")))
-
-
 @pytest.fixture(params=ENGINES)
 def make(request, dirs):
     if request.param == "trtllm":

@@ -15,15 +15,10 @@ from megarl.rollout.base import SamplingParams
 from megarl.rollout.trtllm import TRTLLMEngine, detect_features
 from megarl.rollout.trtllm.args import sampling_kwargs
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, trtllm_config
+from tests.rollout.fixtures import trtllm_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V = "trtllm-1.3.0rc29.json"
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_api_now")))
 
 
 def test_sampling_params_come_from_where_they_live(monkeypatch, dirs):

@@ -17,16 +17,11 @@ from megarl.checkpoint_engine.errors import WeightSyncError
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, state_of, trtllm_config
+from tests.rollout.fixtures import state_of, trtllm_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V13 = "trtllm-1.3.0rc29.json"
 GREEDY = SamplingParams(max_tokens=4, do_sample=False)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_failed_sync")))
 
 
 def failed_sync(engine, named, bad_bucket: int):

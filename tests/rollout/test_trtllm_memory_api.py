@@ -17,16 +17,11 @@ from megarl.rollout.base import SamplingParams
 from megarl.rollout.config import MultiTurnConfig
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, state_of, trtllm_config
+from tests.rollout.fixtures import state_of, trtllm_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V = "trtllm-1.3.0rc29.json"
 GREEDY = SamplingParams(max_tokens=6, do_sample=False)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_memory_api")))
 
 
 def test_an_argument_the_1_3_list_lacks_is_refused(monkeypatch, dirs):

@@ -15,16 +15,11 @@ import pytest
 from megarl.config.errors import ConfigError
 from megarl.rollout.trtllm import TRTLLMEngine, resources
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, trtllm_config
+from tests.rollout.fixtures import trtllm_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V = "trtllm-1.3.0rc29.json"
 GIB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_node")))
 
 
 def test_kv_fraction_is_what_verls_fraction_of_total_memory_leaves():

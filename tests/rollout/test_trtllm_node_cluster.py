@@ -19,15 +19,10 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, trtllm_config
+from tests.rollout.fixtures import trtllm_config
 
 V29 = "trtllm-1.3.0rc29.json"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_node_cluster")))
 
 
 def _tp2_on_gpus_2_and_3(rank, world, model_dir):

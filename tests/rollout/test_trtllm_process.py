@@ -16,16 +16,11 @@ import torch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.trtllm import TRTLLMEngine, placement
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, state_of, trtllm_config
+from tests.rollout.fixtures import state_of, trtllm_config
 
 V29 = "trtllm-1.3.0rc29.json"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_process_models")))
 
 
 cfg = trtllm_config

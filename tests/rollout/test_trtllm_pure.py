@@ -27,17 +27,12 @@ from megarl.rollout.trtllm import (TRTLLMEngine, bucket_handles, checkpoint_name
 from megarl.rollout.trtllm.args import logprob_mode, prompt_seed, response_budget, sampling_kwargs
 from tests.assets.trtllm import extract_snapshot
 from tests.rollout import conformance, trtllm_fake
-from tests.rollout.fixtures import model_dirs, save_model, state_of
+from tests.rollout.fixtures import save_model, state_of
 
 V12, V13, V29 = "trtllm-1.2.0rc2.json", "trtllm-1.3.0rc21.json", "trtllm-1.3.0rc29.json"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_models")))
 
 
 def engine_cfg(**kw) -> RolloutConfig:

@@ -14,18 +14,13 @@ from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams, pack_completions
 from megarl.rollout.trtllm import TRTLLMEngine, detect_features
 from tests.rollout import trtllm_fake, trtllm_fake_llm
-from tests.rollout.fixtures import model_dirs, trtllm_config
+from tests.rollout.fixtures import trtllm_config
 from tests.rollout.trtllm_fake_sampling import routes_for
 
 V21, V29 = "trtllm-1.3.0rc21.json", "trtllm-1.3.0rc29.json"
 PROMPTS = [[3, 17, 42, 8], [5, 6]]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_r3_models")))
 
 
 cfg = trtllm_config

@@ -16,17 +16,12 @@ from megarl.config.errors import ConfigError
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import trtllm_fake
-from tests.rollout.fixtures import model_dirs, trtllm_config
+from tests.rollout.fixtures import trtllm_config
 
 V13 = "trtllm-1.3.0rc21.json"
 PROMPT = [3, 17, 42, 8, 5]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_stop_models")))
 
 
 cfg = trtllm_config

@@ -16,17 +16,12 @@ import torch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.trtllm import TRTLLMEngine
 from tests.rollout import conformance, trtllm_fake
-from tests.rollout.fixtures import model_dirs, state_of, trtllm_config
+from tests.rollout.fixtures import state_of, trtllm_config
 
 V13 = "trtllm-1.3.0rc21.json"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return model_dirs(str(tmp_path_factory.mktemp("trtllm_fix_models")))
 
 
 cfg = trtllm_config
