@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from megarl.parallel.actor_pool import share_ray
 from megarl.parallel.ray_auth import private_temp_dir, ray_token_auth
 from megarl.rollout.trtllm.placement import megarl_root
+from megarl.storage.private_out import new_file
 
 NAMESPACE = "trtllm"                 # RayExecutor's ray.init namespace (executor.py at 061a914e)
 ACTOR = "megarl_trtllm_node"
@@ -174,10 +175,8 @@ def connect(ray, key: str, num_gpus: int | None = None, num_cpus: int | None = N
         ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
                  _temp_dir=private_temp_dir(), runtime_env=_runtime_env())
         address = ray.get_runtime_context().gcs_address
-        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
+        with new_file(os.path.dirname(path), os.path.basename(path)) as f:     # private, whole or absent
             json.dump({"address": address, "pid": os.getpid(), "token": os.environ.get("RAY_AUTH_TOKEN")}, f)
-        os.replace(path + ".tmp", path)
         return share_ray(address)
 
 
