@@ -14,7 +14,8 @@ import textwrap
 BUILD = textwrap.dedent("""
     import os, sys, time
     from megarl.examples.addition import bootstrap
-    while not os.path.exists(sys.argv[2]):        # both imported: start together, or when told
+    print("imported", flush=True)
+    while not os.path.exists(sys.argv[2]):        # start only when told
         time.sleep(0.01)
     path = bootstrap(sys.argv[1], warm_start_steps=60, eval_rows=8)
     print("returned", os.stat(path).st_ino, flush=True)
@@ -27,6 +28,8 @@ def test_two_bootstraps_of_one_path_build_once_and_replace_nothing(tmp_path):
     go = [tmp_path / "go1", tmp_path / "go2"]
     procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(model), str(g)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env) for g in go]
+    for proc in procs:         # both have paid for their imports before the first starts building
+        assert proc.stdout.readline() == "imported\n"
     go[0].touch()
     first = ""
     while "megarl: bootstrapping the addition model" not in first:   # the first holds the lock, mid-build
