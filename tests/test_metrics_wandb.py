@@ -3,14 +3,14 @@ given to wandb.init on every start, so a resumed run continues the same wandb ru
 
 wandb is not installed here, so a stand-in takes its place: wandb.init's keywords and the run-id
 rule as wandb declares them (wandb/wandb@b6e29505884ea60c79ca12091f1f75bd39d2f955:
-wandb/sdk/wandb_init.py `init`, wandb/sdk/wandb_settings.py `validate_run_id`, wandb/util.py
-`generate_id`), refusing what wandb refuses. The rest of the metrics path needs no wandb at all.
+wandb/sdk/wandb_init.py `init`, wandb/sdk/wandb_settings.py `validate_run_id`), refusing what
+wandb refuses, and a `wandb.util` without `generate_id`, as wandb 0.31.0 (PyPI) ships it. Where
+wandb is installed, the last test runs the real one offline across a resume. The rest of the
+metrics path needs no wandb at all.
 """
 from __future__ import annotations
 
 import os
-import secrets
-import string
 import sys
 import types
 
@@ -25,11 +25,7 @@ class StrictWandb(types.ModuleType):
     def __init__(self):
         super().__init__("wandb")
         self.calls: list[dict] = []
-        self.util = types.SimpleNamespace(generate_id=self._generate_id)
-
-    @staticmethod
-    def _generate_id(length: int = 8) -> str:
-        return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(length))
+        self.util = types.SimpleNamespace()          # wandb 0.31.0's wandb.util has no generate_id
 
     def init(self, entity=None, project=None, dir=None, id=None, name=None, notes=None, tags=None, config=None,
              config_exclude_keys=None, config_include_keys=None, allow_val_change=None, group=None, job_type=None,
@@ -88,3 +84,17 @@ def test_metrics_need_no_wandb_unless_asked(monkeypatch, tmp_path):
     assert not (tmp_path / WANDB_ID_FILE).exists()
     with pytest.raises(RuntimeError, match="trainer.logger includes wandb but the package is missing"):
         MetricsLogger(str(tmp_path), ["wandb"], "p", "e")
+
+
+def test_real_wandb_offline_keeps_one_run_across_a_resume(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    run = str(tmp_path / "run")
+    for step in (1, 2):                               # the first start, then the resume
+        log = MetricsLogger(run, ["wandb"], "p", "e")
+        log.log(step, {"critic/score/mean": 0.5})
+        log.close()
+    kept = open(os.path.join(run, WANDB_ID_FILE)).read().strip()
+    runs = [d for d in os.listdir(os.path.join(run, "wandb")) if d.startswith("offline-run-")]
+    assert len(runs) == 2 and all(d.endswith(f"-{kept}") for d in runs), (wandb.__version__, runs)

@@ -10,6 +10,8 @@ import json
 import math
 import os
 import re
+import secrets
+import string
 import sys
 import time
 from typing import Any, TextIO
@@ -198,7 +200,7 @@ class _WandB:
                                "pip install wandb (or megarl[logging])") from err
         # Values read from the environment (tokens) go to wandb's servers as `<from env NAME>`.
         self.run = wandb.init(project=project, name=experiment, config=public_config(config), dir=run_dir,
-                              id=wandb_run_id(run_dir, wandb.util.generate_id), resume="allow")
+                              id=wandb_run_id(run_dir), resume="allow")
         self.wandb, self.rows = wandb, []       # verl's validation table: one row per step, all steps kept
 
     def log(self, step: int, record: dict) -> None:
@@ -217,10 +219,16 @@ WANDB_ID_FILE = "wandb_run_id"
 _WANDB_ID = re.compile(r"^[^\s:;,#?/']{1,128}$")       # wandb's rule (wandb_settings.validate_run_id)
 
 
-def wandb_run_id(run_dir: str, generate) -> str:
+def new_wandb_id() -> str:
+    """8 random base-36 characters, the form wandb's own ids take (wandb 0.31: sdk/lib/runid.py);
+    made here, since wandb 0.31's public modules offer no id generator (wandb.util has none)."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def wandb_run_id(run_dir: str, generate=new_wandb_id) -> str:
     """The run's wandb id: the user's WANDB_RUN_ID, else the one kept in the run directory, made once
-    by `generate` (wandb.util.generate_id) on the first start. resume="allow" without an id starts a
-    new wandb run on every resume; with the same id each resume continues the one run."""
+    by `generate` on the first start. resume="allow" without an id starts a new wandb run on every
+    resume; with the same id each resume continues the one run."""
     if os.environ.get("WANDB_RUN_ID"):
         return os.environ["WANDB_RUN_ID"]
     path = os.path.join(run_dir, WANDB_ID_FILE)
