@@ -16,6 +16,7 @@ from megarl.models.convert import (EMBED, OUTPUT, checkpoint_to_hf, hf_shapes, h
                                    tp_dim)
 from megarl.models import families
 from megarl.models.families.base import ModelFamily
+from megarl.models.families.qwen3 import QK_NORM
 from megarl.models.hf_checkpoint import HFCheckpoint
 from megarl.models.spec import ModelSpec, check_layout, layer_offset
 from megarl.models.tiny import make_tiny_hf
@@ -68,7 +69,7 @@ def test_spec_refuses_unsupported_models_in_one_line(cfg, words):
 
 def test_families_register_once_and_claim_their_configs():
     fam, arch, head = families.for_config({"architectures": ["Qwen3ForSequenceClassification"]})
-    assert (fam.name, arch, head, fam.qk_norm) == ("qwen3", "Qwen3ForSequenceClassification", "score", True)
+    assert (fam.name, arch, head, fam.hooks) == ("qwen3", "Qwen3ForSequenceClassification", "score", QK_NORM)
     assert families.for_config({"model_type": "mistral"})[1] == "MistralForCausalLM"   # no `architectures`
     assert ModelSpec.from_hf_config(QWEN).model_family is families.get("qwen2")
     for clash in (ModelFamily(name="qwen2", model_type="x", architectures={"XForCausalLM": "lm"}),
@@ -82,7 +83,7 @@ def test_a_family_file_is_a_family(tmp_path, monkeypatch):
     """megarl's families are found by their file names (no list to edit); a module of a family that
     does not register what it is declared to is named at the first read."""
     from megarl.config.registry import Registry, package_modules
-    assert set(package_modules("megarl.models.families")) - {"base", "registry"} == set(families.names())
+    assert set(package_modules("megarl.models.families")) - {"base", "hooks", "registry"} == set(families.names())
     pkg = tmp_path / "demo_families"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")

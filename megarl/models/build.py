@@ -58,7 +58,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         use_cpu_initialization=cpu_init, perform_initialization=False,
         calculate_per_token_loss=True, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        deallocate_pipeline_outputs=False, qk_layernorm=spec.qk_norm,
+        deallocate_pipeline_outputs=False,
         # megarl builds megatron's local spec; `transformer_engine` (an override) swaps in TE's norm.
         transformer_impl="local",
     )
@@ -68,6 +68,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         # (same shapes, wrong data). Its unbatched path orders the two directions apart.
         kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=False)
     kwargs.update(spec.model_family.mlp.transformer_config(spec, tp, ep, etp, routing_replay))
+    kwargs.update(spec.model_family.hooks.transformer_config(spec))
     overrides = dict(overrides or {})
     # verl's generated configs carry recompute_granularity/method/num_layers: null, meaning unset;
     # a null must not switch off what enable_gradient_checkpointing asked for.
@@ -90,20 +91,18 @@ def _no_te_router_gemm() -> None:
 def layer_spec(spec: ModelSpec, config: TransformerConfig | None = None) -> ModuleSpec:
     """megatron's local (no Transformer Engine) layer spec with SDPA core attention (its
     context-parallel form when CP > 1) and megarl's norm, which supports sequence parallelism;
-    q/k RMSNorm for Qwen3, megatron's MoE layer (SequentialMLP experts) for MoE models."""
+    megatron's MoE layer (SequentialMLP experts) for MoE models; then the family's layer_spec
+    hook edits it (Qwen3: q/k RMSNorm)."""
     if spec.is_moe:
         _no_te_router_gemm()
     out = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
-                                   qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+                                   normalization="RMSNorm")
     cp = config.context_parallel_size if config is not None else 1
     out.submodules.self_attention.submodules.core_attention = CPCoreAttention if cp > 1 else SDPACoreAttention
     norm = norm_class(config) if config is not None else Norm
     out.submodules.input_layernorm = norm
     out.submodules.pre_mlp_layernorm = norm
-    if spec.qk_norm:
-        # megatron's torch norm refuses SP; megatron sums q/k norm grads over TP by name either way.
-        out.submodules.self_attention.submodules.q_layernorm = norm
-        out.submodules.self_attention.submodules.k_layernorm = norm
+    spec.model_family.hooks.layer_spec(out, norm)
     return out
 
 

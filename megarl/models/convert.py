@@ -1,6 +1,7 @@
 """Pure HF <-> megatron-core parameter conversion for megarl's local spec, for every registered
 family (megarl/models/families/): the attention, norms, embedding and head here; the MLP's part
-from the family's MLP flavour (`spec.model_family.mlp`: dense, or experts and router).
+from the family's MLP flavour (`spec.model_family.mlp`: dense, or experts and router), the
+tensors a family adds by code from its hooks' `layer_tensors` (megarl/models/families/hooks.py).
 
 No I/O and no process groups: every function takes the TP rank/size it is about. Names on the
 megatron side are *global* (layer index counted over the whole model, no DDP `module.` prefix):
@@ -13,7 +14,7 @@ megatron side are *global* (layer index counted over the whole model, no DDP `mo
     decoder.layers.N.pre_mlp_layernorm.weight       [h]
     decoder.layers.N.mlp.linear_fc1.weight          [2*f/T, h]  [gate_r; up_r]
     decoder.layers.N.mlp.linear_fc2.weight          [h, f/T]
-    decoder.layers.N.self_attention.{q,k}_layernorm.weight   [hn]   (Qwen3: per-head q/k RMSNorm)
+    decoder.layers.N.<a family hook's tensor>       whole on every TP rank (Qwen3: q/k_layernorm [hn])
     decoder.layers.N.mlp.router.weight              [E, h]      (MoE, replicated)
     decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight  [2*fe/T, h]  E: *global* expert
     decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight  [h, fe/T]
@@ -49,17 +50,21 @@ _PER_LAYER = {  # megatron suffix -> HF suffix under model.layers.N. (fused ones
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
-_REPLICATED = {"input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.q_layernorm.weight",
-               "self_attention.k_layernorm.weight"}
+_REPLICATED = {"input_layernorm.weight", "pre_mlp_layernorm.weight"}
 
 
 def _ffn(rest: str, spec: ModelSpec) -> tuple[str, int, str] | None:
     """For a SwiGLU linear of the family's MLP (dense MLP, one expert, the shared expert): ("fc1" |
     "fc2", its intermediate size, the HF prefix under model.layers.N.); None for anything else."""
     return spec.model_family.mlp.ffn(rest, spec)
+
+
+def _whole(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """megatron suffix -> (HF suffix, shape) of the per-layer tensors every TP rank holds whole
+    that the family decides: its MLP flavour's (router, shared-expert gate) and its hooks'."""
+    family = spec.model_family
+    return {**family.mlp.replicated(spec), **family.hooks.layer_tensors(spec)}
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,7 @@ def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
         if spec.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
-        if spec.qk_norm:
-            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [p + rest for rest in spec.model_family.hooks.layer_tensors(spec)]
         names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
         names += spec.model_family.mlp.megatron_names(spec, p, experts)
     if last:
@@ -139,9 +143,9 @@ def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
     p = f"model.layers.{n}."
     if rest in _PER_LAYER:
         return [p + _PER_LAYER[rest]]
-    mlp_whole = spec.model_family.mlp.replicated(spec)
-    if rest in mlp_whole:
-        return [p + mlp_whole[rest][0]]
+    whole = _whole(spec)
+    if rest in whole:
+        return [p + whole[rest][0]]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
@@ -166,8 +170,7 @@ def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (spec.num_kv_heads * hn, h),
             p + "self_attn.o_proj.weight": (h, spec.num_heads * hn),
         })
-        if spec.qk_norm:
-            out.update({p + "self_attn.q_norm.weight": (hn,), p + "self_attn.k_norm.weight": (hn,)})
+        out.update({p + hf: shape for hf, shape in spec.model_family.hooks.layer_tensors(spec).values()})
         out.update(spec.model_family.mlp.hf_shapes(spec, p))
         if spec.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (spec.num_heads * hn,),
@@ -195,12 +198,11 @@ def shard_shape(name: str, spec: ModelSpec, tp: int, head: str = "lm") -> tuple[
     if ffn is not None:
         kind, ff, _ = ffn
         return (2 * ff // tp, h) if kind == "fc1" else (h, ff // tp)
-    mlp_whole = spec.model_family.mlp.replicated(spec)
-    if rest in mlp_whole:
-        return mlp_whole[rest][1]
+    whole = _whole(spec)
+    if rest in whole:
+        return whole[rest][1]
     return {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
-        "self_attention.q_layernorm.weight": (hn,), "self_attention.k_layernorm.weight": (hn,),
         "self_attention.linear_qkv.weight": (spec.qkv_rows // tp, h),
         "self_attention.linear_qkv.bias": (spec.qkv_rows // tp,),
         "self_attention.linear_proj.weight": (h, spec.num_heads * hn // tp),
@@ -218,7 +220,7 @@ def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm
     if name in (FINAL_NORM, OUTPUT):
         return [Slice(srcs[0])]
     rest = _LAYER.match(name).group(2)
-    if rest in _REPLICATED or rest in spec.model_family.mlp.replicated(spec):
+    if rest in _REPLICATED or rest in _whole(spec):
         return [Slice(srcs[0])]
     ffn = _ffn(rest, spec)
     if rest == "self_attention.linear_proj.weight" or (ffn and ffn[0] == "fc2"):

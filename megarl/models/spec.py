@@ -6,9 +6,9 @@
 Supported: the families registered in megarl/models/families/ (one file each: Llama, Mistral,
 Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE). What they share is read here (RMSNorm, SwiGLU, RoPE with
 the checkpoint's theta, GQA, tied or untied embeddings, `*ForCausalLM` or, for critics and reward
-models, `*ForSequenceClassification` with a `score` head); what differs (QKV bias, q/k norm, the
-MLP flavour, the sliding window, family refusals) the family decides. Anything else is refused
-here, with the reason, before any rank builds a model.
+models, `*ForSequenceClassification` with a `score` head); what differs (QKV bias, the MLP flavour,
+the sliding window, family refusals, code hooks such as Qwen3's q/k norm) the family decides.
+Anything else is refused here, with the reason, before any rank builds a model.
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ class ModelSpec:
     rope_scaling_factor: float | None = None   # llama3-style scaling (megatron's rope_scaling)
     rope_linear_factor: float | None = None    # linear position interpolation
     num_labels: int = 1                        # rows of a `score` head
-    qk_norm: bool = False                      # Qwen3: RMSNorm over each q and k head (before RoPE)
     sliding_window: int | None = None          # Mistral: attention window (refused where it could bind)
     # Mixture of experts (num_experts = 0: a dense MLP). Every layer is a MoE layer.
     num_experts: int = 0
@@ -82,7 +81,7 @@ class ModelSpec:
     def num_parameters(self, value_head: bool = False) -> int:
         h, v = self.hidden_size, self.vocab_size
         attn = self.qkv_rows * h + (self.qkv_rows if self.qkv_bias else 0) + self.num_heads * self.head_dim * h
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += sum(math.prod(shape) for _, shape in self.model_family.hooks.layer_tensors(self).values())
         per_layer = attn + self.model_family.mlp.parameters(self) + 2 * h
         head = h if value_head else (0 if self.tie_word_embeddings else v * h)
         return v * h + self.num_layers * per_layer + h + head

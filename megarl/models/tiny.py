@@ -4,19 +4,26 @@
     python -m megarl.models.tiny /tmp/tiny-moe --family qwen3_moe --experts 4 --topk 2
 
 writes config.json, model.safetensors and a word-level tokenizer (tokenizer.json) that
-transformers' AutoTokenizer loads.
+transformers' AutoTokenizer loads. The config comes from the family's own description
+(ModelFamily.tiny_config); transformers builds the model where it knows the model_type, else the
+tensors megarl's map expects are drawn here, so a family of megarl's own still gets a checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
 import transformers as tf
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from megarl.models import families
+from megarl.models.convert import hf_shapes
+from megarl.models.families.base import TINY_SHAPES
+from megarl.models.spec import ModelSpec
 
 
 def token_rows(plen: torch.Tensor, rlen: torch.Tensor, R: int, vocab: int, g: torch.Generator,
@@ -35,8 +42,7 @@ def token_rows(plen: torch.Tensor, rlen: torch.Tensor, R: int, vocab: int, g: to
     return {"input_ids": ids, "prompt_lens": plen, "response_lens": rlen, "responses": resp, "response_mask": mask}
 
 
-SHAPES = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2)
+SHAPES = TINY_SHAPES
 
 def make_tokenizer(path: str, vocab_size: int) -> None:
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -54,31 +60,46 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0, dtype: torch.d
     `score_head`: its *ForSequenceClassification, 1 label). MoE routers get weights large enough
     that the top-k choice is clear-cut, so parity checks do not flip an expert on a 1e-7 difference."""
     fam = families.get(family)
-    kwargs = {**SHAPES, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-              **fam.tiny, **overrides}
-    # Some configs (Qwen3's) default head_dim to 128 whatever the hidden size.
-    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
-    if score_head:
-        kwargs["num_labels"] = 1
-    cfg = tf.AutoConfig.for_model(fam.model_type, **kwargs)
-    want = "score" if score_head else "lm"
-    name = next((a for a, head in fam.architectures.items() if head == want), None)
-    if name is None:
-        raise ValueError(f"model family {family!r} has no {want} architecture")
+    cfg = fam.tiny_config(score_head, **overrides)
     torch.manual_seed(seed)
-    model = getattr(tf, name)(cfg)
-    with torch.no_grad():  # random norms and biases too, so the maps of those tensors get tested
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif n.endswith("mlp.gate.weight"):         # MoE router
-                p.copy_(0.5 * torch.randn_like(p))
-            elif n.endswith("bias") or n.startswith("score"):
-                p.copy_(0.05 * torch.randn_like(p))
-    model.to(dtype).save_pretrained(path)
+    if fam.model_type in tf.CONFIG_MAPPING:
+        keys = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+        model = getattr(tf, cfg["architectures"][0])(tf.AutoConfig.for_model(fam.model_type, **keys))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(_draw(n, p))
+        model.to(dtype).save_pretrained(path)
+    else:
+        _save_described(path, cfg, dtype)
     if tokenizer:
-        make_tokenizer(path, cfg.vocab_size)
+        make_tokenizer(path, cfg["vocab_size"])
     return path
+
+
+def _draw(name: str, p: torch.Tensor) -> torch.Tensor:
+    """Random norms and biases too, so the maps of those tensors get tested."""
+    if "norm" in name:
+        return 1.0 + 0.1 * torch.randn_like(p)
+    if name.endswith("mlp.gate.weight"):         # MoE router
+        return 0.5 * torch.randn_like(p)
+    if name.endswith("bias") or name.startswith("score"):
+        return 0.05 * torch.randn_like(p)
+    return p
+
+
+def _save_described(path: str, cfg: dict, dtype: torch.dtype) -> None:
+    """A model_type transformers does not know: every tensor megarl's map expects for the config
+    (convert.hf_shapes), drawn as transformers would (normal, std 0.02) and then as _draw says."""
+    spec = ModelSpec.from_hf_config(cfg)
+    tensors = {}
+    for name, shape in hf_shapes(spec, "value" if spec.head == "score" else "lm").items():
+        tensors[name] = _draw(name, 0.02 * torch.randn(shape)).to(dtype).contiguous()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        # what ModelSpec and the built-in engine assume when a key is absent, written out
+        defaults = {"hidden_act": "silu", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096}
+        json.dump({**defaults, **cfg, "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ that family files compose. Plain Python, no torch: the launcher reads families b
 
 Everything that differs between families lives in its ModelFamily; what they share (the
 attention names, the fused QKV layout, RoPE, RMSNorm, tied heads) stays in convert.py/build.py.
+What data cannot say (another norm, an attention module) is code in the family's FamilyHooks
+(megarl/models/families/hooks.py).
 The MLP flavour owns the MLP's part of the HF <-> megatron map, its TransformerConfig keys, its
 parameter and FLOP counts, so a dense and a MoE family differ by one field.
 """
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from megarl.models.families.hooks import NO_HOOKS, FamilyHooks, LayerTensors
 
 
 class ModelSpec(Protocol):
@@ -38,6 +41,11 @@ NO_BIAS = {"attention_bias": "megatron's spec has no o_proj-only bias; use a che
            "mlp_bias": "megatron's local spec has no MLP bias; use a checkpoint without it"}
 NO_SLIDING_WINDOW = {"use_sliding_window": "megarl uses full causal attention (set it to false if sequences "
                                            "never exceed the window)"}
+
+
+# The shape every family's small test checkpoint starts from (its `tiny` keys and the caller's go over it).
+TINY_SHAPES = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2)
 
 
 def causal_and_score(prefix: str) -> dict[str, str]:
@@ -66,7 +74,7 @@ class DenseMlp:
             return rest[11:14], spec.ffn_hidden_size, "mlp."
         return None
 
-    def replicated(self, spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def replicated(self, spec: ModelSpec) -> LayerTensors:
         return {}
 
     def transformer_config(self, spec: ModelSpec, tp: int, ep: int, etp: int | None,
@@ -122,7 +130,7 @@ class MoeMlp:
 
     def hf_shapes(self, spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
         h = spec.hidden_size
-        out = {p + "mlp.gate.weight": (spec.num_experts, h)}
+        out: dict[str, tuple[int, ...]] = {p + "mlp.gate.weight": (spec.num_experts, h)}
         for e in range(spec.num_experts):
             out.update(_swiglu_shapes(f"{p}mlp.experts.{e}.", spec.moe_ffn_hidden_size, h))
         if spec.shared_expert_ffn:
@@ -140,9 +148,9 @@ class MoeMlp:
             return rest[26:29], spec.shared_expert_ffn, "mlp.shared_expert."
         return None
 
-    def replicated(self, spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def replicated(self, spec: ModelSpec) -> LayerTensors:
         """megatron suffix -> (HF suffix, shape) of the MLP tensors every TP rank holds whole."""
-        out = {"mlp.router.weight": ("mlp.gate.weight", (spec.num_experts, spec.hidden_size))}
+        out: LayerTensors = {"mlp.router.weight": ("mlp.gate.weight", (spec.num_experts, spec.hidden_size))}
         if spec.shared_expert_ffn:
             out["mlp.shared_experts.gate_weight"] = ("mlp.shared_expert_gate.weight", (1, spec.hidden_size))
         return out
@@ -197,11 +205,11 @@ class ModelFamily:
     model_type: str                            # the HF config's model_type it claims
     architectures: Mapping[str, str]           # HF architecture -> its head: "lm" or "score"
     qkv_bias: bool = False                     # q/k/v projections carry a bias (megatron's add_qkv_bias)
-    qk_norm: bool = False                      # RMSNorm over each q and k head, before RoPE
     sliding_window: bool = False               # reads `sliding_window` (refused where it could bind)
     mlp: Mlp = field(default_factory=DenseMlp)
     refused: Mapping[str, str] = field(default_factory=dict)  # config key -> why it is refused when set
     tiny: Mapping[str, Any] = field(default_factory=dict)     # config keys of a small test checkpoint
+    hooks: FamilyHooks = NO_HOOKS              # code where the fields above cannot say it (hooks.py)
 
     @property
     def default_architecture(self) -> str:
@@ -214,5 +222,21 @@ class ModelFamily:
             if cfg.get(key):
                 raise ValueError(f"config.json: {key}={cfg[key]!r} is not supported for {arch}: {why}")
         window = cfg.get("sliding_window") if self.sliding_window else None
-        return dict(qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, sliding_window=int(window) if window else None,
+        return dict(qkv_bias=self.qkv_bias, sliding_window=int(window) if window else None,
                     **self.mlp.read(cfg, arch))
+
+    def tiny_config(self, score_head: bool = False, **overrides: Any) -> dict[str, Any]:
+        """config.json of a small test checkpoint, from this description alone (no transformers):
+        TINY_SHAPES, then the family's `tiny` keys, then `overrides`. `score_head`: its
+        *ForSequenceClassification with one label."""
+        want = "score" if score_head else "lm"
+        arch = next((a for a, head in self.architectures.items() if head == want), None)
+        if arch is None:
+            raise ValueError(f"model family {self.name!r} has no {want} architecture")
+        cfg: dict[str, Any] = {**TINY_SHAPES, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
+                               "eos_token_id": 2, **self.tiny, **overrides}
+        # Some configs (Qwen3's) default head_dim to 128 whatever the hidden size.
+        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        if score_head:
+            cfg["num_labels"] = 1
+        return {"model_type": self.model_type, "architectures": [arch], **cfg}

@@ -1,4 +1,4 @@
-"""The registered model families: every module of this package but base.py and this one is a family,
+"""The registered model families: every module of this package but base.py, hooks.py and this one is a family,
 found by its file name (the shared registry shape, megarl/config/registry.py) and loaded when the
 families are first read; a user's family registers itself here (docs/extending.md)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from megarl.config.registry import Registry, package_modules
 from megarl.models.families.base import ModelFamily
 
 # megarl's families: one module each in this package, holding its ModelFamily as FAMILY
-_NOT_FAMILIES = ("base", "registry")
+_NOT_FAMILIES = ("base", "hooks", "registry")
 FAMILIES = Registry("model family", "config.json's architectures", {
     name: f"{module}:FAMILY" for name, module in package_modules(__package__).items() if name not in _NOT_FAMILIES})
 

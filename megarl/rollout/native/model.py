@@ -1,6 +1,7 @@
 """The built-in engine's decoder for every registered family (megarl/models/families/ says which
 blocks it has): RMSNorm, SwiGLU, RoPE (default, linear, llama3 scaling), GQA, optional QKV /
-output bias, optional per-head q/k norm, dense or MoE MLP, tied or untied embeddings. The model holds only this
+output bias, dense or MoE MLP, tied or untied embeddings, and what a family's hooks add (Qwen3's
+per-head q/k norm: `native_qk` between the QKV projection and RoPE). The model holds only this
 rank's shard (sizes come from `ModelArgs.local(...)`); the two collectives it needs arrive as a
 `comm` object (megarl/rollout/native/tp.py), so no process-group code lives here.
 
@@ -13,6 +14,7 @@ already in their groups (a partial rollout resumed without a prefill of its prom
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,7 +53,7 @@ class ModelArgs:
     rope_scaling: tuple = ()               # sorted (key, value) pairs of the HF rope parameters
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False
+    family: str = "llama"                  # its registered family, whose hooks the layers call
     tie_embeddings: bool = False
     max_position_embeddings: int = 32768
     sliding_window: int | None = None      # Mistral: positions past it are refused (full attention here)
@@ -98,7 +100,7 @@ class ModelArgs:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
-            qkv_bias=family.qkv_bias or bias, o_bias=bias and not family.qkv_bias, qk_norm=family.qk_norm,
+            qkv_bias=family.qkv_bias or bias, o_bias=bias and not family.qkv_bias, family=family.name,
             sliding_window=(cfg.get("sliding_window") or None) if family.sliding_window else None,
             num_experts=moe.get("num_experts", 0), num_experts_per_tok=moe.get("moe_topk", 0),
             moe_intermediate_size=moe.get("moe_ffn_hidden_size", 0),
@@ -106,6 +108,11 @@ class ModelArgs:
             shared_intermediate_size=moe.get("shared_expert_ffn", 0),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768))
+
+
+    @property
+    def hooks(self) -> families.FamilyHooks:
+        return families.get(self.family).hooks
 
 
 @dataclass(frozen=True)
@@ -184,8 +191,11 @@ class Layer(nn.Module):
         self.attn_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
         self.wqkv = nn.Parameter(torch.empty(q_rows + 2 * kv_rows, h, **e), requires_grad=False)
         self.bqkv = nn.Parameter(torch.empty(q_rows + 2 * kv_rows, **e), requires_grad=False) if a.qkv_bias else None
-        self.q_norm = nn.Parameter(torch.empty(hd, **e), requires_grad=False) if a.qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(hd, **e), requires_grad=False) if a.qk_norm else None
+        # the family hooks' per-layer tensors, whole on every rank, keyed by HF suffix ('.' -> '_')
+        self.hooks, self.hook_keys = a.hooks, {hf: hf.replace(".", "_") for hf, _ in a.hooks.layer_tensors(a).values()}
+        self.extra = nn.ParameterDict({self.hook_keys[hf]: nn.Parameter(torch.empty(shape, **e), requires_grad=False)
+                                       for hf, shape in a.hooks.layer_tensors(a).values()})
+        self.norm_fn = functools.partial(rms_norm, eps=a.rms_eps)
         self.wo = nn.Parameter(torch.empty(h, q_rows, **e), requires_grad=False)
         self.bo = nn.Parameter(torch.empty(h, **e), requires_grad=False) if a.o_bias else None
         self.mlp_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
@@ -197,14 +207,13 @@ class Layer(nn.Module):
 
     def _qkv(self, x, cos, sin):
         """x [N, T, h] -> q [N, T, hq, hd], k/v [N, T, hkv, hd] with RoPE applied."""
-        a, s, hd = self.a, self.s, self.a.head_dim
+        s, hd = self.s, self.a.head_dim
         qkv = F.linear(x, self.wqkv, self.bqkv)
         q, k, v = qkv.split([s.heads * hd, s.kv_heads * hd, s.kv_heads * hd], dim=-1)
         q = q.unflatten(-1, (s.heads, hd))
         k = k.unflatten(-1, (s.kv_heads, hd))
         v = v.unflatten(-1, (s.kv_heads, hd))
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = rms_norm(q, self.q_norm, a.rms_eps), rms_norm(k, self.k_norm, a.rms_eps)
+        q, k = self.hooks.native_qk(q, k, {hf: self.extra[key] for hf, key in self.hook_keys.items()}, self.norm_fn)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _out(self, attn, x, comm, ids_out=None):

@@ -98,8 +98,7 @@ class ShardPlan:
                 names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
             if a.o_bias:
                 names.append(p + "self_attn.o_proj.bias")
-            if a.qk_norm:
-                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            names += [p + hf for hf, _ in a.hooks.layer_tensors(a).values()]
         return names
 
     def full_shape(self, name: str) -> tuple[int, ...]:
@@ -112,13 +111,15 @@ class ShardPlan:
         leaf = _layer_leaf(name)[1]
         if a.num_experts and leaf.startswith("mlp."):
             return moe.full_shape(a, leaf)
+        hooked = dict(a.hooks.layer_tensors(a).values())
+        if leaf in hooked:
+            return hooked[leaf]
         return {
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (a.n_heads * hd, h), "self_attn.q_proj.bias": (a.n_heads * hd,),
             "self_attn.k_proj.weight": (a.n_kv_heads * hd, h), "self_attn.k_proj.bias": (a.n_kv_heads * hd,),
             "self_attn.v_proj.weight": (a.n_kv_heads * hd, h), "self_attn.v_proj.bias": (a.n_kv_heads * hd,),
             "self_attn.o_proj.weight": (h, a.n_heads * hd), "self_attn.o_proj.bias": (h,),
-            "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
         }[leaf]
 
@@ -137,7 +138,7 @@ class ShardPlan:
             return None                         # tied: the embedding is the output layer
         if name not in self._expected:
             raise ValueError(f"weight update: unknown tensor {name!r} for this {a.n_layers}-layer "
-                             f"{'Qwen3' if a.qk_norm else 'Llama/Qwen2'}-style model (expected HF names such "
+                             f"{a.family} model (expected HF names such "
                              "as model.layers.0.self_attn.q_proj.weight)")
         whole, every = ShardSlice(), slice(None)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -163,9 +164,9 @@ class ShardPlan:
             "mlp.down_proj.weight": (p + "w2", every, ShardSlice(1, *mine_i)),
             "input_layernorm.weight": (p + "attn_norm", every, whole),
             "post_attention_layernorm.weight": (p + "mlp_norm", every, whole),
-            "self_attn.q_norm.weight": (p + "q_norm", every, whole),
-            "self_attn.k_norm.weight": (p + "k_norm", every, whole),
         }
+        table.update({hf: (p + "extra." + hf.replace(".", "_"), every, whole)
+                      for hf, _ in a.hooks.layer_tensors(a).values()})
         for proj, rows, part in (("q", slice(0, q_rows), ShardSlice(0, *mine_q)),
                                  ("k", slice(q_rows, q_rows + kv_rows), kv_part),
                                  ("v", slice(q_rows + kv_rows, q_rows + 2 * kv_rows), kv_part)):
