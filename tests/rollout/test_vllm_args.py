@@ -129,9 +129,10 @@ def _engine(device: str, sleeps: bool):
     from megarl.rollout.vllm.engine import VLLMEngine
     from megarl.rollout.weight_state import WeightState
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.device, engine.llm, engine.shapes = torch.device(device), _LLM(), {"w": (2,)}
+    # "frozen" is a model tensor no sync writes: sleep keeps level 1 (its host copy must survive)
+    engine.device, engine.llm, engine.shapes = torch.device(device), _LLM(), {"w": (2,), "frozen": (2,)}
     engine.weights, engine.asleep, engine.sleeps = WeightState(["w"], ready=True), False, sleeps
-    engine._weights_awake, engine._reloading, engine._broken = True, False, ""
+    engine._weights_awake, engine._reloading, engine._broken, engine._transfer = True, False, "", False
     return engine
 
 

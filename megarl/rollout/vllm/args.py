@@ -43,6 +43,8 @@ OWNED = {"model": "model.path", "tokenizer": "model.path", "skip_tokenizer_init"
          "enable_chunked_prefill": "rollout.enable_chunked_prefill", "generation_config": "(megarl passes stop ids)",
          "distributed_executor_backend": "(vLLM runs inside each rollout rank)", "quantization": "rollout.quantization",
          "hf_overrides": "actor_rollout_ref.model.override_config (set the keys there)"}
+# Set by megarl too, in builds newer than the EngineArgs snapshot OWNED is checked against.
+OWNED_LATER = {"weight_transfer_config": "(megarl's weight sync on CUDA: megarl/rollout/vllm/transfer.py)"}
 
 
 def require_vllm():
@@ -74,9 +76,10 @@ def check_config(cfg: RolloutConfig) -> None:
     if cfg.quantization:
         raise ConfigError(f"={cfg.quantization!r}: megarl's weight sync sends full-precision HF tensors and its "
                           "log-probs must match the trainer's; remove it", f"{KEY}.quantization")
+    owned = {**OWNED, **OWNED_LATER}
     for key in cfg.engine_kwargs.get("vllm") or {}:
-        if key in OWNED:
-            raise ConfigError(f"is set by megarl from {OWNED[key]}; remove it from engine_kwargs.vllm",
+        if key in owned:
+            raise ConfigError(f"is set by megarl from {owned[key]}; remove it from engine_kwargs.vllm",
                               f"{KEY}.engine_kwargs.vllm.{key}")
 
 

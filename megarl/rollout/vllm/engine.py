@@ -16,7 +16,9 @@ draw the same random numbers: every prompt carries a seed (llm_api.prompt_seed),
 first rank chose where the caller gave none.
 
 Weight sync: update_weights() feeds each bucket into one vLLM reload per sync
-(worker.py says why one), finalize_weights() closes it and resets the prefix cache: vLLM keeps
+(worker.py says why one): on CUDA through vLLM's weight-transfer session where the build has one
+(start/update/finish, transfer.py), else through worker.py's reload calls. finalize_weights()
+closes it and resets the prefix cache: vLLM keeps
 finished prompts' KV blocks and would serve a prompt of 128+ tokens (8+ full blocks of 16) from KV
 computed with the old weights. A sync that fails part-way leaves layers half-loaded, so the engine
 then refuses to generate until a full sync succeeds (WeightState, as the in-place engines do).
@@ -24,9 +26,11 @@ then refuses to generate until a full sync succeeds (WeightState, as the in-plac
 Log-probs: megarl's convention (rollout/base.py) is raw vLLM log-probs at T=1 and processed ones
 when only temperature applies (llm_api.logprob_mode); the sampler's mode is set per call.
 
-Sleep (CUDA only, free_cache_engine or enable_sleep_mode): sleep() is vLLM's level 1 (weights
-offloaded to the host, KV cache dropped); a sync while asleep first wakes the weights (tag
-"weights"), wake() then the KV cache, and resets the prefix cache, as verl's vLLM server does.
+Sleep (CUDA only, free_cache_engine or enable_sleep_mode): sleep() drops the KV cache and is
+vLLM's level 2 (weights discarded) when the next sync rewrites every weight, else level 1 (weights
+offloaded to the host) (transfer.sleep_level); after level 2 the engine refuses to generate until a
+full sync. A sync while asleep first wakes the weights (tag "weights"), wake() then the KV cache,
+and resets the prefix cache, as verl's vLLM server does.
 
 Process hygiene: vLLM's CPU worker replaces torch.set_num_threads with a no-op and seeds torch's
 global generator; both are put back after start-up so the trainer's threads and seeds stay its own.
@@ -52,7 +56,7 @@ from megarl.rollout.config import RolloutConfig
 from megarl.rollout.native.tp import TPComm
 from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
 from megarl.rollout.prompts import PromptGuard
-from megarl.rollout.vllm import worker
+from megarl.rollout.vllm import transfer, worker
 from megarl.rollout.vllm.shm import clear_stale
 from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, llm_kwargs, require_vllm, sampling_kwargs,
                                       set_environment)
@@ -92,6 +96,7 @@ class VLLMEngine(BaseRollout):
         from vllm.engine.arg_utils import EngineArgs  # optional dependency (README: Using vLLM)
         user = dict(user_kwargs or {})
         check_engine_kwargs(user, EngineArgs)
+        self._transfer = self.device.type == "cuda" and transfer.available(EngineArgs)
         self.max_len = cfg.max_model_len or (cfg.prompt_length or 0) + (cfg.response_length or 0) or None
         if self.max_len is None:
             raise ConfigError("is unknown: set max_model_len or prompt_length and response_length",
@@ -111,6 +116,9 @@ class VLLMEngine(BaseRollout):
         kw = llm_kwargs(cfg, device_type=self.device.type, model_dir=model_dir, max_len=self.max_len, dtype=dtype,
                         overrides=overrides, hf_config=hf_config, user=user,
                         total_ram=psutil.virtual_memory().total if self.device.type == "cpu" else 0)
+        if self._transfer:
+            transfer.register()
+            kw["weight_transfer_config"] = dict(transfer.CONFIG)
         if dist.is_available() and dist.is_initialized():
             kw["distributed_executor_backend"] = "external_launcher"
             if self.tp_group is not None and cfg.tensor_model_parallel_size > 1:
@@ -123,10 +131,16 @@ class VLLMEngine(BaseRollout):
             torch.set_num_threads = set_threads          # vLLM's CPU worker made it a no-op
             torch.random.set_rng_state(rng)               # and seeded the global generator
         _check_tp_layout(cfg.tensor_model_parallel_size, self.tp_group)
+        if self._transfer:
+            self._call("init_weight_transfer_engine", init_info={})
         self._mode = "processed"
 
     def _rpc(self, fn, *args):
         return self.llm.collective_rpc(fn, args=args)
+
+    def _call(self, method: str, **kwargs):
+        """A method of vLLM's worker by name (its weight-transfer session: transfer.py)."""
+        return self.llm.collective_rpc(method, kwargs=kwargs)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_limit: int | None = None) -> list[list[Completion]]:
@@ -167,16 +181,27 @@ class VLLMEngine(BaseRollout):
             self.llm.wake_up(tags=["weights"])    # level 1 keeps them on the host: back before loading
             self._weights_awake = True
         if not self._reloading:
-            self._rpc(worker.begin_reload)
+            if self._transfer:
+                self._call("start_weight_update")
+            else:
+                self._rpc(worker.begin_reload)
             self._reloading = True
         # vLLM buffers a layer's tensors until the layer is complete, which may be a later bucket,
         # and the sender reuses its bucket buffer after this call: keep copies, on vLLM's device.
         named = [(name, t.detach().to(self.device, copy=True)) for name, t in bucket]
         try:
-            self._rpc(worker.load_bucket, named)
+            if self._transfer:
+                self._call("update_weights", update_info=transfer.update_info(named))
+            else:
+                self._rpc(worker.load_bucket, named)
         except BaseException as err:
             # Layers of this bucket may be part-loaded: the weights are a mix until a full sync.
             self.weights.mixed()
+            if self._transfer:
+                # vLLM's worker ends its session on a failed update (a finish would be refused);
+                # the next sync starts a new one.
+                self._reloading = False
+                raise
             try:
                 self._end_reload()
             except BaseException as close_err:   # noqa: BLE001 - vLLM's reload state is then unusable
@@ -190,7 +215,10 @@ class VLLMEngine(BaseRollout):
     def _end_reload(self) -> None:
         if self._reloading:
             self._reloading = False
-            self._rpc(worker.finish_reload)
+            if self._transfer:
+                self._call("finish_weight_update")
+            else:
+                self._rpc(worker.finish_reload)
             self.llm.reset_prefix_cache()
 
     def finalize_weights(self) -> None:
@@ -213,7 +241,10 @@ class VLLMEngine(BaseRollout):
                                "with free_cache_engine or enable_sleep_mode true)")
         if self.asleep:
             return
-        self.llm.sleep(level=1)
+        level = transfer.sleep_level(self.weights.expected, self.shapes)
+        self.llm.sleep(level=level)
+        if level == 2:
+            self.weights.release()           # discarded: generate is refused until a full sync
         self.asleep, self._weights_awake = True, False
 
     def wake(self) -> None:
