@@ -27,7 +27,9 @@ from megarl.config import ConfigError
 from megarl.experiment import load_config
 from megarl.launcher.preflight import check_model_paths
 try:
-    cfg = load_config("configs/quickstart.yaml", ["actor_rollout_ref.model.path=" + sys.argv[1]])
+    config, overrides = (sys.argv[2], []) if len(sys.argv) > 2 else \
+        ("configs/quickstart.yaml", ["actor_rollout_ref.model.path=" + sys.argv[1]])
+    cfg = load_config(config, overrides)
     check_model_paths(cfg)
     print(json.dumps({"path": cfg.model.path}))
 except ConfigError as err:
@@ -52,11 +54,12 @@ def cache_model(hub_cache: str, model_dir: str) -> str:
     return snapshot
 
 
-def load(hf_home: str, model_path: str) -> dict:
-    env = {**os.environ, "HF_HOME": hf_home, "HF_ENDPOINT": "http://127.0.0.1:9"}   # no hub to reach
+def load(hf_home: str, model_path: str, config: str | None = None, **extra_env: str) -> dict:
+    env = {**os.environ, "HF_HOME": hf_home, "HF_ENDPOINT": "http://127.0.0.1:9", **extra_env}  # no hub to reach
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE"):
         env.pop(name, None)
-    got = subprocess.run([sys.executable, "-c", LOAD, model_path], cwd=ROOT, env=env, capture_output=True,
+    args = [sys.executable, "-c", LOAD, model_path, *([config] if config else [])]
+    got = subprocess.run(args, cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     return json.loads(got.stdout.strip().splitlines()[-1])
@@ -68,6 +71,21 @@ def test_a_hub_id_in_the_cache_is_read_from_its_snapshot(tmp_path, addition_mode
     seen = scan_cache_dir(hf_home / "hub")                  # huggingface_hub recognises the layout
     assert [(r.repo_id, [v.commit_hash for v in r.revisions]) for r in seen.repos] == [(REPO, [COMMIT])]
     assert load(str(hf_home), REPO) == {"path": snapshot}    # and megarl's checks pass on it, offline
+
+
+def test_a_hub_id_behind_an_environment_default_is_read_from_the_cache(tmp_path, addition_model_dir):
+    """The shipped 7B configs write `path: ${env:MODEL,Qwen/Qwen2.5-7B-Instruct}`: the hub id, as the
+    default or as MODEL's value, comes from the cache as a written-out one does."""
+    hf_home = tmp_path / "hf"
+    snapshot = cache_model(str(hf_home / "hub"), addition_model_dir)
+    config = tmp_path / "conf" / "grpo.yaml"
+    config.parent.mkdir()
+    config.write_text(f"base: {ROOT}/configs/quickstart.yaml\n"
+                      f"actor_rollout_ref: {{model: {{path: '${{env:MEGARL_TEST_MODEL,{REPO}}}'}}}}\n")
+    assert load(str(hf_home), "", str(config)) == {"path": snapshot}
+    config.write_text(f"base: {ROOT}/configs/quickstart.yaml\n"
+                      "actor_rollout_ref: {model: {path: '${env:MEGARL_TEST_MODEL,org/other}'}}\n")
+    assert load(str(hf_home), "", str(config), MEGARL_TEST_MODEL=REPO) == {"path": snapshot}
 
 
 def test_a_hub_id_not_in_the_cache_names_hf_download(tmp_path):

@@ -20,6 +20,7 @@ from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from megarl.config.errors import ConfigError
+from megarl.config.interpolate import resolve
 from megarl.config.loader import BASE_KEY, load_yaml_text, read_yaml
 from megarl.config.paths import HUB_ID_OR_DIR, looks_like_hub_id
 
@@ -87,10 +88,22 @@ def use_hub_cache(raw: dict) -> dict:
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str) and "${" in value:
+            value = _env_only(value)
         if (isinstance(value, str) and "${" not in value and looks_like_hub_id(value) and not os.path.isabs(value)
                 and not os.path.exists(value) and (snapshot := cached_snapshot(value))):
             node[leaf] = snapshot
     return raw
+
+
+def _env_only(value: str) -> Any:
+    """`value` with its references resolved where they are environment variables only (the shipped
+    configs' `${env:MODEL,Qwen/Qwen2.5-7B-Instruct}`), so such a hub id reaches the cache too; None
+    where it refers to other keys, which resolve later with the whole config."""
+    try:
+        return resolve({"path": value})["path"]
+    except ConfigError:
+        return None
 
 
 def missing_model(path: str) -> ConfigError:
