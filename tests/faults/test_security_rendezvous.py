@@ -3,6 +3,9 @@ TCP port its processes listen on tried as a torch key-value store, every key fou
 a pickle that would create a marker file, and the run must go on (past c10d's 5 s re-read, three
 more steps) without running it; started by
 `megarl-train` and by launch/torchrun.sh. (launch/slurm/job.sh's torchrun mode: test_launch_slurm.py.)
+The `megarl-train` run then serves a second check, which needs a healthy 2-rank run past its start
+and nothing more: a rank that stops (SIGSTOP: alive, silent) fails the others within
+trainer.collective_timeout_s, with one line naming the timeout and its key.
 
 torchrun's c10d rendezvous keeps its state pickled (base64) under `torch.rendezvous.<id>` and
 unpickles it every few hundred milliseconds; the stores accept anyone who can reach the port. Each
@@ -15,6 +18,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -115,15 +119,16 @@ def last_step(run_dir) -> int:
     return max(steps, default=0)
 
 
-STEPS = 60      # long enough to outlast the writes and the steps after them
+STEPS = 200     # long enough to outlast the writes, the steps after them and a stopped rank
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("script", [False, True], ids=["megarl-train", "launch/torchrun.sh"])
-def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, script):
-    marker = tmp_path / "code-ran"
-    run_dir = tmp_path / "run"
-    launch = Launch(overrides(addition_model_dir, run_dir, STEPS, "trainer.save_freq=-1"), script=script)
+STOP_TIMEOUT_S = 15      # above the longest gap between two collectives of a loaded 2-core machine
+
+
+def poisoned_run_goes_on(launch, run_dir, marker) -> None:
+    """Once the run is past its first steps, write a pickle into every store it listens on; the run
+    must go on past c10d's re-read and three more steps without running it. Leaves the run going
+    unless it ended (well) on its own meanwhile."""
     deadline = time.monotonic() + 300
     while last_step(run_dir) < 2:                # past start-up, every store open, ~1 s a step from here
         assert launch.proc.poll() is None, launch.finish()[1][-3000:]
@@ -138,7 +143,7 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
             break
     assert written, f"no store found among {sorted(ports)}"
     # c10d's agent re-reads its state every 5 s at the latest: the run must go on past that, and
-    # three more steps, with nothing run; then it is stopped (the rest of its steps prove nothing).
+    # three more steps, with nothing run.
     after = last_step(run_dir)
     time.sleep(6)
     deadline = time.monotonic() + 120
@@ -146,9 +151,52 @@ def test_a_store_client_cannot_run_code_in_a_run(addition_model_dir, tmp_path, s
         assert time.monotonic() < deadline, "the run stopped making steps after the writes"
         time.sleep(0.2)
     assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
-    if launch.proc.poll() is None:
-        launch.kill_group()
-    else:                                     # it finished while the writes went on: it must have ended well
+    if launch.proc.poll() is not None:        # it finished while the writes went on: it must have ended well
         rc, out = launch.finish()
         assert rc == 0 and last_step(run_dir) == STEPS, out[-3000:]
-    assert not marker.exists(), f"a pickle written to {sorted(written)} ran in the run"
+
+
+@pytest.mark.timeout(600)
+def test_a_store_client_cannot_run_code_in_a_run_of_launch_torchrun_sh(addition_model_dir, tmp_path):
+    marker, run_dir = tmp_path / "code-ran", tmp_path / "run"
+    launch = Launch(overrides(addition_model_dir, run_dir, STEPS, "trainer.save_freq=-1"), script=True)
+    try:
+        poisoned_run_goes_on(launch, run_dir, marker)
+    finally:                                  # the rest of its steps prove nothing
+        if launch.proc.poll() is None:
+            launch.kill_group()
+    assert not marker.exists(), "a pickle written to a store ran in the run"
+
+
+def _rank_pid(tag: str, rank: int) -> int:
+    for p in run_processes(tag):
+        env = p.environ()
+        if env.get("RANK") == str(rank) and "megarl.train" in p.cmdline():
+            return p.pid
+    raise AssertionError(f"rank {rank} not found")
+
+
+@pytest.mark.timeout(600)
+def test_a_store_client_cannot_run_code_in_megarl_train_and_a_stopped_rank_fails_the_others(
+        addition_model_dir, tmp_path):
+    marker, run_dir = tmp_path / "code-ran", tmp_path / "run"
+    launch = Launch(overrides(addition_model_dir, run_dir, STEPS, "trainer.save_freq=-1",
+                              f"trainer.collective_timeout_s={STOP_TIMEOUT_S}"))
+    try:
+        poisoned_run_goes_on(launch, run_dir, marker)
+        assert launch.proc.poll() is None, "the run ended before rank 1 could be stopped (raise STEPS)"
+        stopped = time.monotonic()
+        os.kill(_rank_pid(launch.tag, 1), signal.SIGSTOP)
+        try:
+            rc, out = launch.finish(timeout=STOP_TIMEOUT_S + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_TIMEOUT_S + 60}s after rank 1 stopped (trainer.collective_timeout_s="
+                        f"{STOP_TIMEOUT_S}); a group ignores the collective timeout")
+        seconds = time.monotonic() - stopped
+    finally:
+        if launch.proc.poll() is None:
+            launch.kill_group()
+    assert not marker.exists(), "a pickle written to a store ran in the run"
+    assert rc != 0
+    assert f"a collective waited past trainer.collective_timeout_s={STOP_TIMEOUT_S}s" in out, out[-3000:]
+    assert seconds < STOP_TIMEOUT_S + 45, f"took {seconds:.0f}s"
