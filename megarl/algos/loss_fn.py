@@ -12,11 +12,13 @@ Metrics are detached scalars, each a mean over this micro-batch: average them ov
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import fields
 
 import torch
 
 import megarl.algos.decoupled  # noqa: F401  (registers the decoupled_ppo and m2po policy losses)
 import megarl.algos.pg_variants  # noqa: F401  (registers cispo, sapo, geo_mean, clip_cov, kl_cov, ...)
+from megarl.algos import loss_options
 from megarl.algos.kl import KL_ESTIMATORS, kl_penalty
 from megarl.algos.losses import Aggregator, ClipParams, get_policy_loss, value_loss
 from megarl.algos.rollout_correction import MASKING, masked_token_fraction, rollout_is_weights, rollout_mismatch_metrics
@@ -47,12 +49,14 @@ def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
     (rollout_corr/*) are measured on them at no extra cost, each a mean over micro-batches."""
     actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
     policy_loss, pl = get_policy_loss(actor.policy_loss.loss_mode), actor.policy_loss
+    # megarl's own losses read their options as the ClipParams fields of the same names (verl's oracle
+    # tests call them that way); any loss finds its whole options object in params.options
+    builtin = pl.options is not None and type(pl.options).__module__ == loss_options.__name__
+    named = {f.name: getattr(pl.options, f.name) for f in fields(pl.options)} if builtin else {}
     params = ClipParams(clip_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
                         clip_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
-                        clip_c=actor.clip_ratio_c, behav_imp_weight_cap=actor.policy_loss.behav_imp_weight_cap,
-                        m2_threshold=actor.policy_loss.m2_threshold, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
-                        clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                        kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
+                        clip_c=actor.clip_ratio_c, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg, options=pl.options,
+                        **named)
     decoupled = getattr(policy_loss, "needs_behaviour_log_probs", False)
     if decoupled and algo.rollout_correction.rollout_is is not None:
         raise ConfigError(f"loss_mode={actor.policy_loss.loss_mode} already weights tokens by pi_prox / pi_behav; "

@@ -10,6 +10,7 @@ token-sum = sum(loss * mask) (no normaliser: the worker's DP sum is already the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,6 +79,9 @@ class ClipParams:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     dro_beta: float | None = None
+    # the loss's own options as the config gives them (its registered options class), None when it has
+    # none; megarl's losses read the fields above, which their options fill by name
+    options: Any = None
 
 
 register_policy_loss = POLICY_LOSSES.register

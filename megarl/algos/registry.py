@@ -8,12 +8,18 @@ actor_rollout_ref.model.external_lib (docs/extending.md).
 
 megarl's own entries are declared below as "module:function" paths, so the config knows every
 built-in name without importing torch (the registry's shape, shared with every kind of extension, is
-megarl/config/registry.py).
+megarl/config/registry.py). A policy loss that reads keys of its own declares them as an options
+class (the built-ins' in megarl/algos/loss_options.py); the user writes them beside loss_mode.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+from megarl.config.errors import ConfigError
 from megarl.config.plugins import import_external_libs
 from megarl.config.registry import Registry
+from megarl.config.typed import to_dict
 
 
 def _paths(module: str, table: dict[str, tuple[str, ...]]) -> dict[str, str]:
@@ -31,7 +37,11 @@ POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.los
                         "gspo_loss": ("gspo",)}),
     **_paths("decoupled", {"decoupled_ppo_loss": ("decoupled_ppo",), "m2po_loss": ("m2po",)}),
     **_paths("pg_variants", {f"{name}_loss": (name,) for name in ("cispo", "sapo", "geo_mean", "clip_cov", "kl_cov",
-                                                                  "gpg", "dro", "dppo_tv", "dppo_kl")})})
+                                                                  "gpg", "dro", "dppo_tv", "dppo_kl")})},
+    options={name: f"megarl.algos.loss_options:{cls}" for name, cls in (
+        ("clip_cov", "ClipCovOptions"), ("kl_cov", "KlCovOptions"), ("dro", "DroOptions"),
+        ("decoupled_ppo", "DecoupledOptions"), ("m2po", "M2poOptions"))})
+LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 
 # A "+" suffix on any of them takes the k2 gradient (megarl/algos/kl.py)
 KL_ESTIMATORS = Registry("KL estimator", "algorithm.kl_penalty", _paths("kl", {
@@ -48,8 +58,34 @@ def check_algorithm_names(cfg) -> None:
         (POLICY_LOSSES, actor.policy_loss.loss_mode, "actor_rollout_ref.actor.policy_loss.loss_mode"),
         (KL_ESTIMATORS, cfg.algorithm.kl_penalty.removesuffix("+"), "algorithm.kl_penalty"),
         (KL_ESTIMATORS, actor.kl_loss_type.removesuffix("+"), "actor_rollout_ref.actor.kl_loss_type")]
-    if all(name in registry for registry, name, _ in names):
-        return
-    import_external_libs(cfg)
-    for registry, name, key in names:
-        registry.check(name, key)
+    if not all(name in registry for registry, name, _ in names):
+        import_external_libs(cfg)
+        for registry, name, key in names:
+            registry.check(name, key)
+    given = actor.policy_loss.options
+    given = to_dict(given) if dataclasses.is_dataclass(given) else given
+    actor.policy_loss.options = POLICY_LOSSES.build_options(actor.policy_loss.loss_mode, given, LOSS_KEY,
+                                                            tolerated=_another_loss_at_default, beside=["loss_mode"])
+
+
+def _another_loss_at_default(key: str, value: Any) -> bool:
+    """A key another loss reads, at that loss's default, is accepted and left unread: verl writes
+    every loss's keys into each config (its clip_cov_ratio, kl_cov_ratio ...). Another value is one line."""
+    readers = [(name, cls) for name in POLICY_LOSSES.names() if (cls := POLICY_LOSSES.options_of(name))
+               and key in {f.name for f in dataclasses.fields(cls)}]
+    if not readers:
+        return False
+    default = next(f.default for f in dataclasses.fields(readers[0][1]) if f.name == key)
+    if _same(value, default):
+        return True
+    raise ConfigError(f"is read by loss_mode={' or '.join(n for n, _ in readers)} only; set that loss or remove "
+                      "the key", f"{LOSS_KEY}.{key}")
+
+
+def _same(value: Any, default: Any) -> bool:
+    if value is None or default is None or isinstance(value, bool):
+        return value is default
+    try:
+        return float(value) == float(default)
+    except (TypeError, ValueError):
+        return value == default

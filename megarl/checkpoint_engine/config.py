@@ -6,9 +6,11 @@
 
 Each built-in transport is one module in megarl/checkpoint_engine/transports/, which registers
 its entry when imported; a transport defined elsewhere (a user's package, a test) calls
-`register` itself before the config is loaded. Nothing here imports torch: the config reads the
-names from the module files, and a transport's module (which loads torch to build it) is
-imported the first time its entry is asked for. The entry's build side is
+`register` itself, in a module imported before the config is loaded or named by model.external_lib.
+A transport's own options are a Section class it registers; the config gives them as
+`checkpoint_engine.engine_kwargs.<name>.<key>` (verl's place for a checkpoint engine's arguments).
+Nothing here imports torch: the config reads the names from the module files, and a transport's
+module (which loads torch to build it) is imported the first time its entry is asked for. The entry's build side is
 megarl/checkpoint_engine/transport.py.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.config.errors import ConfigError
+from megarl.config.plugins import import_external_libs
 from megarl.config.registry import Registry, package_modules
 
 KEY = "actor_rollout_ref.rollout.checkpoint_engine"
@@ -36,6 +39,9 @@ class TransportRules:
     auto_for: tuple[str, ...] = ()
     # rules on the experiment config when this transport is chosen, each raising ConfigError
     checks: tuple[Callable[[Any], None], ...] = ()
+    # the Section dataclass of its own keys, given as checkpoint_engine.engine_kwargs.<name>.<key>
+    # (verl's place for a checkpoint engine's arguments); None: it reads none
+    options: type | None = None
 
     def __post_init__(self):
         unknown = set(self.placements) - set(PLACEMENTS)
@@ -60,8 +66,40 @@ def register(entry: TransportRules, module: str | None = None) -> TransportRules
         if taken:
             raise ValueError(f"transport {entry.name!r}: backend=auto already picks {taken[0]!r} for "
                              f"placement={placement}")
-    TRANSPORTS.add(entry.name, entry, origin=module or f"{entry.name} (a transport of your own)")
+    TRANSPORTS.add(entry.name, entry, origin=module or f"{entry.name} (a transport of your own)",
+                   options=entry.options)
     return entry
+
+
+def transport_options(name: str, given: dict[str, Any] | None) -> Any:
+    """Transport `name`'s options from engine_kwargs.<name> (typed and checked by its options class;
+    None when it reads none). A key it does not read is one line naming the transport and its keys."""
+    if name not in TRANSPORTS:
+        raise ConfigError(unknown_backend(name), f"{KEY}.engine_kwargs.{name}")
+    transport(name)                        # a built-in's module registers its options class
+    return TRANSPORTS.build_options(name, given, f"{KEY}.engine_kwargs.{name}")
+
+
+def check_transport(cfg) -> None:
+    """The backend and each engine_kwargs.<name> name a registered transport (a user's once its module
+    ran: before the config loads, or as model.external_lib, imported here for that), and each
+    engine_kwargs.<name> is typed by that transport's options class."""
+    ce = cfg.rollout.checkpoint_engine
+    names = [n for n in (ce.backend, *ce.engine_kwargs) if n not in ALIASES]
+    if not all(n in TRANSPORTS for n in names):
+        import_external_libs(cfg)
+    if ce.backend not in ALIASES and ce.backend not in TRANSPORTS:
+        raise ConfigError(unknown_backend(ce.backend), f"{KEY}.backend")
+    ce.engine_kwargs = {name: transport_options(name, given) for name, given in ce.engine_kwargs.items()}
+
+
+def unread_options(entry: TransportRules, engine_kwargs: dict[str, Any]) -> str | None:
+    """Why engine_kwargs names a transport other than the chosen one (its keys would go unread), or None."""
+    others = sorted(set(engine_kwargs) - {entry.name})
+    if not others:
+        return None
+    return (f"engine_kwargs.{others[0]} is read by the {others[0]} transport, and weights move over "
+            f"{entry.name}; remove it or set backend={others[0]}")
 
 
 def unregister(name: str) -> None:

@@ -17,9 +17,16 @@ module runs, imported before the config loads or named by `model.external_lib`.
 
 A kind whose built-ins are one module each (the weight-sync transports) declares them with
 `package_modules`, so a new built-in is a new file and nothing else.
+
+An entry may carry its own options: a dataclass (a megarl.config.typed.Section) of the keys it
+reads, given at registration (`register("mine", options=MyOptions)`) or, for a built-in whose code
+loads torch, declared beside its path as "module:Class" of a torch-free module. `build_options`
+types and checks the keys a config gives an entry against that class, so `--check` catches a
+misspelled option without importing the entry's code.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import pkgutil
@@ -27,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from megarl.config.errors import ConfigError
-from megarl.config.typed import closest
+from megarl.config.typed import Section, build, closest, key_like, not_a_key
 
 
 def origin_of(obj: Any) -> str:
@@ -47,29 +54,68 @@ def package_modules(package: str) -> dict[str, str]:
 
 
 class Registry:
-    def __init__(self, kind: str, key: str, builtins: dict[str, str] | None = None):
+    def __init__(self, kind: str, key: str, builtins: dict[str, str] | None = None,
+                 options: dict[str, str] | None = None):
         self.kind, self.key = kind, key       # "advantage estimator", "algorithm.adv_estimator"
         self._entries: dict[str, Any] = {}
         # name -> "module:attribute" (or "module" for an entry made at its top level), loaded lazily
         self._paths: dict[str, str] = dict(builtins or {})
+        # name -> its options class, or the "module:Class" of a built-in's (a torch-free module)
+        self._options: dict[str, type | str] = dict(options or {})
 
-    def add(self, name: str, entry: Any, origin: Any) -> None:
+    def add(self, name: str, entry: Any, origin: Any, options: type | None = None) -> None:
         """Register `entry` under `name`; `origin` is the function or class it comes from, or the name
-        of the module that makes it (checked against a built-in declaration of the same name)."""
+        of the module that makes it (checked against a built-in declaration of the same name);
+        `options` is the Section dataclass of the keys the entry reads, if it reads any."""
         path, made_by = self._paths.get(name), origin_of(origin)
         if path is not None and made_by not in (path, path.partition(":")[0]):
             raise ValueError(f"{self.kind} {name!r} is megarl's built-in {path}; register yours under another name")
         if name in self._entries and self._entries[name] is not entry:
             raise ValueError(f"{self.kind} {name!r} is already registered to {self._describe(self._entries[name])}")
+        if options is not None:
+            if not (isinstance(options, type) and dataclasses.is_dataclass(options) and issubclass(options, Section)):
+                raise ValueError(f"{self.kind} {name!r}: options must be a @dataclass deriving from "
+                                 f"megarl.config.typed.Section, got {options!r}")
+            self._options[name] = options
         self._entries[name] = entry
 
-    def register(self, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator: the function itself is the entry under each of `names`."""
+    def register(self, *names: str, options: type | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: the function itself is the entry under each of `names` (reading `options`)."""
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             for name in names:
-                self.add(name, fn, fn)
+                self.add(name, fn, fn, options)
             return fn
         return deco
+
+    def options_of(self, name: str) -> type | None:
+        """The options class of entry `name` (None: it reads no keys of its own). A built-in's comes
+        from its declared torch-free module; a registered entry's from its registration."""
+        declared = self._options.get(name)
+        if isinstance(declared, str):
+            module, _, attr = declared.partition(":")
+            declared = self._options[name] = getattr(importlib.import_module(module), attr)
+        return declared
+
+    def build_options(self, name: str, raw: dict[str, Any] | None, prefix: str,
+                      tolerated: Callable[[str, Any], bool] | None = None, beside: Iterable[str] = ()) -> Any:
+        """The options of entry `name` built from the keys `raw` gives it (under config key `prefix`),
+        typed and checked by its class; None when it reads none. A key it does not read is one line
+        naming the entry and its keys, unless `tolerated(key, value)` (a section's shared keys);
+        `beside` are the section's own keys, offered too when a key is misspelled."""
+        cls = self.options_of(name)
+        known = sorted(f.name for f in dataclasses.fields(cls) if f.init) if cls else []
+        mine = {}
+        for key, value in (raw or {}).items():
+            if key in known:
+                mine[key] = value
+            elif not key_like(key):
+                raise not_a_key(key, prefix)
+            elif tolerated is None or not tolerated(key, value):
+                hint = closest(str(key), [*known, *beside])
+                fix = f"did you mean {hint!r}? " if hint else ""
+                reads = f"reads {', '.join(known)}" if known else "reads no keys of its own"
+                raise ConfigError(f"unknown key; {fix}{self.kind} {name!r} {reads}", f"{prefix}.{key}")
+        return build(cls, mine, prefix) if cls else None
 
     def check(self, name: str, key: str | None = None) -> None:
         """One line naming the known names unless `name` is one (imports nothing)."""
@@ -109,6 +155,7 @@ class Registry:
         if name in self._paths:
             raise ValueError(f"{self.kind} {name!r} is megarl's built-in; it cannot be unregistered")
         self._entries.pop(name, None)
+        self._options.pop(name, None)
 
     def names(self) -> list[str]:
         return sorted(set(self._entries) | set(self._paths))

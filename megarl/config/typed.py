@@ -150,12 +150,22 @@ def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
     return ConfigError(f"got {shown} ({type(value).__name__}), expected {_type_name(tp)}", key)
 
 
+def plugin_field(cls: type) -> str | None:
+    """The field of a section that gathers the keys a named plug-in adds to it (a policy loss's own
+    keys beside loss_mode): declared with metadata {"plugin_keys": True}. The keys the section does
+    not declare land there as given, and the plug-in's registry types and checks them."""
+    return next((f.name for f in dataclasses.fields(cls) if f.metadata.get("plugin_keys")), None)
+
+
 def build(cls: type, raw: dict | None, prefix: str = "") -> Any:
     """Construct dataclass `cls` from a mapping, checking keys, types and the class's own rules."""
     raw = dict(raw or {})
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
+    gather = plugin_field(cls)
+    if gather is not None:
+        kwargs[gather] = {k: raw.pop(k) for k in list(raw) if k not in fields or k == gather}
     for name, value in raw.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
@@ -177,7 +187,14 @@ def build(cls: type, raw: dict | None, prefix: str = "") -> Any:
 def to_dict(obj: Any) -> Any:
     """A dataclass tree as plain dicts/lists (for YAML output and the run directory)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            value = to_dict(getattr(obj, f.name))
+            if f.metadata.get("plugin_keys"):        # a plug-in's keys sit beside the section's own
+                out.update(value or {})
+            else:
+                out[f.name] = value
+        return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -190,6 +207,8 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     out = []
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("plugin_keys"):
+            continue
         key = f"{prefix}.{f.name}" if prefix else f.name
         out.append(key)
         tp = hints[f.name]
@@ -204,6 +223,8 @@ def defaults_of(cls: type) -> dict:
     """The defaults of a dataclass tree as plain dicts, without running the top class's checks."""
     out = {}
     for f in dataclasses.fields(cls):
+        if f.metadata.get("plugin_keys"):
+            continue
         if f.default is not _MISSING:
             out[f.name] = to_dict(f.default)
         elif f.default_factory is not _MISSING:
@@ -216,6 +237,9 @@ def open_keys(cls: type, prefix: str = "") -> list[str]:
     out = []
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("plugin_keys"):        # the whole section takes a plug-in's keys
+            out.append(prefix)
+            continue
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
         cands = (tp, *get_args(tp))

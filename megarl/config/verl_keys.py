@@ -333,6 +333,8 @@ def megarl_implements(key: str, root: type) -> bool:
     leaves, _, free = _megarl_tree(root)
     if key in REFUSED and isinstance(REFUSED[key][0][0], dict):
         return False                   # looked into: its verl leaves may sit at verl's default
+    if key.endswith("._target_") and key.rsplit(".", 1)[0] in free:
+        return False                   # Hydra's class target of a section open to a plug-in's keys
     return key in leaves or any(key == f or key.startswith(f + ".") for f in free)
 
 

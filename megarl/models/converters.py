@@ -67,10 +67,13 @@ class Registration:
     fix: str = "configure model.converters as at the save"
 
 
-def register_converter(name: str, checkpoint_label: str | None = None,
-                       fix: str | None = None) -> Callable[[ConverterFactory], ConverterFactory]:
+def register_converter(name: str, checkpoint_label: str | None = None, fix: str | None = None,
+                       options: type | None = None) -> Callable[[ConverterFactory], ConverterFactory]:
+    """`options`: the Section dataclass of the keys model.converters.<name> may give; the factory then
+    gets an instance of it (typed, checked at --check) instead of the plain mapping."""
     def add(factory: ConverterFactory) -> ConverterFactory:
-        CONVERTERS.add(name, Registration(factory, checkpoint_label, fix or Registration.fix), origin=factory)
+        CONVERTERS.add(name, Registration(factory, checkpoint_label, fix or Registration.fix), origin=factory,
+                       options=options)
         return factory
     return add
 
@@ -148,7 +151,12 @@ def build_model_converters(config: Sequence[str] | Mapping[str, Mapping[str, Any
         raise ValueError(f"model.converters: unknown converter(s) {', '.join(unknown)}; registered: "
                          f"{', '.join(registered_converters()) or 'none'} (register one with "
                          "megarl.models.converters.register_converter, imported by model.external_lib)")
-    return ModelConverters(tuple((n, CONVERTERS.get(n).factory(opts)) for n, opts in named.items()), named)
+    steps = []
+    for n, opts in named.items():
+        factory = CONVERTERS.get(n).factory
+        typed = CONVERTERS.build_options(n, opts, f"model.converters.{n}") if CONVERTERS.options_of(n) else opts
+        steps.append((n, factory(typed)))
+    return ModelConverters(tuple(steps), named)
 
 
 def checkpoint_mismatch(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:

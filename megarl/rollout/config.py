@@ -10,7 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.checkpoint_engine.config import ALIASES, transport_names, unknown_backend
+from megarl.checkpoint_engine.config import transport_options
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
 from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
@@ -131,13 +131,19 @@ class CheckpointEngineConfig(Section):
     delta_dense_above: float = 0.25        # a bucket with more than this fraction changed is sent dense
     delta_compression: Literal["none", "zstd", "lz4"] = "none"   # frames compressed where it makes them smaller
     delta_copy: Literal["host", "device"] = "host"   # where the sender keeps its last-sent copy
+    # verl's key: transport name -> its own options, typed by the options class each transport registers
+    # once the names are known (checkpoint_engine/config.py check_transport); only the chosen one's may be given
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def options(self, name: str) -> Any:
+        """The options transport `name` builds with: those given, else its class's defaults."""
+        return self.engine_kwargs.get(name) or transport_options(name, {})
 
     def __post_init__(self):
         if self.update_weights_bucket_megabytes is not None:
             self.bucket_size_mb = self.update_weights_bucket_megabytes
         if isinstance(self.delta, bool):
             self.delta = "on" if self.delta else "off"
-        require(self.backend in ALIASES or self.backend in transport_names(), "backend", unknown_backend(self.backend))
         if self.backend == "delta_sharded":
             require(self.delta in (None, "on"), "delta",
                     "backend=delta_sharded (verl) is the distributed transport with "

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import os
 
-from megarl.checkpoint_engine.config import KEY, chosen, delta_problem, placement_problem
+from megarl.checkpoint_engine.config import (KEY, check_transport, chosen, delta_problem, placement_problem,
+                                             unread_options)
 from megarl.config.errors import ConfigError
 from megarl.engines import config_info, default_name
 from megarl.models.hf_config import hf_overrides
@@ -102,11 +103,15 @@ def check_async_loop_features(cfg) -> None:
 
 def check_sync_backend(cfg) -> None:
     """The transport serves this placement, and its own rules hold (checkpoint_engine/transports/)."""
+    check_transport(cfg)
     ce = cfg.rollout.checkpoint_engine
     entry = chosen(ce.backend, cfg.rollout.placement)
     problem = placement_problem(entry, cfg.rollout.placement)
     if problem:
         raise ConfigError(problem, f"{KEY}.backend")
+    problem = unread_options(entry, ce.engine_kwargs)
+    if problem:
+        raise ConfigError(problem, f"{KEY}.engine_kwargs")
     for check in entry.checks:
         check(cfg)
 

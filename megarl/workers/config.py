@@ -205,32 +205,12 @@ class OptimConfig(Section):
 @dataclass
 class PolicyLossConfig(Section):
     loss_mode: str = "vanilla"  # a name in megarl.algos's policy-loss registry (vanilla, dual_clip, gspo, ...)
-    # decoupled_ppo (AReaL's key): tokens whose pi_prox / pi_behav exceeds it leave the loss; None keeps all
-    behav_imp_weight_cap: float | None = None
-    m2_threshold: float | None = None    # m2po: bound on the mean (log pi_prox / pi_behav)^2; None: 0.04
-    # verl's keys and defaults (megarl/algos/pg_variants.py): clip_cov leaves out of the gradient up to
-    # clip_cov_ratio of the tokens whose cov(A, log pi) lies in (clip_cov_lb, clip_cov_ub); kl_cov adds
-    # ppo_kl_coef * |log r| to the top kl_cov_ratio of them; dro's quadratic penalty dro_beta has no default
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
-    dro_beta: float | None = None
+    # The chosen loss's own keys, written beside loss_mode (verl's clip_cov_ratio, dro_beta, ...): gathered
+    # here as given, then typed and checked by the options class the loss registers, once every loss is
+    # known (megarl/algos/registry.py check_algorithm_names; the built-ins' in megarl/algos/loss_options.py).
+    options: Any = field(default=None, metadata={"plugin_keys": True})
 
     def __post_init__(self):
-        require(self.behav_imp_weight_cap is None or self.loss_mode == "decoupled_ppo", "behav_imp_weight_cap",
-                "is read by loss_mode=decoupled_ppo only; set that loss or remove the key")
-        require(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1, "behav_imp_weight_cap",
-                "must be > 1 (a weight of 1 is on-policy)")
-        require(self.m2_threshold is None or self.loss_mode == "m2po", "m2_threshold",
-                "is read by loss_mode=m2po only; set that loss or remove the key")
-        require(self.m2_threshold is None or self.m2_threshold > 0, "m2_threshold", "must be > 0")
-        require(self.clip_cov_ratio > 0, "clip_cov_ratio", "must be > 0 (a fraction of the tokens)")
-        require(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb", "must be below clip_cov_ub")
-        require(self.kl_cov_ratio > 0, "kl_cov_ratio", "must be > 0 (a fraction of the tokens)")
-        require(self.loss_mode != "dro" or (self.dro_beta is not None and self.dro_beta > 0), "dro_beta",
-                "loss_mode=dro needs dro_beta > 0 (the weight of its (log r)^2 penalty), e.g. 0.1")
         require(self.loss_mode != "bypass_mode", "loss_mode",
                 "verl's bypass_mode loss is megarl's algorithm.rollout_correction.bypass_mode=true with "
                 "loss_mode=vanilla; set those")
