@@ -19,6 +19,7 @@ response of the call; rows per step come from who is still running.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -102,7 +103,8 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
     if hasattr(engine, "generate_pausable"):
         pausable = engine.generate_pausable
 
-        def paced_pausable(prompts, sampling, pause, every, budgets=None, samples=None, prefixes=None):
+        @functools.wraps(pausable)        # its signature: the keywords it takes (partial.py reads them)
+        def paced_pausable(prompts, sampling, pause, every, budgets=None, samples=None, prefixes=None, **kwargs):
             pacer = Pacer(cfg, engine, _prefill_tokens(prompts, sampling.n, prefixes))
             boundaries = 0
 
@@ -116,7 +118,7 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
                 pacer.wait()
                 return pause(unfinished)
 
-            out = pausable(prompts, sampling, paced_pause, every, budgets, samples, prefixes)
+            out = pausable(prompts, sampling, paced_pause, every, budgets, samples, prefixes, **kwargs)
             _charge_completions(pacer, out)
             pacer.wait()
             return out

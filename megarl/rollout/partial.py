@@ -23,7 +23,9 @@ a weight update lands, not at every chunk (one call per chunk re-prefills prompt
 far: chunks of 4 cost 1.8x a whole-batch generation on a long-tailed task, docs/async.md).
 Updates still land only at chunk boundaries, as before. Where the engine also continues
 responses (`prefixes`: the built-in engine without R3), a re-submitted sample keeps its prompt's
-group and only its response is prefilled again.
+group and only its response is prefilled again. Where the engine reports samples as they finish
+(`finished`: the built-in engine), each joins its sequence at once, so `pause` sees its group
+done and a stream hands it over at that boundary while the call goes on.
 
 R3 (routed experts): each chunk's prompt is the sequence so far, so its prefill routes every earlier
 token under the weights of that chunk; a sequence keeps its latest chunk's record.
@@ -34,6 +36,7 @@ truncate are not supported: prompt + partial response must fit the engine's prom
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,12 +153,22 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     budget = sp.max_tokens
     pausable = pause is not None and hasattr(engine, "generate_pausable")
     paused = [False]
+    applied: set[tuple[int, int]] = set()       # (call prompt, sample) extended as it finished
+    streamed = [0]                               # tokens of those
 
-    def call(members, prompts, params, budgets=None, **kwargs):
+    def call(members, prompts, params, budgets=None, rooms=None, **kwargs):
         """members[i]: the (generation index, prompt index, sequences) that call prompt i stands
-        for (read on a pausable engine only)."""
+        for, rooms[i] each sequence's tokens left before the call (read on a pausable engine only)."""
         if not pausable:
             return engine.generate(prompts, params)
+        if "finished" in inspect.signature(engine.generate_pausable).parameters:
+            # each sample joins its sequence as it finishes, so a pause() can hand its group over
+            # while the call goes on
+            def finished(i: int, j: int, c: Completion) -> None:
+                g, _, seqs = members[i]
+                streamed[0] += gens[g]._extend(seqs[j], c, version, rooms[i][j])
+                applied.add((i, j))
+            kwargs["finished"] = finished
         # unfinished samples outside this call, per generation and prompt: fixed while it runs
         inside = {id(seq) for *_, seqs in members for seq in seqs}
         outside = [[sum(s.finish is None and id(s) not in inside for s in g.seqs[j:j + g.n])
@@ -176,11 +189,13 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         seed = None if sp.seed is None else step_seed(sp.seed, 0)
         members = [(0, i, lead.seqs[i * n:(i + 1) * n]) for i in range(len(lead.prompts))]
         cap = budget if pausable else min(chunk, budget)
-        out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed))
+        out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed), rooms=[[cap] * n] * len(members))
         lead.chunks_done += 1
-        return lead._extend_all(out, version, cap)
+        if not pausable:
+            return lead._extend_all(out, version, cap)
+        return streamed[0] + _apply(gens, members, out, [[cap] * n] * len(members), version, applied)
     if pausable:
-        return _one_call(gens, version, call, getattr(engine, "continues_responses", False))
+        return streamed[0] + _one_call(gens, version, call, getattr(engine, "continues_responses", False), applied)
     # one chunk each; sequences with the same remaining budget share a call (usually one call), and
     # a generation at its first chunk beside others has a call of its own, n samples per prompt
     by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
@@ -204,7 +219,14 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     return added
 
 
-def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool) -> int:
+def _apply(gens: list[ChunkedGeneration], members, out, rooms, version: int, applied: set) -> int:
+    """A pausable call's completions onto their sequences, but those `applied` as they finished."""
+    return sum(gens[g]._extend(s, c, version, room)
+               for i, ((g, _, seqs), group, left) in enumerate(zip(members, out, rooms))
+               for j, (s, c, room) in enumerate(zip(seqs, group, left)) if (i, j) not in applied)
+
+
+def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool, applied: set) -> int:
     """Every unfinished sequence of `gens` in one pausable call. A generation at its first chunk
     comes in as its prompts with n samples each (one prefill per prompt, not per sample). On an
     engine that continues responses (`prefixes`), the unfinished samples of one prompt come in
@@ -239,9 +261,8 @@ def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool)
         kwargs["samples"] = samples
     if any(r for p in prefixes for r in p):
         kwargs["prefixes"] = prefixes
-    out = call(members, prompts, params, caps, **kwargs)
-    added = sum(gens[i]._extend(s, c, version, cap)
-                for (i, _, seqs), group, room in zip(members, out, left) for s, c, cap in zip(seqs, group, room))
+    out = call(members, prompts, params, caps, left, **kwargs)
+    added = _apply(gens, members, out, left, version, applied)
     for g in gens:
         g.chunks_done += 1
     return added

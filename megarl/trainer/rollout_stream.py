@@ -52,11 +52,14 @@ from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
 from megarl.trainer.faults import fault_point
 from megarl.trainer.generation import generate, sampling_seed, shard_rows
 from megarl.trainer.stream_buffer import Pending, Period, Round, check_saved_stream, gather, packed
-from megarl.trainer.stream_groups import choose, deferred, ready_mask, saved_ready
+from megarl.trainer.stream_groups import choose, deferred, held_fresh, ready_mask, saved_ready
 from megarl.trainer.validation import validate
 
 
 class RolloutWorker:
+    in_call = False                  # handing over inside a shared call (which goes on)
+    _gen_from = 0.0                  # when this rank's generation time began counting
+
     def __init__(self, cfg, ranks, parts, logger):
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.acfg = cfg.async_training
@@ -157,7 +160,7 @@ class RolloutWorker:
         pausable engine from inside its generate call (the batches go on without re-submission
         until a round stops them), else after each one-chunk call; a rank whose share is done
         keeps joining rounds until every rank is done or a round stops."""
-        began = time.perf_counter()
+        began = self._gen_from = time.perf_counter()
         if jobs[0].gen is None:
             job = jobs[0]
             job.batch = self.generate(job.prompt_rows, job.t)
@@ -175,7 +178,7 @@ class RolloutWorker:
             return rounds[-1].stop
         if not all(g.done for g in gens):
             step_together(gens, self.p.rollout, self.version, pause if pausable else None)
-        self.period.gen += time.perf_counter() - began
+        self.period.gen += time.perf_counter() - self._gen_from     # (a hand-off inside the call moves it)
         if not (rounds and rounds[-1].stop):
             while True:
                 rounds.append(self._round(jobs, [g.left() for g in gens]))
@@ -218,9 +221,11 @@ class RolloutWorker:
             arrived = self.handed >= self.version + 1 and any(
                 j.chunks >= self.acfg.update_at_chunk and j.t == self.version + 1 + self.depth for j in jobs)
         overlap = self.acfg.tail_overlap > 0 and tail and live[0] and self._may_start()
-        if self.groups:     # enough groups are done and the trainer can take them: end the call
+        if self.groups:     # enough groups are done and the trainer can take them
             ready = sum(flags[4:]) + sum(len(j.ready) for j in self.buffer if j.finished)
             handoff_due = self._handoff_open() and ready >= self.want
+            if handoff_due and not (arrived or overlap) and self._hand_over_in_call(jobs, flags[4:]):
+                handoff_due = False          # handed over here: the shared call goes on
         else:               # the older batch is done and the trainer can take it: end the shared call
             handoff_due = len(jobs) == 2 and not live[0] and self.version >= jobs[0].t - 1
         return Round(live, arrived, overlap, arrived or overlap or handoff_due)
@@ -329,6 +334,30 @@ class RolloutWorker:
             job.ready = {g for g in range(job.size) if flags[at + g]}
             at += job.size
 
+    def _hand_over_in_call(self, jobs: list[Pending], masks: list[bool]) -> bool:
+        """The hand-off at this chunk boundary, the shared call going on with its KV cache (the
+        engine reports samples as they finish), so the unfinished responses are not prefilled
+        again. Not where a checkpoint follows it (it saves the responses so far, which the call
+        holds) or a chosen group is stale (its regeneration is an engine call of its own)."""
+        if self._checkpoint_follows(self.handed) or self.handed + 1 >= self.total:
+            return False                         # (after the last step's batch the call is not needed)
+        at = 0
+        for job in jobs:                         # the ready groups as every rank agreed them
+            job.ready = {g for g in range(job.size) if masks[at + g]}
+            at += job.size
+        chosen = choose(list(self.buffer), self.want)
+        if self._poll([float(not held_fresh(chosen, self.handed, self.acfg.max_staleness, self.p.pad_token_id))])[0]:
+            return False
+        now = time.perf_counter()
+        self.period.gen += now - self._gen_from
+        self.in_call = True
+        try:
+            self.hand_over()
+        finally:
+            self.in_call = False
+        self._gen_from = time.perf_counter()
+        return True
+
     def _take_groups(self) -> tuple[DataProto, DataProto, dict]:
         """The next step's groups (stream_groups.choose), their prompts, and what the step took."""
         chosen = choose(list(self.buffer), self.want)
@@ -343,6 +372,7 @@ class RolloutWorker:
             job.ready -= wanted
         newest = chosen[-1][0]
         extra = {"started_in_tail": float(newest.in_tail), "handoff_batches": float(len(chosen)),
+                 "handoff_in_call": float(self.in_call),
                  "deferred_groups": float(deferred(list(self.buffer), newest.t))}
         self.buffer = deque(j for j in self.buffer if len(j.taken) < j.size)
         return gather(self.ranks, pieces), DataProto.concat(prompts), extra

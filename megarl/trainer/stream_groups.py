@@ -18,7 +18,9 @@ from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from megarl.algos.staleness import stale_rows
 from megarl.trainer.generation import shard_rows
+from megarl.trainer.stream_buffer import Pending, packed
 
 
 class HeldBatch(Protocol):
@@ -78,10 +80,29 @@ def choose(jobs: Sequence[Held], want: int) -> list[tuple[Held, list[int]]]:
     return chosen
 
 
+def held_fresh(chosen: Sequence[tuple[Pending, list[int]]], version: int, max_staleness: int,
+               pad_token_id: int) -> bool:
+    """Whether this rank holds every sample of its share of the chosen groups (an engine that
+    reports samples only at its call's end has not given them yet) and none is more than
+    max_staleness versions behind `version`: then a hand-off may happen inside the shared call."""
+    for job, take in chosen:
+        wanted = set(take)
+        rows = [j for j, g in enumerate(job.rows) if int(g) in wanted]
+        if not rows:
+            continue
+        left = job.generation.left()
+        if any(left[j] for j in rows):
+            return False
+        b = packed(job, rows, pad_token_id).batch
+        if stale_rows(b["token_versions"], b["response_mask"], version, max_staleness).any():
+            return False
+    return True
+
+
 def deferred(jobs: Sequence[HeldBatch], newest: int) -> int:
     """After a step took groups up to batch `newest`: the groups of older batches not taken, left
     for a later step (the long tail the step did not wait for)."""
     return sum(j.size - len(j.taken) for j in jobs if j.t < newest)
 
 
-__all__ = ["HeldBatch", "choose", "deferred", "ready_mask", "saved_ready"]
+__all__ = ["HeldBatch", "choose", "deferred", "held_fresh", "ready_mask", "saved_ready"]

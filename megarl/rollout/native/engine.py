@@ -182,7 +182,8 @@ class NativeEngine(BaseRollout):
     def generate_pausable(self, prompts: list[list[int]], sampling: SamplingParams,
                           pause: Callable[[dict[int, int]], bool], every: int,
                           budgets: list[int] | None = None, samples: list[int] | None = None,
-                          prefixes: list[list[list[int]]] | None = None) -> list[list[Completion]]:
+                          prefixes: list[list[list[int]]] | None = None,
+                          finished: Callable[[int, int, Completion], None] | None = None) -> list[list[Completion]]:
         """generate(), asking `pause(unfinished)` at every chunk boundary while anything runs
         (whenever the call's first prompts hold a multiple of `every` tokens: chunks as partial
         rollouts count them; `unfinished` maps each prompt index with samples still running or
@@ -197,7 +198,9 @@ class NativeEngine(BaseRollout):
         prompts, n samples each, share the call with continued responses); `prefixes[i][j]`, when
         given, is the response so far of prompt i's sample j ([] for a new one): it goes on from
         there, its prompt prefilled once for all its samples, and only new tokens come back
-        (sampling.max_tokens bounds the whole response)."""
+        (sampling.max_tokens bounds the whole response). `finished(i, j, completion)`, when
+        given, hears of prompt i's sample j as soon as it finishes, before the next `pause`, so
+        a caller can hand it over at that boundary while the call goes on with its KV cache."""
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if budgets is not None and (len(budgets) != len(prompts) or min(budgets, default=1) < 1):
@@ -207,7 +210,7 @@ class NativeEngine(BaseRollout):
                              f"got {samples!r}")
         if prefixes is not None:
             self._check_prefixes(prefixes, samples or [sampling.n] * len(prompts), sampling.max_tokens)
-        return self._generate(prompts, sampling, None, pause, every, budgets, samples, prefixes)
+        return self._generate(prompts, sampling, None, pause, every, budgets, samples, prefixes, finished)
 
     def _check_prefixes(self, prefixes, samples: list[int], max_tokens: int) -> None:
         if self.record_routes:
@@ -226,7 +229,7 @@ class NativeEngine(BaseRollout):
 
     def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0,
                   budgets: list[int] | None = None, samples: list[int] | None = None,
-                  prefixes: list[list[list[int]]] | None = None) -> list[list[Completion]]:
+                  prefixes: list[list[list[int]]] | None = None, finished=None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
@@ -253,7 +256,7 @@ class NativeEngine(BaseRollout):
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples, prefixes).run()
+        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples, prefixes, finished).run()
 
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""

@@ -14,7 +14,9 @@ prefill each) shares the call with the single continued responses of the batch b
 `prefixes[i][j]`, when given, is sample j's response so far: its prompt is prefilled once into
 its group, the responses into their rows (Transformer.prefill_rows), and the sample goes on from
 there as if never stopped (its step, so its sampling key and draws, count those tokens); only
-the new tokens come back, and sampling.max_tokens bounds the whole response.
+the new tokens come back, and sampling.max_tokens bounds the whole response. `finished(i, j,
+completion)`, when given, is told of each sample as it finishes (not when paused), before the
+next boundary's `pause`: a stream hands finished groups over from inside the call, which goes on.
 
 `engine` is the NativeEngine: the scheduler uses its model, KV cache, row state, decode step,
 device and stats, and owns only the bookkeeping of one call.
@@ -46,9 +48,9 @@ class Scheduler:
 
     def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0,
                  budgets: list[int] | None = None, samples: list[int] | None = None,
-                 prefixes: list[list[list[int]]] | None = None):
+                 prefixes: list[list[list[int]]] | None = None, finished=None):
         self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
-        self.pause, self.every = pause, every
+        self.pause, self.every, self.finished = pause, every, finished
         # tokens each prompt's samples may take (at most sampling.max_tokens): continued responses
         # of one stream, each with its own remaining budget, share a call
         self.limit = np.full(len(prompts), sampling.max_tokens, dtype=np.int64) if budgets is None else \
@@ -175,7 +177,10 @@ class Scheduler:
         for r, t, lp, ro in zip(fin.tolist(), toks, logps, routes):
             s, b = int(self.steps[r]), int(self.start[r])
             reason: FinishReason = "paused" if pausing else "stop" if stopped[r] else "length"
-            self.out[self.prompt[r]][self.sample[r]] = Completion(t[b:s], lp[b:s], reason, routed_experts=ro)
+            done_c = Completion(t[b:s], lp[b:s], reason, routed_experts=ro)
+            self.out[self.prompt[r]][self.sample[r]] = done_c
+            if self.finished is not None and not pausing:    # before the next boundary's pause()
+                self.finished(int(self.prompt[r]), int(self.sample[r]), done_c)
         e.stats["generated_tokens"] += int((self.steps[fin] - self.start[fin]).sum())
         np.subtract.at(self.live, self.grp[fin], 1)
         keep = B - len(fin)
