@@ -10,8 +10,10 @@ reaches), tests/gpu (pass/fail, the bf16 rollout-vs-trainer log-prob mismatch, r
 update-step benchmark on the 0.86B shape (update_policy and compute_log_prob MFU against the
 0.45 MFU target, peak memory per phase and --check's memory plan against it, what offload
 frees against the <= 10% target, weight-sync seconds and GB/s), rollout tokens/s of the built-in
-engine against transformers' generate, and the stream's schedule on the long-tailed task
-(tail_overlap against whole-batch calls, generation alone). Without CUDA (and without
+engine against transformers' generate, the stream's schedule on the long-tailed task
+(tail_overlap against whole-batch calls, generation alone), and megarl's vLLM adapter on vLLM's
+CUDA build where it imports (benchmarks/vllm_gpu_check.py; else one line says why it skipped:
+the dry run always skips it). Without CUDA (and without
 --device cpu) it says so in one line and exits 2.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from benchmarks.plan_vs_measured import compare, table as plan_table  # noqa: E402
+from benchmarks import vllm_gpu_check  # noqa: E402
 
 MFU_TARGET = 0.45              # update_policy's MFU goal on the 0.86B benchmark shape
 OFFLOAD_TARGET = 0.10          # offload's goal: trainer memory on device during rollout / before offload
@@ -241,6 +244,8 @@ def markdown(rep: dict) -> str:
             lines.append(f"| stream schedule, generation alone (tail_overlap 0.5 vs whole-batch calls) | "
                          f"{tail['s_per_batch']:.3f} vs {whole['s_per_batch']:.3f} s per batch: "
                          f"{r['speedup']:.2f}x ({tail['counters']} vs {whole['counters']}) |")
+        elif s["name"] == "vllm":
+            lines.extend(vllm_gpu_check.rows(r))
         elif s["name"] == "mfu":
             best = r["best_update_policy_mfu"]
             lines.append(f"| update_policy MFU vs target {r['target']} | "
@@ -277,6 +282,7 @@ def main(argv=None) -> int:
         secs.append(section(f"update_step_micro{micro}", update_step, a.device, a.dry_run, micro))
     secs.append(section("rollout", rollout, a.device, a.dry_run, a.out))
     secs.append(section("stream", stream, a.device, a.dry_run, a.out))
+    secs.append(section("vllm", vllm_gpu_check.run, "cpu" if a.dry_run else a.device, a.dry_run, a.out))
     secs.extend(derived(secs))
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)

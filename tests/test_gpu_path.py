@@ -161,7 +161,7 @@ def test_gpu_check_report_plumbing_on_cpu(tmp_path):
         assert key in report
     assert {"torch", "megatron-core", "transformers"} <= set(report["versions"])
     sections = {s["name"]: s for s in report["sections"]}
-    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "stream", "mfu", "offload"}
+    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "stream", "vllm", "mfu", "offload"}
     assert all(s["ok"] for s in sections.values()), [s.get("traceback") for s in sections.values()]
     upd = sections["update_step_micro2"]["result"]
     assert upd["update_policy_mfu"] > 0 and upd["weight_sync"]["gb_per_s"] > 0
@@ -172,6 +172,9 @@ def test_gpu_check_report_plumbing_on_cpu(tmp_path):
     assert [(r["phase"], r["ok"]) for r in upd["memory_plan"]] == [("static", True)]
     assert "| memory plan vs measured (micro 2) | static: planned " in md
     assert sections["stream"]["result"]["speedup"] > 0 and "| stream schedule, generation alone" in md
+    # the dry run never starts vLLM: its section says why, in the report's one line
+    assert sections["vllm"]["result"] == {"skipped": "device cpu: the section needs vLLM's CUDA build on a GPU"}
+    assert "| vLLM (CUDA build) | skipped: device cpu:" in md
 
 
 def test_gpu_check_without_cuda_says_so():

