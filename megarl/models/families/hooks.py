@@ -1,7 +1,8 @@
 """Code a family adds where ModelFamily's data fields cannot say it: a FamilyHooks subclass in the
 family's file, set as `ModelFamily(hooks=...)`. The shared code calls each hook at one fixed point
 and every default adds nothing, so a family overrides only what its blocks need (qwen3.py: an
-RMSNorm over each q and k head). Plain Python: hooks get torch objects passed in, never import it.
+RMSNorm over each q and k head). megarl's family files stay torch-free (the launcher reads them
+before torch loads): hooks get torch objects passed in.
 
     hook                         called by                 what it says
     layer_tensors(dims)          convert.py, spec.py,      per-layer tensors past the shared ones:
@@ -12,7 +13,8 @@ RMSNorm over each q and k head). Plain Python: hooks get torch objects passed in
 
 Tensors from layer_tensors are held whole by every tensor-parallel rank (norms, gates, small
 projections): convert.py maps them one to one, the engine loads them beside its own, and the
-parameter count includes them.
+parameter count includes them. Their megatron names must not look TP-split to convert.tp_dim
+(`self_attention.linear_qkv*`, `*linear_fc1.weight`, `*linear_fc2.weight`, `linear_proj`).
 """
 from __future__ import annotations
 
