@@ -115,6 +115,26 @@ def test_a_failed_bucket_leaves_the_weights_mixed_and_the_next_sync_starts_anew(
     assert engine.weights.state == "ready"
 
 
+def test_a_sync_missing_tensors_finishes_vllms_session_and_refuses_to_generate(fake, dirs):
+    engine, llm = fake()
+    buckets, _ = _buckets(dirs)
+    engine.update_weights(buckets[0])
+    with pytest.raises(ValueError, match="incomplete"):
+        engine.finalize_weights()
+    assert llm.calls[-2:] == ["finish_weight_update", "reset_prefix_cache"]    # vLLM's session is closed
+    assert not llm.worker._weight_update_active
+    with pytest.raises(RuntimeError, match="full sync"):
+        engine.generate([[1, 2, 3]], engine_sampling())
+
+
+def test_a_wrong_shape_is_refused_before_vllm_sees_the_bucket(fake, dirs):
+    engine, llm = fake()
+    name, t = sorted(load_file(f"{dirs['b']}/model.safetensors").items())[0]
+    with pytest.raises(ValueError, match=f"weight {name}: shape"):
+        engine.update_weights([(name, torch.zeros(*t.shape, 2))])
+    assert llm.calls == ["init_weight_transfer_engine"] and engine.weights.state == "ready"
+
+
 def engine_sampling():
     from megarl.rollout.base import SamplingParams
     return SamplingParams(n=1, temperature=1.0, max_tokens=4)
