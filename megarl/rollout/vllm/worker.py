@@ -50,3 +50,36 @@ def set_logprobs_mode(worker, mode: str) -> str:
     sampler.logprobs_mode = mode
     sampler.topk_topp_sampler.logprobs_mode = mode
     return mode
+
+
+def record_routes(worker, layers: int, topk: int, moe: list[int]) -> str:
+    """Routed experts on vLLM's V1 runner (megarl/rollout/vllm/routes.py says why megarl records
+    them there): vLLM's own binder hooks every MoE router to the recorder; the runner's
+    execute_model hands it each step's scheduler output, the model's forward hooks its rows."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+    from megarl.rollout.vllm.routes import RouteRecorder
+    runner = _runner(worker)
+    if getattr(runner, "megarl_routes", None) is not None:
+        return "already"
+    rec = RouteRecorder(runner, layers, topk, moe)
+    model = runner.get_model()
+    bind_routed_experts_capturer(model, rec)
+    execute = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        rec.sched = scheduler_output
+        try:
+            return execute(scheduler_output, *args, **kwargs)
+        finally:
+            rec.sched = None
+
+    runner.execute_model = execute_model
+    model.register_forward_pre_hook(rec.before_forward, with_kwargs=True)
+    model.register_forward_hook(rec.after_forward, with_kwargs=True)
+    runner.megarl_routes = rec
+    return type(runner).__name__
+
+
+def take_routes(worker) -> dict:
+    """Every request's fed tokens and routes recorded since the last call (routes.RouteRecorder.take)."""
+    return _runner(worker).megarl_routes.take()
