@@ -34,9 +34,16 @@ class ScaleOptions(Section):
         require(self.scale > 0, "scale", "must be > 0")
 
 
-@register_policy_loss("scaled_pg_test", options=ScaleOptions)
 def scaled_pg(old_log_prob, log_prob, advantages, mask, params, agg, is_weights=None):
     return agg(-params.options.scale * advantages * log_prob, mask), {}
+
+
+@pytest.fixture
+def scaled_loss():
+    """Registered for the test alone: other modules count the registered losses."""
+    register_policy_loss("scaled_pg_test", options=ScaleOptions)(scaled_pg)
+    yield
+    POLICY_LOSSES.unregister("scaled_pg_test")
 
 
 def test_a_registry_refuses_options_that_are_not_a_section():
@@ -56,7 +63,7 @@ def test_a_registry_refuses_options_that_are_not_a_section():
     assert kinds.options_of("b") is None
 
 
-def test_a_loss_reads_its_own_key_written_beside_loss_mode():
+def test_a_loss_reads_its_own_key_written_beside_loss_mode(scaled_loss):
     def value(scale: float) -> float:
         cfg = load_config(None, ["data.max_response_length=4", f"{PL}.loss_mode=scaled_pg_test", f"{PL}.scale={scale}"])
         assert cfg.actor.policy_loss.options == ScaleOptions(scale)
