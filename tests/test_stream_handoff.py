@@ -79,6 +79,7 @@ def test_finished_groups_leave_inside_the_call_with_exact_log_probs_and_versions
     # the last step's hand-off ends the call (nothing after it is needed): the others may go on
     assert 0 < inside <= total - 1 and metrics[-1]["handoff_in_call"] == 0, metrics
     assert any(m["handoff_batches"] == 2 for m in metrics) and any(m["deferred_groups"] for m in metrics), metrics
+    assert sum(m["updates_in_call"] for m in metrics) > 0, metrics     # the calls still stop for updates
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     for t, payload in enumerate(payloads[:-1], start=1):
         b = payload["batch"]

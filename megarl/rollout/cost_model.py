@@ -90,6 +90,8 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
     at least the modelled wall time. Returns the engine."""
     if not cfg.enable:
         return engine
+    # said once per engine, so a run's log tells figures taken under the model from real ones
+    print(f"megarl: rollout engine {type(engine).__name__} paced {describe(cfg)}", flush=True)
     generate = engine.generate
 
     def paced_generate(prompts, sampling, prompt_limit=None):

@@ -25,9 +25,11 @@ shared calls when the older batch is finished and can be handed over, when an up
 (one batch in flight) when the next one may start.
 
 With async_training.handoff=finished_groups a hand-off is the first train_batch_size prompt groups
-that are done, oldest batch first (megarl/trainer/stream_groups.py): a round also stops the shared
-call once that many are done and the trainer can take them, and a batch leaves the buffer when
-its last group is handed over.
+that are done, oldest batch first (megarl/trainer/stream_groups.py), made at the round where that
+many are done and the trainer can take them, and a batch leaves the buffer when its last group is
+handed over. On the built-in engine, which reports samples as they finish, the hand-off happens
+inside the shared call and the call goes on with its KV cache; it stops the call (the unfinished
+responses continued after it) where a checkpoint follows or a chosen group must be regenerated.
 
 At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
 hand t over. Hand-off h happens right after update h-1, as the trainer expects (it syncs
@@ -106,6 +108,7 @@ class RolloutWorker:
         if not jobs and self._may_start():
             jobs = [self.start(self.next_t)]
         if not jobs:
+            self.period.waits_full += 1
             return self._take_update()           # the buffer is full: wait for the trainer
         self.advance(jobs)
 
@@ -187,6 +190,8 @@ class RolloutWorker:
                     break                        # (this rank still generating: back to its engine)
         last = rounds[-1]
         if last.update:
+            # one that stops a call with responses unfinished on some rank (agreed: the round's)
+            self.period.updates_in_call += int(pausable and any(last.live))
             self._take_update()                  # interrupts every unfinished sequence here
         for job, live in zip(jobs, last.live):
             if not live:
@@ -246,7 +251,8 @@ class RolloutWorker:
                 extra = {"started_in_tail": batch.meta_info.pop("started_in_tail", 0.0)}
                 ready = float(len(self._finished()))
             batch, stale = self.enforce_staleness(batch, prompts, h)
-            extra.update(stale, buffer_ready=ready, engine_idle_fraction=self.period.idle_fraction())
+            extra.update(stale, buffer_ready=ready, engine_idle_fraction=self.period.idle_fraction(),
+                         updates_in_call=float(self.period.updates_in_call), waits_full=float(self.period.waits_full))
             batch.meta_info["async_metrics"] = extra
             batch.meta_info["rollout_timing"] = self.period.timing()
             payload.update(batch=batch, loader=loader, next_t=self.next_t)

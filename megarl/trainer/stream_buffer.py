@@ -68,6 +68,8 @@ class Period:
     gen: float = 0.0
     wait_update: float = 0.0
     sync: float = 0.0
+    updates_in_call: int = 0    # updates that stopped an engine call with responses unfinished
+    waits_full: int = 0         # updates waited for with nothing to generate (the buffer full)
 
     def timing(self) -> dict[str, float]:
         return {"gen": self.gen, "wait_update": self.wait_update, "sync": self.sync}
