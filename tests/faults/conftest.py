@@ -4,7 +4,9 @@
 `sync_chain` / `async_chain`: that reference run, and one run directory taken through
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
 rank 0 there, megarl/trainer/faults.py; the sync chain also between a step's checkpoint and its
-metrics record), a torn last line in metrics.jsonl, and a final resume.
+metrics record), a torn last line in metrics.jsonl, and a final resume. The sync chain's run starts
+with a SIGTERM to its first launch once step 1 is logged (it saves its step and exits 143,
+tests/faults/test_stop_signal.py), so its first kill is also the resume of that stop.
 The async chain's first kill parks a rollout rank instead (the second of two), inside its stream:
 batch 4 finished in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness
 2, chunks of 1).
@@ -12,12 +14,14 @@ batch 4 finished in the buffer, batch 5's responses one chunk long (async_overri
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 
 from megarl.trainer.metrics import read_metrics
 from tests.faults.runs import Launch, async_overrides, lock_is_free, overrides
+from tests.helpers.training_runs import stable, step_digests
 
 STEPS = 5
 # (fault point, the checkpoint the next launch resumes from)
@@ -34,8 +38,28 @@ def _reference(model_dir, root, make_args) -> dict:
     return {"dir": ref_dir, "out": out}
 
 
-def _chain(model_dir, root, make_args, reference, kill_points=KILL_POINTS) -> dict:
+def _stop(model_dir, run_dir, make_args) -> dict:
+    """A fresh launch sent SIGTERM (the launcher only, as `kill <pid>` does) once step 1 is logged."""
+    launch = Launch(make_args(model_dir, run_dir, STEPS))
+    try:
+        deadline = time.monotonic() + 300
+        while not any(f"step 1/{STEPS} " in log.read_text(errors="replace") for log in run_dir.glob("logs/*.log")):
+            assert launch.proc.poll() is None, launch.finish()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 1"
+            time.sleep(0.1)
+        launch.proc.send_signal(signal.SIGTERM)
+        rc, out = launch.finish(timeout=300)
+    finally:
+        if launch.proc.poll() is None:
+            launch.kill_group()
+    pointer = run_dir / "latest_checkpointed_iteration.txt"
+    return {"rc": rc, "out": out, "left": launch.left_after(10),
+            "pointer": pointer.read_text().strip() if pointer.is_file() else None}
+
+
+def _chain(model_dir, root, make_args, reference, kill_points=KILL_POINTS, stop_first=False) -> dict:
     run_dir = root / "killed"
+    stop = _stop(model_dir, run_dir, make_args) if stop_first else None
     kills = []
     for fault, resumes_from in kill_points:
         launch = Launch(make_args(model_dir, run_dir, STEPS), fault=fault)
@@ -56,9 +80,23 @@ def _chain(model_dir, root, make_args, reference, kill_points=KILL_POINTS) -> di
         f.write(TORN)
     rc, final_out = Launch(make_args(model_dir, run_dir, STEPS)).finish()
     return {"ref": reference["dir"], "run": run_dir, "ref_out": reference["out"], "kills": kills, "rc": rc,
-            "out": final_out}
+            "out": final_out, "stop": stop}
 
 
+def check_same_as_reference(chain) -> dict:
+    """Every step's metrics and, after the last step, the weights and optimizer state byte for
+    byte, as the run never killed; returns its metrics by step."""
+    ref = {r["step"]: r for r in read_metrics(str(chain["ref"]))}
+    got = {r["step"]: r for r in read_metrics(str(chain["run"]))}
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert stable(got[step]) == stable(ref[step]), step
+    last = f"global_step_{STEPS}"
+    assert step_digests(chain["run"] / last) == step_digests(chain["ref"] / last)
+    return ref
+
+
+# The sync chain's tests allow 1200 s: its six launches are built in the setup of the first of them.
 # The uninterrupted runs, trained once and only read by every test that compares with or copies
 # them (the chains below, the stop signal, damaged and hostile checkpoints): saves at steps 2, 4, 5.
 @pytest.fixture(scope="session")
@@ -73,7 +111,8 @@ def async_reference(addition_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sync_chain(addition_model_dir, sync_reference, tmp_path_factory):
-    return _chain(addition_model_dir, tmp_path_factory.mktemp("sync_chain"), overrides, sync_reference)
+    return _chain(addition_model_dir, tmp_path_factory.mktemp("sync_chain"), overrides, sync_reference,
+                  stop_first=True)
 
 
 @pytest.fixture(scope="session")

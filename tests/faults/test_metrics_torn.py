@@ -6,7 +6,7 @@ from megarl.trainer.metrics import read_metrics
 from tests.faults.conftest import STEPS, TORN
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_torn_metrics_line_is_dropped_with_a_notice(sync_chain):
     out = sync_chain["out"]
     assert sync_chain["rc"] == 0, out[-3000:]
