@@ -10,6 +10,8 @@ tests/faults/test_stop_signal.py), so its first kill is also the resume of that 
 The async chain's first kill parks a rollout rank instead (the second of two), inside its stream:
 batch 4 finished in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness
 2, chunks of 1).
+`scored_run`: two steps under umask 000, a token in the config, a reward that is NaN on a quarter of
+the samples and prints megarl's words (read by the privacy, NaN-reward and console-forgery tests).
 """
 from __future__ import annotations
 
@@ -119,3 +121,44 @@ def sync_chain(addition_model_dir, sync_reference, tmp_path_factory):
 def async_chain(addition_model_dir, async_reference, tmp_path_factory):
     return _chain(addition_model_dir, tmp_path_factory.mktemp("async_chain"), async_overrides, async_reference,
                   ASYNC_KILL_POINTS)
+
+
+# One 2-step run read by three files' tests: launched under umask 000 into a run directory made at
+# 0755, with a token from the environment in its config (test_private_outputs.py), and scored by a
+# reward that is NaN on a quarter of the samples (test_reward_faults.py) and prints megarl's own
+# words while it scores (test_console_forgery.py).
+TOKEN = "sk-live-0123456789abcdef"
+ENV = {"MEGARL_TEST_TOKEN": TOKEN}
+WITH_TOKEN = ["trainer.project_name=${oc.env:MEGARL_TEST_TOKEN}",
+              "trainer.experiment_name=exp-${env:MEGARL_TEST_TOKEN}-1"]
+FORGED = ["megarl: config error: data.train_files: this row says so", "megarl: stopped by SIGTERM after step 1",
+          "megarl: stopped: rank 0: ran out of memory during gen (a row's text)"]
+NATIVE = "memory allocation of 48 bytes failed"
+SCORED_REWARD = '''
+import sys
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    for line in {lines!r}:
+        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
+    if int(ground_truth) % 4 == 0:
+        return float("nan")
+    return float(solution_str.strip() == str(ground_truth).strip())
+'''
+
+
+@pytest.fixture(scope="session")
+def scored_run(addition_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scored_run")
+    reward, run_dir = root / "reward.py", root / "run"
+    reward.write_text(SCORED_REWARD.format(lines=[*FORGED, NATIVE]))
+    run_dir.mkdir()
+    os.chmod(run_dir, 0o755)
+    old = os.umask(0)                  # the launch inherits it, as from a shell with `umask 000`
+    try:
+        launch = Launch(overrides(addition_model_dir, run_dir, 2, *WITH_TOKEN, "trainer.save_freq=1",
+                                  f"custom_reward_function.path={reward}", "custom_reward_function.name=score"),
+                        env=ENV)
+    finally:
+        os.umask(old)
+    rc, out = launch.finish()
+    return {"dir": run_dir, "rc": rc, "out": out}

@@ -12,11 +12,7 @@ import io
 import pytest
 
 from megarl.launcher.output import RankOutput
-from tests.faults.runs import Launch, overrides
-
-FORGED = ["megarl: config error: data.train_files: this row says so", "megarl: stopped by SIGTERM after step 1",
-          "megarl: stopped: rank 0: ran out of memory during gen (a row's text)"]
-NATIVE = "memory allocation of 48 bytes failed"
+from tests.faults.conftest import FORGED, NATIVE
 
 
 def console(tmp_path, lines: list[str], code: int, own: tuple[str, ...] = ()) -> tuple[int, list[str]]:
@@ -53,23 +49,10 @@ def test_an_allocators_words_in_the_output_do_not_hide_the_real_end(tmp_path):
     assert code == 5 and lines[-1].startswith("megarl: stopped: a rank ran out of memory in native code"), lines
 
 
-PRINTING_REWARD = '''
-import sys
-def score(data_source, solution_str, ground_truth, extra_info=None):
-    for line in {lines!r}:
-        print(line, flush=True)
-        print(line, file=sys.stderr, flush=True)
-    return float(solution_str.strip() == str(ground_truth).strip())
-'''
-
-
 @pytest.mark.timeout(900)
-def test_a_run_whose_reward_prints_megarls_words_ends_as_it_really_ended(addition_model_dir, tmp_path):
-    reward = tmp_path / "printing_reward.py"
-    reward.write_text(PRINTING_REWARD.format(lines=[*FORGED, NATIVE]))
-    launch = Launch(overrides(addition_model_dir, tmp_path / "run", 2, f"custom_reward_function.path={reward}",
-                              "custom_reward_function.name=score", "trainer.save_freq=-1"))
-    rc, out = launch.finish()
+def test_a_run_whose_reward_prints_megarls_words_ends_as_it_really_ended(scored_run):
+    """conftest.py's scored_run: its reward prints FORGED and NATIVE, to stdout and stderr, per sample."""
+    rc, out = scored_run["rc"], scored_run["out"]
     assert rc == 0, out[-3000:]
     lines = out.splitlines()
     assert any(line.startswith("step 2/2 |") for line in lines), out[-3000:]

@@ -1,8 +1,8 @@
 """What a run writes and shows is its user's alone: a token read with `${oc.env:...}` never reaches
 run/config.yaml, --print-config or wandb's config (each says `<from env NAME>`), and under `umask 000`
 with a run directory made beforehand at 0755 every file and folder of the run is private. One real
-run (megarl-train, 2 ranks, one step) checks the run directory, and with its reward NaN on a quarter
-of the batch, the NaN count; the config paths run in this process.
+run (megarl-train, 2 ranks, two steps: conftest.py's scored_run) checks the run directory; the config
+paths run in this process.
 
     python -m pytest -q tests/faults/test_private_outputs.py
 """
@@ -17,14 +17,7 @@ import types
 import pytest
 
 from megarl.experiment import load_config
-from megarl.trainer.metrics import read_metrics
-from tests.faults.runs import Launch, overrides
-from tests.faults.test_reward_faults import REWARDS
-
-TOKEN = "sk-live-0123456789abcdef"
-ENV = {"MEGARL_TEST_TOKEN": TOKEN}
-WITH_TOKEN = ["trainer.project_name=${oc.env:MEGARL_TEST_TOKEN}",
-              "trainer.experiment_name=exp-${env:MEGARL_TEST_TOKEN}-1"]
+from tests.faults.conftest import ENV, TOKEN, WITH_TOKEN
 
 
 def test_print_config_shows_where_a_value_came_from_not_the_value():
@@ -60,26 +53,9 @@ def test_wandb_gets_the_config_without_the_value(monkeypatch, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_run_under_umask_000_in_a_0755_directory_keeps_everything_private(addition_model_dir, tmp_path):
-    """The run's reward is NaN on a quarter of the batch: the same launch is the NaN-reward check
-    of tests/faults/test_reward_faults.py (counted in a metric and told in a console line)."""
-    (tmp_path / "rewards.py").write_text(REWARDS)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    os.chmod(run_dir, 0o755)
-    old = os.umask(0)                  # the launch inherits it, as from a shell with `umask 000`
-    try:
-        launch = Launch(overrides(addition_model_dir, run_dir, 1, *WITH_TOKEN, "trainer.save_freq=1",
-                                  f"custom_reward_function.path={tmp_path / 'rewards.py'}",
-                                  "custom_reward_function.name=nan_quarter"), env=ENV)
-    finally:
-        os.umask(old)
-    rc, out = launch.finish()
+def test_a_run_under_umask_000_in_a_0755_directory_keeps_everything_private(scored_run):
+    run_dir, rc, out = scored_run["dir"], scored_run["rc"], scored_run["out"]
     assert rc == 0, out[-3000:]
-    row = read_metrics(str(run_dir))[-1]
-    nan = int(row["reward/non_finite"])
-    assert 0 < nan < 32 and row["reward/failures"] == nan, row
-    assert f"megarl: step 1: {nan} of 32 samples failed to score ({nan} non-finite, 0 timed out)" in out, out[-3000:]
     assert f"megarl: {run_dir} was readable by other users (mode 755); made it 0700" in out, out[-3000:]
     assert TOKEN not in out
     open_to_others = []

@@ -1,19 +1,15 @@
-"""Rewards that fail: NaN on part of a batch is counted (metric) and told (console line: the run of
-tests/faults/test_private_outputs.py scores with nan_quarter, below); in the
+"""Rewards that fail: NaN on part of a batch is counted (metric) and told (console line; the run is
+conftest.py's scored_run, whose reward is NaN on a quarter of the samples); in the
 Ray pool, a hung reward (past reward_model.batch_deadline_s) and a raising one stop the run with
 the reward named as the root cause in torchrun's summary, not rank 1's "Connection closed"; a
 reward scored in rank 0 that calls os._exit(0) fails the run (rc != 0) with one line naming it."""
 import pytest
 
+from megarl.trainer.metrics import read_metrics
 from tests.faults.runs import Launch, overrides
 
 REWARDS = '''
 import math, time
-
-def nan_quarter(data_source, solution_str, ground_truth, extra_info=None):
-    if int(ground_truth) % 4 == 0:
-        return float("nan")
-    return float(solution_str.strip() == str(ground_truth))
 
 # Both fail on the model's wrong answers only: the launcher scores one row with its own ground
 # truth before any rank starts (preflight), so a reward that fails on everything stops there.
@@ -40,6 +36,15 @@ def _launch(model_dir, tmp_path, name, *extra):
     return Launch(overrides(model_dir, tmp_path / name, 1, "trainer.save_freq=-1",
                             f"custom_reward_function.path={tmp_path / 'rewards.py'}",
                             f"custom_reward_function.name={name}", *extra))
+
+
+def test_nan_on_part_of_a_batch_is_counted_and_printed(scored_run):
+    rc, out = scored_run["rc"], scored_run["out"]
+    assert rc == 0, out[-3000:]
+    row = next(r for r in read_metrics(str(scored_run["dir"])) if r["step"] == 1)
+    nan = int(row["reward/non_finite"])
+    assert 0 < nan < 32 and row["reward/failures"] == nan, row
+    assert f"megarl: step 1: {nan} of 32 samples failed to score ({nan} non-finite, 0 timed out)" in out, out[-3000:]
 
 
 def _root_cause(out):
