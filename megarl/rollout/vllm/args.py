@@ -12,6 +12,8 @@ verl's keys either act or stop the run in one line (check_config, check_cpu):
     enable_prefix_caching, enable_chunked_prefill, max_num_batched_tokens, max_num_seqs, load_format
                               passed to vLLM as they are (load_format=dummy: random weights until the
                               first sync, which megarl refuses to generate from)
+    enable_rollout_routing_replay   CUDA: vLLM's enable_return_routed_experts (needs prefix caching);
+                              CPU: megarl records the routes, prefix caching off (routes_kwargs)
     engine_kwargs.vllm.*      vLLM's EngineArgs, verbatim; unknown names and the ones megarl sets
                               itself are refused in one line
 """
@@ -44,7 +46,8 @@ OWNED = {"model": "model.path", "tokenizer": "model.path", "skip_tokenizer_init"
          "distributed_executor_backend": "(vLLM runs inside each rollout rank)", "quantization": "rollout.quantization",
          "hf_overrides": "actor_rollout_ref.model.override_config (set the keys there)"}
 # Set by megarl too, in builds newer than the EngineArgs snapshot OWNED is checked against.
-OWNED_LATER = {"weight_transfer_config": "(megarl's weight sync on CUDA: megarl/rollout/vllm/transfer.py)"}
+OWNED_LATER = {"weight_transfer_config": "(megarl's weight sync on CUDA: megarl/rollout/vllm/transfer.py)",
+               "enable_return_routed_experts": "rollout.enable_rollout_routing_replay"}
 
 
 def require_vllm():

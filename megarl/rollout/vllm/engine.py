@@ -32,6 +32,10 @@ offloaded to the host) (transfer.sleep_level); after level 2 the engine refuses 
 full sync. A sync while asleep first wakes the weights (tag "weights"), wake() then the KV cache,
 and resets the prefix cache, as verl's vLLM server does.
 
+Routed experts (R3, enable_rollout_routing_replay): each completion carries its fed positions'
+routes for the MoE layers; vLLM's own on CUDA, recorded by megarl at vLLM's router hooks on CPU
+(routes.py says why and how).
+
 Process hygiene: vLLM's CPU worker replaces torch.set_num_threads with a no-op and seeds torch's
 global generator; both are put back after start-up so the trainer's threads and seeds stay its own.
 """
