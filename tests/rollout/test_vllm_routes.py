@@ -130,3 +130,11 @@ def test_recorder_refuses_a_step_where_an_moe_layer_reported_nothing():
     rec = RouteRecorder(SimpleNamespace(input_batch=SimpleNamespace(req_ids=[])), layers=2, topk=2, moe=[0, 1])
     with pytest.raises(RuntimeError, match=r"MoE layers \[0, 1\] reported routes for \[0\]"):
         _Step(rec)([("a", 0, [1, 2])], layer_ids=(0,))
+
+
+def test_engine_kwargs_cannot_set_the_routes_flag():
+    from megarl.rollout.vllm.args import check_config
+    cfg = RolloutConfig(name="vllm", engine_kwargs={"vllm": {"enable_return_routed_experts": True}})
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.vllm\.enable_return_routed_experts: is set by megarl "
+                                          r"from rollout\.enable_rollout_routing_replay"):
+        check_config(cfg)
