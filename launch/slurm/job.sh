@@ -19,6 +19,7 @@
 # Python itself (Slurm's commands and coreutils only), so the host needs no Python environment.
 #
 # MEGARL_SIGNAL_MARGIN_S (600) is --signal's @seconds: printed at start beside the last save time.
+# MEGARL_STOP_RESEND_S (30): how often USR1 goes to the ranks again until they have stopped.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/common.sh"
 
@@ -42,6 +43,8 @@ words srun_user MEGARL_SRUN_ARGS
 words task_prefix MEGARL_SRUN_PREFIX
 margin=${MEGARL_SIGNAL_MARGIN_S:-600}
 [[ $margin =~ ^[0-9]+$ ]] || megarl_die "MEGARL_SIGNAL_MARGIN_S=$margin: give --signal's @seconds, e.g. 600"
+resend_s=${MEGARL_STOP_RESEND_S:-30}
+[[ $resend_s =~ ^[1-9][0-9]*$ ]] || megarl_die "MEGARL_STOP_RESEND_S=$resend_s: give whole seconds, e.g. 30"
 # A time limit within the margin would signal at once: the ranks would save after their first step
 # and the job requeue itself forever.
 limit=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'TimeLimit=[^ ]*' | cut -d= -f2-) || limit=""
@@ -153,9 +156,13 @@ first_failure() {
 # ranks (scancel --signal reaches the job's steps, not this shell; torchrun ignores it, node_env.sh),
 # which finish their step, save it and exit 143; then it requeues the job, which resumes from that
 # save. Requeueing at once would SIGTERM the ranks and SIGKILL them KillWait (often 30 s) later.
+# A rank still starting up ignores USR1 (torchrun's, or a container's, ignored disposition holds
+# until megarl installs its handler), so the signal is sent again every MEGARL_STOP_RESEND_S
+# (resend_s, above) seconds until the ranks' step ends; a rank that has it already takes no notice.
 stopping=0
 signalled=0
 terminated=0
+resender=""
 on_usr1() {
     signalled=1
     (( stopping )) && return
@@ -163,6 +170,8 @@ on_usr1() {
     say "job $SLURM_JOB_ID is near its time limit ($(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null || echo "?") left);" \
         "the ranks save the step they are in, then the job requeues"
     scancel --signal=USR1 "$SLURM_JOB_ID" || say "scancel --signal=USR1 $SLURM_JOB_ID failed: the ranks save nothing"
+    { while sleep "$resend_s"; do scancel --signal=USR1 "$SLURM_JOB_ID" 2>/dev/null || :; done; } &
+    resender=$!
 }
 trap on_usr1 USR1
 # Slurm's requeue, scancel, preemption and the time limit send SIGTERM to this shell as well as to
@@ -186,6 +195,7 @@ while :; do
     (( signalled )) || break
     signalled=0   # the trap interrupted `wait`; srun goes on (or has ended: wait again for its status)
 done
+[[ -z $resender ]] || kill "$resender" 2>/dev/null || :
 if (( rc == 0 )); then
     say "job $SLURM_JOB_ID finished"
 elif (( stopping && ! terminated )); then
