@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from megarl.trainer import checkpointing
-from tests.faults.conftest import STEPS, _chain, _reference, check_same_as_reference
-from tests.faults.runs import async_overrides
+from tests.faults.conftest import STEPS, check_same_as_reference
 
 
 def check_chain(chain) -> dict:
@@ -66,33 +65,3 @@ def test_async_trainer_survives_every_kill_point(async_chain):
     in_tail = [ref[t]["async/started_in_tail"] for t in range(1, STEPS + 1)]
     assert in_tail[0] == 0 and sum(in_tail[1:]) >= 3, in_tail
 
-
-def groups_overrides(model_dir, run_dir, steps=5, *extra):
-    """async_overrides with every step made of the first finished prompt groups (handoff=finished_groups),
-    one batch ahead, sampled at temperature 1.5 so that response lengths spread (2 to 7 tokens)."""
-    return async_overrides(model_dir, run_dir, steps, "async_training.handoff=finished_groups",
-                           "async_training.max_staleness=1", "actor_rollout_ref.rollout.temperature=1.5", *extra)
-
-
-@pytest.mark.timeout(900)
-def test_a_stream_of_finished_groups_survives_kills(addition_model_dir, tmp_path):
-    """handoff=finished_groups, two rollout DP ranks: a step takes the next batch's first finished
-    groups where the batch before it has a long response left, which a later step trains. Killed
-    with a rollout rank inside its stream, then at a weight sync, each resume continues bitwise
-    as the run never killed: the checkpoints hold every batch of the buffer, with the groups
-    already handed over."""
-    reference = _reference(addition_model_dir, tmp_path, groups_overrides)
-    chain = _chain(addition_model_dir, tmp_path, groups_overrides, reference,
-                   [("pause@stream:5:2", 2), ("pause@sync:5", 4)])
-    assert chain["rc"] == 0, chain["out"][-3000:]
-    for kill in chain["kills"]:
-        assert kill["left"] == [] and kill["lock_free"] and kill["pointer"] == str(kill["resumes_from"]), kill
-    ref = check_same_as_reference(chain)
-    # what made it this mode: steps of two batches' groups, a long tail left to a later step; the
-    # checkpoints hold the buffer and the next batch to start (a batch half handed over in a
-    # checkpoint, and its resume: tests/test_async_pieces.py -k finished_groups)
-    assert any(ref[t]["async/handoff_batches"] == 2 for t in ref), ref
-    assert any(ref[t]["async/deferred_groups"] > 0 for t in ref), ref
-    saved = [checkpointing.read_trainer_state(str(chain["ref"] / f"global_step_{s}")) for s in (2, 4)]
-    assert any(state["buffer_partial"] for state in saved)
-    assert all(state["buffer_next_t"] >= s + 2 for state, s in zip(saved, (2, 4)))
