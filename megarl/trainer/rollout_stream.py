@@ -345,8 +345,9 @@ class RolloutWorker:
         engine reports samples as they finish), so the unfinished responses are not prefilled
         again. Not where a checkpoint follows it (it saves the responses so far, which the call
         holds) or a chosen group is stale (its regeneration is an engine call of its own)."""
-        if self._checkpoint_follows(self.handed) or self.handed + 1 >= self.total:
-            return False                         # (after the last step's batch the call is not needed)
+        if (not hasattr(self.p.rollout, "generate_pausable") or self._checkpoint_follows(self.handed)
+                or self.handed + 1 >= self.total):
+            return False     # (a call per chunk ends anyway; after the last step's batch none is needed)
         at = 0
         for job in jobs:                         # the ready groups as every rank agreed them
             job.ready = {g for g in range(job.size) if masks[at + g]}
