@@ -17,6 +17,8 @@ alone fails on CPU: the CPU backend repacks linear weights into parameters witho
 """
 from __future__ import annotations
 
+from megarl.rollout.vllm.routes import RouteRecorder
+
 
 def _runner(worker):
     return worker.model_runner
@@ -78,8 +80,8 @@ def record_routes(worker, layers: int, topk: int, moe: list[int]) -> str:
     """Routed experts on vLLM's V1 runner (megarl/rollout/vllm/routes.py says why megarl records
     them there): vLLM's own binder hooks every MoE router to the recorder; the runner's
     execute_model hands it each step's scheduler output, the model's forward hooks its rows."""
-    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
-    from megarl.rollout.vllm.routes import RouteRecorder
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (  # inside vLLM's worker
+        bind_routed_experts_capturer)
     runner = _runner(worker)
     if getattr(runner, "megarl_routes", None) is not None:
         return "already"
