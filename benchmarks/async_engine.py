@@ -120,7 +120,7 @@ def engine_counters(engine) -> dict:
 
 def in_the_tail(engine, batches, sp, chunk: int, fraction: float) -> float:
     """Seconds for the stream's engine work on `batches` with tail_overlap=fraction
-    (megarl/trainer/rollout_stream.py without a trainer: no update lands): a batch starts once at
+    (megarl/trainer/stream/worker.py without a trainer: no update lands): a batch starts once at
     most that fraction of the samples of the one in flight are unfinished, and both share the
     engine's calls until the older one is done."""
     from megarl.rollout.partial import ChunkedGeneration, step_together

@@ -129,7 +129,7 @@ SMOKE_EXTRA = ["actor_rollout_ref.model.bootstrap=megarl.examples.addition:boots
 
 
 def run_mode(name: str, args, round_: int = 0, seed: int | None = None) -> tuple[list[dict], float, dict]:
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.metrics.logger import read_metrics
     out = os.path.join(args.out, f"{name}_{round_}")
     cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml",
            f"trainer.default_local_dir={out}", f"trainer.total_training_steps={args.steps}",

@@ -9,7 +9,7 @@ The 0.86b shape is a random Qwen2 model: hidden 2048, 16 layers, 16 heads / 4 KV
 vocab 32768; each update is 32 sequences of 256 prompt + 768 response tokens, bf16, one
 optimizer step, distributed optimizer on (megatron's; CPU has no distributed optimizer: off there).
 MFU is model FLOPs (megarl/models/flops.py, real tokens, causal attention) over the median
-seconds after warm-up and the device's peak (megarl/trainer/mfu.py, or --peak-tflops).
+seconds after warm-up and the device's peak (megarl/trainer/metrics/mfu.py, or --peak-tflops).
 Offload: device bytes the actor holds in weights, grad buffers and optimizer state before and
 after `offload` of all three, and torch.cuda.memory_allocated around it (the issue-13 target:
 <= 10% held during rollout). Weight sync: megarl's colocated sync into a native engine on the same
@@ -72,8 +72,8 @@ def measure(rank: int, world: int, path: str, a) -> dict:
     from megarl.models.flops import forward_flops, training_flops
     from megarl.models.hf_config import read_hf_config
     from megarl.rollout.native import NativeEngine, TPComm
-    from megarl.trainer.memory import PhaseMemory
-    from megarl.trainer.mfu import resolve_peak_flops
+    from megarl.trainer.metrics.memory import PhaseMemory
+    from megarl.trainer.metrics.mfu import resolve_peak_flops
     from megarl.parallel import state
     from megarl.workers.actor import ActorWorker
     from megarl.workers.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig

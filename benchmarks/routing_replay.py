@@ -213,7 +213,7 @@ def grpo(run_dir: str, steps: int, r3: bool, extra: list[str]) -> list[dict]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.metrics.logger import read_metrics
     return [r for r in read_metrics(run_dir) if "rollout_corr/k3_kl" in r]      # training steps only
 
 

@@ -114,7 +114,7 @@ def megarl_overrides(a, model: str, tp: int, run_dir: str, bypass: bool, fixed: 
 
 
 def run_megarl(a, model: str, tp: int, bypass: bool, fixed: bool) -> dict:
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.metrics.logger import read_metrics
     run_dir = os.path.join(a.out, f"megarl_{os.path.basename(model)}_tp{tp}{'' if bypass else '_pass'}")
     cmd = [sys.executable, "-m", "megarl.train", "--config", "configs/quickstart.yaml",
            *megarl_overrides(a, model, tp, run_dir, bypass, fixed)]

@@ -140,8 +140,8 @@ def private_target(path: str, make: bool) -> None:
     opened without following a link (hf_checkpoint.write_new), so a directory above it that others
     may write (a group's project space) cannot redirect the export, and is only noted. `make`:
     create it (mode 0755 whatever the umask); else check it if it is there."""
-    from megarl.trainer.staging import open_to_others
-    from megarl.trainer.verified_io import check_owner
+    from megarl.trainer.checkpoints.staging import open_to_others
+    from megarl.trainer.checkpoints.verified_io import check_owner
     real = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     if make and not os.path.lexists(real):
         os.makedirs(os.path.dirname(real), exist_ok=True)
@@ -165,7 +165,7 @@ def sealed_step(ckpt: str, trust_unsealed: bool) -> str | None:
     """The step directory (links resolved) whose manifest vouches for `ckpt`, or None for a
     checkpoint the user trusts without one. torch's reader unpickles `.metadata`, so a checkpoint
     nothing vouches for is refused unless the user says in so many words that it is trusted."""
-    from megarl.trainer.verified_io import MANIFEST
+    from megarl.trainer.checkpoints.verified_io import MANIFEST
     real = os.path.realpath(ckpt)
     if os.path.lexists(os.path.join(real, MANIFEST)):
         raise ValueError(f"{ckpt} is a step directory; point --ckpt at one of its roles ({ckpt}/actor)")
@@ -184,9 +184,9 @@ def sealed_source(ckpt: str, step: str | None):
     """A role directory of a step megarl saved (global_step_N/actor) is checked against the step's
     manifest first, as a resume checks it: a file changed since the save is refused before torch
     reads it (verified_io.Refused). Yields the directory to read: the checked step, held open so a
-    rename above it changes nothing read (megarl/trainer/staging.py).
+    rename above it changes nothing read (megarl/trainer/checkpoints/staging.py).
     `step` None: a checkpoint the user trusts, read where it is."""
-    from megarl.trainer import staging, verified_io
+    from megarl.trainer.checkpoints import staging, verified_io
     if step is None:
         yield ckpt
         return

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record  # lazy, as torch above
     from megarl.models.megatron_import import import_megatron  # lazy, as torch above
     import_megatron()                    # before anything imports megatron: its kernels compile on first use
-    from megarl.trainer.run import run  # imported late: torch/megatron start-up is slow
+    from megarl.job.run import run  # imported late: torch/megatron start-up is slow
     # record() hands a failing rank's traceback to torchrun, whose summary then names rank and cause.
     try:
         return record(run)(cfg, config_path=args.config, overrides=args.overrides) or 0   # record's type allows None

@@ -145,10 +145,6 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def package_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and os.path.isdir(os.path.join(ROOT, "megarl", parts[1])):
-        if parts[-1] in ("config", "config_checks") and parts[1] != "config":
-            # the sections megarl/experiment.py composes, and the components' own checks on them: below
-            # the composition root, which their packages' other modules may import
-            return "megarl.<component>.config"
         return ".".join(parts[:2])
     return module
 
@@ -277,4 +273,4 @@ def test_the_checks_see_what_they_must():
     assert "torch.distributed.distributed_c10d._update_default_pg" in used
     assert not any(u.endswith("get_rank") for u in used)
     fn_level = [i for i in ALL_IMPORTS if i.in_function]
-    assert any(i.target == "ray" for i in fn_level) and module_edges()["megarl.trainer.fit"]
+    assert any(i.target == "ray" for i in fn_level) and module_edges()["megarl.trainer.loop.fit"]

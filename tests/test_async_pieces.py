@@ -387,7 +387,7 @@ def test_a_round_ends_the_call_once_a_step_of_finished_groups_can_be_handed_over
 
     from megarl.data.loader import PromptLoader
     from megarl.rollout.partial import ChunkedGeneration
-    from megarl.trainer.stream_buffer import Pending
+    from megarl.trainer.stream.buffer import Pending
 
     extra = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disaggregated",
              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
@@ -531,15 +531,15 @@ def test_a_resume_refuses_a_buffer_deeper_than_max_staleness():
     batches held."""
     from megarl.config.errors import ConfigError
     from megarl.experiment import load_config
-    from megarl.trainer.fit_async import AsyncRLTrainer
+    from megarl.trainer.stream.fit import AsyncRLTrainer
 
     def check(k, **state):
         t = AsyncRLTrainer.__new__(AsyncRLTrainer)
         t.cfg = load_config(None, [f"async_training.max_staleness={k}"])
-        t.step, t.ahead, t.partial, t.next_t = 4, [], None, None
+        t.ahead, t.partial, t.next_t = [], None, None
         for key, value in state.items():
             setattr(t, key, value)
-        t._check_buffer_fits()
+        t.check_buffer_fits(4)
 
     check(3, next_t=9)                             # batches 6-8 held at step 4 (5 in the trainer's hands)
     with pytest.raises(ConfigError, match=r"generated 3 batches ahead.*max_staleness >= 3"):

@@ -18,8 +18,8 @@ from megarl.algos.loss_fn import make_actor_loss_fn
 from megarl.config import ConfigError
 from megarl.experiment import load_config
 from megarl.protocol import DataProto
-from megarl.trainer.bypass import Bypass, resolve_bypass
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.loop.bypass import Bypass, resolve_bypass
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, train
 
 CPU = torch.device("cpu")

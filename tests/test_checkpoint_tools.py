@@ -46,7 +46,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(models):
     ids = AutoTokenizer.from_pretrained(back)("w1 w2 w3 w40", return_tensors="pt").input_ids
     assert torch.equal(a(ids).logits, b(ids).logits)
     # Inside a step megarl sealed, a .metadata changed after the save is refused before torch unpickles it.
-    from megarl.trainer import verified_io
+    from megarl.trainer.checkpoints import verified_io
     step = os.path.join(models["root"], "run", "global_step_1")
     shutil.copytree(ckpt, os.path.join(step, "actor"))
     os.chmod(os.path.dirname(step), 0o700)

@@ -127,7 +127,7 @@ def test_alias_sets_its_target(alias):
 
 
 def test_rollout_seed_is_the_sampling_seed():
-    from megarl.trainer.fit import RLTrainer
+    from megarl.trainer.loop.fit import RLTrainer
     trainer = RLTrainer.__new__(RLTrainer)
     trainer.cfg = load_config(None, ["actor_rollout_ref.rollout.seed=123", "trainer.seed=5"])
     assert trainer.sampling_seed == 123
@@ -223,7 +223,7 @@ def test_shared_sections_are_read_for_every_role(tmp_path, monkeypatch):
     import torch
     from megarl.config.refused import FOLLOWS_ACTOR
     from megarl.config.typed import Section
-    from megarl.trainer import parts
+    from megarl.job import build as parts
     from megarl.workers import actor, critic, reference
 
     class Engine:                      # megatron's engine: the spec is all a worker gives it

@@ -19,7 +19,7 @@ def check_placement(rank, world, path):
     from megarl.experiment import load_config
     from megarl.models.hf_checkpoint import HFCheckpoint
     from megarl.rollout.base import SamplingParams
-    from megarl.trainer.ranks import destroy, setup_ranks
+    from megarl.job.ranks import destroy, setup_ranks
     from tests.helpers.checkpoint_engine import PROMPTS, Faulty, actor_at, engine_mismatch, native_engine, perturb
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={path}", "trainer.n_gpus_per_node=3",
@@ -48,7 +48,7 @@ def check_placement(rank, world, path):
         mine = {n: t.clone() for n, t in actor.hf_tensors()} if ranks.role == "trainer" else None
         return ranks.world_group.broadcast_object(mine if ranks.global_rank == 0 else None, src=0)
 
-    from megarl.trainer.disaggregated import UpdateSignal
+    from megarl.trainer.stream.messages import UpdateSignal
     signal = UpdateSignal(ranks)
     if ranks.role == "rollout":
         r["signal_before"] = signal.arrived(1)      # the trainer sends only after this sync

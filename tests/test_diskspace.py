@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.launcher import diskspace
-from megarl.trainer import verified_io
+from megarl.trainer.checkpoints import verified_io
 
 
 def cfg(run_dir, model_dir, critic=False, save_freq=2):

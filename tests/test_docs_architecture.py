@@ -16,9 +16,9 @@ DOC = open(os.path.join(ROOT, "docs", "architecture.md")).read()
 # receivers of the one-step sketch -> the file that defines the role they stand for
 RECEIVERS = {"actor": "megarl/workers/actor.py", "ref": "megarl/workers/reference.py",
              "critic": "megarl/workers/critic.py",
-             "checkpointing": "megarl/trainer/checkpointing.py", "weight_sync": "megarl/checkpoint_engine",
+             "checkpointing": "megarl/trainer/checkpoints/checkpointing.py", "weight_sync": "megarl/checkpoint_engine",
              "train_loader": "megarl/data/loader.py", "reward": "megarl/reward/manager.py",
-             "metrics": "megarl/trainer/metrics.py"}
+             "metrics": "megarl/trainer/metrics/logger.py"}
 
 
 PATH = r"megarl/(?:[\w/.]|\{[^}]*\})*"     # a path that may hold {a,b} alternatives

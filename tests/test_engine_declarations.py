@@ -24,7 +24,7 @@ from megarl.rollout.base import BaseRollout
 from megarl.rollout.build_args import BuildRequest
 from megarl.rollout.config import RolloutConfig
 from megarl.rollout.registry import build_rollout
-from megarl.trainer.bypass import resolve_bypass
+from megarl.trainer.loop.bypass import resolve_bypass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
@@ -149,7 +149,7 @@ def test_a_users_class_that_declares_nothing_gets_the_conservative_defaults(tmp_
 
 # The modules that once decided abilities by comparing engine names.
 CONSUMERS = ("megarl/rollout/registry.py", "megarl/launcher/preflight.py", "megarl/models/routing_replay.py",
-             "megarl/algos/config.py", "megarl/trainer/bypass.py", "megarl/rollout/config.py",
+             "megarl/algos/config.py", "megarl/trainer/loop/bypass.py", "megarl/rollout/config.py",
              "megarl/rollout/config_checks.py", "megarl/workers/config_checks.py")
 
 

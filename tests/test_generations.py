@@ -20,10 +20,10 @@ import torch
 from megarl.config import ConfigError
 from megarl.experiment import load_config
 from megarl.reward.manager import build_reward_manager
-from megarl.trainer.generations import decode, dump_validation, pick_for_log, write_jsonl
-from megarl.trainer.metrics import MetricsLogger
-from megarl.trainer.step_metrics import seqlen_balance, verl_step_metrics
-from megarl.trainer.val_metrics import verl_val_metrics
+from megarl.trainer.metrics.generations import decode, dump_validation, pick_for_log, write_jsonl
+from megarl.trainer.metrics.logger import MetricsLogger
+from megarl.trainer.metrics.step import seqlen_balance, verl_step_metrics
+from megarl.trainer.metrics.validation import verl_val_metrics
 from tests.helpers.reward import rollout_batch, tokenizer
 from tests.helpers.verl_source import verl_function
 
@@ -100,7 +100,7 @@ def test_val_generations_pick_is_verls(tmp_path):
                          global_steps=4,
                          validation_generations_logger=SimpleNamespace(log=lambda _, s, step: logged.append(s)))
     verl_function(TRAINER, "_maybe_log_val_generations", cls="RayPPOTrainer")(me, inputs, outputs, scores)
-    from megarl.trainer.generations import Generations
+    from megarl.trainer.metrics.generations import Generations
     gen = Generations(inputs, outputs, [None] * 20, scores, {})
     assert pick_for_log(gen, 5) == logged[0]
     # validation hands them to the logger, and the directory gets <step>.jsonl

@@ -13,8 +13,8 @@ import torch
 
 from megarl.models.flops import attention_flops, forward_flops, matmul_params, training_flops
 from megarl.models.spec import ModelSpec
-from megarl.trainer.memory import PhaseMemory
-from megarl.trainer.mfu import MFUMeter, PhaseWork, resolve_peak_flops, table_peak_tflops
+from megarl.trainer.metrics.memory import PhaseMemory
+from megarl.trainer.metrics.mfu import MFUMeter, PhaseWork, resolve_peak_flops, table_peak_tflops
 from megarl.workers.offload import HostStash
 from tests.distributed import run_ranks
 from tests.helpers.worker_checks import check_all
@@ -116,7 +116,7 @@ def test_phase_memory_nested_on_cpu():
 def test_trainer_handoff_moves_every_trainable_role():
     from types import SimpleNamespace
 
-    from megarl.trainer.fit import RLTrainer
+    from megarl.trainer.loop.fit import RLTrainer
 
     class Role:
         def __init__(self, n):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.containers import container_stand_ins, read_log
 from tests.helpers.slurm_cluster import start_cluster
 

@@ -13,8 +13,8 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.experiment import load_config
-from megarl.trainer.launch_env import check_launch, rank_env, shell_assignments
-from megarl.trainer.metrics import read_metrics
+from megarl.job.launch_env import check_launch, rank_env, shell_assignments
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.checkout import unbuilt_model
 
 SCRIPT = "launch/torchrun.sh"

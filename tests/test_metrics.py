@@ -1,6 +1,6 @@
 import json
 
-from megarl.trainer.metrics import MetricsLogger, progress_line, read_metrics
+from megarl.trainer.metrics.logger import MetricsLogger, progress_line, read_metrics
 
 
 def test_progress_line_and_jsonl(tmp_path, capsys):

@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from megarl.trainer.metrics import WANDB_ID_FILE, MetricsLogger
+from megarl.trainer.metrics.logger import WANDB_ID_FILE, MetricsLogger
 
 _RESUME = (None, True, False, "allow", "never", "must", "auto")
 

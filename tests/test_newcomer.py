@@ -225,7 +225,7 @@ def test_reward_deadline_names_the_function_and_the_slowest_samples(tmp_path):
 def test_incomplete_save_is_skipped_and_moved_aside_and_damage_names_resume_mode(tmp_path):
     import torch
 
-    from megarl.trainer import checkpointing
+    from megarl.trainer.checkpoints import checkpointing
     root = str(tmp_path)
     os.makedirs(os.path.join(root, "global_step_2", "actor"))        # trainer_state.pt deleted
     assert checkpointing.incomplete_steps(root) == [2] and checkpointing.latest_step_dir(root) is None

@@ -16,7 +16,7 @@ def _group_timeouts(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from megarl.parallel import state
-    from megarl.trainer.ranks import _rollout_tp_group
+    from megarl.job.ranks import _rollout_tp_group
     state.init_distributed(TIMEOUT_S)
     state.init_model_parallel(tp=2, pp=1)          # megatron's TP, DP, PP, CP, EP, ... groups
     _rollout_tp_group(world, rank, 2)                # the rollout's tensor-parallel blocks

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, train
 
 

@@ -332,7 +332,7 @@ def test_dense_model_refused(tmp_path):
 def test_routes_survive_checkpoint_of_the_inflight_batch(tmp_path):
     """The async trainer saves its in-flight batch in trainer_state.pt (AsyncRLTrainer.state_dict); its
     routes come back bit for bit, in their own dtype, through the real save / verify / load path."""
-    from megarl.trainer import checkpointing
+    from megarl.trainer.checkpoints import checkpointing
     batch = make_batch(301)
     g = torch.Generator().manual_seed(3)
     for num_experts, dtype in ((4, torch.uint8), (300, torch.int16)):

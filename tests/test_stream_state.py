@@ -1,6 +1,6 @@
 """A checkpoint's stream state is checked field by field before a resume trains on it: a damaged or
 crafted one is refused in one line naming the field (megarl/rollout/partial_state.py,
-megarl/trainer/stream_buffer.py's check_saved_stream). A real resume of a half-generated batch:
+megarl/trainer/stream/buffer.py's check_saved_stream). A real resume of a half-generated batch:
 tests/test_async_pieces.py::test_rollout_stream_resumes_a_batch_half_generated.
 
     python -m pytest -q tests/test_stream_state.py
@@ -16,7 +16,7 @@ from megarl.config import ConfigError
 from megarl.protocol import DataProto
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.partial import ChunkedGeneration
-from megarl.trainer.stream_buffer import check_saved_stream
+from megarl.trainer.stream.buffer import check_saved_stream
 
 PROMPTS = [[5, 17, 42], [3, 9]]
 SAMPLING = SamplingParams(n=2, max_tokens=4, seed=1)

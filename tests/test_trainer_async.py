@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, stable, train
 
 STEPS = 4

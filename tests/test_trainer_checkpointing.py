@@ -6,7 +6,7 @@ import torch
 
 from megarl.config import ConfigError
 from megarl.experiment import load_config
-from megarl.trainer import checkpointing as ck
+from megarl.trainer.checkpoints import checkpointing as ck
 
 
 class Role:
@@ -84,7 +84,7 @@ def _save_failing_on_rank_1(rank, world, root):
 
     import torch.distributed as dist
 
-    from megarl.trainer import verified_io
+    from megarl.trainer.checkpoints import verified_io
     dist.init_process_group("gloo")
     ck.save(root, 2, {}, {"step": 2, "world": world}, rank=rank, keep=None)
     seen = []

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, overrides, train
 
 @pytest.mark.timeout(900)
@@ -69,6 +69,6 @@ def test_nan_updates_are_skipped_then_the_run_stops(addition_model_dir, tmp_path
     bad = [r["training/bad_steps"] for r in rows if "training/bad_steps" in r]
     assert bad[-1] == 3 and bad == sorted(bad)
     # The last checkpoint is intact and loadable.
-    from megarl.trainer.checkpointing import latest_step_dir
+    from megarl.trainer.checkpoints.checkpointing import latest_step_dir
     last = latest_step_dir(str(run))
     assert last is not None and os.path.isfile(os.path.join(last, "trainer_state.pt"))

@@ -11,7 +11,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.experiment import load_config
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, overrides, step_digests, train
 
 

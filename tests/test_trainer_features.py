@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 
 
 def short(addition_model_dir, run_dir, *extra):

@@ -12,7 +12,7 @@ from typing import Optional
 import pytest
 import torch
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, overrides, train
 from tests.helpers.verl_source import verl_function
 
@@ -76,7 +76,7 @@ def test_remax_scores_a_greedy_baseline_and_matches_verls_advantages(addition_mo
 def test_remax_is_refused_by_the_disaggregated_loop_at_config_time():
     from megarl.config import ConfigError
     from megarl.experiment import load_config
-    from megarl.trainer.baselines import takes_baselines
+    from megarl.trainer.loop.baselines import takes_baselines
     disaggregated = ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=3",
                      "actor_rollout_ref.rollout.disaggregated_ranks=1"]
     load_config(None, [*disaggregated, "algorithm.adv_estimator=reinforce_plus_plus"])

@@ -62,7 +62,7 @@ class RolloutCorrectionConfig(Section):
     # verl's key (verl/trainer/config/algorithm.py at b178a3c): true uses the rollout's log-probs as
     # the old log-probs and skips the actor's old-log-prob pass. null (megarl's default): true where
     # that changes nothing, i.e. the built-in engine at fp32 in the synchronous loop, false elsewhere
-    # (megarl/trainer/bypass.py; the run's first lines say which and why).
+    # (megarl/trainer/loop/bypass.py; the run's first lines say which and why).
     bypass_mode: bool | None = None
     loss_type: str = "ppo_clip"            # verl's bypass loss: ppo_clip only (megarl/config/refused.py)
     # megarl's: the largest |log pi_rollout - log pi_old| on a token that bypass accepts, checked every
@@ -123,7 +123,7 @@ def check_critic_on(cfg) -> None:
 
 def _run_dtype(name: str, device: str) -> str:
     """The dtype a model runs at, as far as the config says: auto is bf16 on CUDA, fp32 elsewhere
-    (device=auto on a GPU machine is caught at start by trainer/bypass.py resolve_bypass)."""
+    (device=auto on a GPU machine is caught at start by trainer/loop/bypass.py resolve_bypass)."""
     if name == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     return canonical(name) or name     # canonical: the name EngineInfo.exact_logprob_dtypes uses

@@ -43,7 +43,7 @@ def _check_kl_type(kind: str, key: str) -> None:
 def make_actor_loss_fn(cfg, mismatch_rows: int = 0) -> LossFn:
     """PPO-family policy loss + entropy bonus + optional KL-to-reference loss + optional TIS.
 
-    mismatch_rows > 0 (bypass mode, megarl/trainer/bypass.py): the first `mismatch_rows` rows this
+    mismatch_rows > 0 (bypass mode, megarl/trainer/loop/bypass.py): the first `mismatch_rows` rows this
     rank's loss sees after `loss_fn.start_update()` are the first mini-batch, forwarded before any
     optimizer step, so their log-probs are the old policy's: the rollout/trainer mismatch metrics
     (rollout_corr/*) are measured on them at no extra cost, each a mean over micro-batches."""

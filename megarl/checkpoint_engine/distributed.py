@@ -16,7 +16,7 @@ bucket over group (t, p) = {that trainer rank} + every engine rank. The T broadc
 run at once, on different groups, so engine ranks receive from T senders in parallel; the next
 bucket is posted before the engine loads this one. DP replicas other than 0 send nothing.
 
-How a job uses it (rollout.placement=disaggregated, megarl/trainer/ranks.py): trainer ranks are
+How a job uses it (rollout.placement=disaggregated, megarl/job/ranks.py): trainer ranks are
 [0, N) with megatron's layout over them only, engine ranks [N, world); each side is a
 torch.distributed job of its own, and only bridges reach across. The transport itself takes
 any rank numbering through `trainer_rank(t, dp, p)`. With `keep_previous` the receiver holds the

@@ -17,7 +17,6 @@ if TYPE_CHECKING:       # annotations only
     import torch
     import torch.distributed as dist
 
-    from megarl.experiment import ExperimentConfig
     from megarl.rollout.base import RolloutEngine
     from megarl.workers.actor import ActorWorker
 
@@ -42,7 +41,7 @@ Side = Literal["colocated", "trainer", "rollout"]     # Ranks.role: which half o
 @dataclass
 class BuildParts:
     """What a transport's build gets on one rank; the fields a side does not have are None."""
-    cfg: ExperimentConfig
+    cfg: Any                # the run's ExperimentConfig (megarl/experiment.py composes this package)
     side: Side
     actor: ActorWorker | None = None             # the megatron shards (training ranks)
     engine: RolloutEngine | None = None          # this rank's rollout engine (ranks that host one)

@@ -38,7 +38,8 @@ SAME = {
     "reward_model.enable": "verl 0.9.1's null reads reward.reward_model.enable, false",
     "reward_model.reward_manager": "verl 0.9.1's null reads reward.reward_manager.name, naive",
     "custom_reward_function.name": "verl 0.9.1's null reads reward.custom_reward_function.name, compute_score",
-    "algorithm.rollout_correction.bypass_mode": "null: on only where it changes nothing (megarl/trainer/bypass.py)",
+    "algorithm.rollout_correction.bypass_mode":
+        "null: on only where it changes nothing (megarl/trainer/loop/bypass.py)",
     "trainer.device": "auto: cuda where there is one, verl's; cpu otherwise",
     "data.dataloader_num_workers": "megarl tokenizes the data once at start; no loader workers either way",
     "data.return_raw_chat": "megarl keeps each row's chat at both values (refused.py ALREADY)",

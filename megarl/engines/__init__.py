@@ -43,7 +43,7 @@ class EngineInfo:
     records_routes: bool = False                   # returns each token's MoE experts (R3 routing replay)
     why_no_routes: str = "it does not record the routed experts"
     # Dtypes at which its log-probs equal the trainer's (same dtype on both sides) to fp32 rounding:
-    # only then may the old-log-prob pass be skipped without a tolerance (trainer/bypass.py).
+    # only then may the old-log-prob pass be skipped without a tolerance (trainer/loop/bypass.py).
     exact_logprob_dtypes: tuple[str, ...] = ()
     captures_cuda_graphs: bool = False             # rollout.enforce_eager=false means something to it
     # Builds its model from config.json with model.override_config applied, as the trainer does; an

@@ -26,7 +26,7 @@ from megarl.config import ConfigError
 from megarl.experiment import ExperimentConfig
 from megarl.parallel import address_space, state
 from megarl.parallel.bridge import Bridge, job_store
-from megarl.trainer.launch_env import rank_env
+from megarl.job.launch_env import rank_env
 
 
 @dataclass

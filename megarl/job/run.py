@@ -9,19 +9,20 @@ import sys
 from megarl.config import ConfigError
 from megarl.reward.manager import RewardFailure
 from megarl.rollout.multiturn.executor import UserCodeExit
-from megarl.trainer.checkpointing import CheckpointSaveError
+from megarl.trainer.checkpoints.checkpointing import CheckpointSaveError
 from megarl.parallel.lifecycle import tell_launcher
 from megarl.parallel.own_lines import own_line
-from megarl.trainer.disaggregated import build_rollout_parts, build_trainer_parts
-from megarl.trainer.fit import BadStepLimit, RLTrainer
-from megarl.trainer.fit_async import AsyncRLTrainer, RolloutWorker
-from megarl.trainer.metrics import MetricsLogger, MetricsWriteError
-from megarl.trainer.out_of_memory import as_out_of_memory, is_out_of_memory
-from megarl.trainer.parts import build_parts, write_run_dir
-from megarl.trainer.plot import plot_after_run
+from megarl.trainer.loop.fit import RLTrainer
+from megarl.trainer.loop.steps import BadStepLimit
+from megarl.trainer.stream.fit import AsyncRLTrainer
+from megarl.trainer.stream.worker import RolloutWorker
+from megarl.trainer.metrics.logger import MetricsLogger, MetricsWriteError
+from megarl.trainer.control.out_of_memory import as_out_of_memory, is_out_of_memory
+from megarl.job.build import build_parts, build_rollout_parts, build_trainer_parts, write_run_dir
+from megarl.trainer.metrics.plot import plot_after_run
 from megarl.parallel.shared_storage import check_shared_dir
-from megarl.trainer.ranks import destroy, setup_ranks
-from megarl.trainer.stopping import EXIT_CODE, StopRequest, Stopped
+from megarl.job.ranks import destroy, setup_ranks
+from megarl.trainer.control.stopping import EXIT_CODE, StopRequest, Stopped
 
 
 def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
@@ -49,8 +50,12 @@ def run(cfg, config_path: str | None = None, overrides: list[str] | tuple[str, .
         plan = ("trainer.val_only: validates the loaded weights, trains nothing" if tr.val_only else
                 f"{parts.total_steps} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}")
         log.info(f"megarl: {plan}; run dir {tr.default_local_dir}")
-        trainer = (AsyncRLTrainer if ranks.role == "trainer" else RLTrainer)(cfg, ranks, parts, log)
-        trainer.stop = stop
+        trainer: RLTrainer | AsyncRLTrainer
+        if ranks.role == "trainer":
+            trainer = AsyncRLTrainer(cfg, ranks, parts, log)
+        else:
+            trainer = RLTrainer(cfg, ranks, parts, log)
+            trainer.stop = stop
         if ranks.is_main:   # after a successful resume: a refused one leaves the run's record as it was
             trainer.on_started = lambda: write_run_dir(cfg, tr.default_local_dir, config_path, list(overrides))
         try:

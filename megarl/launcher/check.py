@@ -30,10 +30,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megarl.config import ConfigError
 from megarl.experiment import ExperimentConfig
 from megarl.parallel.shared_storage import check_shared_dir
-from megarl.trainer.launch_env import rank_env
+from megarl.job.launch_env import rank_env
 from megarl.launcher.cli import load_checked, parse_args
 from megarl.parallel.own_lines import own_line
-from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.metrics.logger import MetricsLogger
 
 LATEST = "latest_checkpointed_iteration.txt"  # verl's name for the pointer to the newest step
 

@@ -8,7 +8,7 @@ per trained role, a checkpoint holds the weights in the training dtype (2 bytes 
 optimizer's fp32 main copy (4, with a 16-bit model) and Adam's two fp32 moments (8), so at most
 14 bytes a parameter (a 7B model: ~106 GB; the quickstart model saves 13.4 in fp32 on CPU, where
 the weights are the main copy, with the metadata). A resume reads the step where it lies
-(megarl/trainer/staging.py) and needs no space beyond it.
+(megarl/trainer/checkpoints/staging.py) and needs no space beyond it.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from megarl.config.errors import ConfigError
 
-MANIFEST = "manifest.json"  # megarl.trainer.verified_io.MANIFEST (that module imports torch)
+MANIFEST = "manifest.json"  # megarl.trainer.checkpoints.verified_io.MANIFEST (that module imports torch)
 
 MARGIN = 2 << 20           # logs (the launcher reserves 1 MiB ahead of its log), metrics, the pointer
 BYTES_PER_PARAM = 14       # bf16 weights + fp32 main copy + Adam's two fp32 moments, per trained role

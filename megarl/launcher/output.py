@@ -17,8 +17,8 @@ import re
 import resource
 
 MARK = b"config error: "
-STOPPED = b"megarl: stopped by SIG"     # the ranks' line after a SIGTERM / SIGUSR1 (megarl/trainer/stopping.py)
-OOM = re.compile(rb"^megarl: stopped: rank \d+: ran out of memory")    # megarl/trainer/run.py's line
+STOPPED = b"megarl: stopped by SIG"     # the ranks' line after a SIGTERM / SIGUSR1 (megarl/trainer/control/stopping.py)
+OOM = re.compile(rb"^megarl: stopped: rank \d+: ran out of memory")    # megarl/job/run.py's line
 OOM_EXIT_CODE = 5
 # A rank that runs out of memory outside Python ends without megarl's line: native code aborts the
 # process (Rust's allocator in HF tokenizers, a C++ std::bad_alloc), or an import fails to map a
@@ -34,13 +34,13 @@ NATIVE_OOM = re.compile(rb"memory allocation of \d+ bytes failed|memory allocati
 # that cannot map, an allocation inside a C++ library that throws its own error type).
 ABORTED = b"Fatal Python error: Aborted"
 FRAME = re.compile(rb'File "[^"]*/(megarl/[^"]+)", line (\d+)')
-PROGRESS = re.compile(rb"^step \d+(/\d+)? \|")        # megarl/trainer/metrics.py progress_line: a step ended
+PROGRESS = re.compile(rb"^step \d+(/\d+)? \|")        # megarl/trainer/metrics/logger.py progress_line: a step ended
 HOLD_LINES = 5000
 
 
 def limit_note() -> str:
     """' under an address-space limit of N GiB (ulimit -v)' where one is set: the ranks inherit this
-    process's limit. (The ranks' own line words it the same way, megarl/trainer/out_of_memory.py;
+    process's limit. (The ranks' own line words it the same way, megarl/trainer/control/out_of_memory.py;
     this module imports no megarl, so the launcher's copy starts before torch loads.)"""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:

@@ -372,7 +372,7 @@ def check_run_dir(path: str, key: str) -> None:
 
 
 def check_run_dir_private(path: str, key: str) -> None:
-    """Every resume refuses a run directory that another user could write (megarl/trainer/verified_io.py):
+    """Every resume refuses a run directory that another user could write (megarl/trainer/checkpoints/verified_io.py):
     refused here, before a run trains and saves into one it could never resume from."""
     if not os.path.exists(path):
         return                    # the run makes it, this user's and 0700

@@ -21,7 +21,7 @@ import socket
 import sys
 
 from megarl.config import ConfigError
-from megarl.trainer.launch_env import check_launch, shell_assignments
+from megarl.job.launch_env import check_launch, shell_assignments
 from megarl.launcher.preflight import node_checks, preflight
 from megarl.launcher.cli import load_checked  # the exact checks megarl-train applies
 from megarl.storage.durable import make_private_dir

@@ -90,7 +90,7 @@ def init_distributed(timeout_s: float = 600.0, store=None, rank: int | None = No
 
 def require_distributed(who: str) -> None:
     """Stop in one line where the rank set-up has not started torch.distributed: only the rank
-    set-up starts it (megarl/trainer/ranks.py:setup_ranks for a run, init_distributed for a tool),
+    set-up starts it (megarl/job/ranks.py:setup_ranks for a run, init_distributed for a tool),
     so the collective timeout is given in one place."""
     if not dist.is_initialized():
         raise RuntimeError(f"{who} needs torch.distributed started first: call megarl.parallel.state."

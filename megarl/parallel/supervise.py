@@ -155,7 +155,7 @@ def _raise_stop(signum, frame):
     raise Stop(signum)
 
 
-# The ranks stop at their next step boundary on these, save and exit 143 (megarl/trainer/stopping.py).
+# The ranks stop at their next step boundary on these, save and exit 143 (megarl/trainer/control/stopping.py).
 # They go to the ranks themselves: torchrun would turn them into a SIGKILL of its workers 30 s later.
 GRACEFUL = (signal.SIGTERM, signal.SIGUSR1)
 

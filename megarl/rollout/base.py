@@ -231,7 +231,7 @@ class RolloutEngine(ABC):
         self.asleep = False
 
     def generate_sequences(self, batch: DataProto) -> DataProto:
-        """What the trainer calls (megarl/trainer/generation.py): generate() over the batch's
+        """What the trainer calls (megarl/trainer/loop/generation.py): generate() over the batch's
         `prompt_token_ids` (meta_info: `sampling`, `pad_token_id`), packed per megarl/protocol.py.
         An engine that needs the rows themselves (raw prompts, tools) overrides it."""
         return generate_sequences_via(self, batch, batch.meta_info.get("pad_token_id", 0))

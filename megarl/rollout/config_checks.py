@@ -78,7 +78,7 @@ def check_engine_trust_remote_code(cfg) -> None:
 
 
 def check_async_loop_features(cfg) -> None:
-    """The async loop (megarl/trainer/fit_async.py) hands whole batches over; these need the
+    """The async loop (megarl/trainer/stream/fit.py) hands whole batches over; these need the
     engine inside the trainer's step."""
     if not _disaggregated(cfg):
         return

@@ -52,7 +52,7 @@ class TrainerConfig(Section):
     log_dir: str | None = None             # None: <default_local_dir>
     plot_reward_curve: bool = True
     # verl's generation dumps: <dir>/<step>.jsonl of each step's rollouts / each validation's samples
-    # (megarl/trainer/generations.py); a relative path is taken from the working directory, as verl does
+    # (megarl/trainer/metrics/generations.py); a relative path is taken from the working directory, as verl does
     rollout_data_dir: str | None = None
     validation_data_dir: str | None = None
     log_val_generations: int = 0           # N validation samples per validation to val_generations.jsonl, wandb, TB
@@ -60,7 +60,7 @@ class TrainerConfig(Section):
     # Bad steps: a NaN/inf loss or grad norm skips that update; the run stops after this many.
     max_bad_steps: int = 3
 
-    # MFU (perf/mfu/<role>): one device's peak TFLOP/s; null: looked up by GPU name (megarl/trainer/mfu.py)
+    # MFU (perf/mfu/<role>): one device's peak TFLOP/s; null: looked up by GPU name (megarl/trainer/metrics/mfu.py)
     peak_tflops: float | None = None
 
     def __post_init__(self):
@@ -110,10 +110,10 @@ def check_val_only(cfg) -> None:
 class AsyncTrainingConfig(Section):
     """`async_training.*`: used with `actor_rollout_ref.rollout.placement=disaggregated`, where the
     engine on its own ranks generates ahead while the trainer updates on batch k
-    (megarl/trainer/fit_async.py). Names after verl's fully-async recipe where it has one."""
+    (megarl/trainer/stream/fit.py). Names after verl's fully-async recipe where it has one."""
     # A sample is stale when its oldest token was sampled more than this many policy versions
     # before the weights the trainer updates (AReaL's max_head_offpolicyness). The rollout ranks
-    # generate up to max(1, max_staleness) batches ahead (megarl/trainer/rollout_stream.py).
+    # generate up to max(1, max_staleness) batches ahead (megarl/trainer/stream/worker.py).
     max_staleness: int = 1
     stale_samples: Literal["regenerate", "drop"] = "regenerate"  # drop: whole prompt groups leave the batch
     # verl's key: a weight update interrupts generation between token chunks; unfinished responses

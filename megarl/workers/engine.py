@@ -2,7 +2,7 @@
 
 The actor, critic and reference are thin layers over it (megarl/workers/{actor,critic,reference}.py):
 
-    state.init_distributed(timeout_s)     # the rank set-up's (megarl/trainer/ranks.py), never the engine's
+    state.init_distributed(timeout_s)     # the rank set-up's (megarl/job/ranks.py), never the engine's
     eng = MegatronEngine(EngineSpec(path, tp=2, pp=2, head="lm", trainable=True, optim=cfg))
     rows = eng.forward_rows(batch, micro=4, process=fn)           # forward-only, full batch back
     metrics = eng.train(batch, mini=16, micro=4, epochs=1, process=fn, loss_fn=loss, prefix="actor")

@@ -3,7 +3,7 @@
 `sync_reference` / `async_reference`: an uninterrupted run of STEPS steps.
 `sync_chain` / `async_chain`: that reference run, and one run directory taken through
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
-rank 0 there, megarl/trainer/faults.py; the sync chain also between a step's checkpoint and its
+rank 0 there, megarl/trainer/control/faults.py; the sync chain also between a step's checkpoint and its
 metrics record), a torn last line in metrics.jsonl, and a final resume. The sync chain's run starts
 with a SIGTERM to its first launch once step 1 is logged (it saves its step and exits 143,
 tests/faults/test_stop_signal.py), so its first kill is also the resume of that stop.
@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.faults.runs import Launch, async_overrides, lock_is_free, overrides
 from tests.helpers.training_runs import stable, step_digests
 

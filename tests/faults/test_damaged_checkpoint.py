@@ -36,8 +36,8 @@ def _try_each(rank, world, model_dir, run_dir, step_dir):
 
     from megarl.config import ConfigError
     from megarl.experiment import load_config
-    from megarl.trainer import checkpointing
-    from megarl.trainer.ranks import setup_ranks
+    from megarl.trainer.checkpoints import checkpointing
+    from megarl.job.ranks import setup_ranks
     from megarl.workers.actor import ActorWorker
 
     cfg = load_config("configs/quickstart.yaml", overrides(model_dir, run_dir, STEPS))

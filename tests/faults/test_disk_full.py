@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from megarl.trainer import verified_io
+from megarl.trainer.checkpoints import verified_io
 from tests.faults.runs import Launch, overrides
 
 

@@ -18,9 +18,9 @@ from megarl.experiment import load_config
 from megarl.config.loader import read_yaml
 from megarl.data.reading import read_rows
 from megarl.models.hf_checkpoint import HFCheckpoint
-from megarl.trainer import checkpointing, verified_io
-from megarl.trainer.metrics import MetricsLogger, MetricsWriteError, read_metrics
-from megarl.trainer.plot import plot_after_run
+from megarl.trainer.checkpoints import checkpointing, verified_io
+from megarl.trainer.metrics.logger import MetricsLogger, MetricsWriteError, read_metrics
+from megarl.trainer.metrics.plot import plot_after_run
 
 SECRET = "root:$6$saltsalt$NotARealHashButSecret:19000:0:99999:7:::\n"
 

@@ -3,7 +3,7 @@ resume continues bitwise (CPU fp32) as the run that was never killed, metrics an
 import pytest
 import torch
 
-from megarl.trainer import checkpointing
+from megarl.trainer.checkpoints import checkpointing
 from tests.faults.conftest import STEPS, check_same_as_reference
 
 

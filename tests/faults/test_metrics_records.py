@@ -4,7 +4,7 @@ them, instead of every resume stopping on a TypeError comparing "note" with a st
 import io
 import json
 
-from megarl.trainer.metrics import MetricsLogger, read_metrics
+from megarl.trainer.metrics.logger import MetricsLogger, read_metrics
 
 
 def test_a_record_whose_step_is_not_a_whole_number_is_dropped_with_its_line_number(tmp_path):

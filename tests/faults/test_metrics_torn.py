@@ -2,7 +2,7 @@
 is dropped with a notice naming it, so no later resume fails on it with a JSONDecodeError."""
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.faults.conftest import STEPS, TORN
 
 

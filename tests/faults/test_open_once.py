@@ -15,7 +15,7 @@ import torch
 
 from megarl.config import ConfigError
 from megarl.parallel import cpu_compat
-from megarl.trainer import checkpointing, verified_io
+from megarl.trainer.checkpoints import checkpointing, verified_io
 from megarl.workers.checkpoint import megatron_results_queue_in_process
 from tests.distributed import run_ranks
 
@@ -176,7 +176,7 @@ def _ranks_hold_different_steps(rank, world, root):
     run directory between the two ranks' opens would give it: the ranks' inodes differ, refused."""
     import torch.distributed as dist
 
-    from megarl.trainer import staging
+    from megarl.trainer.checkpoints import staging
     dist.init_process_group("gloo")
     steps = [os.path.join(root, name, "global_step_2") for name in ("a", "b")]
     if rank == 1:

@@ -2,7 +2,7 @@
 
 One subprocess under a real address-space limit (`ulimit -v`: RLIMIT_AS just above what the process
 holds) allocates through torch's CPU allocator and through Python inside the trainer's own phase
-wrapper (RLTrainer.timed), and prints the line megarl/trainer/run.py prints. Then the whole command
+wrapper (RLTrainer.timed), and prints the line megarl/job/run.py prints. Then the whole command
 path: `megarl-train` (launcher, torchrun, two ranks) under `ulimit -v`, one launch of one step that
 saves nothing, gives one line at the command line and exit code 5; and the launcher's reading of
 the two ways a rank can end out of memory (megarl's line, or native code aborting), in this process.
@@ -20,9 +20,9 @@ from tests.faults.runs import overrides
 CHILD = textwrap.dedent("""
     import resource, types
     import torch
-    from megarl.trainer.fit import RLTrainer
-    from megarl.trainer.memory import PhaseMemory
-    from megarl.trainer.out_of_memory import OutOfMemory, as_out_of_memory
+    from megarl.trainer.loop.fit import RLTrainer
+    from megarl.trainer.metrics.memory import PhaseMemory
+    from megarl.trainer.control.out_of_memory import OutOfMemory, as_out_of_memory
 
     def vm_bytes():
         line = next(l for l in open("/proc/self/status") if l.startswith("VmSize:"))
@@ -103,12 +103,12 @@ def test_a_bare_abort_is_out_of_memory_only_under_an_address_space_limit(monkeyp
     map): under `ulimit -v` most likely memory, said as such; without a limit, the rank's own output."""
     from megarl.launcher import output
     dump = [b"megarl: ranks: 2\n", b"Fatal Python error: Aborted\n\nThread 0x7f (most recent call first):\n",
-            b'  File "/src/megarl/trainer/fit.py", line 90 in step\n', b"ChildFailedError:\n"]
+            b'  File "/src/megarl/trainer/loop/fit.py", line 90 in step\n', b"ChildFailedError:\n"]
     monkeypatch.setattr(output.resource, "getrlimit", lambda which: (2 << 30, 2 << 30))
     code, lines = console_of(dump, 1)
     assert code == 5 and len(lines) == 2, lines
-    assert lines[1].startswith("megarl: stopped: a rank aborted in native code (at megarl/trainer/fit.py:90) under "
-                               "an address-space limit of 2.0 GiB (ulimit -v), most likely out of memory; "), lines
+    assert lines[1].startswith("megarl: stopped: a rank aborted in native code (at megarl/trainer/loop/fit.py:90) "
+                               "under an address-space limit of 2.0 GiB (ulimit -v), most likely out of memory; "), lines
     monkeypatch.setattr(output.resource, "getrlimit", lambda which: (output.resource.RLIM_INFINITY,) * 2)
     code, lines = console_of(dump, 1)
     assert code == 1 and "Fatal Python error: Aborted" in lines and "ChildFailedError:" in lines, lines
@@ -134,7 +134,7 @@ def test_a_thread_that_cannot_map_its_stack_under_a_limit_is_out_of_memory(monke
     """gloo's process group starts threads; under `ulimit -v` their stacks may not map, and
     pthread_create's EAGAIN reaches Python as "Resource temporarily unavailable" (seen at start-up
     where the limit is tight). Without an address-space limit EAGAIN means a process-count limit."""
-    from megarl.trainer import out_of_memory as oom
+    from megarl.trainer.control import out_of_memory as oom
     err = RuntimeError("Resource temporarily unavailable")
     monkeypatch.setattr(oom.resource, "getrlimit", lambda which: (2 << 30, 2 << 30))
     assert oom.is_out_of_memory(err)
@@ -153,7 +153,7 @@ def test_no_room_for_a_process_group_is_out_of_memory_not_a_hang(tmp_path):
     script.write_text(
         "import os, resource, sys\n"
         "from megarl.parallel import address_space, state\n"
-        "from megarl.trainer.out_of_memory import is_out_of_memory\n"
+        "from megarl.trainer.control.out_of_memory import is_out_of_memory\n"
         "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1])\n"
         "size = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
         "resource.setrlimit(resource.RLIMIT_AS, (size + (40 << 20), resource.RLIM_INFINITY))\n"

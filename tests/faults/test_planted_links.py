@@ -14,8 +14,8 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.storage.private_out import check_output_dir, new_file, open_append
-from megarl.trainer.generations import Generations, write_jsonl
-from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.metrics.generations import Generations, write_jsonl
+from megarl.trainer.metrics.logger import MetricsLogger
 
 OTHER_UID = 4242          # a user that is not this one (needs root to give a file to it)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

@@ -46,7 +46,7 @@ def test_wandb_gets_the_config_without_the_value(monkeypatch, tmp_path):
         monkeypatch.setenv(name, value)
     cfg = load_config("configs/quickstart.yaml", WITH_TOKEN)
     assert cfg.trainer.project_name == TOKEN                 # the run itself reads the value
-    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.metrics.logger import MetricsLogger
     MetricsLogger(str(tmp_path), ["wandb"], "p", "e", config=cfg.to_dict())
     assert got["config"]["trainer"]["project_name"] == "<from env MEGARL_TEST_TOKEN>"
     assert TOKEN not in repr(got["config"])

@@ -5,7 +5,7 @@ the reward named as the root cause in torchrun's summary, not rank 1's "Connecti
 reward scored in rank 0 that calls os._exit(0) fails the run (rc != 0) with one line naming it."""
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.faults.runs import Launch, overrides
 
 REWARDS = '''

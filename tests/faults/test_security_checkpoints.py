@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError
-from megarl.trainer import checkpointing, verified_io
+from megarl.trainer.checkpoints import checkpointing, verified_io
 from tests.faults.runs import overrides
 from tests.helpers.hostile import write_hostile
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from megarl.models.hf_checkpoint import HFCheckpoint, save_hf, weight_files
 from megarl.models.tiny import make_tiny_hf
-from megarl.trainer import verified_io
+from megarl.trainer.checkpoints import verified_io
 from tests.distributed import run_ranks
 from tests.helpers.hostile import write_hostile
 

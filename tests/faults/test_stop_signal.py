@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from megarl.trainer.stopping import StopRequest
+from megarl.trainer.control.stopping import StopRequest
 from tests.faults.conftest import STEPS, check_same_as_reference
 
 

@@ -10,7 +10,7 @@ tests/test_stream_paced.py counts those waits.)
 """
 import pytest
 
-from megarl.trainer import checkpointing
+from megarl.trainer.checkpoints import checkpointing
 from tests.faults.conftest import _chain, _reference, check_same_as_reference
 from tests.faults.runs import async_overrides
 

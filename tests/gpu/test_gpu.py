@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.distributed import run_ranks
 from tests.helpers.training_runs import finish, kill_tree, overrides, stable, train
 from tests.helpers.worker_checks import check_all

@@ -29,9 +29,9 @@ def rollout_worker(engine, overrides):
     from megarl.experiment import load_config
     from megarl.parallel.state import Layout
     from megarl.rollout.sampling import train_sampling
-    from megarl.trainer.fit_async import RolloutWorker
-    from megarl.trainer.parts import RolloutParts
-    from megarl.trainer.ranks import Ranks
+    from megarl.trainer.stream.fit import RolloutWorker
+    from megarl.trainer.loop.parts import RolloutParts
+    from megarl.job.ranks import Ranks
 
     cfg = load_config(None, ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=4",
                              *overrides])
@@ -86,7 +86,7 @@ def stream_worker(engine, k, total, start, extra=(), stops=None):
     from collections import deque
 
     from megarl.data.loader import PromptLoader
-    from megarl.trainer.rollout_stream import Period
+    from megarl.trainer.stream.worker import Period
     w = rollout_worker(engine, [f"async_training.max_staleness={k}", "trainer.test_freq=-1", "trainer.save_freq=2",
                                  *extra])
     loader = PromptLoader([{"prompt_token_ids": p, "index": i} for i, p in enumerate(PROMPTS3 * 6)], 3, seed=2)

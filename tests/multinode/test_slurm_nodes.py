@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.checkout import unbuilt_model
 from tests.multinode.slurm import FIRST_JOB_ID, NodeSlurm
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.checkout import unbuilt_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ import torch
 
 from megarl.protocol import DataProto
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, admit
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 from tests.helpers.training_runs import finish, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -114,7 +114,7 @@ def test_pack_routes_rules():
     out = pack_completions(batch, groups, pad_token_id=0).batch["routed_experts"]
     assert out.dtype == torch.int16 and out.shape == (2, 4, 1, 2)
     assert torch.equal(out[0], rec[:4]) and torch.equal(out[1, 2], rec[1]) and not out[1, 3].any()
-    # rollout-DP groups' batches of different widths gather into one (megarl/trainer/generation.py)
+    # rollout-DP groups' batches of different widths gather into one (megarl/trainer/loop/generation.py)
     short = pack_completions(batch[[1]], [groups[1]], pad_token_id=0)
     both = DataProto.concat([short, pack_completions(batch, groups, pad_token_id=0)])
     assert both.batch["routed_experts"].shape == (3, 4, 1, 2) and not both.batch["routed_experts"][0, 3].any()

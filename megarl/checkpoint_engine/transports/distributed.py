@@ -1,5 +1,5 @@
 """backend=distributed: the engine on ranks of its own (rollout.placement=disaggregated); each
-side builds its half over the bridges megarl/trainer/ranks.py made
+side builds its half over the bridges megarl/job/ranks.py made
 (megarl/checkpoint_engine/distributed.py)."""
 from __future__ import annotations
 

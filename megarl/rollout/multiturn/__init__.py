@@ -1,7 +1,7 @@
 """Multi-turn rollouts and tool calling (`actor_rollout_ref.rollout.tools=tools.yaml`,
 `actor_rollout_ref.rollout.multi_turn.*`, `actor_rollout_ref.rollout.interactions`).
 
-    rollout = build_agent_loop(cfg, engine, tokenizer)     # megarl/trainer/parts.py does this
+    rollout = build_agent_loop(cfg, engine, tokenizer)     # megarl/job/build.py does this
     batch = rollout.generate_sequences(prompts)            # same contract as an engine
 
 tools.py (tools.yaml, argument checks), builtins.py, parser.py (hermes tool calls), executor.py

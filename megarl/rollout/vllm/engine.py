@@ -7,7 +7,7 @@
 Layout: the engine core runs inside the rollout rank (VLLM_ENABLE_V1_MULTIPROCESSING=0). Where
 torch.distributed is already up (a training run), every rank builds its LLM with vLLM's
 `external_launcher` backend, which lays its TP groups over consecutive ranks of the job, as
-megarl's colocated rollout groups are laid (trainer/ranks.py), and takes the groups as
+megarl's colocated rollout groups are laid (megarl/job/ranks.py), and takes the groups as
 independent replicas (its "external DP"); without it (a single process) vLLM starts its own
 one-rank group. Rollout TP > 1 is colocated only: vLLM builds its groups with every rank of the
 job, which a disaggregated run's trainer ranks never join (refused where the config is built).

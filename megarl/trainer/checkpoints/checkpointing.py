@@ -33,8 +33,8 @@ import torch.distributed as dist
 import megarl.protocol  # noqa: F401
 import megarl.rollout.base  # noqa: F401
 from megarl.config import ConfigError
-from megarl.trainer import staging, verified_io
-from megarl.trainer.faults import fault_point
+from megarl.trainer.checkpoints import staging, verified_io
+from megarl.trainer.control.faults import fault_point
 from megarl.workers.checkpoint import CheckpointMismatch
 
 POINTER = "latest_checkpointed_iteration.txt"

@@ -18,7 +18,7 @@ import contextlib
 import os
 import stat
 
-from megarl.trainer.verified_io import Refused, gather, verify
+from megarl.trainer.checkpoints.verified_io import Refused, gather, verify
 
 
 def open_to_others(path: str) -> str | None:

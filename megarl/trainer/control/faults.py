@@ -37,7 +37,7 @@ def fault_point(name: str, step: int, rank: int) -> None:
             continue
         if action == "pause":
             # A parked rank never reaches a step boundary: the stop signals end it at once again, as
-            # the kill drills expect of a rank torchrun stops (megarl/trainer/stopping.py saves instead).
+            # the kill drills expect of a rank torchrun stops (megarl/trainer/control/stopping.py saves instead).
             for stop in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(stop, signal.SIG_DFL)
             marker = os.path.join(os.environ.get(FAULT_DIR_ENV, "."), "reached")

@@ -3,7 +3,7 @@
 A rank that hits its memory limit (a GPU's memory, the host's, or an address-space limit such as
 `ulimit -v` or Slurm's --mem) raises MemoryError or torch's allocator error deep inside a kernel;
 the trainer's phases (RLTrainer.timed) turn it into OutOfMemory carrying the phase's name, and
-megarl/trainer/run.py prints it as one line.
+megarl/job/run.py prints it as one line.
 """
 from __future__ import annotations
 

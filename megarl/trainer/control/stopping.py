@@ -2,7 +2,7 @@
 SIGUSR1 (what `sbatch --signal=USR1@90` style requeue setups send). The rank saves at the next step
 boundary and exits 143 (128 + SIGTERM), so the same command resumes exactly there.
 
-    stop = StopRequest(cfg.trainer.stop_grace_s).install()     # megarl/trainer/run.py, first thing
+    stop = StopRequest(cfg.trainer.stop_grace_s).install()     # megarl/job/run.py, first thing
     ... after each step: if stop.agreed(group, device): save, then raise Stopped(...)
 
 The ranks agree (one all-reduce per step) because a signal reaches them at different times, or only

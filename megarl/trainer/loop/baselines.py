@@ -12,7 +12,7 @@ import torch
 
 from megarl.algos.advantages import get_adv_estimator
 from megarl.protocol import DataProto
-from megarl.trainer.generation import generate
+from megarl.trainer.loop.generation import generate
 
 
 def takes_baselines(adv_estimator: str) -> bool:

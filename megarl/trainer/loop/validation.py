@@ -4,10 +4,10 @@ default), scored by the same reward as training.
     val/accuracy          mean of the reward's `acc` field (else: score > 0)
     val/score/mean        mean score; val/<data_source>/accuracy per source (one source too)
     val/response_length/mean
-    val-core/*, val-aux/* verl's names for the same validation (megarl/trainer/val_metrics.py)
+    val-core/*, val-aux/* verl's names for the same validation (megarl/trainer/metrics/validation.py)
 
 The scoring rank writes trainer.validation_data_dir/<step>.jsonl and picks log_val_generations'
-samples (megarl/trainer/generations.py).
+samples (megarl/trainer/metrics/generations.py).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import numpy as np
 
 from megarl.data.loader import collate
 from megarl.protocol import DataProto
-from megarl.trainer.generation import broadcast_object, generate
-from megarl.trainer.generations import Generations, decode, dump_validation
-from megarl.trainer.val_metrics import verl_val_metrics
+from megarl.trainer.loop.generation import broadcast_object, generate
+from megarl.trainer.metrics.generations import Generations, decode, dump_validation
+from megarl.trainer.metrics.validation import verl_val_metrics
 
 
 def _val_batches(loader):

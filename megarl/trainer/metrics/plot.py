@@ -1,13 +1,13 @@
 """The reward curve: training reward and held-out accuracy per step, from metrics.jsonl.
 
-    python -m megarl.trainer.plot runs/megarl/quickstart      # writes reward_curve.png there
+    python -m megarl.trainer.metrics.plot runs/megarl/quickstart      # writes reward_curve.png there
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from megarl.trainer.metrics import read_metrics
+from megarl.trainer.metrics.logger import read_metrics
 
 
 def plot_reward_curve(run_dir: str, out: str | None = None) -> str | None:

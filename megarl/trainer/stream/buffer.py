@@ -1,4 +1,4 @@
-"""The rollout stream's buffer (megarl/trainer/rollout_stream.py): its batches, the rounds that
+"""The rollout stream's buffer (megarl/trainer/stream/worker.py): its batches, the rounds that
 agree each chunk boundary, and how finished groups become a batch of rows on every rank."""
 from __future__ import annotations
 

@@ -19,12 +19,12 @@ from typing import Protocol, Sequence, TypeVar
 import numpy as np
 
 from megarl.algos.staleness import stale_rows
-from megarl.trainer.generation import shard_rows
-from megarl.trainer.stream_buffer import Pending, packed
+from megarl.trainer.loop.generation import shard_rows
+from megarl.trainer.stream.buffer import Pending, packed
 
 
 class HeldBatch(Protocol):
-    """What the choice reads of a batch in the rollout buffer (rollout_stream.Pending)."""
+    """What the choice reads of a batch in the rollout buffer (buffer.Pending)."""
     t: int
     rows: np.ndarray        # this rank's share: the batch's prompt indices
     taken: set[int]         # prompt indices handed over already

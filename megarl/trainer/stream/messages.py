@@ -1,7 +1,5 @@
-"""What crosses between the two sides of a disaggregated run, and how each side is built.
-
-    parts = build_trainer_parts(cfg, ranks, log)    # trainer ranks: megatron roles + weight sender
-    parts = build_rollout_parts(cfg, ranks, log)    # rollout ranks: engine + weight receiver (+ val reward)
+"""What crosses between the two sides of a disaggregated run (each side's parts are built in
+megarl/job/build.py).
 
 Messages, all on bridges built by setup_ranks (megarl/parallel/bridge.py):
     start      trainer rank 0 -> every rank (world_group): step to start from, data position,
@@ -22,12 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from megarl.algos.kl import make_kl_controller
-from megarl.checkpoint_engine import build_checkpoint_engine
 from megarl.parallel.loopback import listening_store
-from megarl.reward.manager import build_reward_manager
-from megarl.rollout.registry import build_rollout
-from megarl.trainer.parts import RolloutParts, TrainerParts, build_roles, build_shared
 
 
 def send_start(ranks, info: dict | None) -> dict:
@@ -78,25 +71,4 @@ class UpdateSignal:
         return version
 
 
-def build_trainer_parts(cfg, ranks, log) -> TrainerParts:
-    shared = build_shared(cfg, ranks, log)
-    shared.val_loader = None                  # validation runs on the rollout ranks
-    roles = build_roles(cfg, shared)
-    sender = build_checkpoint_engine(cfg, roles["actor"], side=ranks.role, sync_groups=ranks.sync_groups,
-                                     device=ranks.device, say=log.info)
-    reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main else None
-    return TrainerParts(**vars(shared), **roles, rollout=None, weight_sync=sender, reward=reward,
-                        kl_ctrl=make_kl_controller(cfg.algorithm.kl_ctrl))
-
-
-def build_rollout_parts(cfg, ranks, log) -> RolloutParts:
-    shared = build_shared(cfg, ranks, log)
-    engine = build_rollout(cfg.rollout, cfg.model.path, shared.tokenizer, tp_group=ranks.rollout_group,
-                           device=ranks.device, override_config=cfg.model.override_config)
-    receiver = build_checkpoint_engine(cfg, rollout=engine, side=ranks.role, sync_groups=ranks.sync_groups,
-                                       device=ranks.device)
-    reward = build_reward_manager(cfg, shared.tokenizer) if ranks.is_main and shared.val_loader is not None else None
-    return RolloutParts(**vars(shared), rollout=engine, weight_sync=receiver, reward=reward)
-
-
-__all__ = ["build_trainer_parts", "build_rollout_parts", "handoff", "send_start", "UpdateSignal"]
+__all__ = ["handoff", "send_start", "UpdateSignal"]

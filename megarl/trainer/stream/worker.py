@@ -25,7 +25,7 @@ shared calls when the older batch is finished and can be handed over, when an up
 (one batch in flight) when the next one may start.
 
 With async_training.handoff=finished_groups a hand-off is the first train_batch_size prompt groups
-that are done, oldest batch first (megarl/trainer/stream_groups.py), made at the round where that
+that are done, oldest batch first (megarl/trainer/stream/groups.py), made at the round where that
 many are done and the trainer can take them, and a batch leaves the buffer when its last group is
 handed over. On the built-in engine, which reports samples as they finish, the hand-off happens
 inside the shared call and the call goes on with its KV cache; it stops the call (the unfinished
@@ -49,13 +49,13 @@ from megarl.algos.staleness import stale_rows
 from megarl.protocol import DataProto
 from megarl.rollout.partial import ChunkedGeneration, step_together
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
-from megarl.trainer.disaggregated import UpdateSignal, handoff, send_start
-from megarl.trainer.faults import fault_point
-from megarl.trainer.generation import generate, sampling_seed, shard_rows
-from megarl.trainer.stream_buffer import Pending, Period, Round, check_saved_stream, gather, packed
-from megarl.trainer.stream_groups import choose, deferred, held_fresh, ready_mask
-from megarl.trainer.stream_held import HeldState
-from megarl.trainer.validation import validate
+from megarl.trainer.stream.messages import UpdateSignal, handoff, send_start
+from megarl.trainer.control.faults import fault_point
+from megarl.trainer.loop.generation import generate, sampling_seed, shard_rows
+from megarl.trainer.stream.buffer import Pending, Period, Round, check_saved_stream, gather, packed
+from megarl.trainer.stream.groups import choose, deferred, held_fresh, ready_mask
+from megarl.trainer.stream.held import HeldState
+from megarl.trainer.loop.validation import validate
 
 
 class RolloutWorker(HeldState):
@@ -329,7 +329,7 @@ class RolloutWorker(HeldState):
         return True
 
     def _take_groups(self) -> tuple[DataProto, DataProto, dict]:
-        """The next step's groups (stream_groups.choose), their prompts, and what the step took."""
+        """The next step's groups (groups.choose), their prompts, and what the step took."""
         chosen = choose(list(self.buffer), self.want)
         pieces, prompts = [], []
         for job, take in chosen:

@@ -1,4 +1,4 @@
-"""The rollout stream's buffer in a checkpoint (megarl/trainer/rollout_stream.py): each batch in
+"""The rollout stream's buffer in a checkpoint (megarl/trainer/stream/worker.py): each batch in
 flight as plain data with every rollout DP rank's responses so far, and the buffer restored from
 it on resume, in order, with the groups already handed over."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import torch.distributed as dist
 
 from megarl.config.errors import ConfigError
-from megarl.trainer.stream_buffer import Pending
-from megarl.trainer.stream_groups import saved_ready
+from megarl.trainer.stream.buffer import Pending
+from megarl.trainer.stream.groups import saved_ready
 
 
 class HeldState:
