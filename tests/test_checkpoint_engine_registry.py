@@ -1,4 +1,4 @@
-"""Weight-sync transports come from a registry (megarl/checkpoint_engine/config.py): a transport
+"""Weight-sync transports come from a registry (megarl/transports/__init__.py): a transport
 registered here, in this file alone, is a backend the config accepts, whose checks the config
 runs, and which the trainer's builder builds. No torch, no ranks: the toy moves nothing."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from megarl.checkpoint_engine import build_checkpoint_engine
-from megarl.checkpoint_engine.config import register, transport, transport_names
-from megarl.checkpoint_engine.transport import BuildParts, Transport
+from megarl.checkpoint_engine.transport import BuildParts
+from megarl.transports import Transport, register, transport, transport_names
 from megarl.config import ConfigError
 from megarl.experiment import load_config
 from tests.helpers.python_child import prints
@@ -83,7 +83,7 @@ def test_registration_refuses_what_the_registry_could_not_serve():
         register(Transport(name="auto", placements=("colocated",), delta=False, build=ToySync))
     # a built-in name is its module's alone, even before that module loads: a user's transport that
     # took "distributed" would otherwise be replaced (or replace megarl's) depending on import order
-    with pytest.raises(ValueError, match="'distributed' is megarl's built-in megarl.checkpoint_engine.transports"):
+    with pytest.raises(ValueError, match="'distributed' is megarl's built-in megarl.transports"):
         register(Transport(name="distributed", placements=("disaggregated",), delta=False, build=ToySync))
     with pytest.raises(ValueError, match="'toy' is already registered"):
         register(Transport(name="toy", placements=("colocated",), delta=True, build=ToySync))

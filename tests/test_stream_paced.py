@@ -23,7 +23,7 @@ EXTRA = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.placement=disag
 
 
 def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regime(tiny, monkeypatch):  # noqa: F811
-    from megarl.trainer.stream.fit import RolloutWorker
+    from megarl.trainer.stream.worker import RolloutWorker
     total, k, stops = 8, 2, list(range(80))
     full = []                 # updates waited for in serve(): nothing in flight and no room to start one
     take = RolloutWorker._take_update

@@ -3,8 +3,8 @@
     engine_sync = build_checkpoint_engine(cfg, actor, rollout, rollout_group=ranks.rollout_group)
     metrics = engine_sync.sync()      # collective: every rank, after each policy update
 
-Transports (`actor_rollout_ref.rollout.checkpoint_engine.backend`), one registration module
-each in transports/ (config.py is the registry; docs/weight-sync.md, "Adding a transport"):
+Transports (`actor_rollout_ref.rollout.checkpoint_engine.backend`), one declaration module each
+in megarl/transports/ (which is the registry; docs/weight-sync.md, "Adding a transport"):
     colocated    engine on the training ranks (default): TP all-gather + PP broadcast in buckets
                  (colocated.py)
     distributed  engine on ranks of its own: the trainer's TP ranks broadcast buckets to the
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from megarl.checkpoint_engine.config import KEY, chosen, placement_problem
 from megarl.checkpoint_engine.errors import WeightSyncError
-from megarl.checkpoint_engine.transport import BuildParts, Side, Transport, WeightSync
+from megarl.checkpoint_engine.transport import BuildParts, Side, WeightSync
 from megarl.config.errors import ConfigError
+from megarl.transports import KEY, Transport, chosen, placement_problem
 
 if TYPE_CHECKING:       # annotations only
     import torch
@@ -55,6 +55,6 @@ def build_checkpoint_engine(cfg, actor: ActorWorker | None = None, rollout: Roll
         raise ConfigError(problem, f"{KEY}.backend")
     if not isinstance(entry, Transport):
         raise TypeError(f"transport {entry.name!r} was registered without a build; register a "
-                        "megarl.checkpoint_engine.transport.Transport")
+                        "megarl.transports.Transport")
     return entry.builder()(BuildParts(cfg, side, actor=actor, engine=rollout, rollout_group=rollout_group,
                                   sync_groups=sync_groups, device=device, say=say))

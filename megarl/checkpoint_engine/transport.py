@@ -1,17 +1,15 @@
-"""What a transport is to the trainer: the calls it makes (WeightSync), what a build gets
-(BuildParts), and the registered entry (Transport). Loads no torch, so the package imports light.
+"""What a transport is to the trainer: the calls it makes (WeightSync) and what a build gets
+(BuildParts); the registered entry (Transport) is declared in megarl/transports. Loads no torch,
+so the package imports light.
 
 The trainer calls only what WeightSync declares, on every transport; one that has nothing to do
 for a call implements it as a no-op that says why (e.g. request_anchor where every sync is full).
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-from megarl.checkpoint_engine.config import TransportRules
 
 if TYPE_CHECKING:       # annotations only
     import torch
@@ -51,17 +49,3 @@ class BuildParts:
     sync_groups: Any = None
     device: torch.device | None = None
     say: Callable[[str], None] = print           # one line to the run's log
-
-
-@dataclass(frozen=True)
-class Transport(TransportRules):
-    """A registered transport: the rules the config reads, and how one rank builds its side.
-    `build` is a function or its "module:function" path; the built-in transports give the path,
-    so the registration (read when the config is loaded) imports no torch."""
-    build: Callable[[BuildParts], WeightSync] | str = field(kw_only=True)
-
-    def builder(self) -> Callable[[BuildParts], WeightSync]:
-        if callable(self.build):
-            return self.build
-        module, _, name = self.build.partition(":")
-        return getattr(importlib.import_module(module), name)

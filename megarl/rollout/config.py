@@ -10,7 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.checkpoint_engine.config import transport_options
+from megarl.transports import transport_options
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
 from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
@@ -104,7 +104,7 @@ class ServerConfig(Section):
 # as in verl); megarl/checkpoint_engine reads it from here.
 @dataclass
 class CheckpointEngineConfig(Section):
-    # A registered transport (megarl/checkpoint_engine/transports/: colocated, the engine on the
+    # A registered transport (megarl/transports/: colocated, the engine on the
     # training ranks; distributed, the engine on ranks of its own; disk, HF safetensors in
     # `disk_dir` for an engine in another job), or auto (from placement). delta_sharded: verl's name
     # for the distributed transport with delta on (verl-project/verl c04f5e9,
@@ -132,7 +132,7 @@ class CheckpointEngineConfig(Section):
     delta_compression: Literal["none", "zstd", "lz4"] = "none"   # frames compressed where it makes them smaller
     delta_copy: Literal["host", "device"] = "host"   # where the sender keeps its last-sent copy
     # verl's key: transport name -> its own options, typed by the options class each transport registers
-    # once the names are known (checkpoint_engine/config.py check_transport); only the chosen one's may be given
+    # once the names are known (megarl/transports/__init__.py check_transport); only the chosen one's may be given
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def options(self, name: str) -> Any:

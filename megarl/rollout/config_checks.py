@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 
-from megarl.checkpoint_engine.config import (KEY, check_transport, chosen, delta_problem, placement_problem,
+from megarl.transports import (KEY, check_transport, chosen, delta_problem, placement_problem,
                                              unread_options)
 from megarl.config.errors import ConfigError
 from megarl.engines import config_info, default_name
@@ -102,7 +102,7 @@ def check_async_loop_features(cfg) -> None:
 
 
 def check_sync_backend(cfg) -> None:
-    """The transport serves this placement, and its own rules hold (checkpoint_engine/transports/)."""
+    """The transport serves this placement, and its own rules hold (megarl/transports/)."""
     check_transport(cfg)
     ce = cfg.rollout.checkpoint_engine
     entry = chosen(ce.backend, cfg.rollout.placement)

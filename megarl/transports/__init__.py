@@ -1,22 +1,25 @@
-"""The weight-sync transports by name (`actor_rollout_ref.rollout.checkpoint_engine.backend`).
+"""The weight-sync transports by name (`actor_rollout_ref.rollout.checkpoint_engine.backend`):
+what each one serves, declared once, next to nothing heavy.
 
-    register(Transport(name="mine", placements=("colocated",), delta=False, build=build_mine))
+    register(Transport(name="mine", placements=("colocated",), delta=False, build="pkg.mod:build_mine"))
     transport("disk")              # its entry: placements, delta support, config checks, build
     transport_names()              # every backend a config may name
 
-Each built-in transport is one module in megarl/checkpoint_engine/transports/, which registers
-its entry when imported; a transport defined elsewhere (a user's package, a test) calls
+Every module of this package declares one transport, its file name the transport's name, and
+registers its entry when imported; a transport defined elsewhere (a user's package, a test) calls
 `register` itself, in a module imported before the config is loaded or named by model.external_lib.
 A transport's own options are a Section class it registers; the config gives them as
 `checkpoint_engine.engine_kwargs.<name>.<key>` (verl's place for a checkpoint engine's arguments).
-Nothing here imports torch: the config reads the names from the module files, and a transport's
-module (which loads torch to build it) is imported the first time its entry is asked for. The entry's build side is
-megarl/checkpoint_engine/transport.py.
+Nothing here imports torch or the sync's code: the config (megarl/rollout/config.py) reads the
+names from the module files, and a transport's build, named by its "module:function" path, is
+imported by megarl/checkpoint_engine when a rank builds it (the build side of an entry:
+megarl/checkpoint_engine/transport.py).
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.config.errors import ConfigError
@@ -26,7 +29,7 @@ from megarl.config.registry import Registry, package_modules
 KEY = "actor_rollout_ref.rollout.checkpoint_engine"
 PLACEMENTS = ("colocated", "disaggregated")       # rollout.placement's values
 ALIASES = ("auto", "delta_sharded", "naive")      # read by CheckpointEngineConfig, never registered
-_PACKAGE = "megarl.checkpoint_engine.transports"
+_PACKAGE = __name__
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,23 @@ class TransportRules:
             raise ValueError(f"transport {self.name!r}: auto_for {self.auto_for} names a placement it does not serve")
 
 
-# megarl's transports: one module each in megarl/checkpoint_engine/transports/, found by file name
+
+@dataclass(frozen=True)
+class Transport(TransportRules):
+    """A registered transport: the rules the config reads, and how one rank builds its side.
+    `build` takes a megarl.checkpoint_engine.transport.BuildParts and returns that rank's WeightSync
+    (typed loosely here: this package sits below the sync's code). It is a function or its
+    "module:function" path; the built-in transports give the path, so the registration (read when
+    the config is loaded) imports no torch."""
+    build: Callable[[Any], Any] | str = field(kw_only=True)
+
+    def builder(self) -> Callable[[Any], Any]:
+        if callable(self.build):
+            return self.build
+        module, _, name = self.build.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+# megarl's transports: one module each in this package, found by file name
 TRANSPORTS = Registry("transport", f"{KEY}.backend", package_modules(_PACKAGE))
 
 

@@ -2,8 +2,7 @@
 (megarl/checkpoint_engine/disk.py)."""
 from __future__ import annotations
 
-from megarl.checkpoint_engine.config import KEY, register
-from megarl.checkpoint_engine.transport import Transport
+from megarl.transports import KEY, Transport, register
 from megarl.config.errors import ConfigError
 
 

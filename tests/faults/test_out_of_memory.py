@@ -108,7 +108,8 @@ def test_a_bare_abort_is_out_of_memory_only_under_an_address_space_limit(monkeyp
     code, lines = console_of(dump, 1)
     assert code == 5 and len(lines) == 2, lines
     assert lines[1].startswith("megarl: stopped: a rank aborted in native code (at megarl/trainer/loop/fit.py:90) "
-                               "under an address-space limit of 2.0 GiB (ulimit -v), most likely out of memory; "), lines
+                               "under an address-space limit of 2.0 GiB (ulimit -v), most likely out of "
+                               "memory; "), lines
     monkeypatch.setattr(output.resource, "getrlimit", lambda which: (output.resource.RLIM_INFINITY,) * 2)
     code, lines = console_of(dump, 1)
     assert code == 1 and "Fatal Python error: Aborted" in lines and "ChildFailedError:" in lines, lines

@@ -29,7 +29,7 @@ def rollout_worker(engine, overrides):
     from megarl.experiment import load_config
     from megarl.parallel.state import Layout
     from megarl.rollout.sampling import train_sampling
-    from megarl.trainer.stream.fit import RolloutWorker
+    from megarl.trainer.stream.worker import RolloutWorker
     from megarl.trainer.loop.parts import RolloutParts
     from megarl.job.ranks import Ranks
 

@@ -6,7 +6,7 @@ Messages, all on bridges built by setup_ranks (megarl/parallel/bridge.py):
                whether the checkpoint carried the in-flight batch
     update     trainer rank 0 -> the rollout ranks (a key in trainer rank 0's store): "version v is
                ready", so a partial rollout can stop between chunks; then the weight sync itself
-               (the distributed transport, megarl/checkpoint_engine/transports/distributed.py:
+               (the distributed transport, megarl/transports/distributed.py:
                bucketed, all-or-nothing; each side builds its half through build_checkpoint_engine)
     hand-off   first rollout rank -> trainer ranks (handoff_group): the next batch, tagged with
                token versions, the data position after its prompts, and validation results
