@@ -168,6 +168,16 @@ def test_no_circles_between_packages():
     assert not found, "packages that import each other: " + " | ".join(detail)
 
 
+def test_the_stream_loop_holds_the_steps():
+    """The disaggregated loop runs the steps both loops share by holding them, not by extending the
+    synchronous loop: what the colocated loop changes (its rollout, its sync) cannot leak into it."""
+    tree = ast.parse(open(MODULES["megarl.trainer.stream.fit"]).read())
+    loop = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AsyncRLTrainer")
+    assert not loop.bases, f"AsyncRLTrainer extends {[ast.unparse(b) for b in loop.bases]}; hold a Steps instead"
+    assert "megarl.trainer.loop.steps" in module_edges()["megarl.trainer.stream.fit"]
+    assert "megarl.trainer.loop.fit" not in module_edges()["megarl.trainer.stream.fit"]
+
+
 def test_function_level_imports_are_optional_dependencies_with_a_reason():
     bad = []
     for imp in ALL_IMPORTS:

@@ -2,7 +2,7 @@
 
 One subprocess under a real address-space limit (`ulimit -v`: RLIMIT_AS just above what the process
 holds) allocates through torch's CPU allocator and through Python inside the trainer's own phase
-wrapper (RLTrainer.timed), and prints the line megarl/job/run.py prints. Then the whole command
+wrapper (Steps.timed), and prints the line megarl/job/run.py prints. Then the whole command
 path: `megarl-train` (launcher, torchrun, two ranks) under `ulimit -v`, one launch of one step that
 saves nothing, gives one line at the command line and exit code 5; and the launcher's reading of
 the two ways a rank can end out of memory (megarl's line, or native code aborting), in this process.

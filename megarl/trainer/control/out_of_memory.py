@@ -2,7 +2,7 @@
 
 A rank that hits its memory limit (a GPU's memory, the host's, or an address-space limit such as
 `ulimit -v` or Slurm's --mem) raises MemoryError or torch's allocator error deep inside a kernel;
-the trainer's phases (RLTrainer.timed) turn it into OutOfMemory carrying the phase's name, and
+the trainer's phases (Steps.timed) turn it into OutOfMemory carrying the phase's name, and
 megarl/job/run.py prints it as one line.
 """
 from __future__ import annotations
