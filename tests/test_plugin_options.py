@@ -14,8 +14,7 @@ import yaml
 from megarl.algos.loss_fn import make_actor_loss_fn
 from megarl.algos.losses import register_policy_loss
 from megarl.algos.registry import POLICY_LOSSES
-from megarl.checkpoint_engine.config import TRANSPORTS, register, unregister
-from megarl.checkpoint_engine.transport import Transport
+from megarl.transports import TRANSPORTS, Transport, register, unregister
 from megarl.config import ConfigError
 from megarl.config.registry import Registry
 from megarl.config.typed import Section, require
@@ -128,8 +127,7 @@ def test_a_transport_of_model_external_lib_is_known_to_the_config(tmp_path, monk
     """The backend's name is checked once model.external_lib ran, so a config file can name a
     transport of the user's package (megarl-train imports nothing else before the config)."""
     (tmp_path / "my_transport_test.py").write_text(textwrap.dedent("""
-        from megarl.checkpoint_engine.config import register
-        from megarl.checkpoint_engine.transport import Transport
+        from megarl.transports import Transport, register
         register(Transport(name="mine_test", placements=("colocated",), delta=False, build=lambda parts: None))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
