@@ -61,6 +61,9 @@ class Carried(Protocol):
 
 
 class Steps:
+    """The steps on this rank's parts, called by a loop in its order. The loop sets `validation`
+    (what a step due for testing reports) and `carried` (its own state in each checkpoint)."""
+
     def __init__(self, cfg, ranks, parts: TrainerParts, logger):
         self.cfg, self.ranks, self.p, self.log = cfg, ranks, parts, logger
         self.step, self.bad_steps = 0, 0
