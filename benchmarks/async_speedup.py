@@ -57,6 +57,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.peak_memory import ProcessPeaks  # noqa: E402
+from megarl.rollout.cost_model import KINDS as PACED_KINDS  # noqa: E402
 
 MODES = {
     "sync": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
@@ -155,7 +156,10 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     step_s = statistics.median(r["timing_s/step"] for r in steps)
     val = {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
     phases = {}
-    for key in ("gen", "old_log_prob", "update_actor", "sync", "wait_rollout", "rollout_gen", "rollout_wait_update"):
+    # the cost model's charges per kind on the rollout side (megarl/rollout/cost_model.py), where paced
+    paced = [f"rollout_paced_{k}" for k in PACED_KINDS]
+    for key in ("gen", "old_log_prob", "update_actor", "sync", "wait_rollout", "rollout_gen", "rollout_wait_update",
+                *paced):
         got = [r[f"timing_s/{key}"] for r in steps if f"timing_s/{key}" in r]
         if got:
             phases[key] = statistics.median(got)
@@ -213,6 +217,13 @@ def paced_report(summary: dict, results: dict, args) -> None:
                 if ref]
         phases = " ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
         print(f"  {name:16s} {s['step_s']:.2f} s/step, {', '.join(over)} | {phases} (under the cost model)")
+    print("  the model's seconds per step by kind, median (rollout side; the sync loop does not log them):")
+    for name, s in summary.items():
+        split = [f"{k} {s['phases'][f'rollout_paced_{k}']:.2f}" for k in PACED_KINDS
+                 if f"rollout_paced_{k}" in s["phases"]]
+        if split:
+            total = sum(s["phases"][f"rollout_paced_{k}"] for k in PACED_KINDS if f"rollout_paced_{k}" in s["phases"])
+            print(f"  {name:16s} {' '.join(split)} (sum of medians {total:.2f} s; under the cost model)")
     if base and "gen" in base["phases"]:
         print(f"  sync step: generation {base['phases']['gen'] / base['step_s']:.0%} of it (under the cost model)")
     finals = [x for s in summary.values() for x in s["final_val_per_round"] if x is not None]

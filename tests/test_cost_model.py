@@ -85,3 +85,31 @@ def test_bad_cost_model_is_refused_in_one_line():
         load_config("configs/quickstart.yaml", ["actor_rollout_ref.rollout.cost_model.scale=0"])
     assert "cost_model.scale" in str(err.value) and "\n" not in str(err.value)
     assert "x 100" in describe(CostModelConfig(enable=True, scale=100))
+
+
+def test_charges_are_booked_per_kind(tiny):
+    """The model's seconds split by kind: new prompts' prefill, continued responses' prefill, decode
+    steps, and whole calls charged as a regeneration; the kinds sum to what each call owed, and
+    PacedSeconds gives the split since its last reading (a step's metrics)."""
+    from megarl.rollout.cost_model import PacedSeconds, charged_as
+    c, step = 1e-3, 2e-3
+    engine = _engine(tiny, enable=True, decode_s=step, decode_row_s=0.0, prefill_token_s=c, scale=1.0)
+    ledger = PacedSeconds(engine)
+    sp = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=5, ignore_eos=True)
+    steps0 = engine.stats["decode_steps"]
+    # two samples continued from 3 and 1 response tokens: 4 tokens prefilled again, 4 prompt tokens
+    engine.generate_pausable([[5, 17, 42, 8]], sp, lambda unfinished: False, every=2,
+                             prefixes=[[[7, 9, 11], [13]]])
+    steps = engine.stats["decode_steps"] - steps0
+    got = ledger.since()
+    assert got["paced_prefill_prompts"] == pytest.approx(4 * c)
+    assert got["paced_prefill_continued"] == pytest.approx(4 * c)
+    assert got["paced_decode"] == pytest.approx(steps * step) and steps > 0
+    assert sum(got.values()) == pytest.approx(engine.stats["paced_owed_s"])
+    with charged_as(engine, "regenerate"):
+        engine.generate([[3, 3, 9]], sp)
+    owed = engine.stats["paced_owed_s"]
+    got = ledger.since()                            # only what came after the last reading
+    assert got["paced_regenerate"] == pytest.approx(owed) and owed >= 3 * c
+    assert got["paced_decode"] == got["paced_prefill_prompts"] == got["paced_prefill_continued"] == 0.0
+    assert getattr(engine, "pace_as", None) is None   # the kind ends with its block

@@ -16,11 +16,19 @@ The sleep happens where the engine's time is observable: at every chunk boundary
 (the built-in engine's `generate_pausable`, where updates land) and at the end of every call. Decode
 steps are the engine's own count where it keeps one (`stats["decode_steps"]`), else the longest
 response of the call; rows per step come from who is still running.
+
+What the model charges is booked per kind in the engine's `stats` (`paced_s/<kind>`, seconds summed
+over calls): `decode` steps, `prefill_prompts` (new prompts), `prefill_continued` (responses so far,
+prefilled again when a stopped call is continued), and `regenerate` and `validate` (whole calls made
+under `charged_as(engine, kind)`), so a run can say which part of generation its time goes to. These
+are the model's charges; the wall time of a call is the larger of them and the engine's own time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from megarl.rollout.config import CostModelConfig
@@ -34,15 +42,58 @@ def describe(cfg: CostModelConfig) -> str:
             "(built-in engine on one H100, docs/measurements.md 2026-11-27)")
 
 
+KINDS = ("decode", "prefill_prompts", "prefill_continued", "regenerate", "validate")
+
+
+@contextlib.contextmanager
+def charged_as(engine: Any, kind: str) -> Iterator[None]:
+    """Every call made inside is booked as `kind` whole (its prefill and decode steps together)."""
+    assert kind in KINDS, f"cost model kinds: {KINDS}"
+    before = getattr(engine, "pace_as", None)
+    engine.pace_as = kind
+    try:
+        yield
+    finally:
+        engine.pace_as = before
+
+
+class PacedSeconds:
+    """The seconds the model charged an engine per kind since the last `since()`, for a step's
+    metrics (empty where the engine is not paced)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.last = self._now()
+
+    def _now(self) -> dict[str, float]:
+        stats = getattr(self.engine, "stats", None)
+        return {k: v for k, v in stats.items() if k.startswith("paced_s/")} if isinstance(stats, dict) else {}
+
+    def since(self) -> dict[str, float]:
+        now = self._now()
+        out = {"paced_" + k.split("/")[1]: v - self.last.get(k, 0.0) for k, v in now.items()}
+        self.last = now
+        return out
+
+
 class Pacer:
     """The modelled seconds owed by one call, and the sleep that makes its wall time reach them."""
 
-    def __init__(self, cfg: CostModelConfig, engine: Any, prefill_tokens: int):
+    def __init__(self, cfg: CostModelConfig, engine: Any, prompt_tokens: int, continued_tokens: int = 0):
         self.cfg, self.engine = cfg, engine
         self.start = time.perf_counter()
         self.steps0 = self._steps()
         self.counted = 0                          # decode steps already charged
-        self.owed = cfg.scale * cfg.prefill_token_s * prefill_tokens
+        self.whole = getattr(engine, "pace_as", None)
+        self.owed = 0.0
+        self.by_kind: dict[str, float] = {}
+        self._owe("prefill_prompts", cfg.scale * cfg.prefill_token_s * prompt_tokens)
+        self._owe("prefill_continued", cfg.scale * cfg.prefill_token_s * continued_tokens)
+
+    def _owe(self, kind: str, seconds: float) -> None:
+        kind = self.whole or kind
+        self.owed += seconds
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
 
     def _steps(self) -> int | None:
         stats = getattr(self.engine, "stats", None)
@@ -51,7 +102,7 @@ class Pacer:
     def charge(self, steps: int, rows: int) -> None:
         """`steps` decode steps of `rows` rows each."""
         c = self.cfg
-        self.owed += c.scale * steps * (c.decode_s + c.decode_row_s * rows)
+        self._owe("decode", c.scale * steps * (c.decode_s + c.decode_row_s * rows))
         self.counted += steps
 
     def steps_since_start(self, fallback: int) -> int:
@@ -66,14 +117,14 @@ class Pacer:
         if isinstance(stats, dict):               # what the model asked of this call, and what it slept
             stats["paced_owed_s"] = self.owed
             stats["paced_s"] = stats.get("paced_s", 0.0) + max(0.0, left)
+            for kind, seconds in self.by_kind.items():  # what this call charged since its last wait
+                stats[f"paced_s/{kind}"] = stats.get(f"paced_s/{kind}", 0.0) + seconds
+        self.by_kind = {}
 
 
-def _prefill_tokens(prompts: list[list[int]], n: int, prefixes: list | None) -> int:
+def _continued_tokens(prefixes: list | None) -> int:
     # A prompt is prefilled once for its n samples; a continued sample's response so far once more.
-    tokens = sum(map(len, prompts))
-    if prefixes is not None:
-        tokens += sum(len(r) for p in prefixes for r in p)
-    return tokens
+    return 0 if prefixes is None else sum(len(r) for p in prefixes for r in p)
 
 
 def _charge_completions(pacer: Pacer, groups: list) -> None:
@@ -95,7 +146,7 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
     generate = engine.generate
 
     def paced_generate(prompts, sampling, prompt_limit=None):
-        pacer = Pacer(cfg, engine, _prefill_tokens(prompts, sampling.n, None))
+        pacer = Pacer(cfg, engine, sum(map(len, prompts)))
         out = generate(prompts, sampling, prompt_limit)
         _charge_completions(pacer, out)
         pacer.wait()
@@ -107,7 +158,7 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
 
         @functools.wraps(pausable)        # its signature: the keywords it takes (partial.py reads them)
         def paced_pausable(prompts, sampling, pause, every, budgets=None, samples=None, prefixes=None, **kwargs):
-            pacer = Pacer(cfg, engine, _prefill_tokens(prompts, sampling.n, prefixes))
+            pacer = Pacer(cfg, engine, sum(map(len, prompts)), _continued_tokens(prefixes))
             boundaries = 0
 
             def paced_pause(unfinished: dict[int, int]) -> bool:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from megarl.algos.staleness import stale_rows
 from megarl.protocol import DataProto
+from megarl.rollout.cost_model import PacedSeconds, charged_as
 from megarl.rollout.partial import ChunkedGeneration, step_together
 from megarl.rollout.sampling import step_seed, train_sampling, val_sampling
 from megarl.trainer.stream.messages import UpdateSignal, handoff, send_start
@@ -72,7 +73,7 @@ class RolloutWorker(HeldState):
         self.version = 0
         self.val: dict[int, dict] = {}
         self.total = parts.total_steps
-        self.period = Period()
+        self.period, self.paced = Period(), PacedSeconds(parts.rollout)
         self.buffer: deque[Pending] = deque()
 
     def run(self) -> None:
@@ -254,7 +255,7 @@ class RolloutWorker(HeldState):
             extra.update(stale, buffer_ready=ready, engine_idle_fraction=self.period.idle_fraction(),
                          updates_in_call=float(self.period.updates_in_call), waits_full=float(self.period.waits_full))
             batch.meta_info["async_metrics"] = extra
-            batch.meta_info["rollout_timing"] = self.period.timing()
+            batch.meta_info["rollout_timing"] = {**self.period.timing(), **self.paced.since()}  # + the model's split
             payload.update(batch=batch, loader=loader, next_t=self.next_t)
             if self._checkpoint_follows(h - 1):
                 # the finished batches behind it go into the trainer's checkpoint, and those in
@@ -371,7 +372,8 @@ class RolloutWorker(HeldState):
         if self.p.val_loader is None:
             return
         sampling = self.val_sampling.with_(seed=step_seed(sampling_seed(self.cfg), 0, stream=1))
-        self.val[version] = validate(self.p, self.ranks, sampling, self.cfg.trainer, version)
+        with charged_as(self.p.rollout, "validate"):
+            self.val[version] = validate(self.p, self.ranks, sampling, self.cfg.trainer, version)
 
     def enforce_staleness(self, batch: DataProto, prompts: DataProto | None, t: int) -> tuple[DataProto, dict]:
         """Samples more than max_staleness versions behind version t-1 (the weights batch t is
@@ -394,6 +396,7 @@ class RolloutWorker(HeldState):
             return kept, metrics
         # (a batch restored finished has no prompts, and is within the bound: the resume checks it)
         assert prompts is not None, f"batch {t} has stale groups and no prompts to regenerate them from"
-        fresh = self.generate(prompts[groups.nonzero()[0]], t, stream=2)
+        with charged_as(self.p.rollout, "regenerate"):
+            fresh = self.generate(prompts[groups.nonzero()[0]], t, stream=2)
         metrics["regenerated_groups"] = float(groups.sum())
         return DataProto.concat([kept, fresh]) if len(kept) else fresh, metrics
