@@ -150,7 +150,7 @@ def build_plan(spec: ModelSpec, tp: int, pp: int, bucket_bytes: int, element_siz
 
         for name in stage_names(spec, pp, stage, head, vpp):
             shape = shard_shape(name, spec, tp, head)
-            gather = gather_all or (tp > 1 and tp_dim(name, head) is not None and name not in local)
+            gather = gather_all or (tp > 1 and tp_dim(name, head, spec) is not None and name not in local)
             n = math.prod(shape)
             nbytes = (tp * n if gather else n) * element_size
             # A gathered vocabulary tensor (usually the largest) gets a bucket of its own: its

@@ -22,11 +22,12 @@ from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megarl.models import packed_rope
 from megarl.models.attention import SDPACoreAttention
 from megarl.models.context_parallel import CPCoreAttention
-from megarl.models.convert import tp_dim
+from megarl.models.convert import to_global, tp_dim
 from megarl.models.norm import Norm, norm_class
 from megarl.models.spec import ModelSpec
 
@@ -88,11 +89,11 @@ def _no_te_router_gemm() -> None:
     moe_utils.__dict__.setdefault("te_general_gemm", None)
 
 
-def layer_spec(spec: ModelSpec, config: TransformerConfig | None = None) -> ModuleSpec:
+def layer_spec(spec: ModelSpec, config: TransformerConfig | None = None, index: int = 0) -> ModuleSpec:
     """megatron's local (no Transformer Engine) layer spec with SDPA core attention (its
     context-parallel form when CP > 1) and megarl's norm, which supports sequence parallelism;
     megatron's MoE layer (SequentialMLP experts) for MoE models; then the family's layer_spec
-    hook edits it (Qwen3: q/k RMSNorm)."""
+    hook edits it for global layer `index` (Qwen3: q/k RMSNorm)."""
     if spec.is_moe:
         _no_te_router_gemm()
     out = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
@@ -102,7 +103,7 @@ def layer_spec(spec: ModelSpec, config: TransformerConfig | None = None) -> Modu
     norm = norm_class(config) if config is not None else Norm
     out.submodules.input_layernorm = norm
     out.submodules.pre_mlp_layernorm = norm
-    spec.model_family.hooks.layer_spec(out, norm)
+    spec.model_family.hooks.layer_spec(out, norm, index)
     return out
 
 
@@ -110,7 +111,10 @@ def block_spec(spec: ModelSpec, config: TransformerConfig, vp_stage: int | None 
     """The layers of one pipeline stage (or virtual-pipeline chunk) and the final norm: megatron
     would otherwise build the final norm with its own torch norm, which refuses SP."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(spec, config)] * layers, layer_norm=norm_class(config))
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    # one spec per layer: a hybrid family's hook makes layers differ (megatron reads each in order)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(spec, config, first + i) for i in range(layers)],
+                                      layer_norm=norm_class(config))
 
 
 class ValueHead(MegatronModule):
@@ -150,7 +154,7 @@ def build_gpt(spec: ModelSpec, config: TransformerConfig, pre_process: bool, pos
     )
     if head == "value" and post_process:
         model.output_layer = ValueHead(config)
-    _mark_tensor_parallel(model, head)
+    _mark_tensor_parallel(model, head, spec, get_transformer_layer_offset(config, vp_stage=vp_stage))
     if spec.is_moe:
         _route_loss_per_micro_batch(model)
     return model
@@ -166,11 +170,12 @@ def _route_loss_per_micro_batch(model: GPTModel) -> None:
             m.calculate_per_token_loss = False
 
 
-def _mark_tensor_parallel(model: GPTModel, head: str) -> None:
+def _mark_tensor_parallel(model: GPTModel, head: str, spec: ModelSpec, offset: int) -> None:
     """megatron tags TP-split weights (`tensor_model_parallel`, `partition_dim`) only inside its
     random initialisation, which megarl skips because it loads weights; the grad norm and
-    optimizers need the tags, so set them from megarl's own sharding map."""
+    optimizers need the tags, so set them from megarl's own sharding map (a family hook's tensor by
+    its declared split; `offset`: the stage's first global layer)."""
     for name, param in model.named_parameters():
-        dim = tp_dim(name, head)
+        dim = tp_dim(to_global(name, offset), head, spec)
         if dim is not None and not hasattr(param, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(param, True, dim, 1)

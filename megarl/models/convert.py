@@ -14,7 +14,7 @@ megatron side are *global* (layer index counted over the whole model, no DDP `mo
     decoder.layers.N.pre_mlp_layernorm.weight       [h]
     decoder.layers.N.mlp.linear_fc1.weight          [2*f/T, h]  [gate_r; up_r]
     decoder.layers.N.mlp.linear_fc2.weight          [h, f/T]
-    decoder.layers.N.<a family hook's tensor>       whole on every TP rank (Qwen3: q/k_layernorm [hn])
+    decoder.layers.N.<a family hook's tensor>       whole, or split along its declared dim (HookTensor)
     decoder.layers.N.mlp.router.weight              [E, h]      (MoE, replicated)
     decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight  [2*fe/T, h]  E: *global* expert
     decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight  [h, fe/T]
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.models.families.hooks import HookTensor
 from megarl.models.spec import ModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -60,11 +61,34 @@ def _ffn(rest: str, spec: ModelSpec) -> tuple[str, int, str] | None:
     return spec.model_family.mlp.ffn(rest, spec)
 
 
-def _whole(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """megatron suffix -> (HF suffix, shape) of the per-layer tensors every TP rank holds whole
-    that the family decides: its MLP flavour's (router, shared-expert gate) and its hooks'."""
+def _whole(spec: ModelSpec, layer: int) -> dict[str, HookTensor]:
+    """megatron suffix -> HookTensor of layer `layer`'s tensors the family decides: its MLP
+    flavour's (router, shared-expert gate, whole) and its hooks' (whole or split as declared)."""
     family = spec.model_family
-    return {**family.mlp.replicated(spec), **family.hooks.layer_tensors(spec)}
+    return {**family.mlp.replicated(spec), **check_hook_tensors(spec, layer)}
+
+
+def check_hook_tensors(spec: ModelSpec, layer: int) -> dict[str, HookTensor]:
+    """The family hooks' tensors of layer `layer`; ValueError when one's declared split disagrees
+    with what the shared name rules (tp_dim) read from its megatron name, or names no dim of it:
+    megatron's own module of that name splits by the rules, so the map would load a wrong shard."""
+    out = spec.model_family.hooks.layer_tensors(spec, layer)
+    for rest, t in out.items():
+        known, dim = _rule_dim(rest)
+        if (known and dim != t.split) or (t.split is not None and not 0 <= t.split < len(t.shape)):
+            raise ValueError(f"family {spec.family!r}: hook tensor decoder.layers.{layer}.{rest} {t.shape} declares "
+                             f"split={t.split}, but its name reads as split={dim} (convert.tp_dim); declare "
+                             f"split={dim}, or give it a name the shared rules do not read")
+    return out
+
+
+def _split_size(spec: ModelSpec, layer: int, rest: str, t: HookTensor, tp: int) -> int:
+    """Rows (along t.split) of one TP rank's part of a split hook tensor."""
+    assert t.split is not None
+    if t.shape[t.split] % tp:
+        raise ValueError(f"family {spec.family!r}: hook tensor decoder.layers.{layer}.{rest} {t.shape} splits dim "
+                         f"{t.split} over TP {tp}, which does not divide it; use a TP size that divides it")
+    return t.shape[t.split] // tp
 
 
 @dataclass(frozen=True)
@@ -92,7 +116,7 @@ def megatron_names(spec: ModelSpec, layers: range, first: bool, last: bool, head
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
         if spec.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
-        names += [p + rest for rest in spec.model_family.hooks.layer_tensors(spec)]
+        names += [p + rest for rest in check_hook_tensors(spec, n)]
         names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
         names += spec.model_family.mlp.megatron_names(spec, p, experts)
     if last:
@@ -143,9 +167,9 @@ def hf_names(name: str, spec: ModelSpec, head: str = "lm") -> list[str]:
     p = f"model.layers.{n}."
     if rest in _PER_LAYER:
         return [p + _PER_LAYER[rest]]
-    whole = _whole(spec)
+    whole = _whole(spec, int(n))
     if rest in whole:
-        return [p + whole[rest][0]]
+        return [p + whole[rest].hf]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
@@ -170,7 +194,7 @@ def hf_shapes(spec: ModelSpec, head: str = "lm") -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (spec.num_kv_heads * hn, h),
             p + "self_attn.o_proj.weight": (h, spec.num_heads * hn),
         })
-        out.update({p + hf: shape for hf, shape in spec.model_family.hooks.layer_tensors(spec).values()})
+        out.update({p + t.hf: t.shape for t in check_hook_tensors(spec, n).values()})
         out.update(spec.model_family.mlp.hf_shapes(spec, p))
         if spec.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (spec.num_heads * hn,),
@@ -193,14 +217,17 @@ def shard_shape(name: str, spec: ModelSpec, tp: int, head: str = "lm") -> tuple[
         return (1, h)
     if name == FINAL_NORM:
         return (h,)
-    rest = _LAYER.match(name).group(2)
+    n, rest = _LAYER.match(name).groups()
     ffn = _ffn(rest, spec)
     if ffn is not None:
         kind, ff, _ = ffn
         return (2 * ff // tp, h) if kind == "fc1" else (h, ff // tp)
-    whole = _whole(spec)
+    whole = _whole(spec, int(n))
     if rest in whole:
-        return whole[rest][1]
+        t = whole[rest]
+        if t.split is None:
+            return t.shape
+        return tuple(_split_size(spec, int(n), rest, t, tp) if d == t.split else x for d, x in enumerate(t.shape))
     return {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
         "self_attention.linear_qkv.weight": (spec.qkv_rows // tp, h),
@@ -219,8 +246,12 @@ def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm
         return [Slice(srcs[0], 0, min(start, spec.vocab_size), min(start + rows, spec.vocab_size))]
     if name in (FINAL_NORM, OUTPUT):
         return [Slice(srcs[0])]
-    rest = _LAYER.match(name).group(2)
-    if rest in _REPLICATED or rest in _whole(spec):
+    n, rest = _LAYER.match(name).groups()
+    t = _whole(spec, int(n)).get(rest)
+    if t is not None and t.split is not None:
+        rows = _split_size(spec, int(n), rest, t, tp)
+        return [Slice(srcs[0], t.split, tp_rank * rows, (tp_rank + 1) * rows)]
+    if rest in _REPLICATED or t is not None:
         return [Slice(srcs[0])]
     ffn = _ffn(rest, spec)
     if rest == "self_attention.linear_proj.weight" or (ffn and ffn[0] == "fc2"):
@@ -273,21 +304,30 @@ def hf_to_megatron(name: str, hf: Mapping[str, torch.Tensor], spec: ModelSpec, t
 
 
 # -- megatron -> HF -----------------------------------------------------------------------------------
-def tp_dim(name: str, head: str = "lm") -> int | None:
-    """Dimension along which `name` is split over TP ranks (None: replicated)."""
+def tp_dim(name: str, head: str = "lm", spec: ModelSpec | None = None) -> int | None:
+    """Dimension along which global megatron name `name` is split over TP ranks (None:
+    replicated): the shared name rules, else the split a family hook declares (given `spec`)."""
     if name == EMBED or (name == OUTPUT and head == "lm"):
         return 0
     m = _LAYER.match(name)
     if not m:
         return None
-    rest = m.group(2)
+    known, dim = _rule_dim(m.group(2))
+    if known or spec is None:
+        return dim
+    t = check_hook_tensors(spec, int(m.group(1))).get(m.group(2))
+    return t.split if t is not None else None
+
+
+def _rule_dim(rest: str) -> tuple[bool, int | None]:
+    """(whether the shared rules read per-layer suffix `rest`, the dim they split it along)."""
     if rest in _REPLICATED:
-        return None
+        return True, None
     if rest == "self_attention.linear_proj.weight" or rest.endswith("linear_fc2.weight"):
-        return 1
+        return True, 1
     if rest.startswith("self_attention.linear_qkv") or rest.endswith("linear_fc1.weight"):
-        return 0
-    return None
+        return True, 0
+    return False, None
 
 
 def megatron_to_hf(name: str, tp_shards: Sequence[torch.Tensor], spec: ModelSpec,
@@ -297,7 +337,7 @@ def megatron_to_hf(name: str, tp_shards: Sequence[torch.Tensor], spec: ModelSpec
     srcs = hf_names(name, spec, head)
     if name == OUTPUT and head == "lm" and spec.tie_word_embeddings:
         return []
-    dim = tp_dim(name, head)
+    dim = tp_dim(name, head, spec)
     if dim is None:
         return [(srcs[0], tp_shards[0])]
     if name in (EMBED, OUTPUT):

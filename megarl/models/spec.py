@@ -81,10 +81,11 @@ class ModelSpec:
     def num_parameters(self, value_head: bool = False) -> int:
         h, v = self.hidden_size, self.vocab_size
         attn = self.qkv_rows * h + (self.qkv_rows if self.qkv_bias else 0) + self.num_heads * self.head_dim * h
-        attn += sum(math.prod(shape) for _, shape in self.model_family.hooks.layer_tensors(self).values())
         per_layer = attn + self.model_family.mlp.parameters(self) + 2 * h
+        hooked = sum(math.prod(t.shape) for n in range(self.num_layers)          # they may differ per layer
+                     for t in self.model_family.hooks.layer_tensors(self, n).values())
         head = h if value_head else (0 if self.tie_word_embeddings else v * h)
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * per_layer + hooked + h + head
 
     def to_dict(self) -> dict:
         return asdict(self)

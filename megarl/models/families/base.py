@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megarl.models.families.hooks import NO_HOOKS, FamilyHooks, LayerTensors
+from megarl.models.families.hooks import NO_HOOKS, FamilyHooks, HookTensor, LayerTensors
 
 
 class ModelSpec(Protocol):
@@ -150,9 +150,9 @@ class MoeMlp:
 
     def replicated(self, spec: ModelSpec) -> LayerTensors:
         """megatron suffix -> (HF suffix, shape) of the MLP tensors every TP rank holds whole."""
-        out: LayerTensors = {"mlp.router.weight": ("mlp.gate.weight", (spec.num_experts, spec.hidden_size))}
+        out: LayerTensors = {"mlp.router.weight": HookTensor("mlp.gate.weight", (spec.num_experts, spec.hidden_size))}
         if spec.shared_expert_ffn:
-            out["mlp.shared_experts.gate_weight"] = ("mlp.shared_expert_gate.weight", (1, spec.hidden_size))
+            out["mlp.shared_experts.gate_weight"] = HookTensor("mlp.shared_expert_gate.weight", (1, spec.hidden_size))
         return out
 
     def transformer_config(self, spec: ModelSpec, tp: int, ep: int, etp: int | None,

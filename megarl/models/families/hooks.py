@@ -4,25 +4,37 @@ and every default adds nothing, so a family overrides only what its blocks need 
 RMSNorm over each q and k head). megarl's family files stay torch-free (the launcher reads them
 before torch loads): hooks get torch objects passed in.
 
-    hook                         called by                 what it says
-    layer_tensors(dims)          convert.py, spec.py,      per-layer tensors past the shared ones:
-                                 the built-in engine       megatron suffix -> (HF suffix, shape)
-    transformer_config(spec)     build.py                  TransformerConfig keys
-    layer_spec(layer, norm)      build.py                  edits megatron's local layer spec
-    native_qk(q, k, w, norm)     the built-in engine       q, k of each head, before RoPE
+    hook                            called by                 what it says
+    layer_tensors(dims, index)      convert.py, spec.py,      layer `index`'s tensors past the shared
+                                    the built-in engine       ones: megatron suffix -> HookTensor
+    transformer_config(spec)        build.py                  TransformerConfig keys
+    layer_spec(layer, norm, index)  build.py                  edits layer `index`'s local layer spec
+    native_qk(q, k, w, norm, index) the built-in engine       q, k of each head, before RoPE
 
-Tensors from layer_tensors are held whole by every tensor-parallel rank (norms, gates, small
-projections): convert.py maps them one to one, the engine loads them beside its own, and the
-parameter count includes them. Their megatron names must not look TP-split to convert.tp_dim
-(`self_attention.linear_qkv*`, `*linear_fc1.weight`, `*linear_fc2.weight`, `linear_proj`).
+`index` is the layer's global number (0-based, over every pipeline stage), so a hybrid model (full
+attention every 4th layer, a norm on some layers only) says per layer what differs. A HookTensor
+is held whole by every tensor-parallel rank (split=None: norms, gates) or split evenly along dim
+`split` (an MLA-style up-projection): convert.py slices and joins it, the checkpoint engine's
+plan gathers it, the built-in engine loads this rank's part. A megatron name that the shared rules
+read as TP-split (`linear_qkv`, `linear_proj`, `linear_fc1/2`) or as whole (the layer norms) must
+be declared that way: ModelFamily refuses a disagreement (convert.check_hook_tensors).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-# megatron suffix under decoder.layers.N. -> (HF suffix under model.layers.N., full shape)
-LayerTensors = dict[str, tuple[str, tuple[int, ...]]]
+
+class HookTensor(NamedTuple):
+    """One per-layer tensor: its HF suffix under model.layers.N., its full shape, and the dim it is
+    split along over tensor-parallel ranks (None: every rank holds it whole)."""
+    hf: str
+    shape: tuple[int, ...]
+    split: int | None = None
+
+
+# megatron suffix under decoder.layers.N. -> its HookTensor
+LayerTensors = dict[str, HookTensor]
 
 
 class Dims(Protocol):
@@ -37,21 +49,24 @@ class Dims(Protocol):
 class FamilyHooks:
     """Every hook of a family; a family's subclass overrides the ones it needs."""
 
-    def layer_tensors(self, dims: Dims) -> LayerTensors:
-        """Per-layer tensors every TP rank holds whole, past the shared attention, norms and MLP."""
+    def layer_tensors(self, dims: Dims, index: int) -> LayerTensors:
+        """Layer `index`'s tensors past the shared attention, norms and MLP."""
         return {}
 
     def transformer_config(self, spec: Any) -> dict[str, Any]:
         """megatron TransformerConfig keys for `spec` (a ModelSpec), applied before the user's overrides."""
         return {}
 
-    def layer_spec(self, layer: Any, norm: Any) -> None:
-        """Edit megatron's local layer spec `layer` (a ModuleSpec) in place; `norm` is megarl's norm
-        class for this run (it supports sequence parallelism, megatron's torch norm does not)."""
+    def layer_spec(self, layer: Any, norm: Any, index: int) -> None:
+        """Edit megatron's local layer spec `layer` (a ModuleSpec, layer `index`'s own copy) in place;
+        `norm` is megarl's norm class for this run (it supports sequence parallelism, megatron's
+        torch norm does not)."""
 
-    def native_qk(self, q: Any, k: Any, weights: Mapping[str, Any], norm: Callable[[Any, Any], Any]) -> tuple[Any, Any]:
-        """The built-in engine's q [..., heads, hd] and k [..., kv_heads, hd] after the QKV
-        projection, before RoPE; `weights`: this layer's layer_tensors keyed by HF suffix;
+    def native_qk(self, q: Any, k: Any, weights: Mapping[str, Any], norm: Callable[[Any, Any], Any],
+                  index: int) -> tuple[Any, Any]:
+        """The built-in engine's q [..., heads, hd] and k [..., kv_heads, hd] (this TP rank's heads)
+        of layer `index` after the QKV projection, before RoPE; `weights`: the layer's layer_tensors
+        keyed by HF suffix (a split one: this rank's part);
         `norm(x, weight)`: the engine's RMSNorm over the last dim, computed as transformers does."""
         return q, k
 

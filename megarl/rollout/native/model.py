@@ -182,8 +182,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def hook_part(shape: tuple[int, ...], split: int | None, tp: int) -> tuple[int, ...]:
+    """The shape of one TP rank's part of a family hook's tensor (whole when split is None)."""
+    if split is not None and shape[split] % tp:
+        raise ValueError(f"rollout TP={tp} must divide dim {split} of a family hook's tensor {shape}")
+    return tuple(x // tp if d == split else x for d, x in enumerate(shape))
+
+
 class Layer(nn.Module):
-    def __init__(self, a: ModelArgs, s: LocalSizes, dtype, device):
+    def __init__(self, a: ModelArgs, s: LocalSizes, dtype, device, index: int = 0):
         super().__init__()
         hd, h = a.head_dim, a.hidden_size
         q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
@@ -191,10 +198,12 @@ class Layer(nn.Module):
         self.attn_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
         self.wqkv = nn.Parameter(torch.empty(q_rows + 2 * kv_rows, h, **e), requires_grad=False)
         self.bqkv = nn.Parameter(torch.empty(q_rows + 2 * kv_rows, **e), requires_grad=False) if a.qkv_bias else None
-        # the family hooks' per-layer tensors, whole on every rank, keyed by HF suffix ('.' -> '_')
-        self.hooks, self.hook_keys = a.hooks, {hf: hf.replace(".", "_") for hf, _ in a.hooks.layer_tensors(a).values()}
-        self.extra = nn.ParameterDict({self.hook_keys[hf]: nn.Parameter(torch.empty(shape, **e), requires_grad=False)
-                                       for hf, shape in a.hooks.layer_tensors(a).values()})
+        # the family hooks' tensors of this layer (whole, or this rank's part), keyed by HF suffix ('.' -> '_')
+        hooked, tp = a.hooks.layer_tensors(a, index).values(), a.n_heads // s.heads
+        self.hooks, self.index, self.hook_keys = a.hooks, index, {t.hf: t.hf.replace(".", "_") for t in hooked}
+        self.extra = nn.ParameterDict({
+            self.hook_keys[t.hf]: nn.Parameter(torch.empty(hook_part(t.shape, t.split, tp), **e), requires_grad=False)
+            for t in hooked})
         self.norm_fn = functools.partial(rms_norm, eps=a.rms_eps)
         self.wo = nn.Parameter(torch.empty(h, q_rows, **e), requires_grad=False)
         self.bo = nn.Parameter(torch.empty(h, **e), requires_grad=False) if a.o_bias else None
@@ -213,7 +222,8 @@ class Layer(nn.Module):
         q = q.unflatten(-1, (s.heads, hd))
         k = k.unflatten(-1, (s.kv_heads, hd))
         v = v.unflatten(-1, (s.kv_heads, hd))
-        q, k = self.hooks.native_qk(q, k, {hf: self.extra[key] for hf, key in self.hook_keys.items()}, self.norm_fn)
+        weights = {hf: self.extra[key] for hf, key in self.hook_keys.items()}
+        q, k = self.hooks.native_qk(q, k, weights, self.norm_fn, self.index)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _out(self, attn, x, comm, ids_out=None):
@@ -279,7 +289,7 @@ class Transformer(nn.Module):
         self.a, self.s = a, LocalSizes.of(a, tp_size)
         e = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.zeros(self.s.vocab, a.hidden_size, **e), requires_grad=False)
-        self.blocks = [Layer(a, self.s, dtype, device) for _ in range(a.n_layers)]   # typed, for the loops
+        self.blocks = [Layer(a, self.s, dtype, device, i) for i in range(a.n_layers)]   # typed, for the loops
         self.layers = nn.ModuleList(self.blocks)                                       # the same modules
         self.norm = nn.Parameter(torch.empty(a.hidden_size, **e), requires_grad=False)
         self.lm_head = (None if a.tie_embeddings else

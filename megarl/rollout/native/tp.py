@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megarl.rollout.base import ShardSlice
 from megarl.rollout.native import moe
-from megarl.rollout.native.model import LocalSizes, ModelArgs
+from megarl.rollout.native.model import LocalSizes, ModelArgs, hook_part
 
 # torch >= 2.12 renames all_gather_into_tensor (the old name warns); older torch has only the old one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -98,7 +98,7 @@ class ShardPlan:
                 names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
             if a.o_bias:
                 names.append(p + "self_attn.o_proj.bias")
-            names += [p + hf for hf, _ in a.hooks.layer_tensors(a).values()]
+            names += [p + t.hf for t in a.hooks.layer_tensors(a, i).values()]
         return names
 
     def full_shape(self, name: str) -> tuple[int, ...]:
@@ -108,10 +108,10 @@ class ShardPlan:
             return (a.vocab_size, h)
         if name == "model.norm.weight":
             return (h,)
-        leaf = _layer_leaf(name)[1]
+        layer, leaf = _layer_leaf(name)
         if a.num_experts and leaf.startswith("mlp."):
             return moe.full_shape(a, leaf)
-        hooked = dict(a.hooks.layer_tensors(a).values())
+        hooked = {t.hf: t.shape for t in a.hooks.layer_tensors(a, int(layer)).values()}
         if leaf in hooked:
             return hooked[leaf]
         return {
@@ -165,8 +165,10 @@ class ShardPlan:
             "input_layernorm.weight": (p + "attn_norm", every, whole),
             "post_attention_layernorm.weight": (p + "mlp_norm", every, whole),
         }
-        table.update({hf: (p + "extra." + hf.replace(".", "_"), every, whole)
-                      for hf, _ in a.hooks.layer_tensors(a).values()})
+        for t in a.hooks.layer_tensors(a, int(layer)).values():   # a split one: this rank's rows along t.split
+            n = hook_part(t.shape, t.split, self.size)[t.split] if t.split is not None else 0
+            table[t.hf] = (p + "extra." + t.hf.replace(".", "_"), every,
+                           whole if t.split is None else ShardSlice(t.split, r * n, (r + 1) * n))
         for proj, rows, part in (("q", slice(0, q_rows), ShardSlice(0, *mine_q)),
                                  ("k", slice(q_rows, q_rows + kv_rows), kv_part),
                                  ("v", slice(q_rows + kv_rows, q_rows + 2 * kv_rows), kv_part)):
