@@ -5,8 +5,8 @@
 a SIGKILL of the whole run at each kill point (a step, a save, a weight sync; the fault hook parks
 rank 0 there, megarl/trainer/control/faults.py; the sync chain also between a step's checkpoint and its
 metrics record), a torn last line in metrics.jsonl, and a final resume. The sync chain's run starts
-with a SIGTERM to its first launch once step 1 is logged (it saves its step and exits 143,
-tests/faults/test_stop_signal.py), so its first kill is also the resume of that stop.
+with a SIGTERM to its first launch once it has started (it saves step 1, not a save_freq step, and
+exits 143, tests/faults/test_stop_signal.py), so its first kill is also the resume of that stop.
 The async chain's first kill parks a rollout rank instead (the second of two), inside its stream:
 batch 4 finished in the buffer, batch 5's responses one chunk long (async_overrides: max_staleness
 2, chunks of 1).
@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from megarl.experiment import load_config
+from megarl.launcher.vars import stop_margin_lines
 from megarl.trainer.metrics.logger import read_metrics
 from tests.faults.runs import Launch, async_overrides, lock_is_free, overrides
 from tests.helpers.training_runs import stable, step_digests
@@ -41,13 +43,15 @@ def _reference(model_dir, root, make_args) -> dict:
 
 
 def _stop(model_dir, run_dir, make_args) -> dict:
-    """A fresh launch sent SIGTERM (the launcher only, as `kill <pid>` does) once step 1 is logged."""
+    """A fresh launch sent SIGTERM (the launcher only, as `kill <pid>` does) once it has started (its
+    command.json, written after the resume and before step 1), so the stop's own save is step 1's;
+    with what the next start (launch/slurm/job.sh) prints about the last save."""
     launch = Launch(make_args(model_dir, run_dir, STEPS))
     try:
         deadline = time.monotonic() + 300
-        while not any(f"step 1/{STEPS} " in log.read_text(errors="replace") for log in run_dir.glob("logs/*.log")):
+        while not (run_dir / "command.json").is_file():
             assert launch.proc.poll() is None, launch.finish()[1][-3000:]
-            assert time.monotonic() < deadline, "the run did not reach step 1"
+            assert time.monotonic() < deadline, "the run did not start"
             time.sleep(0.1)
         launch.proc.send_signal(signal.SIGTERM)
         rc, out = launch.finish(timeout=300)
@@ -55,8 +59,10 @@ def _stop(model_dir, run_dir, make_args) -> dict:
         if launch.proc.poll() is None:
             launch.kill_group()
     pointer = run_dir / "latest_checkpointed_iteration.txt"
+    cfg = load_config("configs/quickstart.yaml", make_args(model_dir, run_dir, STEPS))
     return {"rc": rc, "out": out, "left": launch.left_after(10),
-            "pointer": pointer.read_text().strip() if pointer.is_file() else None}
+            "pointer": pointer.read_text().strip() if pointer.is_file() else None,
+            "records": read_metrics(str(run_dir)), "next_start": stop_margin_lines(cfg, 600)}
 
 
 def _chain(model_dir, root, make_args, reference, kill_points=KILL_POINTS, stop_first=False) -> dict:

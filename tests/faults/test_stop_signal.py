@@ -20,8 +20,8 @@ from tests.faults.conftest import STEPS, check_same_as_reference
 
 @pytest.mark.timeout(1200)
 def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_chain):
-    """The sync kill chain's first launch (conftest.py) is the one stopped: SIGTERM once step 1 is
-    logged; the chain's next launch is the same command, resuming there."""
+    """The sync kill chain's first launch (conftest.py) is the one stopped: SIGTERM once it has
+    started; the chain's next launch is the same command, resuming there."""
     stop = sync_chain["stop"]
     assert stop["left"] == []
     rc, out = stop["rc"], stop["out"]
@@ -31,6 +31,13 @@ def test_sigterm_saves_at_the_step_boundary_exits_143_and_resumes_exactly(sync_c
     assert 1 <= step < STEPS and lines[0].endswith(f"global_step_{step}; the same command resumes there")
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
     assert stop["pointer"] == str(step)
+    # Step 1 is not a save_freq step: the stop's own save is timed in its record, and the next start
+    # (launch/slurm/job.sh, megarl/launcher/vars.py) names it beside the stop signal's margin.
+    record, = [r for r in stop["records"] if r["step"] == step]
+    assert step == 1 and record["timing_s/save_checkpoint"] > 0, stop["records"]
+    assert len(stop["next_start"]) == 1 and stop["next_start"][0].endswith(
+        f"the last save took {record['timing_s/save_checkpoint']:.1f} s and a step {record['timing_s/step']:.1f} s "
+        f"(step 1 in {sync_chain['run']}/metrics.jsonl)"), stop["next_start"]
 
     # The resume, up to its own kill point, and the chain's end: every step's metrics and the last
     # step's weights and optimizer state as the run never stopped (the sync reference run).

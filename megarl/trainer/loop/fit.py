@@ -31,6 +31,7 @@ class RLTrainer(Steps):
         self.val_sampling = val_sampling(cfg.rollout, [parts.tokenizer.eos_token_id])
         self.validation = self.validate
         self.stop = None           # a StopRequest (trainer/control/stopping.py): SIGTERM saves at a step boundary
+        self.stopping = lambda: self.stop is not None and self.stop.agreed(self.ranks.group, self.ranks.device)
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -49,16 +50,12 @@ class RLTrainer(Steps):
                 self.train_on(batch)
                 with self.timed("sync"):
                     self.sync_weights()
-            self.finish_step(batch)
-            if self.stop is not None and self.step < self.total_steps and self.stop.agreed(self.ranks.group,
-                                                                                         self.ranks.device):
+            if self.finish_step(batch):      # the ranks agreed to stop: finish_step saved this step
                 self.stop_here()
 
     def stop_here(self) -> None:
-        """Save this step (unless save_freq just did) and leave the loop with one line to say so."""
+        """Leave the loop, with one line to say so."""
         root = self.cfg.trainer.default_local_dir
-        if self.saved_step != self.step:
-            self.save()
         raise Stopped(f"stopped by {self.stop.name} after step {self.step} of {self.total_steps}; saved "
                       f"{checkpointing.step_dir(root, self.step)}; the same command resumes there")
 

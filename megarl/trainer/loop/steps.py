@@ -77,13 +77,14 @@ class Steps:
         self.extra: dict = {}      # metrics the steps add as they go; finish_step logs them
         self.step_was_bad = False  # an update of this step was skipped (NaN/inf)
         self.on_started = None     # called once resume() has succeeded (run.py writes the run's record)
-        self.saved_step = -1       # the step save() last wrote
         self.memory = PhaseMemory(ranks.device)          # memory/<phase>_peak_gb, like timing_s/<phase>
         self.mfu = MFUMeter.from_parts(cfg, parts, ranks.world, ranks.device)
         self.pending_record: str | None = None     # the step's metrics while its checkpoint is written
-        # What the loop running these steps adds to them: the validation a due step runs, and state
-        # a checkpoint carries beyond the steps' own (the stream's loop carries its rollout buffer).
+        # What the loop running these steps adds to them: the validation a due step runs, whether the
+        # ranks agree to stop after this step (a stop signal), and state a checkpoint carries beyond the
+        # steps' own (the stream's loop carries its rollout buffer).
         self.validation: Callable[[], dict] = dict
+        self.stopping: Callable[[], bool] = lambda: False
         self.carried: Carried | None = None
 
     # -- the steps -----------------------------------------------------------------------------------
@@ -233,10 +234,11 @@ class Steps:
                           f"(bad steps so far: {self.bad_steps + 1}, limit trainer.max_bad_steps="
                           f"{self.cfg.trainer.max_bad_steps})")
 
-    def finish_step(self, batch: DataProto) -> None:
+    def finish_step(self, batch: DataProto) -> bool:
         """Dumps, validation, the checkpoint, then the step's record with timing_s/save_checkpoint as
         verl logs it. The checkpoint holds the record too: a run stopped after its save but before its
-        record writes that record on resume (the step is not run again)."""
+        record writes that record on resume (the step is not run again). True when the ranks agreed to
+        stop here: the step is saved then too, and its save time is in the record the next start reads."""
         tr = self.cfg.trainer
         metrics, self.extra = self.extra, {}
         self.bad_steps += int(self.step_was_bad)
@@ -257,9 +259,11 @@ class Steps:
             raise BadStepLimit(f"{self.bad_steps} steps had updates skipped for NaN/inf losses or grad norms "
                                f"(more than trainer.max_bad_steps={tr.max_bad_steps}); the last checkpoint is intact. "
                                "Lower the learning rate or check the reward, then resume")
-        if tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps):
+        stop = self.step < self.total_steps and self.stopping()
+        if stop or (tr.save_freq > 0 and (self.step % tr.save_freq == 0 or self.step == self.total_steps)):
             metrics["timing_s/save_checkpoint"] = self.save_holding(metrics)
         self.log_metrics(self.step, metrics, samples)
+        return stop
 
     def save_holding(self, record: dict) -> float:
         """Save with the step's record in the checkpoint (for a resume after a stop before the record
@@ -300,7 +304,6 @@ class Steps:
                            self.state_dict(), self.ranks.rank, self.cfg.trainer.max_actor_ckpt_to_keep,
                            say=self.log.info)
         self.handoff("engine")
-        self.saved_step = self.step
         self.log.info(f"megarl: saved step {self.step} to "
                       f"{checkpointing.step_dir(self.cfg.trainer.default_local_dir, self.step)}")
 
