@@ -97,13 +97,14 @@ def test_charges_are_booked_per_kind(tiny):
     ledger = PacedSeconds(engine)
     sp = SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=5, ignore_eos=True)
     steps0 = engine.stats["decode_steps"]
-    # two samples continued from 3 and 1 response tokens: 4 tokens prefilled again, 4 prompt tokens
-    engine.generate_pausable([[5, 17, 42, 8]], sp, lambda unfinished: False, every=2,
-                             prefixes=[[[7, 9, 11], [13]]])
+    # a new prompt of 3 tokens beside one of 4 whose two samples are continued from 3 and 1
+    # response tokens: that prompt and those responses are prefilled again, 8 tokens
+    engine.generate_pausable([[3, 3, 9], [5, 17, 42, 8]], sp, lambda unfinished: False, every=2,
+                             prefixes=[[[], []], [[7, 9, 11], [13]]])
     steps = engine.stats["decode_steps"] - steps0
     got = ledger.since()
-    assert got["paced_prefill_prompts"] == pytest.approx(4 * c)
-    assert got["paced_prefill_continued"] == pytest.approx(4 * c)
+    assert got["paced_prefill_prompts"] == pytest.approx(3 * c)
+    assert got["paced_prefill_continued"] == pytest.approx(8 * c)
     assert got["paced_decode"] == pytest.approx(steps * step) and steps > 0
     assert sum(got.values()) == pytest.approx(engine.stats["paced_owed_s"])
     with charged_as(engine, "regenerate"):

@@ -18,10 +18,10 @@ steps are the engine's own count where it keeps one (`stats["decode_steps"]`), e
 response of the call; rows per step come from who is still running.
 
 What the model charges is booked per kind in the engine's `stats` (`paced_s/<kind>`, seconds summed
-over calls): `decode` steps, `prefill_prompts` (new prompts), `prefill_continued` (responses so far,
-prefilled again when a stopped call is continued), and `regenerate` and `validate` (whole calls made
-under `charged_as(engine, kind)`), so a run can say which part of generation its time goes to. These
-are the model's charges; the wall time of a call is the larger of them and the engine's own time.
+over calls): `decode` steps, `prefill_prompts` (new prompts), `prefill_continued` (prompts and their
+responses so far, prefilled again when a stopped call is continued), and `regenerate` and `validate`
+(whole calls made under `charged_as(engine, kind)`), so a run can say which part of generation its
+time goes to. These are the model's charges; a call's wall time is the larger of them and its own.
 """
 from __future__ import annotations
 
@@ -122,9 +122,14 @@ class Pacer:
         self.by_kind = {}
 
 
-def _continued_tokens(prefixes: list | None) -> int:
-    # A prompt is prefilled once for its n samples; a continued sample's response so far once more.
-    return 0 if prefixes is None else sum(len(r) for p in prefixes for r in p)
+def _prefill_split(prompts: list[list[int]], prefixes: list | None) -> tuple[int, int]:
+    """(new, continued) tokens: a prompt is prefilled once for its samples; a prompt with a response
+    so far is one a stopped call left unfinished, so it and those responses are prefilled again."""
+    if prefixes is None:
+        return sum(map(len, prompts)), 0
+    again = [any(p) for p in prefixes]
+    new = sum(len(q) for q, a in zip(prompts, again) if not a)
+    return new, sum(map(len, prompts)) - new + sum(len(r) for p in prefixes for r in p)
 
 
 def _charge_completions(pacer: Pacer, groups: list) -> None:
@@ -158,7 +163,7 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
 
         @functools.wraps(pausable)        # its signature: the keywords it takes (partial.py reads them)
         def paced_pausable(prompts, sampling, pause, every, budgets=None, samples=None, prefixes=None, **kwargs):
-            pacer = Pacer(cfg, engine, sum(map(len, prompts)), _continued_tokens(prefixes))
+            pacer = Pacer(cfg, engine, *_prefill_split(prompts, prefixes))
             boundaries = 0
 
             def paced_pause(unfinished: dict[int, int]) -> bool:
