@@ -56,3 +56,10 @@ def test_paced_stream_hands_over_what_the_unpaced_one_does_and_reaches_the_regim
               "decode steps paced": engine.stats["decode_steps"]}
     assert all(v > 0 for v in counts.values()), counts
     assert engine.stats["paced_owed_s"] > 0 and "paced_s" in engine.stats
+    # each hand-off logs the model's seconds per kind since the last one; the regenerations are
+    # booked as their own kind, and the hand-offs' sums never exceed the engine's totals
+    split = [p["batch"].meta_info["rollout_timing"] for p in paced[:-1]]
+    assert not any(k.startswith("paced_") for p in plain[:-1] for k in p["batch"].meta_info["rollout_timing"])
+    for kind in ("decode", "prefill_prompts", "prefill_continued", "regenerate"):
+        logged = sum(t.get(f"paced_{kind}", 0.0) for t in split)
+        assert 0 < logged <= engine.stats[f"paced_s/{kind}"] + 1e-9, (kind, logged)

@@ -73,7 +73,7 @@ class RolloutWorker(HeldState):
         self.version = 0
         self.val: dict[int, dict] = {}
         self.total = parts.total_steps
-        self.period, self.paced = Period(), PacedSeconds(parts.rollout)
+        self.period = Period()
         self.buffer: deque[Pending] = deque()
 
     def run(self) -> None:
@@ -96,7 +96,7 @@ class RolloutWorker(HeldState):
                            self.version, self.total, self.groups)
         self.buffer = self._restore_buffer(start.get("ahead", []), start.get("partial") or [])
         self.next_t = start.get("next_t") or self.handed + 1 + len(self.buffer)
-        self.period = Period()
+        self.period, self.paced = Period(), PacedSeconds(self.p.rollout)
         while self.handed <= self.total:                          # hand-off total+1 is the closing None
             self.serve()
 
