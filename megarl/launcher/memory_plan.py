@@ -3,7 +3,7 @@ the bytes of its parameters, gradient buffers, optimizer state and activations, 
 engine's weights and KV cache, and whether it all fits the device.
 
     plan = memory_plan(cfg, hf_config)     # config.json + the config; no megatron
-    print(plan.render())                   # a line per role and stage, a line per stage's phases
+    print(plan.render())                   # a line per role and stage, a line per stage's phases, the largest
     plan.check_fits()                      # ConfigError: the largest term and a fix
 
 The bytes come from megarl/launcher/memory_terms.py. The device's memory comes from torch.cuda, or,
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.config.errors import ConfigError
-from megarl.launcher.memory_terms import Layout, Static, activation_bytes, static_bytes
+from megarl.launcher.memory_terms import Layout, Static, activation_bytes, logits_bytes, static_bytes
 from megarl.models.convert import hf_shapes
 from megarl.models.hf_config import with_overrides
 from megarl.models.spec import ModelSpec
@@ -35,6 +35,7 @@ class RoleRow:
     stage: str
     static: Static
     activations: int = 0
+    logits: int = 0                # the last stage's LM head and loss (memory_terms.logits_bytes)
     offloaded: int = 0             # bytes the role moves to host memory while the engine runs
     note: str = ""
 
@@ -62,8 +63,9 @@ class Plan:
 
     def train_terms(self, rows: list[RoleRow]) -> dict[str, int]:
         terms = {f"{r.role} {k}": getattr(r.static, k) for r in rows for k in ("params", "grads", "optimizer")}
-        act = max(rows, key=lambda r: r.activations)
+        act = max(rows, key=lambda r: r.activations + r.logits)
         terms[f"{act.role} activations"] = act.activations      # one role trains at a time
+        terms[f"{act.role} logits"] = act.logits
         return {k: v for k, v in terms.items() if v}
 
     def kept(self, rows: list[RoleRow]) -> int:
@@ -81,8 +83,10 @@ class Plan:
         for r in self.rows:
             s = r.static
             lines.append(f"  {r.role:<7} {r.stage:<10} params {g(s.params)}  grads {g(s.grads)}  optimizer "
-                         f"{g(s.optimizer)}  activations {g(r.activations)}{'  (' + r.note + ')' if r.note else ''}")
-        for stage, rows in self._stages().items():
+                         f"{g(s.optimizer)}  activations {g(r.activations)}"
+                         + (f"  logits {g(r.logits)}" if r.logits else "") + (f"  ({r.note})" if r.note else ""))
+        stages = self._stages()
+        for stage, rows in stages.items():
             need = sum(self.train_terms(rows).values())
             fit = ""
             if self.device_bytes:
@@ -94,9 +98,17 @@ class Plan:
                 line += (f", KV cache {g(max(kv, 0))} ({max(kv, 0) // max(self.kv_token_bytes, 1)} tokens; one "
                          f"sequence is {self.seq_tokens}), trainer kept {g(self.kept(rows))}")
             lines.append(line)
+        if len(stages) > 1:
+            stage, need = self.largest()
+            lines.append(f"  largest: {stage}, training {g(need)}")
         if not self.device_bytes and not self.device_source.startswith("cpu"):
             lines.append(f"  no fit verdict: this machine has no GPU; {DEVICE_MEMORY_ENV}=<GiB per device> gives one")
         return "\n".join(lines)
+
+    def largest(self) -> tuple[str, int]:
+        """The stage whose training needs the most bytes, and those bytes."""
+        return max(((stage, sum(self.train_terms(rows).values())) for stage, rows in self._stages().items()),
+                   key=lambda sn: sn[1])
 
     def check_fits(self) -> None:
         """ConfigError, one line, for a stage that cannot hold its training state or leaves the
@@ -123,6 +135,9 @@ class Plan:
 
 
 def _fix(term: str) -> str:
+    if "logits" in term:
+        return ("lower ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu), or raise TP (the LM head's "
+                "vocabulary rows split over it)")
     if "activations" in term:
         return ("turn on recompute (actor_rollout_ref.model.enable_gradient_checkpointing=true), lower "
                 "ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu), or raise TP / CP")
@@ -171,6 +186,11 @@ def _recompute(model, mc) -> str | None:
     return over.get("recompute_granularity") or ("full" if model.enable_gradient_checkpointing else None)
 
 
+def _logprob_temperature(ro) -> float:
+    """The temperature the trainer scores log-probs at (megarl/rollout/base.py:SamplingParams): 1 when greedy."""
+    return 1.0 if not ro.do_sample or ro.temperature == 0 else ro.temperature
+
+
 def _offloaded(mc, static: Static, gpu: bool) -> int:
     if not gpu or mc is None:
         return 0
@@ -208,10 +228,14 @@ def memory_plan(cfg, hf_config: dict, critic_hf: dict | None = None) -> Plan:
         tokens = (budget if dynamic else micro_rows * seq) if rcfg is not None else 0
         mini_rows = (rcfg.ppo_mini_batch_size or 1) * ro.n // max(lay.dp, 1) if rcfg is not None else 0
         n_micro = max(1, -(-mini_rows // max(micro_rows, 1)))
+        scored = tokens * data.max_response_length // seq     # full-length rows: each scores its response
         for pp_rank in range(lay.pp):
             base_only = role == "actor" and bool(converted)
             static = static_bytes(rspec, lay, pp_rank, head, trainable and not base_only)
-            act = activation_bytes(rspec, lay, tokens, n_micro, lay.param_bytes) if trainable and pp_rank == 0 else 0
+            act = activation_bytes(rspec, lay, tokens, n_micro, lay.param_bytes, pp_rank) if trainable else 0
+            last_lm = trainable and head == "lm" and pp_rank == lay.pp - 1 and scored > 0
+            logits = logits_bytes(rspec, lay, scored, lay.param_bytes, _logprob_temperature(ro),
+                                  actor.entropy_coeff != 0) if last_lm else 0
             offl = _offloaded(mc, static, gpu)
             if role == "ref" and gpu and cfg.actor_rollout_ref.ref.param_offload:
                 offl = static.params
@@ -220,7 +244,7 @@ def memory_plan(cfg, hf_config: dict, critic_hf: dict | None = None) -> Plan:
                 f"DP {lay.dp}" + (" distributed optimizer" if lay.distributed_optimizer and trainable else ""),
                 f"recompute {lay.recompute}" if lay.recompute else "",
                 (f"{tokens}-token micro-batches" if act else "")]))
-            plan.rows.append(RoleRow(role, f"pp stage {pp_rank}", static, act, offl, note))
+            plan.rows.append(RoleRow(role, f"pp stage {pp_rank}", static, act, logits, offl, note))
     rtp = ro.tensor_model_parallel_size
     ebytes = (2 if gpu else 4) if ro.dtype == "auto" else _DTYPE_BYTES.get(ro.dtype, 2)
     plan.engine_weights = sum(math.prod(s) for s in hf_shapes(spec, "lm").values()) * ebytes // rtp

@@ -170,16 +170,19 @@ def static_bytes(spec: ModelSpec, lay: Layout, pp_rank: int, head: str = "lm", t
 
 
 # -- activations ---------------------------------------------------------------------------------------
-def activation_bytes(spec: ModelSpec, lay: Layout, tokens: int, micro_batches: int, act_bytes: int = 2) -> int:
-    """Activations stored for the backward on pipeline stage 0 (the stage that holds the most),
-    for micro-batches of `tokens` tokens. Per layer, the tensors Korthikanti et al. 2022 ("Reducing
+def activation_bytes(spec: ModelSpec, lay: Layout, tokens: int, micro_batches: int, act_bytes: int = 2,
+                     pp_rank: int = 0) -> int:
+    """Activations stored for the backward on pipeline stage `pp_rank`, for micro-batches of
+    `tokens` tokens (the embedding stores none of its own at dropout 0: its output is the first
+    layer's input, counted there). Per layer, the tensors Korthikanti et al. 2022 ("Reducing
     Activation Recomputation in Large Transformer Models", section 4.1) count, for megarl's layers:
     RMSNorm inputs 2*2sh, QKV input 2sh, Q/K/V 2s(h+2*kv*hn), the attention output 2sh (flash
     attention stores no s x s scores: their 5as^2 term is gone), fc1 input 2sh, SwiGLU's fc1 output
     4sf and product 2sf; no dropout masks (dropout 0). Sequence parallelism divides all of it by TP
     (without it the norm and linear inputs, 8sh, are whole on every TP rank); full recompute keeps
-    only each layer's input (2sh) plus one layer's full set. 1F1B keeps min(PP, micro-batches)
-    micro-batches in flight on stage 0, times 1 + (PP-1)/(PP*VPP) when interleaved (section 4.2.3)."""
+    only each layer's input (2sh) plus one layer's full set. 1F1B keeps min(PP - p, micro-batches)
+    micro-batches in flight on stage p (the last stage one), times 1 + (PP-1)/(PP*VPP) when
+    interleaved (section 4.2.3)."""
     s = tokens / lay.cp
     h, kvd = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     f = (spec.moe_ffn_hidden_size * spec.moe_topk + spec.shared_expert_ffn) if spec.is_moe else spec.ffn_hidden_size
@@ -187,14 +190,56 @@ def activation_bytes(spec: ModelSpec, lay: Layout, tokens: int, micro_batches: i
     split = 2 * (h + 2 * kvd) + 2 * h + 6 * f          # Q/K/V, attention output, SwiGLU (TP-sharded)
     per_tp = (whole + split) / lay.tp if lay.sequence_parallel else whole + split / lay.tp
     layer = s * per_tp * act_bytes / 2
-    layers = spec.num_layers // lay.pp
+    layers = len(stage_layers(spec, pp_rank, lay.pp, lay.vpp))
     if lay.recompute == "full":
         kept = s * 2 * h / (lay.tp if lay.sequence_parallel else 1) * act_bytes / 2
         stage = kept * layers + layer
     else:
         stage = layer * layers
-    in_flight = float(min(lay.pp, micro_batches) if lay.pp > 1 else 1)
+    in_flight = float(min(lay.pp - pp_rank, micro_batches) if lay.pp > 1 else 1)
     if lay.vpp > 1:
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
     return int(stage * in_flight)
 
+
+
+# -- the LM head and the loss on the last stage ---------------------------------------------------------
+# megarl never holds a micro-batch's logits: its output layer hands back the hidden states
+# (megarl/workers/logprob.py:hidden_to_head) and linear_log_probs projects them a chunk of tokens at
+# a time, so megatron's vocab_parallel_cross_entropy and its [tokens, V/TP] buffers are never used.
+LOGIT_CHUNK_BYTES = 64 << 20      # megarl/workers/logprob.py:CHUNK_BYTES (tests/test_memory_plan_logits.py)
+
+
+def logit_chunk_tokens(vocab_local: int) -> int:
+    """megarl/workers/logprob.py:chunk_tokens: the tokens one chunk of fp32 logits holds."""
+    return max(16, LOGIT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
+
+
+def logits_bytes(spec: ModelSpec, lay: Layout, scored: int, head_bytes: int, temperature: float = 1.0,
+                 entropy_grad: bool = False) -> int:
+    """Peak bytes of one training micro-batch's LM head and loss on the last stage beyond the
+    hidden states and the head weight: `scored` response tokens through _LinearLogProbs
+    (megarl/workers/logprob.py), weights and hidden states of `head_bytes` each. Kept for the
+    backward: the hidden states at the scored positions and 4 fp32 numbers a token (lse, E_p[z],
+    log p, entropy). Forward: per chunk of c tokens, blocks Z = c x V_valid x 4 bytes: z, shifted
+    and exp stay bound while the next z is made (and its fp32 cast or /T copy, `cast`), then
+    exp * shifted. Backward: grad_h [scored, h] and an fp32 grad_w over the head's padded rows,
+    with z, p and gz (in the weights' dtype) bound across chunks, while (z - lse).exp() or -p * g
+    (2 Z), the entropy's gradient (5 Z with z, p, gz in fp32), gz / T and its cast, the chunk's
+    [V_valid, h] weight gradient and its fp32 copy, or grad_w's final cast are made. Counted for
+    at least two chunks (a real vocabulary: ~110 tokens a chunk at 152k); the per-token and
+    per-chunk vectors (row maxima, sums, indices: under 24 bytes a chunk row and 8 a token) are not.
+    tests/test_memory_plan_logits.py checks it against what torch allocates on CPU."""
+    rows = spec.padded_vocab(lay.tp) // lay.tp
+    valid = min(rows, spec.vocab_size)              # TP rank 0's real rows: the most of any rank
+    h, p = spec.hidden_size, head_bytes
+    z = min(logit_chunk_tokens(valid), scored) * valid * 4
+    half = z * p // 4                               # a chunk's block in the weights' dtype
+    cast = max(half + (z if p != 4 else 0), 2 * z if temperature != 1 else z)
+    forward = 3 * scored * 4 + max(4 * z, 3 * z + cast)
+    bound = 2 * z + half                            # z, p, gz between backward chunks
+    chunk = max(bound + cast, bound + 2 * z, 5 * z if entropy_grad else 0,
+                (4 * z if temperature != 1 else 3 * z) + (half if p != 4 else 0),
+                bound + valid * h * p + (valid * h * 4 if p != 4 else 0), bound + (rows * h * 2 if p != 4 else 0))
+    backward = 4 * scored * 4 + scored * h * p + rows * h * 4 + chunk
+    return scored * h * p + max(forward, backward)
