@@ -27,7 +27,9 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
 --paced runs sync, one_step and both paced streams on the 30-digit long-tailed task under the engine
 cost model (megarl/rollout/cost_model.py: a decode step and a prefill take what the built-in engine's
 take on an H100, times --pace-scale), so generation is the long phase as on a GPU node; every figure
-it prints is labelled as taken under the model, and the model is printed beside them.
+it prints is labelled as taken under the model, and the model is printed beside them, with the
+model's seconds per step by kind (decode, new prompts' prefill, continued responses' prefill,
+regenerations) for the modes with a rollout side of their own.
 Dynamic sampling is off in all three (the async loop refuses it). Prints steps/hour (median
 step time after warm-up), held-out accuracy at equal steps, staleness and the phase timings,
 and draws accuracy against wall time (accuracy_vs_time.png in --out).

@@ -54,7 +54,10 @@ def charged_as(engine: Any, kind: str) -> Iterator[None]:
     try:
         yield
     finally:
-        engine.pace_as = before
+        if before is None:
+            del engine.pace_as
+        else:
+            engine.pace_as = before
 
 
 class PacedSeconds:
