@@ -4,10 +4,9 @@ take weight updates between generations (or between chunks), hand the oldest fin
     RolloutWorker(cfg, ranks, parts, logger).run()
 
 Batch t is trained by the trainer holding version t-1. With k = async_training.max_staleness
-(depth max(1, k)), generation of batch t may start once the engine holds version >= t-1-depth, so
-at most `depth` batches are generated (or being generated) ahead of the one the trainer needs,
-and no sample is more than k versions old when it is trained on. The rest of the buffer is
-finished batches waiting for their hand-off.
+(depth max(1, k)), generation of batch t may start once the engine holds version >= t-1-depth, so at
+most `depth` batches are generated (or being generated) ahead of the one the trainer needs, and no
+sample is more than k versions old when it is trained on; the rest of the buffer is finished batches.
 
     loop: hand batch h over       when the engine holds version h-1 and batch h is finished
           or start batch t        when no generation is in flight and version >= t-1-depth
@@ -31,9 +30,8 @@ handed over. On the built-in engine, which reports samples as they finish, the h
 inside the shared call and the call goes on with its KV cache; it stops the call (the unfinished
 responses continued after it) where a checkpoint follows or a chosen group must be regenerated.
 
-At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1,
-hand t over. Hand-off h happens right after update h-1, as the trainer expects (it syncs
-version h-1, then receives batch h).
+At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1, hand t
+over. Hand-off h follows update h-1, as the trainer expects (it syncs version h-1, then receives h).
 """
 from __future__ import annotations
 
