@@ -301,7 +301,7 @@ def test_a_split_hook_tensor_round_trips_at_tp2_in_convert_and_the_transfer_plan
 @pytest.mark.parametrize("suffix,split,reads", [
     ("self_attention.linear_qkv_down.weight", None, "split=0"),     # reads as split, declared whole
     ("mlp.side.linear_fc2.weight", 0, "split=1"),                     # reads as split along another dim
-    ("self_attention.linear_kv_up_proj.weight", 2, "split=None"),      # names no dim of a 2-d tensor
+    ("self_attention.linear_kv_up_proj.weight", 2, "names no dim"),    # a 2-d tensor has no dim 2
 ])
 def test_a_hook_tensor_split_the_name_contradicts_is_refused_in_one_line(split_spec, suffix, split, reads):
     import dataclasses

@@ -62,29 +62,27 @@ def _ffn(rest: str, spec: ModelSpec) -> tuple[str, int, str] | None:
 
 
 def _whole(spec: ModelSpec, layer: int) -> dict[str, HookTensor]:
-    """megatron suffix -> HookTensor of layer `layer`'s tensors the family decides: its MLP
-    flavour's (router, shared-expert gate, whole) and its hooks' (whole or split as declared)."""
-    family = spec.model_family
-    return {**family.mlp.replicated(spec), **check_hook_tensors(spec, layer)}
+    """Layer `layer`'s tensors its family decides: its MLP flavour's (router...) and its hooks'."""
+    return {**spec.model_family.mlp.replicated(spec), **check_hook_tensors(spec, layer)}
 
 
 def check_hook_tensors(spec: ModelSpec, layer: int) -> dict[str, HookTensor]:
-    """The family hooks' tensors of layer `layer`; ValueError when one's declared split disagrees
-    with what the shared name rules (tp_dim) read from its megatron name, or names no dim of it:
-    megatron's own module of that name splits by the rules, so the map would load a wrong shard."""
+    """The family hooks' tensors of layer `layer`; ValueError when a declared split names no dim, or
+    disagrees with the name rules (megatron's module of that name splits by them: a wrong shard)."""
     out = spec.model_family.hooks.layer_tensors(spec, layer)
     for rest, t in out.items():
-        known, dim = _rule_dim(rest)
-        if (known and dim != t.split) or (t.split is not None and not 0 <= t.split < len(t.shape)):
-            raise ValueError(f"family {spec.family!r}: hook tensor decoder.layers.{layer}.{rest} {t.shape} declares "
-                             f"split={t.split}, but its name reads as split={dim} (convert.tp_dim); declare "
-                             f"split={dim}, or give it a name the shared rules do not read")
+        (known, dim), where = _rule_dim(rest), f"family {spec.family!r}: hook tensor decoder.layers.{layer}.{rest}"
+        if t.split is not None and not 0 <= t.split < len(t.shape):
+            raise ValueError(f"{where} {t.shape} declares split={t.split}, which names no dim of it; declare "
+                             f"one in 0..{len(t.shape) - 1}, or None for whole")
+        if known and dim != t.split:
+            raise ValueError(f"{where} declares split={t.split}, but its name reads as split={dim} (convert.tp_dim); "
+                             f"declare split={dim}, or give it a name the shared rules do not read")
     return out
 
 
 def _split_size(spec: ModelSpec, layer: int, rest: str, t: HookTensor, tp: int) -> int:
-    """Rows (along t.split) of one TP rank's part of a split hook tensor."""
-    assert t.split is not None
+    assert t.split is not None              # rows (along t.split) of one TP rank's part
     if t.shape[t.split] % tp:
         raise ValueError(f"family {spec.family!r}: hook tensor decoder.layers.{layer}.{rest} {t.shape} splits dim "
                          f"{t.split} over TP {tp}, which does not divide it; use a TP size that divides it")
@@ -222,11 +220,8 @@ def shard_shape(name: str, spec: ModelSpec, tp: int, head: str = "lm") -> tuple[
     if ffn is not None:
         kind, ff, _ = ffn
         return (2 * ff // tp, h) if kind == "fc1" else (h, ff // tp)
-    whole = _whole(spec, int(n))
-    if rest in whole:
-        t = whole[rest]
-        if t.split is None:
-            return t.shape
+    t = _whole(spec, int(n)).get(rest)
+    if t is not None:
         return tuple(_split_size(spec, int(n), rest, t, tp) if d == t.split else x for d, x in enumerate(t.shape))
     return {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
@@ -248,11 +243,11 @@ def hf_slices(name: str, spec: ModelSpec, tp_rank: int, tp: int, head: str = "lm
         return [Slice(srcs[0])]
     n, rest = _LAYER.match(name).groups()
     t = _whole(spec, int(n)).get(rest)
+    if rest in _REPLICATED or (t is not None and t.split is None):
+        return [Slice(srcs[0])]
     if t is not None and t.split is not None:
         rows = _split_size(spec, int(n), rest, t, tp)
         return [Slice(srcs[0], t.split, tp_rank * rows, (tp_rank + 1) * rows)]
-    if rest in _REPLICATED or t is not None:
-        return [Slice(srcs[0])]
     ffn = _ffn(rest, spec)
     if rest == "self_attention.linear_proj.weight" or (ffn and ffn[0] == "fc2"):
         cols = spec.num_heads * spec.head_dim // tp if ffn is None else ffn[1] // tp
@@ -313,21 +308,17 @@ def tp_dim(name: str, head: str = "lm", spec: ModelSpec | None = None) -> int | 
     if not m:
         return None
     known, dim = _rule_dim(m.group(2))
-    if known or spec is None:
-        return dim
-    t = check_hook_tensors(spec, int(m.group(1))).get(m.group(2))
-    return t.split if t is not None else None
+    hooked = None if known or spec is None else check_hook_tensors(spec, int(m.group(1))).get(m.group(2))
+    return hooked.split if hooked is not None else dim
 
 
 def _rule_dim(rest: str) -> tuple[bool, int | None]:
     """(whether the shared rules read per-layer suffix `rest`, the dim they split it along)."""
     if rest in _REPLICATED:
         return True, None
-    if rest == "self_attention.linear_proj.weight" or rest.endswith("linear_fc2.weight"):
-        return True, 1
-    if rest.startswith("self_attention.linear_qkv") or rest.endswith("linear_fc1.weight"):
-        return True, 0
-    return False, None
+    rows = rest.startswith("self_attention.linear_qkv") or rest.endswith("linear_fc1.weight")
+    cols = rest == "self_attention.linear_proj.weight" or rest.endswith("linear_fc2.weight")
+    return (True, 1) if cols else (True, 0) if rows else (False, None)
 
 
 def megatron_to_hf(name: str, tp_shards: Sequence[torch.Tensor], spec: ModelSpec,

@@ -11,13 +11,14 @@ before torch loads): hooks get torch objects passed in.
     layer_spec(layer, norm, index)  build.py                  edits layer `index`'s local layer spec
     native_qk(q, k, w, norm, index) the built-in engine       q, k of each head, before RoPE
 
-`index` is the layer's global number (0-based, over every pipeline stage), so a hybrid model (full
-attention every 4th layer, a norm on some layers only) says per layer what differs. A HookTensor
+`index` is the layer's global number (0-based, over every pipeline stage), so a hybrid model (a
+norm, a tensor or a megatron module on some layers only) says per layer what differs; the built-in
+engine's attention itself (causal SDPA) is the same in every layer. A HookTensor
 is held whole by every tensor-parallel rank (split=None: norms, gates) or split evenly along dim
 `split` (an MLA-style up-projection): convert.py slices and joins it, the checkpoint engine's
 plan gathers it, the built-in engine loads this rank's part. A megatron name that the shared rules
 read as TP-split (`linear_qkv`, `linear_proj`, `linear_fc1/2`) or as whole (the layer norms) must
-be declared that way: ModelFamily refuses a disagreement (convert.check_hook_tensors).
+be declared that way: convert.check_hook_tensors refuses a disagreement in one line.
 """
 from __future__ import annotations
 
