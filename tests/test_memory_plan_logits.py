@@ -18,8 +18,7 @@ from megarl.launcher.memory_plan import DEVICE_MEMORY_ENV, memory_plan
 from megarl.launcher.memory_terms import Layout, activation_bytes, logit_chunk_tokens, logits_bytes
 from megarl.models.spec import ModelSpec
 from megarl.workers.logprob import chunk_tokens, linear_log_probs
-from tests.helpers.real_models import ASSETS, ROOT
-from tests.test_memory_plan import CONFIG, SEVEN_B, _seven_b
+from tests.helpers.real_models import ASSETS, ROOT, SEVEN_B, SEVEN_B_CONFIG, seven_b
 
 # A vocabulary wide enough that megarl's own chunking (64 MiB of fp32 logits) cuts 600 tokens in 3.
 VOCAB, HIDDEN, SCORED = 65_500, 32, 600
@@ -76,7 +75,7 @@ def test_logits_term_is_what_torch_allocates(dtype, temperature, entropy_grad):
 
 def test_activation_bytes_per_stage():
     """1F1B: stage p of PP holds its layers for min(PP - p, micro-batches) micro-batches."""
-    spec = ModelSpec.from_hf_config(_seven_b())
+    spec = ModelSpec.from_hf_config(seven_b())
     s = 4096
     stage0 = activation_bytes(spec, Layout(pp=4), s, 8)
     assert [activation_bytes(spec, Layout(pp=4), s, 8, pp_rank=p) for p in range(4)] == \
@@ -88,10 +87,10 @@ def test_the_last_stage_plans_the_logits_and_the_largest_stage_is_named(monkeypa
     """The shipped 7B config at PP 2: the last stage carries the LM head's chunks and the fp32 head
     gradient (152k rows), stage 0 the embedding and the most micro-batches in flight."""
     monkeypatch.setenv(DEVICE_MEMORY_ENV, "80")
-    cfg = load_config(os.path.join(ROOT, "configs", CONFIG), [
+    cfg = load_config(os.path.join(ROOT, "configs", SEVEN_B_CONFIG), [
         f"actor_rollout_ref.model.path={ASSETS}/{SEVEN_B}", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])
-    plan = memory_plan(cfg, _seven_b())
+    plan = memory_plan(cfg, seven_b())
     first, last = [r for r in plan.rows if r.role == "actor"]
     assert (first.stage, last.stage) == ("pp stage 0", "pp stage 1")
     lay = Layout(tp=4, pp=2, param_bytes=2)
@@ -100,7 +99,7 @@ def test_the_last_stage_plans_the_logits_and_the_largest_stage_is_named(monkeypa
               else cfg.actor.ppo_micro_batch_size_per_gpu * seq)
     scored = tokens * cfg.data.max_response_length // seq
     assert first.logits == 0 and last.logits == logits_bytes(
-        ModelSpec.from_hf_config(_seven_b()), lay, scored, 2, cfg.rollout.temperature, cfg.actor.entropy_coeff != 0)
+        ModelSpec.from_hf_config(seven_b()), lay, scored, 2, cfg.rollout.temperature, cfg.actor.entropy_coeff != 0)
     assert last.logits > 152_064 // 4 * 3584 * 4                   # at least the head's fp32 gradient
     assert 0 < last.activations < first.activations
     terms = plan.train_terms([r for r in plan.rows if r.stage == "pp stage 1"])

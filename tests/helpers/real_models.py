@@ -19,6 +19,16 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+SEVEN_B_CONFIG = "grpo_gsm8k_qwen2.5_7b.yaml"      # the shipped 7B config, and the model it names
+SEVEN_B = "qwen2.5-7b-instruct"
+
+
+def seven_b() -> dict:
+    """Qwen2.5-7B-Instruct's config.json, as shipped in the test data."""
+    with open(os.path.join(ASSETS, SEVEN_B, "config.json")) as f:
+        return json.load(f)
+
+
 def sparse_safetensors(path: str, hf_config: dict) -> None:
     """model.safetensors with every tensor megarl reads, bf16 at its real shape; the body is a hole."""
     header, offset = {}, 0

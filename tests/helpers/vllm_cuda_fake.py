@@ -158,7 +158,9 @@ class FakeWorker:
         self.pools = {"weights": "mapped", "kv_cache": "mapped"}
         self.model = FakeModel(shapes, self)
         self._sleep_saved_buffers: dict = {}
+        # GPUModelRunner keeps its torch.device (vllm/v1/worker/gpu_model_runner.py: self.device)
         self.model_runner = types.SimpleNamespace(get_model=lambda: self.model, model_config=None,
+                                                  device=torch.device("cuda", 0),
                                                   sampler=types.SimpleNamespace(topk_topp_sampler=types.SimpleNamespace()))
         vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(rank=0), model_config=None)
         self.weight_transfer_engine = None
