@@ -41,15 +41,20 @@ def hooked(tmp_path):
     """The family registered for one test, its tiny checkpoint, and the same tensors as a Qwen3 one."""
     register_hooked()
     try:
-        path = make_tiny_hf(str(tmp_path / "hooked"), "hooked_lm", seed=3, num_hidden_layers=2)
-        as_qwen3 = str(tmp_path / "as_qwen3")
-        shutil.copytree(path, as_qwen3)
-        cfg = json.load(open(f"{path}/config.json"))
-        json.dump({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
-                  open(f"{as_qwen3}/config.json", "w"))
-        yield path, as_qwen3
+        yield checkpoint_and_qwen3_twin(tmp_path, "hooked", seed=3)
     finally:
         families.unregister("hooked_lm")
+
+
+def checkpoint_and_qwen3_twin(tmp_path, name: str, seed: int) -> tuple[str, str]:
+    """A tiny checkpoint of the registered family `<name>_lm`, and the same tensors labelled Qwen3."""
+    path = make_tiny_hf(str(tmp_path / name), f"{name}_lm", seed=seed, num_hidden_layers=2)
+    as_qwen3 = str(tmp_path / "as_qwen3")
+    shutil.copytree(path, as_qwen3)
+    cfg = json.load(open(f"{path}/config.json"))
+    json.dump({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+              open(f"{as_qwen3}/config.json", "w"))
+    return path, as_qwen3
 
 
 def test_hooks_default_to_nothing_and_qwen3_lives_in_its_file():
@@ -167,13 +172,7 @@ def hybrid_reference(as_qwen3: str):
 def hybrid(tmp_path):
     register_hybrid()
     try:
-        path = make_tiny_hf(str(tmp_path / "hybrid"), "hybrid_lm", seed=5, num_hidden_layers=2)
-        as_qwen3 = str(tmp_path / "as_qwen3")
-        shutil.copytree(path, as_qwen3)
-        cfg = json.load(open(f"{path}/config.json"))
-        json.dump({**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
-                  open(f"{as_qwen3}/config.json", "w"))
-        yield path, as_qwen3
+        yield checkpoint_and_qwen3_twin(tmp_path, "hybrid", seed=5)
     finally:
         families.unregister("hybrid_lm")
 
