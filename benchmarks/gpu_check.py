@@ -13,7 +13,9 @@ frees against the <= 10% target, weight-sync seconds and GB/s), rollout tokens/s
 engine against transformers' generate, the stream's schedule on the long-tailed task
 (tail_overlap against whole-batch calls, generation alone), and megarl's vLLM adapter on vLLM's
 CUDA build where it imports (benchmarks/vllm_gpu_check.py; else one line says why it skipped:
-the dry run always skips it). Without CUDA (and without
+the dry run always skips it), and the engine cost model's terms on this GPU against its defaults
+(benchmarks/cost_model_check.py: decode step time against rows, prefill time against prompt
+tokens, the fitted terms and whether the defaults are within 2x). Without CUDA (and without
 --device cpu) it says so in one line and exits 2.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from benchmarks.plan_vs_measured import compare, table as plan_table  # noqa: E402
-from benchmarks import vllm_gpu_check  # noqa: E402
+from benchmarks import cost_model_check, vllm_gpu_check  # noqa: E402
 
 MFU_TARGET = 0.45              # update_policy's MFU goal on the 0.86B benchmark shape
 OFFLOAD_TARGET = 0.10          # offload's goal: trainer memory on device during rollout / before offload
@@ -246,6 +248,8 @@ def markdown(rep: dict) -> str:
                          f"{r['speedup']:.2f}x ({tail['counters']} vs {whole['counters']}) |")
         elif s["name"] == "vllm":
             lines.extend(vllm_gpu_check.rows(r))
+        elif s["name"] == "cost_model":
+            lines.extend(cost_model_check.rows(r))
         elif s["name"] == "mfu":
             best = r["best_update_policy_mfu"]
             lines.append(f"| update_policy MFU vs target {r['target']} | "
@@ -283,6 +287,7 @@ def main(argv=None) -> int:
     secs.append(section("rollout", rollout, a.device, a.dry_run, a.out))
     secs.append(section("stream", stream, a.device, a.dry_run, a.out))
     secs.append(section("vllm", vllm_gpu_check.run, "cpu" if a.dry_run else a.device, a.dry_run, a.out))
+    secs.append(section("cost_model", cost_model_check.run, a.device, a.dry_run, a.out))
     secs.extend(derived(secs))
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)

@@ -161,7 +161,8 @@ def test_gpu_check_report_plumbing_on_cpu(tmp_path):
         assert key in report
     assert {"torch", "megatron-core", "transformers"} <= set(report["versions"])
     sections = {s["name"]: s for s in report["sections"]}
-    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "stream", "vllm", "mfu", "offload"}
+    assert set(sections) == {"matmul", "update_step_micro2", "rollout", "stream", "vllm", "cost_model", "mfu",
+                             "offload"}
     assert all(s["ok"] for s in sections.values()), [s.get("traceback") for s in sections.values()]
     upd = sections["update_step_micro2"]["result"]
     assert upd["update_policy_mfu"] > 0 and upd["weight_sync"]["gb_per_s"] > 0
@@ -175,6 +176,8 @@ def test_gpu_check_report_plumbing_on_cpu(tmp_path):
     # the dry run never starts vLLM: its section says why, in the report's one line
     assert sections["vllm"]["result"] == {"skipped": "device cpu: the section needs vLLM's CUDA build on a GPU"}
     assert "| vLLM (CUDA build) | skipped: device cpu:" in md
+    # the cost model's terms on the device, labelled as plumbing on CPU (tests/test_cost_model_check.py)
+    assert "| cost model vs this device (dry run on CPU: plumbing only, these are not GPU figures) |" in md
 
 
 def test_gpu_check_without_cuda_says_so():
