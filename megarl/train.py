@@ -21,6 +21,7 @@ from megarl.experiment import ExperimentConfig
 from megarl.config.own_defaults import own_defaults_note
 from megarl.config.verl_keys import refuse_hydra_flags
 from megarl.launcher.cli import PREFLIGHT_DONE_ENV, load_checked, parse_args
+from megarl.launcher.held import TORCHRUN, HeldTorchrun
 from megarl.launcher.logs import VERBOSE_ENV, quiet_known_noise
 from megarl.launcher.output import RankOutput
 from megarl.launcher.preflight_run import tighten_run_dir, tokenizer_available
@@ -39,20 +40,28 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
-    """Start this node's ranks (torchrun for several, one child for one), holding the run
-    directory's lock for them, and copy their output to <run dir>/logs/megarl-*.log."""
-    nproc = cfg.trainer.n_gpus_per_node
+def ranks_env(nproc: int) -> dict[str, str]:
+    """The environment this node's ranks start with, less what spawn_ranks adds (lock, records)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env[PREFLIGHT_DONE_ENV] = "1"      # checked here, just now: the ranks check only their node
     if nproc > 1:
-        # The static rendezvous: its store holds JSON and bytes. --standalone's c10d rendezvous keeps
-        # pickled state in a store any local user can write, and unpickles it (docs/security.md).
-        cmd = [sys.executable, "-m", "megarl.parallel.torchrun", "--rdzv-backend=static", "--nnodes=1", "--node-rank=0",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--nproc_per_node={nproc}",
-               "-m", "megarl.train", *argv]
         # torchrun's banner about OMP_NUM_THREADS appears only when it is unset; launch/torchrun.sh's rule.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def spawn_ranks(cfg: ExperimentConfig, argv: list[str], agent: HeldTorchrun | None = None) -> int:
+    """Start this node's ranks (torchrun for several, one child for one), holding the run
+    directory's lock for them, and copy their output to <run dir>/logs/megarl-*.log. `agent`:
+    torchrun already loading torch (held.py), told here to start the ranks."""
+    nproc = cfg.trainer.n_gpus_per_node
+    env = ranks_env(nproc)
+    if nproc > 1:
+        # The static rendezvous: its store holds JSON and bytes. --standalone's c10d rendezvous keeps
+        # pickled state in a store any local user can write, and unpickles it (docs/security.md).
+        cmd = [*TORCHRUN, "--rdzv-backend=static", "--nnodes=1", "--node-rank=0",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--nproc_per_node={nproc}",
+               "-m", "megarl.train", *argv]
     else:
         cmd = [sys.executable, "-m", "megarl.train", *argv]
         env.update(single_process_env())
@@ -80,7 +89,8 @@ def spawn_ranks(cfg: ExperimentConfig, argv: list[str]) -> int:
         log.write(chunk)
     try:
         # Every process of the run stays below this one and ends with it (megarl/parallel/supervise.py).
-        return echo.exit_code(run_tree(cmd, env, copy))
+        started = agent.go(cmd[len(TORCHRUN):], env) if agent is not None and nproc > 1 else None
+        return echo.exit_code(run_tree(cmd, env, copy, started))
     finally:
         log.close()
         os.unlink(records)
@@ -123,10 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     launched = _launched_by_a_launcher()
     if launched:
         die_with_parent()                      # a rank never outlives the launcher that started it
+    agent = HeldTorchrun.none()
+
+    def hold_torchrun(cfg: ExperimentConfig) -> None:
+        # torchrun's agent loads torch while the checks below run; it starts ranks only at spawn_ranks.
+        nonlocal agent
+        tr = cfg.trainer
+        if not launched and not args.check and not args.print_config and tr.nnodes == 1 and tr.n_gpus_per_node > 1:
+            agent = HeldTorchrun.start(ranks_env(tr.n_gpus_per_node))
     try:
         # --print-config shows the typed tree (defaults included) without looking at files.
         not_checked: list[str] | None = [] if args.check and not launched else None
-        cfg = load_checked(args.config, args.overrides, check_all=not args.print_config, not_checked=not_checked)
+        cfg = load_checked(args.config, args.overrides, check_all=not args.print_config, not_checked=not_checked,
+                           loaded=hold_torchrun)
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
@@ -149,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "every node")
             quiet_known_noise(cpu=cfg.trainer.device == "cpu")    # a bootstrap may import megatron here
             bootstrap_and_check(cfg)
-            return spawn_ranks(cfg, argv)
+            return spawn_ranks(cfg, argv, agent)
         lock = None
         if _rank() == 0 and LOCK_HELD_ENV not in os.environ:  # started by torchrun/srun directly
             if note := tighten_run_dir(cfg.trainer.default_local_dir):
@@ -157,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             lock = RunDirLock(cfg.trainer.default_local_dir).acquire()
     except ConfigError as err:
         return config_error(err)
+    finally:
+        agent.cancel()                         # a refused run's agent; once started by go(), not touched
     # Megatron's TP/SP overlap orders its kernels by relying on one hardware queue; it must be
     # set before CUDA starts. The user's own value wins.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Callable
 
 from megarl.experiment import ExperimentConfig, load_config, read_hf_config
 from megarl.launcher.preflight import node_checks, preflight
@@ -29,12 +30,16 @@ PREFLIGHT_DONE_ENV = "MEGARL_PREFLIGHT_DONE"
 
 
 def load_checked(config: str | None, overrides: list[str], check_all: bool = True,
-                 not_checked: list[str] | None = None) -> ExperimentConfig:
+                 not_checked: list[str] | None = None,
+                 loaded: Callable[[ExperimentConfig], None] | None = None) -> ExperimentConfig:
     """The config, validated; with `check_all`, also everything megarl.launcher.preflight can check
     (files, model, lengths, engine, reward, run directory) before any process starts. A rank whose
     launcher already did that checks only its own node (preflight.node_checks). `not_checked`
-    (--check): where what needs the nodes' GPUs is listed on a machine without one."""
+    (--check): where what needs the nodes' GPUs is listed on a machine without one. `loaded` is
+    called with the valid config before those checks (megarl-train starts torchrun's agent there)."""
     cfg = load_config(config, overrides)
+    if loaded is not None:
+        loaded(cfg)
     if check_all and os.environ.get(PREFLIGHT_DONE_ENV) == "1" and "RANK" in os.environ:
         node_checks(cfg)
     elif check_all:

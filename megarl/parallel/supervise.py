@@ -170,13 +170,20 @@ def _ranks_of(proc: subprocess.Popen, cmd: list[str]) -> list:
         return []
 
 
-def run_tree(cmd: list[str], env: dict | None, sink: Callable[[bytes], None]) -> int:
+def start_child(cmd: list[str], env: dict | None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """`cmd` started as run_tree runs it: stdout + stderr on one pipe, SIGTERM when this process dies."""
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=pass_fds,
+                            preexec_fn=_child_preexec if sys.platform.startswith("linux") else None)
+
+
+def run_tree(cmd: list[str], env: dict | None, sink: Callable[[bytes], None],
+             started: subprocess.Popen | None = None) -> int:
     """Run `cmd`, handing its output (stdout + stderr) to `sink`; end the whole tree below us when
-    it exits, fails or we are stopped. Returns the child's exit code (128+N for signal N)."""
+    it exits, fails or we are stopped. Returns the child's exit code (128+N for signal N).
+    `started`: `cmd` already running, from start_child (megarl-train starts torchrun during its checks)."""
     become_subreaper()
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_child_preexec if sys.platform.startswith("linux") else None)
+    proc = started or start_child(cmd, env)
     assert proc.stdout is not None         # stdout=PIPE
     fd = proc.stdout.fileno()
     stopped = 0
