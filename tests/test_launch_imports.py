@@ -5,10 +5,12 @@ torchrun's agent loads torch while the launcher checks the run, starting no rank
     python -m pytest -q tests/test_launch_imports.py
 """
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -109,15 +111,22 @@ def test_a_run_refused_by_its_checks_ends_the_held_agent(addition_model_dir, tmp
 
 def test_go_sends_the_ranks_environment_as_a_change_and_cancel_ends_the_agent():
     """A real held torchrun, running `env` as its one worker: the worker sees the variables go()
-    sets and not those it unsets; a cancelled agent is gone."""
+    sets and not those it unsets, though a process the launcher forked (a reward check's) still
+    holds the pipe; a cancelled agent is gone."""
     base = dict(os.environ, MEGARL_TEST_KEEP="1", MEGARL_TEST_DROP="1", PYTHONUNBUFFERED="1")
     agent = HeldTorchrun.start(base)
+    holder = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+    holder.start()
     env = {k: v for k, v in base.items() if k != "MEGARL_TEST_DROP"}
     env["MEGARL_TEST_ADDED"] = "yes"
-    proc = agent.go(["--rdzv-backend=static", "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1",
-                     f"--master-port={free_port()}", "--nproc_per_node=1", "--no-python", "env"], env)
-    assert proc is not None
-    out, _ = proc.communicate(timeout=120)
+    try:
+        proc = agent.go(["--rdzv-backend=static", "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1",
+                         f"--master-port={free_port()}", "--nproc_per_node=1", "--no-python", "env"], env)
+        assert proc is not None
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        holder.kill()
+        holder.join()
     worker_env = dict(line.split("=", 1) for line in out.decode().splitlines() if line.startswith("MEGARL_TEST_"))
     assert proc.returncode == 0 and worker_env == {"MEGARL_TEST_KEEP": "1", "MEGARL_TEST_ADDED": "yes"}, out[-2000:]
     assert agent.go([], env) is None             # sent once

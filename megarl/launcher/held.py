@@ -58,8 +58,8 @@ class HeldTorchrun:
             _end(proc)
             return None
         try:
-            with os.fdopen(fd, "wb") as f:          # closed at once: the agent reads to the end
-                f.write(json.dumps(change).encode())
+            with os.fdopen(fd, "wb") as f:          # one line; closed at once
+                f.write(json.dumps(change).encode() + b"\n")
         except BrokenPipeError:                     # it ended unread: nothing of this run started
             _end(proc)
             return None

@@ -6,7 +6,7 @@
 The same agent, flags and exit codes as `python -m torch.distributed.run`; once its ranks have ended
 it leaves through lifecycle.exit_now rather than tearing down a loaded torch (~0.7 s a launch).
 Held, it loads torch while megarl-train checks the run (megarl/launcher/held.py), then reads its
-arguments and environment from FD as one JSON object; FD closed with nothing on it (the run was
+arguments and environment from FD as one line of JSON; FD closed with nothing on it (the run was
 refused, or the launcher died) ends it with exit code 0, no rank started.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def held_args(fd: int) -> list[str] | None:
     """The arguments the launcher sends on `fd` (JSON, never pickle), with its environment applied
     as a change to this process's own: `set` and `unset`. None: the launcher sent nothing."""
     with os.fdopen(fd, "rb") as f:
-        sent = f.read()
+        sent = f.readline()       # one line, not to the end: a process the launcher forked may hold the pipe
     if not sent:
         return None
     go = json.loads(sent)
