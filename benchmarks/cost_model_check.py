@@ -11,8 +11,8 @@ model, random weights: no training needed, every row runs to max_tokens) and mea
 warm-up call per point (CUDA graphs captured there, not in the timed calls), the median of
 `repeats` calls, the device synchronised around each:
 - a decode step against rows: prompts x n=8 samples (the task's n), a call of `steps` + 1 tokens
-  against the same call of 1 token (prefill only), the difference over the engine's own count of
-  decode steps (`stats["decode_steps"]`);
+  against the same call of 1 token (prefill only), the two alternated, the difference over the
+  engine's own count of decode steps (`stats["decode_steps"]`);
 - a prefill call against its prompt tokens: prompts of one length, max_tokens=1 (no decode step),
   one prefill pass each (the engine's `prefill_batches` count is reported beside it).
 It fits a + b * rows and d + c * tokens (least squares), puts each point beside the model's
@@ -107,9 +107,16 @@ class Timer:
                 "captured": e.decode.stats.get("captured", 0) - before[2]}
 
 
-def _calls(timer: Timer, prompts, sp, repeats: int) -> list[dict]:
-    timer(prompts, sp)                         # warm-up: graphs for this shape are captured here
-    return [timer(prompts, sp) for _ in range(repeats)]
+def _calls(timer: Timer, prompts, sps: list, repeats: int) -> list[list[dict]]:
+    """`repeats` timed calls per sampling in `sps`, alternated (a load drift hits each alike),
+    after one warm-up call each: the CUDA graphs of these shapes are captured there."""
+    for sp in sps:
+        timer(prompts, sp)
+    timed: list[list[dict]] = [[] for _ in sps]
+    for _ in range(repeats):
+        for got, sp in zip(timed, sps):
+            got.append(timer(prompts, sp))
+    return timed
 
 
 def measure(engine, device: str, sizes: dict, vocab: int) -> tuple[list[dict], list[dict]]:
@@ -133,15 +140,16 @@ def measure(engine, device: str, sizes: dict, vocab: int) -> tuple[list[dict], l
     for rows in sizes["rows"]:
         n = min(rows, 8)
         batch = prompts(rows // n, sizes["decode_prompt"])
-        long = _calls(timer, batch, SamplingParams(n=n, max_tokens=steps + 1, **stop), rep)
-        short = _calls(timer, batch, SamplingParams(n=n, max_tokens=1, **stop), rep)
+        long, short = _calls(timer, batch, [SamplingParams(n=n, max_tokens=steps + 1, **stop),
+                                            SamplingParams(n=n, max_tokens=1, **stop)], rep)
         dsteps = long[0]["decode_steps"] - short[0]["decode_steps"]
         step_s = (statistics.median(c["s"] for c in long) - statistics.median(c["s"] for c in short)) / dsteps
         decode.append({"rows": rows, "step_s": step_s, "decode_steps": dsteps, "repeats": rep,
                        "captured_in_timed": sum(c["captured"] for c in long + short)})
     prefill = []
     for count in sizes["prefill_prompts"]:
-        calls = _calls(timer, prompts(count, sizes["prefill_prompt"]), SamplingParams(n=1, max_tokens=1, **stop), rep)
+        calls, = _calls(timer, prompts(count, sizes["prefill_prompt"]), [SamplingParams(n=1, max_tokens=1, **stop)],
+                        rep)
         prefill.append({"tokens": count * sizes["prefill_prompt"], "prompts": count,
                         "call_s": statistics.median(c["s"] for c in calls), "passes": calls[0]["passes"],
                         "repeats": rep, "captured_in_timed": sum(c["captured"] for c in calls)})
@@ -161,8 +169,8 @@ def run(device: str, dry: bool, out: str) -> dict:
     print(f"  cost model check: {label} (built-in engine, {engine.dtype}, the long-tailed task's model shape)",
           flush=True)
     threads = torch.get_num_threads()
-    if name == "cpu":         # one thread, as the CPU benchmarks run the engine: a shared machine's
-        torch.set_num_threads(1)              # second thread turned a 2 ms step into 30-60 ms
+    if name == "cpu":   # one thread, as the CPU benchmarks run the engine: on a shared machine a
+        torch.set_num_threads(1)   # second thread waiting for a busy core multiplies a small step's time
     try:
         decode, prefill = measure(engine, device, sizes, read_hf_config(path)["vocab_size"])
     finally:
