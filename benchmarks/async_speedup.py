@@ -23,7 +23,8 @@ Each mode is one `python -m megarl.train` run on the same 2 processes (one per c
     stream_k2_groups       stream_k2_tail with handoff=finished_groups: a step takes the first
                            finished groups, the tail's last ones go to a later step
     stream_k4_decoupled    stream_k4 trained with the decoupled PPO loss (--seeds: its accuracy question)
-    stream_k2_paced, stream_k4_paced   stream_k2/4 with tail_overlap=0.5 and handoff=finished_groups
+    stream_k2_paced, stream_k4_paced   stream_k2/4 with tail_overlap=0.5, handoff=finished_groups and
+                           kv_after_update=keep (updates land inside the engine's call)
 --paced runs sync, one_step and both paced streams on the 30-digit long-tailed task under the engine
 cost model (megarl/rollout/cost_model.py: a decode step and a prefill take what the built-in engine's
 take on an H100, times --pace-scale), so generation is the long phase as on a GPU node; every figure
@@ -85,10 +86,10 @@ MODES["stream_k2_groups"] = [*MODES["stream_k2_tail"], "async_training.handoff=f
 MODES["stream_k4_decoupled"] = [*MODES["stream_k4"], "actor_rollout_ref.actor.policy_loss.loss_mode=decoupled_ppo",
                                 "actor_rollout_ref.actor.policy_loss.behav_imp_weight_cap=5"]
 # The stream as built for a long tail: the next batch in the tail of the one before, steps made of
-# the first finished groups.
+# the first finished groups, weight updates landing inside the engine's call (its K/V kept).
 for _k in (2, 4):
     MODES[f"stream_k{_k}_paced"] = [*MODES[f"stream_k{_k}"], "async_training.tail_overlap=0.5",
-                                    "async_training.handoff=finished_groups"]
+                                    "async_training.handoff=finished_groups", "async_training.kv_after_update=keep"]
 # --paced: the long-tailed task under the engine cost model (the task of docs/measurements.md's
 # long-tailed section: 1 problem in 25 with 30-digit operands).
 PACED = dict(long_digits=30, long_fraction=0.04)

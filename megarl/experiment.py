@@ -225,6 +225,7 @@ RULES = (check_algorithm_names, check_converter_names, algo_rules.check_group_si
          rollout_rules.check_disaggregated_layout,
          rollout_rules.check_async_loop_features, rollout_rules.check_sync_backend, rollout_rules.check_delta_sync,
          rollout_rules.check_disaggregated_only_keys, rollout_rules.check_partial_rollout_room,
+         rollout_rules.check_kv_after_update,
          worker_rules.check_layout_divides_ranks, worker_rules.check_one_layout, rollout_rules.check_rollout_tp,
          worker_rules.check_train_batch, worker_rules.check_mini_batches, rollout_rules.check_max_model_len,
          worker_rules.check_token_budgets, worker_rules.check_routing_replay, reward_rules.check_reward_model_keys,

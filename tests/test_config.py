@@ -83,6 +83,14 @@ def test_async_mode_and_placement_rules():
         load_config(None, ["async_training.partial_rollout=true", "async_training.handoff=finished_groups"])
     with pytest.raises(ConfigError, match="handoff"):
         load_config(None, ["async_training.handoff=groups"])
+    with pytest.raises(ConfigError, match="kv_after_update.*partial_rollout=true"):
+        load_config(None, ["async_training.kv_after_update=keep"])
+    stream = ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
+              "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
+              "async_training.kv_after_update=keep"]
+    assert load_config(None, stream).async_training.kv_after_update == "keep"
+    with pytest.raises(ConfigError, match=r"^async_training.kv_after_update: =keep needs rollout.name=native.*hf's"):
+        load_config(None, [*stream, "actor_rollout_ref.rollout.name=hf"])
     with pytest.raises(ConfigError, match="checkpoint_engine.backend.*distributed transport"):
         load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",
                            "actor_rollout_ref.rollout.disaggregated_ranks=1",

@@ -126,6 +126,10 @@ class Completion:
     # for the first m positions of prompt + token_ids that the engine fed through the model
     # (m < len(prompt) + len(token_ids): the final sampled token is never fed). None: not recorded.
     routed_experts: torch.Tensor | None = None
+    # Per token of token_ids, how many weight loads the engine completed inside this call before
+    # sampling it (a load between two chunks of a pausable call keeps the K/V computed so far).
+    # None: no load landed inside the call while this sample ran.
+    weight_epochs: list[int] | None = None
 
 
 def rollout_dtype(name: str, device: torch.device) -> torch.dtype:

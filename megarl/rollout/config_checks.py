@@ -140,6 +140,15 @@ def check_disaggregated_only_keys(cfg) -> None:
                           "async_training.partial_rollout")
 
 
+def check_kv_after_update(cfg) -> None:
+    """kv_after_update=keep needs an engine whose call an update can land inside (the built-in one's
+    pausable call); every other engine's call ends at an update, so the key would do nothing."""
+    if cfg.async_training.kv_after_update == "keep" and cfg.rollout.name != "native":
+        raise ConfigError(f"=keep needs rollout.name=native (an update lands inside its call); "
+                          f"{cfg.rollout.name}'s call ends at each update; set kv_after_update=recompute",
+                          "async_training.kv_after_update")
+
+
 def check_partial_rollout_room(cfg) -> None:
     """A partial rollout resumes a response as prompt + its tokens so far (megarl/rollout/partial.py):
     the engine's prompt length must hold both, or a long response stops the run mid-step."""

@@ -21,7 +21,10 @@ What the model charges is booked per kind in the engine's `stats` (`paced_s/<kin
 over calls): `decode` steps, `prefill_prompts` (new prompts), `prefill_continued` (prompts and their
 responses so far, prefilled again when a stopped call is continued), and `regenerate` and `validate`
 (whole calls made under `charged_as(engine, kind)`), so a run can say which part of generation its
-time goes to. These are the model's charges; a call's wall time is the larger of them and its own.
+time goes to. These are the model's charges; a call's wall time is the larger of them and its own. What the
+caller does inside a boundary (its `pause` and `join`: a hand-off, a weight sync landing inside
+the call) is off the model's clock, as a GPU engine's loop waits for it too; a batch that joins a
+running call owes its prompts' prefill as new prompts.
 """
 from __future__ import annotations
 
@@ -102,6 +105,19 @@ class Pacer:
         stats = getattr(self.engine, "stats", None)
         return stats.get("decode_steps") if isinstance(stats, dict) else None
 
+    def prefill(self, tokens: int) -> None:
+        """New prompts that joined the call."""
+        self._owe("prefill_prompts", self.cfg.scale * self.cfg.prefill_token_s * tokens)
+
+    def aside(self, fn, *args):
+        """fn(*args) off the modelled clock: the caller's work inside a boundary (a hand-off, a
+        weight sync) keeps a GPU's engine from stepping as much as it keeps this one."""
+        began = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.start += time.perf_counter() - began
+
     def charge(self, steps: int, rows: int) -> None:
         """`steps` decode steps of `rows` rows each."""
         c = self.cfg
@@ -177,7 +193,17 @@ def pace(engine: Any, cfg: CostModelConfig) -> Any:
                 done = pacer.steps_since_start(boundaries * every)
                 pacer.charge(done - pacer.counted, sum(unfinished.values()))
                 pacer.wait()
-                return pause(unfinished)
+                return pacer.aside(pause, unfinished)
+
+            if kwargs.get("join") is not None:
+                join = kwargs["join"]
+
+                def paced_join():
+                    got = pacer.aside(join)
+                    if got:                       # a new batch's prompts, prefilled inside this call
+                        pacer.prefill(sum(map(len, got[0])))
+                    return got
+                kwargs["join"] = paced_join
 
             out = pausable(prompts, sampling, paced_pause, every, budgets, samples, prefixes, **kwargs)
             _charge_completions(pacer, out)

@@ -25,7 +25,10 @@ Updates still land only at chunk boundaries, as before. Where the engine also co
 responses (`prefixes`: the built-in engine without R3), a re-submitted sample keeps its prompt's
 group and only its response is prefilled again. Where the engine reports samples as they finish
 (`finished`: the built-in engine), each joins its sequence at once, so `pause` sees its group
-done and a stream hands it over at that boundary while the call goes on.
+done and a stream hands it over at that boundary while the call goes on. A `pause` may also
+load new weights into the engine and answer False (async_training.kv_after_update=keep): the call
+goes on with the K/V computed so far, and each token's version is the step's `version` plus the
+loads the engine counted before drawing it (Completion.weight_epochs).
 
 R3 (routed experts): each chunk's prompt is the sequence so far, so its prefill routes every earlier
 token under the weights of that chunk; a sequence keeps its latest chunk's record.
@@ -86,7 +89,12 @@ class ChunkedGeneration:
             raise ValueError(f"engine returned {len(c.log_probs)} log-probs for {len(c.token_ids)} tokens")
         s.tokens += c.token_ids
         s.log_probs += c.log_probs
-        s.versions += [version] * len(c.token_ids)
+        if c.weight_epochs is not None:          # weights loaded inside the call: each token its own
+            if len(c.weight_epochs) != len(c.token_ids):
+                raise ValueError(f"engine returned {len(c.weight_epochs)} weight epochs for {len(c.token_ids)} tokens")
+            s.versions += [version + k for k in c.weight_epochs]
+        else:
+            s.versions += [version] * len(c.token_ids)
         if c.routed_experts is not None:
             s.routes = c.routed_experts
         if c.finish_reason in ("stop", "abort"):
@@ -133,7 +141,7 @@ def _done(s: _Seq) -> Completion:
     return Completion(s.tokens, s.log_probs, s.finish, routed_experts=s.routes)
 
 
-def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=None) -> int:
+def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=None, join=None) -> int:
     """One step of several generations in shared engine calls: a stream's next batch starts while
     the batch before it finishes its long responses, and both fill the engine's rows.
 
@@ -144,7 +152,12 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     batch's prompts run beside the long responses of the one before. Elsewhere each call is one
     chunk: a generation at its first chunk gets n samples per prompt (engines share the prompt's
     prefill across them), and every other unfinished sequence is an n=1 request of its prompt
-    plus its response so far, those with the same remaining budget in one call."""
+    plus its response so far, those with the same remaining budget in one call.
+
+    `join()`, on an engine whose pausable call takes `join`, is asked after every `pause` that
+    lets the call go on: the generations it returns (new, at their first chunk, each a batch's
+    prompts that the engine's `fits_call` accepts) join the running call and `gens`, their
+    samples drawn beside the ones in flight, no call ended."""
     live = [(i, g, s) for i, g in enumerate(gens) for s in g.seqs if s.finish is None]
     if not live:
         return 0
@@ -152,6 +165,7 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
     sp, chunk = lead.sampling, lead.chunk
     budget = sp.max_tokens
     pausable = pause is not None and hasattr(engine, "generate_pausable")
+    joins = pausable and join is not None and "join" in inspect.signature(engine.generate_pausable).parameters
     paused = [False]
     applied: set[tuple[int, int]] = set()       # (call prompt, sample) extended as it finished
     streamed = [0]                               # tokens of those
@@ -173,6 +187,19 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         inside = {id(seq) for *_, seqs in members for seq in seqs}
         outside = [[sum(s.finish is None and id(s) not in inside for s in g.seqs[j:j + g.n])
                     for j in range(0, len(g.seqs), g.n)] for g in gens]
+        if joins:
+            def joined():
+                new, more, counts = join(), [], []
+                for g in new:                    # its prompts join as call prompts len(members)...
+                    gens.append(g)
+                    outside.append([0] * len(g.prompts))
+                    for j, prompt in enumerate(g.prompts):
+                        members.append((len(gens) - 1, j, g.seqs[j * g.n:(j + 1) * g.n]))
+                        rooms.append([budget] * g.n)
+                        more.append(prompt)
+                        counts.append(g.n)
+                return (more, counts) if more else None
+            kwargs["join"] = joined
 
         def ask(unfinished: dict[int, int]) -> bool:
             if not paused[0]:
@@ -189,13 +216,16 @@ def step_together(gens: list[ChunkedGeneration], engine, version: int, pause=Non
         seed = None if sp.seed is None else step_seed(sp.seed, 0)
         members = [(0, i, lead.seqs[i * n:(i + 1) * n]) for i in range(len(lead.prompts))]
         cap = budget if pausable else min(chunk, budget)
-        out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed), rooms=[[cap] * n] * len(members))
-        lead.chunks_done += 1
+        rooms = [[cap] * n for _ in members]
+        out = call(members, lead.prompts, sp.with_(max_tokens=cap, seed=seed), rooms=rooms)
+        for g in gens:                           # the lead and any generation that joined its call
+            g.chunks_done += 1
         if not pausable:
             return lead._extend_all(out, version, cap)
-        return streamed[0] + _apply(gens, members, out, [[cap] * n] * len(members), version, applied)
+        return streamed[0] + _apply(gens, members, out, rooms, version, applied)
     if pausable:
-        return streamed[0] + _one_call(gens, version, call, getattr(engine, "continues_responses", False), applied)
+        return streamed[0] + _one_call(gens, version, call, getattr(engine, "continues_responses", False), applied,
+                                       joins)
     # one chunk each; sequences with the same remaining budget share a call (usually one call), and
     # a generation at its first chunk beside others has a call of its own, n samples per prompt
     by_len: dict[int, list[tuple[int, ChunkedGeneration, _Seq]]] = {}
@@ -226,7 +256,8 @@ def _apply(gens: list[ChunkedGeneration], members, out, rooms, version: int, app
                for j, (s, c, room) in enumerate(zip(seqs, group, left)) if (i, j) not in applied)
 
 
-def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool, applied: set) -> int:
+def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool, applied: set,
+              joins: bool = False) -> int:
     """Every unfinished sequence of `gens` in one pausable call. A generation at its first chunk
     comes in as its prompts with n samples each (one prefill per prompt, not per sample). On an
     engine that continues responses (`prefixes`), the unfinished samples of one prompt come in
@@ -254,7 +285,8 @@ def _one_call(gens: list[ChunkedGeneration], version: int, call, prefixed: bool,
                 samples.append(1)
                 prefixes.append([[]])
     seed = None if sp.seed is None else step_seed(sp.seed, lead.chunks_done, stream=0)
-    params = sp.with_(n=max(samples), max_tokens=max(caps), seed=seed)
+    # a call that a new batch may join keeps n samples per prompt wide and the whole budget
+    params = sp.with_(n=sp.n if joins else max(samples), max_tokens=budget if joins else max(caps), seed=seed)
     left = [[budget - len(s.tokens) for s in seqs] for *_, seqs in members]   # before the call extends them
     kwargs: dict = {}
     if min(samples) < params.n:

@@ -136,6 +136,12 @@ class AsyncTrainingConfig(Section):
     # oldest batch first, from the batches in flight (with tail_overlap, the next batch's first
     # groups stand in for the long tail's last ones, which go to a later step).
     handoff: Literal["batch", "finished_groups"] = "batch"
+    # What a weight update does to responses half generated (partial_rollout). recompute: the call
+    # stops and they continue under the new weights with their K/V computed again (a prefill of
+    # prompt + response so far). keep: the update lands inside the engine's call and the K/V
+    # computed so far stay (PipelineRL's in-flight updates): no prefill, and each token's log-prob is
+    # still the one its sampler drew from, which decoupled_ppo's behaviour term uses.
+    kv_after_update: Literal["recompute", "keep"] = "recompute"
 
     def __post_init__(self):
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: every batch is regenerated on-policy)")
@@ -151,3 +157,6 @@ class AsyncTrainingConfig(Section):
         require(self.handoff == "batch" or self.tail_overlap > 0, "handoff",
                 "finished_groups takes groups from the next batch, which starts in the tail of the one before; "
                 "set async_training.tail_overlap > 0 (e.g. 0.5) or handoff=batch")
+        require(self.kv_after_update == "recompute" or self.partial_rollout, "kv_after_update",
+                "keep lands updates between chunks; set async_training.partial_rollout=true or "
+                "kv_after_update=recompute")

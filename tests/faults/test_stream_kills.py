@@ -1,7 +1,8 @@
 """The stream of finished groups under SIGKILL, run under the engine cost model (its decode steps
 and prefills sleep what the built-in engine's take on an H100, megarl/rollout/cost_model.py): the
 regime the stream is built for, where groups wait past the staleness bound and are regenerated,
-updates stop calls with responses unfinished and hand-offs happen inside calls. Each resume
+updates land inside calls with their K/V kept (kv_after_update=keep, as the paced benchmark's
+stream runs) and hand-offs happen inside calls. Each resume
 continues bitwise as the run never killed, and each of those events is counted in the reference
 run, so every assertion about them is reached. (This schedule never waits with the buffer full;
 tests/test_stream_paced.py counts those waits.)
@@ -20,10 +21,11 @@ PACED = ("actor_rollout_ref.rollout.cost_model.enable=true", "actor_rollout_ref.
 def groups_overrides(model_dir, run_dir, steps=5, *extra):
     """async_overrides with every step made of the first finished prompt groups (handoff=finished_groups),
     one batch ahead, sampled at temperature 1.5 so that response lengths spread (2 to 7 tokens),
-    each update taken after the second chunk (so that a group waits past the bound), paced."""
+    each update taken after the second chunk (so that a group waits past the bound) inside the
+    engine's call, paced."""
     return async_overrides(model_dir, run_dir, steps, "async_training.handoff=finished_groups",
                            "async_training.max_staleness=1", "actor_rollout_ref.rollout.temperature=1.5",
-                           "async_training.update_at_chunk=2", *PACED, *extra)
+                           "async_training.update_at_chunk=1", "async_training.kv_after_update=keep", *PACED, *extra)
 
 
 @pytest.mark.timeout(900)
@@ -43,7 +45,7 @@ def test_a_paced_stream_of_finished_groups_survives_kills(addition_model_dir, tm
     # the regime, counted over the reference run's steps: each count is what an assertion below
     # (or check_same_as_reference's comparison of it) is about
     counts = {key: sum(ref[t][f"async/{key}"] > 0 for t in ref) for key in
-              ("deferred_groups", "regenerated_groups", "updates_in_call", "handoff_in_call")}
+              ("deferred_groups", "regenerated_groups", "updates_kept_kv", "handoff_in_call")}
     counts["two-batch steps"] = sum(ref[t]["async/handoff_batches"] == 2 for t in ref)
     assert all(counts.values()), counts
     # deferred groups come back: a step after one that deferred trains an older batch's groups

@@ -81,7 +81,8 @@ class TrainerSide:
         return {}
 
 
-def stream_worker(engine, k, total, start, extra=(), stops=None):
+def stream_worker(engine, k, total, start, extra=(), stops=None, weight_sync=None):
+    """`weight_sync`: what each update's sync() runs (default: nothing is loaded)."""
     import dataclasses
     from collections import deque
 
@@ -93,7 +94,7 @@ def stream_worker(engine, k, total, start, extra=(), stops=None):
     start = {"step": 0, "inflight": False, "loader": loader.sampler.state_dict(), **start}
     side = TrainerSide(start)
     w.ranks = dataclasses.replace(w.ranks, world_group=side, handoff_group=side, n_trainers=1)
-    w.p = dataclasses.replace(w.p, train_loader=loader, weight_sync=side, total_steps=total)
+    w.p = dataclasses.replace(w.p, train_loader=loader, weight_sync=weight_sync or side, total_steps=total)
     w.signal, w.total, w.depth, w.val, w.period, w.buffer = side, total, max(1, k), {}, Period(), deque()
     if stops is not None:
         w.sampling = w.sampling.with_(stop_token_ids=stops)

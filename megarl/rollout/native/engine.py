@@ -87,7 +87,10 @@ class NativeEngine(BaseRollout):
         self._offloaded: dict[str, torch.Tensor] = {}
         self._cache_shape = (0, 0, 0, 0)
         self.stats = {"generated_tokens": 0, "prefills": 0, "prefill_batches": 0, "decode_steps": 0, "continued": 0,
-                      "group_moves": 0}
+                      "group_moves": 0, "joined": 0}
+        # complete weight loads so far: a call that a load lands inside (between two of its chunk
+        # boundaries) tells the tokens sampled after it from those before (Completion.weight_epochs)
+        self.weight_loads = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str, **kwargs) -> "NativeEngine":
@@ -136,6 +139,7 @@ class NativeEngine(BaseRollout):
 
     def finalize_weights(self) -> None:
         self.weights.finalize()
+        self.weight_loads += 1
 
     def abort_weight_update(self) -> None:
         self.weights.abort()
@@ -183,7 +187,9 @@ class NativeEngine(BaseRollout):
                           pause: Callable[[dict[int, int]], bool], every: int,
                           budgets: list[int] | None = None, samples: list[int] | None = None,
                           prefixes: list[list[list[int]]] | None = None,
-                          finished: Callable[[int, int, Completion], None] | None = None) -> list[list[Completion]]:
+                          finished: Callable[[int, int, Completion], None] | None = None,
+                          join: Callable[[], tuple[list[list[int]], list[int]] | None] | None = None,
+                          ) -> list[list[Completion]]:
         """generate(), asking `pause(unfinished)` at every chunk boundary while anything runs
         (whenever the call's first prompts hold a multiple of `every` tokens: chunks as partial
         rollouts count them; `unfinished` maps each prompt index with samples still running or
@@ -200,7 +206,11 @@ class NativeEngine(BaseRollout):
         there, its prompt prefilled once for all its samples, and only new tokens come back
         (sampling.max_tokens bounds the whole response). `finished(i, j, completion)`, when
         given, hears of prompt i's sample j as soon as it finishes, before the next `pause`, so
-        a caller can hand it over at that boundary while the call goes on with its KV cache."""
+        a caller can hand it over at that boundary while the call goes on with its KV cache.
+        `join()`, when given, is asked after every `pause` that answers False: it may return more
+        prompts and their sample counts, which join the call (prompts that `fits_call` accepts).
+        A `pause` may load new weights and answer False: the call goes on with its K/V, and each
+        completion's `weight_epochs` says which tokens came after which load."""
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if budgets is not None and (len(budgets) != len(prompts) or min(budgets, default=1) < 1):
@@ -210,7 +220,18 @@ class NativeEngine(BaseRollout):
                              f"got {samples!r}")
         if prefixes is not None:
             self._check_prefixes(prefixes, samples or [sampling.n] * len(prompts), sampling.max_tokens)
-        return self._generate(prompts, sampling, None, pause, every, budgets, samples, prefixes, finished)
+        return self._generate(prompts, sampling, None, pause, every, budgets, samples, prefixes, finished, join)
+
+    def fits_call(self, prompts: list[list[int]]) -> bool:
+        """Prompts that may join the running pausable call (`join`): within the prompt length its
+        K/V cache was allocated for (and Mistral's sliding window)."""
+        if not all(len(p) <= self.cache.prompt_len for p in prompts):
+            return False
+        try:
+            self.model._check_window(max(map(len, prompts), default=0) + (self.rows.max_tokens if self.rows else 0))
+        except ValueError:
+            return False
+        return True
 
     def _check_prefixes(self, prefixes, samples: list[int], max_tokens: int) -> None:
         if self.record_routes:
@@ -229,7 +250,7 @@ class NativeEngine(BaseRollout):
 
     def _generate(self, prompts, sampling, prompt_limit, pause=None, every: int = 0,
                   budgets: list[int] | None = None, samples: list[int] | None = None,
-                  prefixes: list[list[list[int]]] | None = None, finished=None) -> list[list[Completion]]:
+                  prefixes: list[list[list[int]]] | None = None, finished=None, join=None) -> list[list[Completion]]:
         prompts = admit(self, prompts, sampling, prompt_limit)
         if not prompts:
             return []
@@ -256,7 +277,8 @@ class NativeEngine(BaseRollout):
                              self.args.vocab_size, self.device, penalty or (old is not None and old.seen is not None))
         self._ensure_routes()
         self.model.rope(self.cache.prompt_len + self.cache.gen_len)   # the table a captured graph reads
-        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples, prefixes, finished).run()
+        return Scheduler(self, prompts, sampling, seed, pause, every, budgets, samples, prefixes, finished,
+                         join).run()
 
     def _ensure_routes(self) -> None:
         """R3's buffers, sized like the cache's rows and groups (dropped when recording is off)."""

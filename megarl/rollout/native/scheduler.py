@@ -48,9 +48,9 @@ class Scheduler:
 
     def __init__(self, engine, prompts, sampling: SamplingParams, seed: int, pause=None, every: int = 0,
                  budgets: list[int] | None = None, samples: list[int] | None = None,
-                 prefixes: list[list[list[int]]] | None = None, finished=None):
-        self.e, self.prompts, self.sp, self.seed = engine, prompts, sampling, seed
-        self.pause, self.every, self.finished = pause, every, finished
+                 prefixes: list[list[list[int]]] | None = None, finished=None, join=None):
+        self.e, self.prompts, self.sp, self.seed = engine, list(prompts), sampling, seed
+        self.pause, self.every, self.finished, self.join = pause, every, finished, join
         # tokens each prompt's samples may take (at most sampling.max_tokens): continued responses
         # of one stream, each with its own remaining budget, share a call
         self.limit = np.full(len(prompts), sampling.max_tokens, dtype=np.int64) if budgets is None else \
@@ -74,6 +74,11 @@ class Scheduler:
         self.glen = np.zeros(self.Gcap, dtype=np.int64)
         self.live = np.zeros(self.Gcap, dtype=np.int64)
         self.B = self.G = 0
+        # Weight loads that land inside the call (from pause(), between two chunks): per (prompt,
+        # sample) that ran across one, the loads before its first token and the new-token counts
+        # at each load, so that each token knows the weights that sampled it.
+        self.loads0 = self.loads = engine.weight_loads
+        self.epochs: dict[tuple[int, int], tuple[int, list[int]]] = {}
 
     def _admit(self, idx: list[int]) -> None:
         """Prefill prompts `idx` in one pass into groups G..G+k-1; their samples (n each, or
@@ -124,6 +129,9 @@ class Scheduler:
         self.glen[g0:g0 + k] = lens
         self.live[g0:g0 + k] = ns
         self.B, self.G = last, g0 + k
+        if self.loads != self.loads0:         # admitted after a load inside the call
+            for i, j in zip(self.prompt[first:last].tolist(), member.tolist()):
+                self.epochs[(i, j)] = (self.loads - self.loads0, [])
         e.stats["prefills"] += k
         e.stats["prefill_batches"] += 1
 
@@ -177,7 +185,8 @@ class Scheduler:
         for r, t, lp, ro in zip(fin.tolist(), toks, logps, routes):
             s, b = int(self.steps[r]), int(self.start[r])
             reason: FinishReason = "paused" if pausing else "stop" if stopped[r] else "length"
-            done_c = Completion(t[b:s], lp[b:s], reason, routed_experts=ro)
+            done_c = Completion(t[b:s], lp[b:s], reason, routed_experts=ro,
+                                weight_epochs=self._token_epochs(int(self.prompt[r]), int(self.sample[r]), s - b))
             self.out[self.prompt[r]][self.sample[r]] = done_c
             if self.finished is not None and not pausing:    # before the next boundary's pause()
                 self.finished(int(self.prompt[r]), int(self.sample[r]), done_c)
@@ -241,11 +250,53 @@ class Scheduler:
         for i, count in zip(*np.unique(self.prompt[:self.B], return_counts=True)):
             unfinished[int(i)] = int(count)
         if not self.pause(unfinished):
+            self._note_loads()
+            self._join(queue)
             return False
         self._retire(pausing=True)
         for i in queue:                       # waiting prompts: no tokens yet
             self.out[i] = [Completion([], [], "paused") for _ in range(int(self.ns[i]))]
         return True
+
+    def _note_loads(self) -> None:
+        """pause() may have loaded new weights and let the call go on: the K/V computed so far stay,
+        and every running row's next token is the new weights' (each row notes where it was)."""
+        now = self.e.weight_loads
+        if now == self.loads:
+            return
+        for r in range(self.B):
+            base, at = self.epochs.setdefault((int(self.prompt[r]), int(self.sample[r])), (0, []))
+            at += [int(self.steps[r] - self.start[r])] * (now - self.loads)
+        self.loads = now
+
+    def _join(self, queue: deque) -> None:
+        """join(), asked after a pause() that let the call go on, may return more prompts and
+        their sample counts: they join the queue (a stream's next batch beside the tail of the one
+        before, no call ended). Each must fit the K/V cache allocated for this call (`fits`)."""
+        got = self.join() if self.join is not None else None
+        if not got:
+            return
+        prompts, samples = got
+        if not self.e.fits_call(prompts) or len(samples) != len(prompts) or \
+                not all(1 <= k <= self.sp.n for k in samples):
+            raise ValueError(f"join: {len(prompts)} prompts with samples {samples} do not fit this call (prompt "
+                             f"length <= {self.e.cache.prompt_len}, samples 1..{self.sp.n}); ask fits_call() first")
+        k0 = len(self.prompts)
+        self.prompts += [list(p) for p in prompts]
+        self.ns = np.concatenate([self.ns, np.asarray(samples, dtype=np.int64)])
+        self.limit = np.concatenate([self.limit, np.full(len(prompts), self.sp.max_tokens, dtype=np.int64)])
+        self.out += [[None] * int(k) for k in samples]
+        if self.prefixes is not None:
+            self.prefixes = list(self.prefixes) + [[[] for _ in range(k)] for k in samples]
+        queue.extend(range(k0, k0 + len(prompts)))
+        self.e.stats["joined"] += len(prompts)
+
+    def _token_epochs(self, prompt: int, sample: int, tokens: int) -> list[int] | None:
+        got = self.epochs.get((prompt, sample))
+        if got is None:
+            return None
+        base, at = got
+        return [base + sum(a <= k for a in at) for k in range(tokens)]
 
     def run(self) -> list[list[Completion]]:
         budget = self.e.max_num_batched_tokens

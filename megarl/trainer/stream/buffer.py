@@ -70,6 +70,8 @@ class Period:
     sync: float = 0.0
     updates_in_call: int = 0    # updates that stopped an engine call with responses unfinished
     waits_full: int = 0         # updates waited for with nothing to generate (the buffer full)
+    updates_kept_kv: int = 0    # updates taken inside an engine call, its K/V kept (kv_after_update=keep)
+    joined: int = 0             # batches that joined a running engine call (kv_after_update=keep)
 
     def timing(self) -> dict[str, float]:
         return {"gen": self.gen, "wait_update": self.wait_update, "sync": self.sync}

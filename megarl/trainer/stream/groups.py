@@ -14,11 +14,13 @@ token is more than max_staleness versions behind is regenerated or dropped at it
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
+import torch
 
 from megarl.algos.staleness import stale_rows
+from megarl.protocol import DataProto
 from megarl.trainer.loop.generation import shard_rows
 from megarl.trainer.stream.buffer import Pending, packed
 
@@ -106,3 +108,31 @@ def deferred(jobs: Sequence[HeldBatch], newest: int) -> int:
 
 
 __all__ = ["HeldBatch", "choose", "deferred", "held_fresh", "ready_mask", "saved_ready"]
+
+
+def bound_staleness(batch: DataProto, prompts: DataProto | None, t: int, n: int, acfg,
+                    regenerate: Callable[[DataProto], DataProto]) -> tuple[DataProto, dict]:
+    """Batch t's prompt groups with a sample more than acfg.max_staleness versions behind version
+    t-1 (the weights batch t is trained from), regenerated from their prompts (`regenerate`, under
+    the current weights) or dropped (acfg.stale_samples). `dropped_tokens` counts the response
+    tokens so thrown away (generated, never trained on)."""
+    N = acfg.max_staleness
+    stale = stale_rows(batch.batch["token_versions"], batch.batch["response_mask"], t - 1, N)
+    groups = stale.view(-1, n).any(-1).numpy()
+    rows = np.repeat(groups, n)
+    metrics = {"stale_groups": float(groups.sum()), "regenerated_groups": 0.0, "dropped_groups": 0.0,
+               "dropped_tokens": float(batch.batch["response_mask"][torch.from_numpy(rows)].sum())}
+    if not groups.any():
+        return batch, metrics
+    kept = batch[(~rows).nonzero()[0]]
+    if acfg.stale_samples == "drop":
+        metrics["dropped_groups"] = float(groups.sum())
+        if not len(kept):
+            raise RuntimeError(f"every sample of batch {t} is more than async_training.max_staleness={N} "
+                               "versions old; raise it or set stale_samples=regenerate")
+        return kept, metrics
+    # (a batch restored finished has no prompts, and is within the bound: the resume checks it)
+    assert prompts is not None, f"batch {t} has stale groups and no prompts to regenerate them from"
+    fresh = regenerate(prompts[groups.nonzero()[0]])
+    metrics["regenerated_groups"] = float(groups.sum())
+    return DataProto.concat([kept, fresh]) if len(kept) else fresh, metrics

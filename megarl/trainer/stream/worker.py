@@ -29,6 +29,8 @@ many are done and the trainer can take them, and a batch leaves the buffer when 
 handed over. On the built-in engine, which reports samples as they finish, the hand-off happens
 inside the shared call and the call goes on with its KV cache; it stops the call (the unfinished
 responses continued after it) where a checkpoint follows or a chosen group must be regenerated.
+With kv_after_update=keep an update lands inside the call too (not where validation follows it):
+every rank syncs at that round and the calls go on under the new weights with their K/V kept.
 
 At depth 1 this is the one-step off-policy schedule: generate t under t-2, take update t-1, hand t
 over. Hand-off h follows update h-1, as the trainer expects (it syncs version h-1, then receives h).
@@ -39,11 +41,9 @@ import sys
 import time
 from collections import deque
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.algos.staleness import stale_rows
 from megarl.protocol import DataProto
 from megarl.rollout.cost_model import PacedSeconds, charged_as
 from megarl.rollout.partial import ChunkedGeneration, step_together
@@ -52,12 +52,13 @@ from megarl.trainer.stream.messages import UpdateSignal, handoff, send_start
 from megarl.trainer.control.faults import fault_point
 from megarl.trainer.loop.generation import generate, sampling_seed, shard_rows
 from megarl.trainer.stream.buffer import Pending, Period, Round, check_saved_stream, gather, packed
-from megarl.trainer.stream.groups import choose, deferred, held_fresh, ready_mask
+from megarl.trainer.stream.groups import bound_staleness, ready_mask
+from megarl.trainer.stream.handoffs import GroupHandOffs
 from megarl.trainer.stream.held import HeldState
 from megarl.trainer.loop.validation import validate
 
 
-class RolloutWorker(HeldState):
+class RolloutWorker(HeldState, GroupHandOffs):
     in_call = False                  # handing over inside a shared call (which goes on)
     _gen_from = 0.0                  # when this rank's generation time began counting
 
@@ -176,10 +177,14 @@ class RolloutWorker(HeldState):
         rounds: list[Round] = []
 
         def pause(left: list[list[int]]) -> bool:    # this rank is generating: asked at a boundary
-            rounds.append(self._round(jobs, left))
+            rounds.append(self._round(jobs, left, inside=True))
             return rounds[-1].stop
+
+        def join() -> list[ChunkedGeneration]:     # the batch a round started beside the tail
+            return [j.generation for j in jobs if all(j.generation is not g for g in gens)]
         if not all(g.done for g in gens):
-            step_together(gens, self.p.rollout, self.version, pause if pausable else None)
+            step_together(gens, self.p.rollout, self.version, pause if pausable else None,
+                          join if self._joins() else None)
         self.period.gen += time.perf_counter() - self._gen_from     # (a hand-off inside the call moves it)
         if not (rounds and rounds[-1].stop):
             while True:
@@ -203,16 +208,18 @@ class RolloutWorker(HeldState):
         if last.overlap and self._may_start():
             self.start(self.next_t).in_tail = True
 
-    def _round(self, jobs: list[Pending], left: list[list[int]]) -> Round:
+    def _round(self, jobs: list[Pending], left: list[list[int]], inside: bool = False) -> Round:
         """One chunk boundary, agreed by every rollout rank from what each says: how many of its
-        samples of each batch in flight are unfinished, per prompt."""
+        samples of each batch in flight are unfinished, per prompt, and whether it asks from
+        inside its engine call (`inside`: a batch may join the calls only if every rank does)."""
         unfinished = [sum(per_prompt) for per_prompt in left]
         share = len(jobs[0].generation.seqs)
         tail = len(jobs) == 1 and unfinished[0] <= self.acfg.tail_overlap * share
         mine = [float(u > 0) for u in unfinished] + [0.0] * (2 - len(unfinished))
-        masks = [x for job, per_prompt in zip(jobs, left) for x in ready_mask(job, per_prompt)] if self.groups else []
-        flags = self._poll([*mine, float(self.signal.arrived(self.version + 1)), float(not tail), *masks])
-        live, arrived, tail = list(flags[:len(jobs)]), flags[2], not flags[3]
+        mask = [x for job, per_prompt in zip(jobs, left) for x in ready_mask(job, per_prompt)] if self.groups else []
+        flags = self._poll([*mine, float(self.signal.arrived(self.version + 1)), float(not tail), float(not inside),
+                            *mask])
+        live, arrived, tail, masks = list(flags[:len(jobs)]), flags[2], not flags[3], flags[5:]
         for job in jobs:
             job.chunks += 1
         if any(live):                            # responses half done (the kill drills' point)
@@ -224,15 +231,28 @@ class RolloutWorker(HeldState):
             # trainer holds the hand-off it trains that update on (else it would wait for it forever)
             arrived = self.handed >= self.version + 1 and any(
                 j.chunks >= self.acfg.update_at_chunk and j.t == self.version + 1 + self.depth for j in jobs)
+        if arrived and self._keeps_kv():         # every rank here: the calls go on under the new weights
+            self._take_update(in_call=any(live))
+            arrived = False
         overlap = self.acfg.tail_overlap > 0 and tail and live[0] and self._may_start()
+        joins = overlap and not flags[4] and self._joins()     # every rank inside its call
         if self.groups:     # enough groups are done and the trainer can take them
-            ready = sum(flags[4:]) + sum(len(j.ready) for j in self.buffer if j.finished)
+            ready = sum(masks) + sum(len(j.ready) for j in self.buffer if j.finished)
             handoff_due = self._handoff_open() and ready >= self.want
-            if handoff_due and not (arrived or overlap) and self._hand_over_in_call(jobs, flags[4:]):
+            if handoff_due and not (arrived or (overlap and not joins)) and self._hand_over_in_call(jobs, masks):
                 handoff_due = False          # handed over here: the shared call goes on
         else:               # the older batch is done and the trainer can take it: end the shared call
             handoff_due = len(jobs) == 2 and not live[0] and self.version >= jobs[0].t - 1
-        return Round(live, arrived, overlap, arrived or overlap or handoff_due)
+        apart = False
+        if joins:           # the next batch starts now and joins the calls (step_together's join)
+            job = self.start(self.next_t)
+            job.in_tail, overlap = True, False
+            jobs.append(job)
+            live = [*live[:len(jobs) - 1], True]
+            # a prompt longer than some rank's call holds: every call ends and the batch goes into the next
+            apart = self._poll([float(not self.p.rollout.fits_call(job.generation.prompts))])[0]
+            self.period.joined += int(not apart)
+        return Round(live, arrived, overlap, arrived or overlap or handoff_due or apart)
 
     def hand_over(self) -> None:
         h = self.handed + 1
@@ -251,7 +271,8 @@ class RolloutWorker(HeldState):
                 ready = float(len(self._finished()))
             batch, stale = self.enforce_staleness(batch, prompts, h)
             extra.update(stale, buffer_ready=ready, engine_idle_fraction=self.period.idle_fraction(),
-                         updates_in_call=float(self.period.updates_in_call), waits_full=float(self.period.waits_full))
+                         updates_in_call=float(self.period.updates_in_call), waits_full=float(self.period.waits_full),
+                         updates_kept_kv=float(self.period.updates_kept_kv), joined=float(self.period.joined))
             batch.meta_info["async_metrics"] = extra
             batch.meta_info["rollout_timing"] = {**self.period.timing(), **self.paced.since()}  # + the model's split
             payload.update(batch=batch, loader=loader, next_t=self.next_t)
@@ -293,59 +314,6 @@ class RolloutWorker(HeldState):
         mine = [(job.t, packed(job, share, self.p.pad_token_id))] if share else []
         return gather(self.ranks, mine)
 
-    # -- handoff=finished_groups -----------------------------------------------------------------
-    def _agree_ready(self, jobs: list[Pending]) -> None:
-        """Each batch's finished groups not handed over, as every rollout rank agrees after a call."""
-        flags = self._poll([x for job in jobs for x in ready_mask(job, job.generation.left())])
-        at = 0
-        for job in jobs:
-            job.ready = {g for g in range(job.size) if flags[at + g]}
-            at += job.size
-
-    def _hand_over_in_call(self, jobs: list[Pending], masks: list[bool]) -> bool:
-        """The hand-off at this chunk boundary, the shared call going on with its KV cache (the
-        engine reports samples as they finish), so the unfinished responses are not prefilled
-        again. Not where a checkpoint follows it (it saves the responses so far, which the call
-        holds) or a chosen group is stale (its regeneration is an engine call of its own)."""
-        if (not hasattr(self.p.rollout, "generate_pausable") or self._checkpoint_follows(self.handed)
-                or self.handed + 1 >= self.total):
-            return False     # (a call per chunk ends anyway; after the last step's batch none is needed)
-        at = 0
-        for job in jobs:                         # the ready groups as every rank agreed them
-            job.ready = {g for g in range(job.size) if masks[at + g]}
-            at += job.size
-        chosen = choose(list(self.buffer), self.want)
-        if self._poll([float(not held_fresh(chosen, self.handed, self.acfg.max_staleness, self.p.pad_token_id))])[0]:
-            return False
-        now = time.perf_counter()
-        self.period.gen += now - self._gen_from
-        self.in_call = True
-        try:
-            self.hand_over()
-        finally:
-            self.in_call = False
-        self._gen_from = time.perf_counter()
-        return True
-
-    def _take_groups(self) -> tuple[DataProto, DataProto, dict]:
-        """The next step's groups (groups.choose), their prompts, and what the step took."""
-        chosen = choose(list(self.buffer), self.want)
-        pieces, prompts = [], []
-        for job, take in chosen:
-            wanted = set(take)
-            mine = [j for j, g in enumerate(job.rows) if int(g) in wanted]
-            if mine:
-                pieces.append((job.t, packed(job, mine, self.p.pad_token_id)))
-            prompts.append(job.prompt_rows[take])
-            job.taken |= wanted
-            job.ready -= wanted
-        newest = chosen[-1][0]
-        extra = {"started_in_tail": float(newest.in_tail), "handoff_batches": float(len(chosen)),
-                 "handoff_in_call": float(self.in_call),
-                 "deferred_groups": float(deferred(list(self.buffer), newest.t))}
-        self.buffer = deque(j for j in self.buffer if len(j.taken) < j.size)
-        return gather(self.ranks, pieces), DataProto.concat(prompts), extra
-
     def _poll(self, flags: list[float]) -> list[bool]:
         """Each flag true on some rollout rank, agreed by all of them (one all-reduce)."""
         agreed = torch.tensor(flags, device=self.ranks.device)
@@ -354,7 +322,20 @@ class RolloutWorker(HeldState):
         return [bool(x > 0) for x in agreed.tolist()]
 
     # -- weight updates, validation, staleness ---------------------------------------------------
-    def _take_update(self) -> None:
+    def _joins(self) -> bool:
+        """kv_after_update=keep: the next batch joins the engine's running call (no call ends for it)."""
+        return self.acfg.kv_after_update == "keep" and hasattr(self.p.rollout, "fits_call")
+
+    def _keeps_kv(self) -> bool:
+        """kv_after_update=keep, and the update needs no engine call of its own (validation)."""
+        v, tr = self.version + 1, self.cfg.trainer
+        validates = self.p.val_loader is not None and tr.test_freq > 0 and (v % tr.test_freq == 0 or v == self.total)
+        return self.acfg.kv_after_update == "keep" and not validates
+
+    def _take_update(self, in_call: bool = False) -> None:
+        if in_call:                              # the engine waits here, not generating
+            self.period.gen += time.perf_counter() - self._gen_from
+            self.period.updates_kept_kv += 1
         start = time.perf_counter()
         version = self.signal.take(self.version + 1)
         self.period.wait_update += time.perf_counter() - start
@@ -365,6 +346,7 @@ class RolloutWorker(HeldState):
         tr = self.cfg.trainer
         if tr.test_freq > 0 and (version % tr.test_freq == 0 or version == self.total):
             self._validate(version)
+        self._gen_from = time.perf_counter()
 
     def _validate(self, version: int) -> None:
         if self.p.val_loader is None:
@@ -375,26 +357,8 @@ class RolloutWorker(HeldState):
 
     def enforce_staleness(self, batch: DataProto, prompts: DataProto | None, t: int) -> tuple[DataProto, dict]:
         """Samples more than max_staleness versions behind version t-1 (the weights batch t is
-        trained from): whole prompt groups regenerated under the current weights, or dropped.
-        `dropped_tokens` counts the response tokens so thrown away (generated, never trained on)."""
-        n, N = self.cfg.rollout.n, self.acfg.max_staleness
-        stale = stale_rows(batch.batch["token_versions"], batch.batch["response_mask"], t - 1, N)
-        groups = stale.view(-1, n).any(-1).numpy()
-        rows = np.repeat(groups, n)
-        metrics = {"stale_groups": float(groups.sum()), "regenerated_groups": 0.0, "dropped_groups": 0.0,
-                   "dropped_tokens": float(batch.batch["response_mask"][torch.from_numpy(rows)].sum())}
-        if not groups.any():
-            return batch, metrics
-        kept = batch[(~rows).nonzero()[0]]
-        if self.acfg.stale_samples == "drop":
-            metrics["dropped_groups"] = float(groups.sum())
-            if not len(kept):
-                raise RuntimeError(f"every sample of batch {t} is more than async_training.max_staleness={N} "
-                                   "versions old; raise it or set stale_samples=regenerate")
-            return kept, metrics
-        # (a batch restored finished has no prompts, and is within the bound: the resume checks it)
-        assert prompts is not None, f"batch {t} has stale groups and no prompts to regenerate them from"
-        with charged_as(self.p.rollout, "regenerate"):
-            fresh = self.generate(prompts[groups.nonzero()[0]], t, stream=2)
-        metrics["regenerated_groups"] = float(groups.sum())
-        return DataProto.concat([kept, fresh]) if len(kept) else fresh, metrics
+        trained from): whole prompt groups regenerated under the current weights, or dropped."""
+        def regenerate(stale: DataProto) -> DataProto:
+            with charged_as(self.p.rollout, "regenerate"):
+                return self.generate(stale, t, stream=2)
+        return bound_staleness(batch, prompts, t, self.cfg.rollout.n, self.acfg, regenerate)
