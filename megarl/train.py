@@ -7,6 +7,8 @@
 Started without torchrun/srun, it checks everything it can (megarl/launcher/preflight.py: a bad input is one
 line and exit code 2), locks the run directory, then starts trainer.n_gpus_per_node local processes
 (through torchrun, megarl/parallel/torchrun.py, when more than one) and copies their output to <run dir>/logs/.
+torchrun's agent starts as soon as the config loads, loading torch during the checks, and starts the
+ranks only once they pass (megarl/launcher/held.py).
 """
 from __future__ import annotations
 
