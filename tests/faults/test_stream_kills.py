@@ -2,7 +2,7 @@
 and prefills sleep what the built-in engine's take on an H100, megarl/rollout/cost_model.py): the
 regime the stream is built for, where groups wait past the staleness bound and are regenerated,
 updates land inside calls with their K/V kept (kv_after_update=keep, as the paced benchmark's
-stream runs) and hand-offs happen inside calls. Each resume
+stream runs), the next batch joins the running call and hand-offs happen inside calls. Each resume
 continues bitwise as the run never killed, and each of those events is counted in the reference
 run, so every assertion about them is reached. (This schedule never waits with the buffer full;
 tests/test_stream_paced.py counts those waits.)
@@ -45,7 +45,7 @@ def test_a_paced_stream_of_finished_groups_survives_kills(addition_model_dir, tm
     # the regime, counted over the reference run's steps: each count is what an assertion below
     # (or check_same_as_reference's comparison of it) is about
     counts = {key: sum(ref[t][f"async/{key}"] > 0 for t in ref) for key in
-              ("deferred_groups", "regenerated_groups", "updates_kept_kv", "handoff_in_call")}
+              ("deferred_groups", "regenerated_groups", "updates_kept_kv", "handoff_in_call", "joined")}
     counts["two-batch steps"] = sum(ref[t]["async/handoff_batches"] == 2 for t in ref)
     assert all(counts.values()), counts
     # deferred groups come back: a step after one that deferred trains an older batch's groups
