@@ -116,6 +116,18 @@ def tell_launcher(err: BaseException) -> None:
                                                                "timestamp": str(int(time.time()))}}}, f)
 
 
+# The C base of every file object (io.IOBase is the ABC above it), whose finalizer flushes at teardown.
+_FILE_BASE = io.IOBase.__mro__[1]
+
+
+def open_files(objects: list) -> list:
+    """The file objects among `objects`: their type's MRO holds the C base, checked once per type.
+    issubclass against the ABC costs about 0.4 ms for each type it has not seen, 0.4 s over the 1,300
+    types of a rank with transformers loaded; type() rather than isinstance, which reads __class__."""
+    files = {t for t in set(map(type, objects)) if _FILE_BASE in t.__mro__}
+    return [obj for obj in objects if type(obj) in files]
+
+
 def exit_now(code: int) -> None:
     """End this process as a normal exit does, less the interpreter's teardown: threads joined,
     atexit handlers run (logging, Ray, torch's own), every open file flushed, then os._exit. With
@@ -125,13 +137,12 @@ def exit_now(code: int) -> None:
     # stop idle ThreadPoolExecutor workers) then every non-daemon thread joined; then atexit.
     threading._shutdown()               # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    for obj in gc.get_objects():       # files left open: teardown would have flushed them
-        if issubclass(type(obj), io.IOBase):       # not isinstance: it reads __class__, which may warn
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except (OSError, ValueError):
-                pass
+    for obj in open_files(gc.get_objects()):    # files left open: teardown would have flushed them
+        try:
+            if not obj.closed and obj.writable():
+                obj.flush()
+        except (OSError, ValueError):
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
