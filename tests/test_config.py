@@ -89,7 +89,8 @@ def test_async_mode_and_placement_rules():
               "actor_rollout_ref.rollout.disaggregated_ranks=1", "async_training.partial_rollout=true",
               "async_training.kv_after_update=keep"]
     assert load_config(None, stream).async_training.kv_after_update == "keep"
-    with pytest.raises(ConfigError, match=r"^async_training.kv_after_update: =keep needs rollout.name=native.*hf's"):
+    keep_refused = r"^async_training.kv_after_update: =keep needs an engine.*rollout.name=native.*the hf engine"
+    with pytest.raises(ConfigError, match=keep_refused):
         load_config(None, [*stream, "actor_rollout_ref.rollout.name=hf"])
     with pytest.raises(ConfigError, match="checkpoint_engine.backend.*distributed transport"):
         load_config(None, ["actor_rollout_ref.rollout.placement=disaggregated", "trainer.n_gpus_per_node=2",

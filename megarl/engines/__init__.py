@@ -61,6 +61,11 @@ class EngineInfo:
     # Rollout TP > 1 only with placement=colocated: its TP groups are formed over every rank of the
     # job (vLLM's external_launcher), which a disaggregated run's trainer ranks never join.
     tp_colocated_only: bool = False
+    # A weight update may land inside its pausable call, the K/V so far kept, and a new batch may
+    # join that call (async_training.kv_after_update=keep; each token's version from the loads
+    # before it, Completion.weight_epochs). Declared by built-in engines only: a user's class
+    # cannot claim it.
+    updates_inside_call: bool = False
 
     @property
     def called(self) -> str:

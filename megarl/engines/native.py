@@ -10,4 +10,5 @@ ENGINE = EngineInfo(
     exact_logprob_dtypes=("float32",),
     captures_cuda_graphs=True,                # native/engine.py: decode steps in CUDA graphs unless eager
     takes_hf_overrides=True,                  # model.override_config reaches its model (rollout/build_args.py)
+    updates_inside_call=True,                 # native/scheduler.py: weight loads and joins inside a call
 )

@@ -11,7 +11,7 @@ import os
 from megarl.transports import (KEY, check_transport, chosen, delta_problem, placement_problem,
                                              unread_options)
 from megarl.config.errors import ConfigError
-from megarl.engines import config_info, default_name
+from megarl.engines import config_info, default_name, known
 from megarl.models.hf_config import hf_overrides
 from megarl.rollout.config import codec_problem
 
@@ -141,11 +141,15 @@ def check_disaggregated_only_keys(cfg) -> None:
 
 
 def check_kv_after_update(cfg) -> None:
-    """kv_after_update=keep needs an engine whose call an update can land inside (the built-in one's
-    pausable call); every other engine's call ends at an update, so the key would do nothing."""
-    if cfg.async_training.kv_after_update == "keep" and cfg.rollout.name != "native":
-        raise ConfigError(f"=keep needs rollout.name=native (an update lands inside its call); "
-                          f"{cfg.rollout.name}'s call ends at each update; set kv_after_update=recompute",
+    """kv_after_update=keep needs an engine that declares updates landing inside its call
+    (megarl/engines/); every other engine's call ends at an update, so the key would do nothing."""
+    if cfg.async_training.kv_after_update != "keep":
+        return
+    info = config_info(cfg.rollout.name)
+    if info is None or not info.updates_inside_call:
+        able = " or ".join(f"rollout.name={i.name}" for i in known() if i.updates_inside_call)
+        raise ConfigError(f"=keep needs an engine that an update can land inside ({able}); the "
+                          f"{cfg.rollout.name} engine's call ends at each update; set kv_after_update=recompute",
                           "async_training.kv_after_update")
 
 
