@@ -272,7 +272,7 @@ class Scheduler:
     def _join(self, queue: deque) -> None:
         """join(), asked after a pause() that let the call go on, may return more prompts and
         their sample counts: they join the queue (a stream's next batch beside the tail of the one
-        before, no call ended). Each must fit the K/V cache allocated for this call (`fits`)."""
+        before, no call ended). Each must fit the K/V cache allocated for this call (`fits_call`)."""
         got = self.join() if self.join is not None else None
         if not got:
             return
