@@ -102,6 +102,9 @@ def _swap_megatron_files(rank, world, root):
 
     import torch.distributed as dist
     tempfile.tempdir = None             # as a fresh process: TMPDIR (run_ranks' env) names the temporary directory
+    # Resolved now, before the ranks meet: the first gettempdir() writes and removes a probe file
+    # there, which the other rank's listing below would see if the two raced.
+    tempfile.gettempdir()
     dist.init_process_group("gloo")
     out = {}
     for case, mode in (("private", 0o700), ("open", 0o777), ("swapped file", 0o777), ("their directory", 0o777)):
