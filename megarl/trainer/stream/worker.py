@@ -328,9 +328,13 @@ class RolloutWorker(HeldState, GroupHandOffs):
 
     def _keeps_kv(self) -> bool:
         """kv_after_update=keep, and the update needs no engine call of its own (validation)."""
-        v, tr = self.version + 1, self.cfg.trainer
-        validates = self.p.val_loader is not None and tr.test_freq > 0 and (v % tr.test_freq == 0 or v == self.total)
-        return self.acfg.kv_after_update == "keep" and not validates
+        return self.acfg.kv_after_update == "keep" and not self._validates(self.version + 1)
+
+    def _validates(self, version: int) -> bool:
+        """Taking `version` runs validation (trainer.test_freq, and the last version)."""
+        tr = self.cfg.trainer
+        return self.p.val_loader is not None and tr.test_freq > 0 and (version % tr.test_freq == 0 or
+                                                                        version == self.total)
 
     def _take_update(self, in_call: bool = False) -> None:
         if in_call:                              # the engine waits here, not generating
@@ -343,8 +347,7 @@ class RolloutWorker(HeldState, GroupHandOffs):
         self.p.weight_sync.sync()
         self.period.sync += time.perf_counter() - start
         self.version = version
-        tr = self.cfg.trainer
-        if tr.test_freq > 0 and (version % tr.test_freq == 0 or version == self.total):
+        if self._validates(version):
             self._validate(version)
         self._gen_from = time.perf_counter()
 
