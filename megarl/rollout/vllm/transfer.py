@@ -87,7 +87,8 @@ def register() -> None:
             finalize_layerwise_reload(self.model, self.model_config)
 
         def receive_weights(self, update_info) -> None:
-            self.model.load_weights(list(zip(update_info.names, update_info.tensors)))
+            # vLLM's model classes define load_weights; nn.Module's __getattr__ types it as a tensor
+            self.model.load_weights(list(zip(update_info.names, update_info.tensors)))  # type: ignore[operator]
 
         def shutdown(self) -> None:
             pass

@@ -87,7 +87,7 @@ def record_routes(worker, layers: int, topk: int, moe: list[int]) -> str:
         return "already"
     rec = RouteRecorder(runner, layers, topk, moe)
     model = runner.get_model()
-    bind_routed_experts_capturer(model, rec)
+    bind_routed_experts_capturer(model, rec)  # type: ignore[arg-type]  # vLLM's binder calls only capture()
     execute = runner.execute_model
 
     def execute_model(scheduler_output, *args, **kwargs):

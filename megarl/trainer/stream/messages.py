@@ -45,7 +45,7 @@ class UpdateSignal:
     ADDRESS_KEY = "megarl/async/signal_address"
 
     def __init__(self, ranks, nnodes: int = 1):
-        self.store = None
+        self.store: dist.TCPStore | None = None      # trainer rank 0 and the rollout ranks only
         if ranks.role == "trainer" and ranks.rank == 0:
             host = "127.0.0.1" if nnodes == 1 else "0.0.0.0"
             self.store = listening_store(host)
@@ -59,11 +59,16 @@ class UpdateSignal:
     def _key(version: int) -> str:
         return f"megarl/async/update/{version}"
 
+    def _reach(self) -> dist.TCPStore:
+        if self.store is None:
+            raise RuntimeError("UpdateSignal: only trainer rank 0 and the rollout ranks hold the signal's store")
+        return self.store
+
     def send(self, version: int) -> None:          # trainer rank 0
-        self.store.set(self._key(version), "1")
+        self._reach().set(self._key(version), "1")
 
     def arrived(self, version: int) -> bool:       # rollout ranks
-        return self.store.check([self._key(version)])
+        return self._reach().check([self._key(version)])
 
     def take(self, version: int) -> int:           # rollout ranks: wait until it arrives
         while not self.arrived(version):
