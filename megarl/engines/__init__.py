@@ -163,9 +163,7 @@ def resolve(name: str) -> EngineInfo:
     return info
 
 
-def recording_engines() -> list[str]:
-    return [i.name for i in integrated() if i.records_routes]
-
-
-def graph_engines() -> list[str]:
-    return [i.name for i in integrated() if i.captures_cuda_graphs]
+def declaring(field: str) -> list[str]:
+    """The integrated engines whose declaration sets `field` (an EngineInfo flag), for a refusal
+    to name the ones that would do."""
+    return [i.name for i in integrated() if getattr(i, field)]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from megarl.transports import transport_options
 from megarl.config.errors import ConfigError
 from megarl.config.typed import Section, require
-from megarl.engines import EngineInfo, config_info, graph_engines, recording_engines
+from megarl.engines import EngineInfo, config_info, declaring
 
 
 CODEC_MODULES = {"zstd": "zstandard", "lz4": "lz4"}   # delta_compression -> its package (megarl[compress])
@@ -280,8 +280,9 @@ def check_engine_asks(ro: RolloutConfig, info: EngineInfo, key: str = "") -> Non
     """What this section asks of the engine that the engine does not declare it can do. `key`: the
     section's own key where this runs outside the section (a user's class, once loaded)."""
     if ro.enforce_eager is False and not info.captures_cuda_graphs:
+        graphs = ", ".join(declaring("captures_cuda_graphs"))
         raise ConfigError(f"false asks for CUDA graphs, which the {ro.name} engine does not capture (engines "
-                          f"that do: {', '.join(graph_engines())}); {info.graphs_hint}", "enforce_eager").under(key)
+                          f"that do: {graphs}); {info.graphs_hint}", "enforce_eager").under(key)
     if info.max_tp and ro.tensor_model_parallel_size > info.max_tp:
         raise ConfigError(f"={ro.tensor_model_parallel_size}: the {ro.name} engine runs at rollout TP {info.max_tp} or "
                           f"less in megarl ({info.summary}); set it to {info.max_tp} (each rank then runs its own "
@@ -297,6 +298,6 @@ def check_engine_asks(ro: RolloutConfig, info: EngineInfo, key: str = "") -> Non
                               f"({info.summary} has no sleep mode); set actor_rollout_ref.rollout.free_cache_engine"
                               "=false and enable_sleep_mode=false", sleep_key).under(key)
     if ro.enable_rollout_routing_replay and not info.records_routes:
-        use = " or ".join(f"rollout.name={name}" for name in recording_engines())
+        use = " or ".join(f"rollout.name={name}" for name in declaring("records_routes"))
         raise ConfigError(f"{info.why_no_routes}; for R3 use {use}, or R2 (actor_rollout_ref.actor.router_replay."
                           "mode=R2) with this key off", "enable_rollout_routing_replay").under(key)

@@ -11,7 +11,7 @@ import os
 from megarl.transports import (KEY, check_transport, chosen, delta_problem, placement_problem,
                                              unread_options)
 from megarl.config.errors import ConfigError
-from megarl.engines import config_info, default_name, known
+from megarl.engines import config_info, declaring, default_name
 from megarl.models.hf_config import hf_overrides
 from megarl.rollout.config import codec_problem
 
@@ -147,7 +147,7 @@ def check_kv_after_update(cfg) -> None:
         return
     info = config_info(cfg.rollout.name)
     if info is None or not info.updates_inside_call:
-        able = " or ".join(f"rollout.name={i.name}" for i in known() if i.updates_inside_call)
+        able = " or ".join(f"rollout.name={name}" for name in declaring("updates_inside_call"))
         raise ConfigError(f"=keep needs an engine that an update can land inside ({able}); the "
                           f"{cfg.rollout.name} engine's call ends at each update; set kv_after_update=recompute",
                           "async_training.kv_after_update")

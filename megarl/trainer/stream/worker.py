@@ -333,8 +333,9 @@ class RolloutWorker(HeldState, GroupHandOffs):
     def _validates(self, version: int) -> bool:
         """Taking `version` runs validation (trainer.test_freq, and the last version)."""
         tr = self.cfg.trainer
-        return self.p.val_loader is not None and tr.test_freq > 0 and (version % tr.test_freq == 0 or
-                                                                        version == self.total)
+        if self.p.val_loader is None or tr.test_freq <= 0:
+            return False
+        return version % tr.test_freq == 0 or version == self.total
 
     def _take_update(self, in_call: bool = False) -> None:
         if in_call:                              # the engine waits here, not generating
