@@ -23,13 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and f != "__init__.py")
 # helpers imported by the benchmarks, not benchmarks themselves
 HELPERS = {"peak_memory.py", "trl_peer.py", "weight_sync_delta.py", "async_engine.py", "plan_vs_measured.py",
-           "trtllm_check_routes.py", "vllm_gpu_check.py", "cost_model_check.py"}
+           "trtllm_check_routes.py", "vllm_gpu_check.py", "cost_model_check.py", "vllm_peer.py"}
 # trl_peer: TRL's side, started by vs_trl.py; weight_sync_delta: run as `weight_sync.py --delta`;
 # async_engine: run as `async_speedup.py --longtail --engine-only`, at a small shape inside
 # gpu_check --dry-run; plan_vs_measured: gpu_check's memory-plan rows (tests/test_gpu_path.py);
 # trtllm_check_routes: trtllm_check's R3 comparison (tests/rollout/test_trtllm_check_routes.py)
 # vllm_gpu_check: gpu_check's vLLM section (tests/test_gpu_path.py, tests/rollout/test_vllm_cuda_fake.py)
 # cost_model_check: gpu_check's cost-model section (tests/test_cost_model_check.py, tests/test_gpu_path.py)
+# vllm_peer: rollout_throughput's vLLM engine (tests/rollout/test_vllm_peer.py, tests/rollout/vllm_checks.py)
 # no --smoke flag: gpu_check's is --dry-run; trtllm_check needs TensorRT-LLM and a GPU (see its test)
 NO_SMOKE_FLAG = {"gpu_check.py", "trtllm_check.py"}
 # run at their smoke shapes inside gpu_check --dry-run (toy_model builds rollout_throughput's model)

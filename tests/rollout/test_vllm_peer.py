@@ -3,7 +3,7 @@ peer's tiny run is one of tests/rollout/vllm_checks.py's checks (one vLLM start-
 import sys
 import types
 
-from benchmarks.rollout_throughput import vllm_runner
+from benchmarks.vllm_peer import vllm_runner
 from megarl.rollout.base import SamplingParams
 
 
