@@ -34,7 +34,7 @@ def test_seed_overrides_as_written():
 
 
 def test_every_verl_rollout_field_is_known():
-    # The RolloutConfig fields of seed 003, plus the seed 000 keys, at values megarl implements;
+    # verl's RolloutConfig fields, plus the keys of verl's inference guide, at values megarl implements;
     # the values it does not implement are refused one by one (tests/test_config_keys.py).
     fields = dict(name="sglang", mode="sync", temperature=0.7, top_k=50, top_p=0.9, do_sample=True, n=4,
                   repetition_penalty=1.1, over_sample_rate=0.0, prompt_length=1024, response_length=2048,

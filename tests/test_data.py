@@ -202,7 +202,7 @@ import torch
 from torch.utils.data import Dataset
 
 class CustomEnvDataset(Dataset):
-    """As in seed 001: input_ids/attention_mask from the tokenizer, plus environment state."""
+    """As verl's training code does: input_ids/attention_mask from the tokenizer, plus environment state."""
     def __init__(self, data_files, tokenizer, config):
         self.tok = tokenizer
         self.n = 4

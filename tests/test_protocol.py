@@ -12,7 +12,7 @@ def make(n=4):
 
 def test_len_and_attribute_access():
     d = make()
-    assert len(d) == 4 and len(d.batch) == 4  # seed 000 uses len(batch.batch) as the batch size
+    assert len(d) == 4 and len(d.batch) == 4  # verl's custom-rollout guide uses len(batch.batch) as the batch size
     assert list(d.p) == ["p0", "p1", "p2", "p3"]
     d.log_probs = torch.zeros(4, 3)
     d.responses = ["a", "b", "c", "d"]

@@ -1,4 +1,4 @@
-"""A user's rollout class in the form of seed 000 (`generate_sequences(batch)`), built on
+"""A user's rollout class in the form verl's inference guide gives (`generate_sequences(batch)`), built on
 transformers' generate. Loaded by the tests through rollout.custom_cls_path / custom_cls_name.
 
 It returns `responses` as strings and `log_probs` as a right-padded tensor, as the seed does;
